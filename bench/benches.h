@@ -1,0 +1,13 @@
+// Entry points of memoffload-bench's subcommands. Each takes the arguments
+// after the subcommand name (argv[0] is the subcommand) and returns an exit
+// code; each prints one JSON object per line with --json.
+#ifndef MEMOFFLOAD_BENCH_BENCHES_H_
+#define MEMOFFLOAD_BENCH_BENCHES_H_
+
+namespace memoffload::bench {
+
+int RunAllocatorBench(int argc, char** argv);
+
+}  // namespace memoffload::bench
+
+#endif  // MEMOFFLOAD_BENCH_BENCHES_H_

@@ -1,0 +1,42 @@
+// memoffload-bench: benchmarks that report our numbers next to a baseline
+// measured in the same run. Usage: memoffload-bench <allocator|...> [flags].
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "benches.h"
+
+namespace {
+
+struct Subcommand {
+  const char* name;
+  const char* help;
+  int (*run)(int argc, char** argv);
+};
+
+const Subcommand kSubcommands[] = {
+    {"allocator", "replay activation traces: packing vs a pow2 caching model",
+     memoffload::bench::RunAllocatorBench},
+};
+
+void PrintUsage() {
+  std::fprintf(stderr, "usage: memoffload-bench <subcommand> [flags]\n\n");
+  for (const auto& s : kSubcommands) {
+    std::fprintf(stderr, "  %-10s %s\n", s.name, s.help);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
+    PrintUsage();
+    return argc < 2 ? 2 : 0;
+  }
+  for (const auto& s : kSubcommands) {
+    if (std::strcmp(argv[1], s.name) == 0) return s.run(argc - 1, argv + 1);
+  }
+  std::fprintf(stderr, "memoffload-bench: unknown subcommand '%s'\n", argv[1]);
+  PrintUsage();
+  return 2;
+}

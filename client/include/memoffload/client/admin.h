@@ -1,0 +1,34 @@
+// AdminClient: read-only operator queries (status, sessions) over the gRPC
+// socket, without attaching a session. Used by memoffloadctl and tests.
+#ifndef MEMOFFLOAD_CLIENT_ADMIN_H_
+#define MEMOFFLOAD_CLIENT_ADMIN_H_
+
+#include <memory>
+#include <string>
+
+#include "memoffload/shared_mem/status.h"
+#include "memoffload/v1/memoffload.pb.h"
+
+namespace memoffload::client {
+
+class AdminClient {
+ public:
+  // `runtime_dir` resolves like AttachOptions::runtime_dir. Fails with
+  // UNAVAILABLE, naming the socket tried, when no daemon answers there.
+  static Result<std::unique_ptr<AdminClient>> Connect(const std::string& runtime_dir,
+                                                      int timeout_ms = 5000);
+  ~AdminClient();
+
+  Result<v1::GetStatusResponse> GetStatus();
+  Result<v1::ListSessionsResponse> ListSessions();
+  const std::string& socket_path() const;
+
+ private:
+  class Impl;
+  explicit AdminClient(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace memoffload::client
+
+#endif  // MEMOFFLOAD_CLIENT_ADMIN_H_

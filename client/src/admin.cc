@@ -1,0 +1,50 @@
+#include "memoffload/client/admin.h"
+
+#include "grpc_util.h"
+#include "memoffload/shared_mem/runtime_dir.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
+
+namespace memoffload::client {
+
+class AdminClient::Impl {
+ public:
+  std::string socket_path;
+  int timeout_ms = 5000;
+  std::unique_ptr<v1::Offload::Stub> stub;
+};
+
+AdminClient::AdminClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+AdminClient::~AdminClient() = default;
+
+Result<std::unique_ptr<AdminClient>> AdminClient::Connect(const std::string& runtime_dir,
+                                                          int timeout_ms) {
+  auto impl = std::make_unique<Impl>();
+  impl->socket_path = GrpcSocketPath(ResolveRuntimeDir(runtime_dir));
+  impl->timeout_ms = timeout_ms;
+  impl->stub = v1::Offload::NewStub(MakeChannel(impl->socket_path));
+  return std::unique_ptr<AdminClient>(new AdminClient(std::move(impl)));
+}
+
+Result<v1::GetStatusResponse> AdminClient::GetStatus() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, impl_->timeout_ms);
+  v1::GetStatusResponse resp;
+  Status st =
+      FromGrpc(impl_->stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp), impl_->socket_path);
+  if (!st.ok()) return st;
+  return resp;
+}
+
+Result<v1::ListSessionsResponse> AdminClient::ListSessions() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, impl_->timeout_ms);
+  v1::ListSessionsResponse resp;
+  Status st = FromGrpc(impl_->stub->ListSessions(&ctx, v1::ListSessionsRequest(), &resp),
+                       impl_->socket_path);
+  if (!st.ok()) return st;
+  return resp;
+}
+
+const std::string& AdminClient::socket_path() const { return impl_->socket_path; }
+
+}  // namespace memoffload::client

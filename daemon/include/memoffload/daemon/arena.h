@@ -1,0 +1,63 @@
+// Arena: the daemon's chunks of shared memory and the allocator over them.
+//
+// Built once at start: chunks are created, pre-faulted in parallel and
+// mlock'ed when permitted; nothing is allocated or faulted afterwards. The
+// arena owns the chunks for the daemon's lifetime. The allocator is not
+// thread-safe: its single user (SessionTable) holds its own lock around it.
+#ifndef MEMOFFLOAD_DAEMON_ARENA_H_
+#define MEMOFFLOAD_DAEMON_ARENA_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memoffload/daemon/allocator.h"
+#include "memoffload/shared_mem/chunk.h"
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::daemon {
+
+struct ArenaOptions {
+  uint64_t size_bytes = 0;
+  uint64_t chunk_size_bytes = 0;
+  int prefault_threads = 1;
+  bool hugepages = false;
+  bool mlock = true;
+};
+
+struct ArenaBuildReport {
+  double build_seconds = 0;  // create + pre-fault + lock
+  bool mlocked = false;
+  std::string mlock_problem;  // why mlock was skipped or failed, "" if ok
+};
+
+class Arena {
+ public:
+  // Builds the whole arena or fails (nothing is left allocated on failure).
+  static Result<std::unique_ptr<Arena>> Build(const ArenaOptions& options,
+                                              ArenaBuildReport* report);
+
+  uint32_t chunk_count() const { return static_cast<uint32_t>(chunks_.size()); }
+  const Chunk& chunk(uint32_t index) const { return chunks_[index]; }
+  uint64_t capacity_bytes() const { return capacity_bytes_; }
+  uint64_t chunk_size_bytes() const { return chunk_size_bytes_; }
+  uint64_t page_bytes() const { return page_bytes_; }
+  bool mlocked() const { return mlocked_; }
+
+  ExtentAllocator& allocator() { return *allocator_; }
+  const ExtentAllocator& allocator() const { return *allocator_; }
+
+ private:
+  Arena() = default;
+  std::vector<Chunk> chunks_;
+  std::unique_ptr<ExtentAllocator> allocator_;
+  uint64_t capacity_bytes_ = 0;
+  uint64_t chunk_size_bytes_ = 0;
+  uint64_t page_bytes_ = 0;
+  bool mlocked_ = false;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_ARENA_H_

@@ -1,0 +1,59 @@
+// OffloadService: the gRPC edge of the daemon (memoffload.v1.Offload).
+//
+// Validates every request's shape, delegates to SessionTable, maps Status to
+// gRPC status codes and records metrics. Holds no state of its own beyond
+// what GetStatus reports; thread-safe (gRPC calls it from its pool).
+#ifndef MEMOFFLOAD_DAEMON_SERVICE_H_
+#define MEMOFFLOAD_DAEMON_SERVICE_H_
+
+#include <chrono>
+#include <string>
+
+#include "memoffload/daemon/arena.h"
+#include "memoffload/daemon/metrics.h"
+#include "memoffload/daemon/session_table.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
+
+namespace memoffload::daemon {
+
+struct ServiceInfo {
+  std::string version;
+  std::string runtime_dir;
+  std::string metrics_address;  // bound address, "" when disabled
+};
+
+class OffloadService final : public memoffload::v1::Offload::Service {
+ public:
+  OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics, ServiceInfo info);
+
+  grpc::Status Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
+                       v1::ReserveResponse* resp) override;
+  grpc::Status Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
+                      v1::CommitResponse* resp) override;
+  grpc::Status Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,
+                        v1::PrefetchResponse* resp) override;
+  grpc::Status Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
+                       v1::ReleaseResponse* resp) override;
+  grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
+                         v1::GetStatusResponse* resp) override;
+  grpc::Status ListSessions(grpc::ServerContext* ctx, const v1::ListSessionsRequest* req,
+                            v1::ListSessionsResponse* resp) override;
+
+ private:
+  // Converts and records; `start` is when the request arrived.
+  grpc::Status Finish(Method method, std::chrono::steady_clock::time_point start,
+                      const Status& status);
+
+  const Arena* arena_;
+  SessionTable* table_;
+  Metrics* metrics_;
+  const ServiceInfo info_;
+  const std::chrono::steady_clock::time_point started_;
+};
+
+// Maps our status to gRPC's (same numeric codes).
+grpc::Status ToGrpc(const Status& status);
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_SERVICE_H_

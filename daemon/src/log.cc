@@ -1,0 +1,33 @@
+#include "memoffload/daemon/log.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+
+namespace memoffload::daemon {
+namespace {
+std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};
+const char* kNames[] = {"DEBUG", "INFO", "WARN", "ERROR"};
+}  // namespace
+
+void SetLogLevel(LogLevel level) { g_level = static_cast<int>(level); }
+
+void Log(LogLevel level, const char* format, ...) {
+  if (static_cast<int>(level) < g_level.load(std::memory_order_relaxed)) return;
+  char line[2048];
+  int n = std::snprintf(line, sizeof(line), "memoffloadd[%d] %s ", getpid(),
+                        kNames[static_cast<int>(level)]);
+  va_list args;
+  va_start(args, format);
+  int m = std::vsnprintf(line + n, sizeof(line) - n - 1, format, args);
+  va_end(args);
+  size_t len = static_cast<size_t>(n) + (m < 0 ? 0 : static_cast<size_t>(m));
+  if (len > sizeof(line) - 2) len = sizeof(line) - 2;
+  line[len++] = '\n';
+  ssize_t ignored = write(STDERR_FILENO, line, len);
+  (void)ignored;
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,39 @@
+// memoffloadd: the per-node activation offload daemon.
+#include <csignal>
+#include <cstdio>
+
+#include "memoffload/daemon/config.h"
+#include "memoffload/daemon/daemon.h"
+#include "memoffload/daemon/log.h"
+
+int main(int argc, char** argv) {
+  using namespace memoffload::daemon;
+  std::signal(SIGPIPE, SIG_IGN);
+  memoffload::Result<DaemonConfig> config = ParseFlags(argc, argv);
+  if (!config.ok()) {
+    std::fprintf(stderr, "memoffloadd: %s\n", config.status().message().c_str());
+    return 2;
+  }
+  if (config->show_help) {
+    std::fputs(FlagsHelp().c_str(), stdout);
+    return 0;
+  }
+  if (config->show_version) {
+    std::printf("memoffloadd %s\n", DaemonVersion());
+    return 0;
+  }
+  if (memoffload::Status st = ResolveAndValidate(&*config); !st.ok()) {
+    std::fprintf(stderr, "memoffloadd: %s\n", st.message().c_str());
+    return 2;
+  }
+  const std::string& level = config->log_level;
+  SetLogLevel(level == "debug"   ? LogLevel::kDebug
+              : level == "warn"  ? LogLevel::kWarning
+              : level == "error" ? LogLevel::kError
+                                 : LogLevel::kInfo);
+  if (memoffload::Status st = RunDaemon(*config); !st.ok()) {
+    std::fprintf(stderr, "memoffloadd: %s\n", st.message().c_str());
+    return 1;
+  }
+  return 0;
+}

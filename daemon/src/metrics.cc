@@ -1,0 +1,189 @@
+#include "memoffload/daemon/metrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/gauge.h>
+
+#include <chrono>
+
+namespace memoffload::daemon {
+
+const char* MethodName(Method method) {
+  switch (method) {
+    case Method::kReserve:
+      return "Reserve";
+    case Method::kCommit:
+      return "Commit";
+    case Method::kPrefetch:
+      return "Prefetch";
+    case Method::kRelease:
+      return "Release";
+    case Method::kGetStatus:
+      return "GetStatus";
+    case Method::kListSessions:
+      return "ListSessions";
+  }
+  return "unknown";
+}
+
+namespace {
+
+prometheus::MetricFamily GaugeFamily(const std::string& name, const std::string& help) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = prometheus::MetricType::Gauge;
+  return f;
+}
+
+void AddGauge(prometheus::MetricFamily* f, double value,
+              std::vector<prometheus::ClientMetric::Label> labels = {}) {
+  prometheus::ClientMetric m;
+  m.label = std::move(labels);
+  m.gauge.value = value;
+  f->metric.push_back(std::move(m));
+}
+
+}  // namespace
+
+// Reads the session table at scrape time.
+class Metrics::ArenaCollector : public prometheus::Collectable {
+ public:
+  ArenaCollector(const SessionTable* table, MetricsInfo info)
+      : table_(table), info_(std::move(info)), started_(std::chrono::steady_clock::now()) {}
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const ArenaSnapshot s = table_->Snapshot();
+    std::vector<prometheus::MetricFamily> out;
+    auto capacity =
+        GaugeFamily("memoffload_arena_capacity_bytes", "Total bytes of the shared arena.");
+    AddGauge(&capacity, static_cast<double>(s.capacity_bytes));
+    out.push_back(std::move(capacity));
+    auto bytes = GaugeFamily("memoffload_arena_bytes",
+                             "Arena bytes by state: free, reserved (being written), "
+                             "committed (parked), read (prefetched, being read).");
+    AddGauge(&bytes, static_cast<double>(s.free_bytes), {{"state", "free"}});
+    AddGauge(&bytes, static_cast<double>(s.reserved_bytes), {{"state", "reserved"}});
+    AddGauge(&bytes, static_cast<double>(s.committed_bytes), {{"state", "committed"}});
+    AddGauge(&bytes, static_cast<double>(s.read_bytes), {{"state", "read"}});
+    out.push_back(std::move(bytes));
+    auto used =
+        GaugeFamily("memoffload_arena_used_bytes", "Arena bytes held by sessions in any state.");
+    AddGauge(&used, static_cast<double>(s.capacity_bytes - s.free_bytes));
+    out.push_back(std::move(used));
+    auto largest = GaugeFamily("memoffload_arena_largest_free_extent_bytes",
+                               "Largest contiguous free extent (fragmentation signal).");
+    AddGauge(&largest, static_cast<double>(s.largest_free_extent_bytes));
+    out.push_back(std::move(largest));
+    auto chunks = GaugeFamily("memoffload_arena_chunks", "Memfd chunks in the arena.");
+    AddGauge(&chunks, info_.chunks);
+    out.push_back(std::move(chunks));
+    auto mlocked = GaugeFamily("memoffload_arena_mlocked",
+                               "1 when the arena is mlock'ed, 0 when it could not be.");
+    AddGauge(&mlocked, info_.mlocked ? 1 : 0);
+    out.push_back(std::move(mlocked));
+    auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");
+    AddGauge(&sessions, s.sessions);
+    out.push_back(std::move(sessions));
+    auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
+    AddGauge(&groups, static_cast<double>(s.groups));
+    out.push_back(std::move(groups));
+    auto uptime = GaugeFamily("memoffload_uptime_seconds", "Seconds since the daemon started.");
+    AddGauge(&uptime,
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
+    out.push_back(std::move(uptime));
+    auto build = GaugeFamily("memoffload_build_info", "Always 1; labels carry the version.");
+    AddGauge(&build, 1, {{"version", info_.version}});
+    out.push_back(std::move(build));
+    return out;
+  }
+
+ private:
+  const SessionTable* table_;
+  const MetricsInfo info_;
+  const std::chrono::steady_clock::time_point started_;
+};
+
+Metrics::Metrics(const SessionTable* table, MetricsInfo info)
+    : registry_(std::make_shared<prometheus::Registry>()),
+      arena_collector_(std::make_shared<ArenaCollector>(table, std::move(info))) {
+  requests_ = &prometheus::BuildCounter()
+                   .Name("memoffload_requests_total")
+                   .Help("gRPC requests by method and status code.")
+                   .Register(*registry_);
+  auto& latency = prometheus::BuildHistogram()
+                      .Name("memoffload_request_duration_seconds")
+                      .Help("Time to serve a gRPC request inside the daemon, by method.")
+                      .Register(*registry_);
+  const prometheus::Histogram::BucketBoundaries buckets = {
+      1e-6,   2.5e-6, 5e-6, 1e-5,   2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3,
+      2.5e-3, 5e-3,   1e-2, 2.5e-2, 0.1,    0.5,  1,    5,      30};
+  for (int m = 0; m < kMethodCount; ++m) {
+    latency_[m] = &latency.Add({{"method", MethodName(static_cast<Method>(m))}}, buckets);
+  }
+  sessions_opened_ = &prometheus::BuildCounter()
+                          .Name("memoffload_sessions_opened_total")
+                          .Help("Sessions attached since start.")
+                          .Register(*registry_)
+                          .Add({});
+  sessions_closed_ = &prometheus::BuildCounter()
+                          .Name("memoffload_sessions_closed_total")
+                          .Help("Sessions ended, by reason.")
+                          .Register(*registry_);
+  for (CloseReason r : {CloseReason::kLifelineClosed, CloseReason::kShutdown}) {
+    sessions_closed_->Add({{"reason", CloseReasonName(r)}});
+  }
+  attach_refusals_ = &prometheus::BuildCounter()
+                          .Name("memoffload_attach_refusals_total")
+                          .Help("Attach attempts refused, by reason.")
+                          .Register(*registry_);
+  reclaimed_bytes_ = &prometheus::BuildCounter()
+                          .Name("memoffload_reclaimed_bytes_total")
+                          .Help("Bytes returned to the pool because their session ended.")
+                          .Register(*registry_)
+                          .Add({});
+}
+
+Metrics::~Metrics() = default;
+
+Result<std::string> Metrics::Serve(const std::string& address) {
+  try {
+    exposer_ = std::make_unique<prometheus::Exposer>(address, 2);
+  } catch (const std::exception& e) {
+    return Unavailable("cannot listen for metrics on " + address + ": " + e.what());
+  }
+  exposer_->RegisterCollectable(registry_);
+  exposer_->RegisterCollectable(arena_collector_);
+  const std::vector<int> ports = exposer_->GetListeningPorts();
+  const std::string host = address.substr(0, address.rfind(':'));
+  return host + ":" + std::to_string(ports.empty() ? 0 : ports.front());
+}
+
+prometheus::Counter& Metrics::RequestCounter(Method method, StatusCode code) {
+  const int m = static_cast<int>(method);
+  const int c = static_cast<int>(code);
+  prometheus::Counter* counter = request_counters_[m][c].load(std::memory_order_acquire);
+  if (counter == nullptr) {
+    // Family::Add is thread-safe and returns the same series for equal labels.
+    counter = &requests_->Add({{"method", MethodName(method)}, {"code", StatusCodeName(code)}});
+    request_counters_[m][c].store(counter, std::memory_order_release);
+  }
+  return *counter;
+}
+
+void Metrics::RecordRequest(Method method, StatusCode code, double seconds) {
+  RequestCounter(method, code).Increment();
+  latency_[static_cast<int>(method)]->Observe(seconds);
+}
+
+void Metrics::SessionOpened() { sessions_opened_->Increment(); }
+
+void Metrics::SessionClosed(CloseReason reason, uint64_t reclaimed_bytes) {
+  sessions_closed_->Add({{"reason", CloseReasonName(reason)}}).Increment();
+  reclaimed_bytes_->Increment(static_cast<double>(reclaimed_bytes));
+}
+
+void Metrics::AttachRefused(const std::string& reason) {
+  attach_refusals_->Add({{"reason", reason}}).Increment();
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,164 @@
+#include "memoffload/daemon/service.h"
+
+namespace memoffload::daemon {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session) {
+  if (!has_session || creds.session_id() == 0) {
+    return InvalidArgument("request carries no session id; attach first");
+  }
+  if (creds.session_token().empty()) {
+    return Unauthenticated("request carries no session token");
+  }
+  return Status::Ok();
+}
+
+void CopyExtents(const std::vector<Extent>& in,
+                 google::protobuf::RepeatedPtrField<v1::Extent>* out) {
+  out->Reserve(static_cast<int>(in.size()));
+  for (const Extent& e : in) {
+    v1::Extent* x = out->Add();
+    x->set_chunk(e.chunk);
+    x->set_offset(e.offset);
+    x->set_length(e.length);
+  }
+}
+
+}  // namespace
+
+grpc::Status ToGrpc(const Status& status) {
+  if (status.ok()) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
+}
+
+OffloadService::OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics,
+                               ServiceInfo info)
+    : arena_(arena),
+      table_(table),
+      metrics_(metrics),
+      info_(std::move(info)),
+      started_(Clock::now()) {}
+
+grpc::Status OffloadService::Finish(Method method, Clock::time_point start, const Status& status) {
+  metrics_->RecordRequest(method, status.code(),
+                          std::chrono::duration<double>(Clock::now() - start).count());
+  return ToGrpc(status);
+}
+
+grpc::Status OffloadService::Reserve(grpc::ServerContext*, const v1::ReserveRequest* req,
+                                     v1::ReserveResponse* resp) {
+  const auto start = Clock::now();
+  Status st = CheckCredentials(req->session(), req->has_session());
+  if (st.ok()) {
+    Result<ReserveResult> r =
+        table_->Reserve(req->session().session_id(), req->session().session_token(),
+                        req->group_id(), req->size_bytes(), req->single_extent());
+    if (r.ok()) {
+      CopyExtents(r->extents, resp->mutable_extents());
+      resp->set_reserved_bytes(r->reserved_bytes);
+    } else {
+      st = r.status();
+    }
+  }
+  return Finish(Method::kReserve, start, st);
+}
+
+grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
+                                    v1::CommitResponse* resp) {
+  const auto start = Clock::now();
+  Status st = CheckCredentials(req->session(), req->has_session());
+  if (st.ok()) {
+    Result<CommitResult> r =
+        table_->Commit(req->session().session_id(), req->session().session_token(), req->group_id(),
+                       req->used_bytes());
+    if (r.ok()) {
+      resp->set_committed_bytes(r->committed_bytes);
+      resp->set_returned_bytes(r->returned_bytes);
+    } else {
+      st = r.status();
+    }
+  }
+  return Finish(Method::kCommit, start, st);
+}
+
+grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRequest* req,
+                                      v1::PrefetchResponse* resp) {
+  const auto start = Clock::now();
+  Status st = CheckCredentials(req->session(), req->has_session());
+  if (st.ok()) {
+    Result<PrefetchResult> r = table_->Prefetch(req->session().session_id(),
+                                                req->session().session_token(), req->group_id());
+    if (r.ok()) {
+      CopyExtents(r->extents, resp->mutable_extents());
+      resp->set_used_bytes(r->used_bytes);
+    } else {
+      st = r.status();
+    }
+  }
+  return Finish(Method::kPrefetch, start, st);
+}
+
+grpc::Status OffloadService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req,
+                                     v1::ReleaseResponse* resp) {
+  const auto start = Clock::now();
+  Status st = CheckCredentials(req->session(), req->has_session());
+  if (st.ok()) {
+    Result<ReleaseResult> r = table_->Release(req->session().session_id(),
+                                              req->session().session_token(), req->group_id());
+    if (r.ok()) {
+      resp->set_released_bytes(r->released_bytes);
+    } else {
+      st = r.status();
+    }
+  }
+  return Finish(Method::kRelease, start, st);
+}
+
+grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                                       v1::GetStatusResponse* resp) {
+  const auto start = Clock::now();
+  const ArenaSnapshot s = table_->Snapshot();
+  resp->set_version(info_.version);
+  resp->set_runtime_dir(info_.runtime_dir);
+  resp->set_metrics_address(info_.metrics_address);
+  resp->set_capacity_bytes(s.capacity_bytes);
+  resp->set_used_bytes(s.capacity_bytes - s.free_bytes);
+  resp->set_free_bytes(s.free_bytes);
+  resp->set_reserved_bytes(s.reserved_bytes);
+  resp->set_committed_bytes(s.committed_bytes);
+  resp->set_read_bytes(s.read_bytes);
+  resp->set_largest_free_extent_bytes(s.largest_free_extent_bytes);
+  resp->set_chunks(arena_->chunk_count());
+  resp->set_chunk_size_bytes(arena_->chunk_size_bytes());
+  resp->set_page_bytes(arena_->page_bytes());
+  resp->set_mlocked(arena_->mlocked());
+  resp->set_sessions(s.sessions);
+  resp->set_groups(s.groups);
+  resp->set_draining(false);
+  resp->set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
+  return Finish(Method::kGetStatus, start, Status::Ok());
+}
+
+grpc::Status OffloadService::ListSessions(grpc::ServerContext*, const v1::ListSessionsRequest*,
+                                          v1::ListSessionsResponse* resp) {
+  const auto start = Clock::now();
+  for (const SessionSnapshot& s : table_->ListSessions()) {
+    v1::SessionInfo* info = resp->add_sessions();
+    info->set_session_id(s.session_id);
+    info->set_job_id(s.job_id);
+    info->set_rank(s.rank);
+    info->set_local_rank(s.local_rank);
+    info->set_pid(s.peer.pid);
+    info->set_uid(s.peer.uid);
+    info->set_gid(s.peer.gid);
+    info->set_held_bytes(s.held_bytes);
+    info->set_groups(s.groups);
+    info->set_age_seconds(s.age_seconds);
+    info->set_limit_bytes(s.limit_bytes);
+  }
+  return Finish(Method::kListSessions, start, Status::Ok());
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages memoffload needs to build, run and test.
+# One source of truth for dependencies: the Dockerfile and CI read DEPS_* from here.
+# Idempotent: a second run installs nothing and prints nothing but a short line.
+set -euo pipefail
+
+# Build and runtime libraries of the daemon, client and tools.
+DEPS_BUILD=(
+  build-essential cmake pkg-config git
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  prometheus-cpp-dev libboost-dev libsystemd-dev
+)
+# Torch integration (LibTorch extension and the Python package).
+DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest)
+# Tests and benchmarks.
+DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl)
+
+want=("${DEPS_BUILD[@]}" "${DEPS_TORCH[@]}" "${DEPS_TEST[@]}")
+if [[ "${1:-}" == "--print" ]]; then
+  printf '%s\n' "${want[@]}"
+  exit 0
+fi
+
+missing=()
+for pkg in "${want[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$pkg")
+  fi
+done
+
+if ((${#missing[@]} == 0)); then
+  echo "setup-deps: all ${#want[@]} packages present"
+  exit 0
+fi
+
+echo "setup-deps: installing ${#missing[@]} missing packages: ${missing[*]}"
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "setup-deps: done"

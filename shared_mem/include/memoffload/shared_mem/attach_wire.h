@@ -1,0 +1,70 @@
+// The broker's attach protocol: what a client sends and what it gets back.
+//
+// Versioned binary encoding (little-endian integers, u32-length-prefixed
+// strings), carried in frames (fd_passing.h). Exchange:
+//   client -> daemon: Hello
+//   daemon -> client: AttachReply (status; on success the session and the
+//                     chunk table), then reply.fd_frames ChunkFdBatch frames,
+//                     each carrying the fds of the chunks it lists.
+// The connection then stays open as the session's lifeline: when it closes,
+// the daemon reclaims everything the session holds.
+//
+// Decoders accept arbitrary bytes: anything malformed is INVALID_ARGUMENT,
+// never a crash. Unknown trailing bytes are rejected.
+#ifndef MEMOFFLOAD_SHARED_MEM_ATTACH_WIRE_H_
+#define MEMOFFLOAD_SHARED_MEM_ATTACH_WIRE_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload {
+
+inline constexpr uint32_t kAttachMagic = 0x4c464f4d;  // "MOFL"
+inline constexpr uint16_t kAttachProtocolVersion = 1;
+inline constexpr size_t kMaxJobIdBytes = 128;
+
+struct Hello {
+  uint16_t version = kAttachProtocolVersion;
+  std::string job_id;       // free text, <= kMaxJobIdBytes, printable ASCII
+  int32_t rank = -1;        // global rank, -1 when unknown
+  int32_t local_rank = -1;  // rank on this node, -1 when unknown
+  uint64_t max_bytes = 0;   // session asks for a lower byte limit; 0: default
+};
+
+struct ChunkInfo {
+  uint32_t index = 0;
+  uint64_t size_bytes = 0;
+};
+
+struct AttachReply {
+  uint16_t version = kAttachProtocolVersion;
+  StatusCode code = StatusCode::kOk;
+  std::string message;  // why the attach was refused, or a notice
+  uint64_t session_id = 0;
+  std::string session_token;  // secret; sent with every gRPC request
+  std::string grpc_socket;    // absolute path of the gRPC Unix socket
+  uint64_t page_bytes = 0;    // allocation granularity
+  uint64_t session_limit_bytes = 0;
+  std::vector<ChunkInfo> chunks;
+  uint32_t fd_frames = 0;  // ChunkFdBatch frames that follow
+};
+
+struct ChunkFdBatch {
+  std::vector<uint32_t> chunk_indexes;  // one per fd, in order
+};
+
+std::string EncodeHello(const Hello& hello);
+Result<Hello> DecodeHello(const std::string& bytes);
+
+std::string EncodeAttachReply(const AttachReply& reply);
+Result<AttachReply> DecodeAttachReply(const std::string& bytes);
+
+std::string EncodeChunkFdBatch(const ChunkFdBatch& batch);
+Result<ChunkFdBatch> DecodeChunkFdBatch(const std::string& bytes);
+
+}  // namespace memoffload
+
+#endif  // MEMOFFLOAD_SHARED_MEM_ATTACH_WIRE_H_

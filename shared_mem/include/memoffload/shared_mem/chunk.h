@@ -1,0 +1,71 @@
+// Chunk: one memfd-backed piece of the arena, mapped MAP_SHARED.
+//
+// The daemon creates chunks (Create), pre-faults and locks them, and hands
+// their fds to clients, which map them (Map). A created memfd is sealed
+// against shrinking and growing, so no client can ftruncate it under the
+// daemon (which would turn the daemon's accesses into SIGBUS).
+//
+// A Chunk owns its fd and its mapping; both are released on destruction.
+// Move-only; not thread-safe (callers synchronise).
+#ifndef MEMOFFLOAD_SHARED_MEM_CHUNK_H_
+#define MEMOFFLOAD_SHARED_MEM_CHUNK_H_
+
+#include <cstdint>
+#include <string>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload {
+
+class Chunk {
+ public:
+  // Creates a sealed memfd of size_bytes and maps it read-write. With
+  // hugepages the memfd uses MFD_HUGETLB (size must be a multiple of the
+  // default hugepage size); failure then is RESOURCE_EXHAUSTED with a message
+  // that says how to reserve hugepages.
+  static Result<Chunk> Create(const std::string& name, uint64_t size_bytes, bool hugepages);
+
+  // Maps a received chunk fd (taking ownership of it). The fd must be a memfd
+  // of at least size_bytes. With populate, page tables are filled at once
+  // (MAP_POPULATE), otherwise lazily on first touch.
+  static Result<Chunk> Map(int fd, uint64_t size_bytes, bool populate);
+
+  Chunk() = default;
+  ~Chunk();
+  Chunk(Chunk&& other) noexcept;
+  Chunk& operator=(Chunk&& other) noexcept;
+  Chunk(const Chunk&) = delete;
+  Chunk& operator=(const Chunk&) = delete;
+
+  // Faults in pages [offset, offset + length) for writing (page-aligned
+  // range), with MADV_POPULATE_WRITE where the kernel has it, else by touching
+  // a byte per page. Safe to call from several threads on disjoint ranges.
+  Status Prefault(uint64_t offset, uint64_t length);
+
+  // mlock()s the whole mapping. Returns the errno-based status on failure
+  // (typically ENOMEM/EPERM when RLIMIT_MEMLOCK is too low).
+  Status Lock();
+  bool locked() const { return locked_; }
+
+  int fd() const { return fd_; }
+  uint8_t* data() const { return data_; }
+  uint64_t size_bytes() const { return size_bytes_; }
+  bool valid() const { return data_ != nullptr; }
+
+ private:
+  Chunk(int fd, uint8_t* data, uint64_t size_bytes)
+      : fd_(fd), data_(data), size_bytes_(size_bytes) {}
+  void Reset();
+
+  int fd_ = -1;
+  uint8_t* data_ = nullptr;
+  uint64_t size_bytes_ = 0;
+  bool locked_ = false;
+};
+
+// Page size of the running system.
+uint64_t SystemPageBytes();
+
+}  // namespace memoffload
+
+#endif  // MEMOFFLOAD_SHARED_MEM_CHUNK_H_

@@ -1,0 +1,145 @@
+// memoffloadctl: operator CLI for memoffloadd.
+//
+//   memoffloadctl [--runtime-dir DIR] [--json] status|sessions
+//
+// Exit codes: 0 success, 1 the daemon answered with an error, 2 usage error,
+// 3 the daemon is not reachable (the message names the socket tried).
+#include <google/protobuf/util/json_util.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "memoffload/client/admin.h"
+#include "memoffload/shared_mem/units.h"
+
+namespace {
+
+using memoffload::FormatSize;
+using memoffload::Status;
+using memoffload::StatusCode;
+
+constexpr int kExitOk = 0;
+constexpr int kExitDaemonError = 1;
+constexpr int kExitUsage = 2;
+constexpr int kExitUnreachable = 3;
+
+void Usage(FILE* out) {
+  std::fputs(
+      "usage: memoffloadctl [--runtime-dir DIR] [--json] <command>\n\n"
+      "commands:\n"
+      "  status     arena capacity, use by state, sessions and groups\n"
+      "  sessions   attached sessions: job, rank, pid, uid, bytes held, groups, age\n\n"
+      "The runtime dir defaults to $MEMOFFLOAD_RUNTIME_DIR, else /run/memoffload\n"
+      "(root), $XDG_RUNTIME_DIR/memoffload or /tmp/memoffload-$UID.\n"
+      "Exit codes: 0 ok, 1 daemon error, 2 usage, 3 daemon not reachable.\n",
+      out);
+}
+
+int Fail(const Status& st) {
+  std::fprintf(stderr, "memoffloadctl: %s\n", st.message().c_str());
+  return st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded
+             ? kExitUnreachable
+             : kExitDaemonError;
+}
+
+void PrintJson(const google::protobuf::Message& message) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  std::printf("%s\n", json.c_str());
+}
+
+std::string Percent(uint64_t part, uint64_t whole) {
+  char buf[16];
+  std::snprintf(buf, sizeof(buf), "%.1f%%", whole == 0 ? 0.0 : 100.0 * part / whole);
+  return buf;
+}
+
+int Status_(memoffload::client::AdminClient& admin, bool json) {
+  auto s = admin.GetStatus();
+  if (!s.ok()) return Fail(s.status());
+  if (json) {
+    PrintJson(*s);
+    return kExitOk;
+  }
+  auto row = [](const char* k, const std::string& v) { std::printf("%-20s %s\n", k, v.c_str()); };
+  row("version", s->version());
+  row("runtime dir", s->runtime_dir());
+  row("metrics",
+      s->metrics_address().empty() ? "disabled" : "http://" + s->metrics_address() + "/metrics");
+  row("capacity", FormatSize(s->capacity_bytes()));
+  row("used",
+      FormatSize(s->used_bytes()) + " (" + Percent(s->used_bytes(), s->capacity_bytes()) + ")");
+  row("  reserved", FormatSize(s->reserved_bytes()));
+  row("  committed", FormatSize(s->committed_bytes()));
+  row("  read", FormatSize(s->read_bytes()));
+  row("free", FormatSize(s->free_bytes()));
+  row("largest free extent", FormatSize(s->largest_free_extent_bytes()));
+  row("chunks", std::to_string(s->chunks()) + " x " + FormatSize(s->chunk_size_bytes()));
+  row("mlocked", s->mlocked() ? "yes" : "no");
+  row("sessions", std::to_string(s->sessions()));
+  row("groups", std::to_string(s->groups()));
+  row("draining", s->draining() ? "yes" : "no");
+  row("uptime", std::to_string(static_cast<uint64_t>(s->uptime_seconds())) + " s");
+  return kExitOk;
+}
+
+int Sessions(memoffload::client::AdminClient& admin, bool json) {
+  auto r = admin.ListSessions();
+  if (!r.ok()) return Fail(r.status());
+  if (json) {
+    PrintJson(*r);
+    return kExitOk;
+  }
+  std::printf("%-8s %-20s %6s %8s %6s %12s %7s %8s\n", "SESSION", "JOB", "RANK", "PID", "UID",
+              "HELD", "GROUPS", "AGE");
+  for (const auto& s : r->sessions()) {
+    std::printf("%-8lu %-20s %6d %8d %6u %12s %7lu %7.0fs\n",
+                static_cast<unsigned long>(s.session_id()),
+                s.job_id().empty() ? "-" : s.job_id().c_str(), s.rank(), s.pid(), s.uid(),
+                FormatSize(s.held_bytes()).c_str(), static_cast<unsigned long>(s.groups()),
+                s.age_seconds());
+  }
+  if (r->sessions_size() == 0) std::printf("(no sessions)\n");
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string runtime_dir, command;
+  bool json = false;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg == "--json") {
+      json = true;
+    } else if (arg == "--runtime-dir" && i + 1 < argc) {
+      runtime_dir = argv[++i];
+    } else if (arg.rfind("--runtime-dir=", 0) == 0) {
+      runtime_dir = arg.substr(std::strlen("--runtime-dir="));
+    } else if (arg == "--help" || arg == "-h") {
+      Usage(stdout);
+      return kExitOk;
+    } else if (!arg.empty() && arg[0] != '-' && command.empty()) {
+      command = arg;
+    } else {
+      std::fprintf(stderr, "memoffloadctl: unexpected argument '%s'\n", arg.c_str());
+      Usage(stderr);
+      return kExitUsage;
+    }
+  }
+  if (command.empty()) {
+    Usage(stderr);
+    return kExitUsage;
+  }
+  auto admin = memoffload::client::AdminClient::Connect(runtime_dir);
+  if (!admin.ok()) return Fail(admin.status());
+  if (command == "status") return Status_(**admin, json);
+  if (command == "sessions") return Sessions(**admin, json);
+  std::fprintf(stderr, "memoffloadctl: unknown command '%s'\n", command.c_str());
+  Usage(stderr);
+  return kExitUsage;
+}
