@@ -1,0 +1,171 @@
+#include "memoffload/daemon/session_table.h"
+
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+class SessionTableTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ArenaOptions options;
+    options.size_bytes = 4 * kMiB;
+    options.chunk_size_bytes = kMiB;
+    options.mlock = false;
+    ArenaBuildReport report;
+    auto arena = Arena::Build(options, &report);
+    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+    arena_ = std::move(arena).value();
+    table_ = std::make_unique<SessionTable>(arena_.get(), SessionTableOptions{});
+  }
+  void TearDown() override { EXPECT_TRUE(table_->CheckInvariants().ok()); }
+
+  SessionGrant Open(uint64_t max_bytes = 0) {
+    Hello hello;
+    hello.job_id = "job";
+    hello.rank = 3;
+    hello.max_bytes = max_bytes;
+    auto g = table_->Open(hello, PeerCredentials{1234, 1000, 1000});
+    EXPECT_TRUE(g.ok());
+    return *g;
+  }
+
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<SessionTable> table_;
+};
+
+TEST_F(SessionTableTest, FullGroupLifecycle) {
+  SessionGrant s = Open();
+  auto r = table_->Reserve(s.session_id, s.token, 7, 100000, false);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->reserved_bytes, 102400u);  // page-rounded
+  EXPECT_EQ(table_->Snapshot().reserved_bytes, 102400u);
+
+  auto c = table_->Commit(s.session_id, s.token, 7, 5000);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->committed_bytes, 8192u);
+  EXPECT_EQ(c->returned_bytes, 102400u - 8192u);
+  EXPECT_EQ(table_->Snapshot().committed_bytes, 8192u);
+  EXPECT_TRUE(table_->CheckInvariants().ok());
+
+  auto p = table_->Prefetch(s.session_id, s.token, 7);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->used_bytes, 5000u);
+  EXPECT_EQ(table_->Snapshot().read_bytes, 8192u);
+  // Prefetch twice (retain_graph: a second backward reads again) is fine.
+  ASSERT_TRUE(table_->Prefetch(s.session_id, s.token, 7).ok());
+
+  auto rel = table_->Release(s.session_id, s.token, 7);
+  ASSERT_TRUE(rel.ok());
+  EXPECT_EQ(rel->released_bytes, 8192u);
+  EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
+}
+
+TEST_F(SessionTableTest, TokensAreRandomAndChecked) {
+  SessionGrant a = Open();
+  SessionGrant b = Open();
+  EXPECT_NE(a.token, b.token);
+  EXPECT_EQ(a.token.size(), 32u);  // 128 bits in hex
+  std::string wrong = a.token;
+  wrong[31] = wrong[31] == '0' ? '1' : '0';
+  EXPECT_EQ(table_->Reserve(a.session_id, wrong, 1, 4096, false).status().code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(table_->Reserve(a.session_id, b.token, 1, 4096, false).status().code(),
+            StatusCode::kUnauthenticated);
+  EXPECT_EQ(table_->Reserve(999, a.token, 1, 4096, false).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(SessionTableTest, SessionsCannotSeeEachOthersGroups) {
+  SessionGrant a = Open();
+  SessionGrant b = Open();
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 4096, false).ok());
+  ASSERT_TRUE(table_->Commit(a.session_id, a.token, 1, 4096).ok());
+  EXPECT_EQ(table_->Prefetch(b.session_id, b.token, 1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(table_->Release(b.session_id, b.token, 1).status().code(), StatusCode::kNotFound);
+  // b may use the same group id for its own group.
+  EXPECT_TRUE(table_->Reserve(b.session_id, b.token, 1, 4096, false).ok());
+}
+
+TEST_F(SessionTableTest, StateMachineErrors) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4096, false).ok());
+  EXPECT_EQ(table_->Reserve(s.session_id, s.token, 1, 4096, false).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_->Prefetch(s.session_id, s.token, 1).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_->Commit(s.session_id, s.token, 1, 8192).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(table_->Commit(s.session_id, s.token, 1, 4096).ok());
+  EXPECT_EQ(table_->Commit(s.session_id, s.token, 1, 4096).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_EQ(table_->Commit(s.session_id, s.token, 2, 1).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(table_->Reserve(s.session_id, s.token, 3, 0, false).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionTableTest, CapacityAndSessionLimitMessagesNameSizes) {
+  SessionGrant s = Open();
+  auto big = table_->Reserve(s.session_id, s.token, 1, 5 * kMiB, false);
+  ASSERT_EQ(big.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(big.status().message().find("larger than the whole arena"), std::string::npos);
+  EXPECT_NE(big.status().message().find("5.00 MiB"), std::string::npos);
+
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 2, 3 * kMiB, false).ok());
+  auto full = table_->Reserve(s.session_id, s.token, 3, 2 * kMiB, false);
+  ASSERT_EQ(full.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(full.status().message().find("arena full"), std::string::npos)
+      << full.status().message();
+
+  SessionGrant limited = Open(kMiB);
+  EXPECT_EQ(limited.limit_bytes, kMiB);
+  auto over = table_->Reserve(limited.session_id, limited.token, 1, kMiB + 1, false);
+  ASSERT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("session limit"), std::string::npos)
+      << over.status().message();
+}
+
+TEST_F(SessionTableTest, CloseReclaimsEverythingInEveryState) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, kMiB, false).ok());
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 2, kMiB, false).ok());
+  ASSERT_TRUE(table_->Commit(s.session_id, s.token, 2, kMiB).ok());
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 3, kMiB, false).ok());
+  ASSERT_TRUE(table_->Commit(s.session_id, s.token, 3, kMiB).ok());
+  ASSERT_TRUE(table_->Prefetch(s.session_id, s.token, 3).ok());
+  auto reclaimed = table_->Close(s.session_id, CloseReason::kLifelineClosed);
+  ASSERT_TRUE(reclaimed.ok());
+  EXPECT_EQ(*reclaimed, 3 * kMiB);
+  ArenaSnapshot snap = table_->Snapshot();
+  EXPECT_EQ(snap.free_bytes, 4 * kMiB);
+  EXPECT_EQ(snap.sessions, 0u);
+  EXPECT_EQ(snap.groups, 0u);
+  EXPECT_EQ(table_->Close(s.session_id, CloseReason::kLifelineClosed).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(table_->Reserve(s.session_id, s.token, 1, 1, false).status().code(),
+            StatusCode::kNotFound);
+}
+
+TEST_F(SessionTableTest, GroupsSpanChunksWhenNeeded) {
+  SessionGrant s = Open();
+  auto r = table_->Reserve(s.session_id, s.token, 1, 3 * kMiB + 4096, false);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::set<uint32_t> chunks;
+  for (const Extent& e : r->extents) chunks.insert(e.chunk);
+  EXPECT_GE(chunks.size(), 4u);
+  EXPECT_EQ(table_->Reserve(s.session_id, s.token, 2, 2 * kMiB, true).status().code(),
+            StatusCode::kResourceExhausted);
+}
+
+TEST(ConstantTimeEquals, Basics) {
+  EXPECT_TRUE(ConstantTimeEquals("abc", "abc"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "abd"));
+  EXPECT_FALSE(ConstantTimeEquals("abc", "ab"));
+  EXPECT_TRUE(ConstantTimeEquals("", ""));
+}
+
+}  // namespace
+}  // namespace memoffload::daemon

@@ -1,0 +1,130 @@
+#include "daemon_process.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include "memoffload/client/admin.h"
+
+namespace memoffload::testing {
+
+std::string BinDir() {
+  const char* env = std::getenv("MEMOFFLOAD_BIN_DIR");
+  return env != nullptr && env[0] != '\0' ? env : MEMOFFLOAD_BIN_DIR;
+}
+
+pid_t Spawn(const std::vector<std::string>& argv, int* stdout_fd) {
+  int pipe_fds[2] = {-1, -1};
+  if (stdout_fd != nullptr && pipe2(pipe_fds, O_CLOEXEC) != 0) return -1;
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (stdout_fd != nullptr) dup2(pipe_fds[1], STDOUT_FILENO);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  if (stdout_fd != nullptr) {
+    close(pipe_fds[1]);
+    *stdout_fd = pipe_fds[0];
+  }
+  return pid;
+}
+
+int WaitFor(pid_t pid, int timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    int status = 0;
+    pid_t r = waitpid(pid, &status, WNOHANG);
+    if (r == pid) return status;
+    if (r < 0) return -1;
+    if (std::chrono::steady_clock::now() > deadline) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std::string* error) {
+  std::unique_ptr<DaemonProcess> d(new DaemonProcess());
+  char scratch[] = "/tmp/memoffload-test-XXXXXX";
+  if (mkdtemp(scratch) == nullptr) {
+    *error = "mkdtemp failed";
+    return nullptr;
+  }
+  d->scratch_dir_ = scratch;
+  d->runtime_dir_ = d->scratch_dir_ + "/run";
+  d->log_path_ = d->scratch_dir_ + "/daemon.log";
+  std::vector<std::string> argv = {BinDir() + "/memoffloadd", "--runtime-dir=" + d->runtime_dir_,
+                                   "--arena-size=" + options.arena_size,
+                                   "--chunk-size=" + options.chunk_size,
+                                   "--metrics-address=" + options.metrics_address};
+  argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
+  d->pid_ = fork();
+  if (d->pid_ == 0) {
+    int log = open(d->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(log, STDERR_FILENO);
+    dup2(log, STDOUT_FILENO);
+    std::vector<char*> args;
+    for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    _exit(127);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (std::chrono::steady_clock::now() < deadline) {
+    int status = 0;
+    if (waitpid(d->pid_, &status, WNOHANG) == d->pid_) {
+      d->pid_ = -1;
+      *error = "memoffloadd exited during start-up:\n" + d->Log();
+      return nullptr;
+    }
+    if (std::filesystem::exists(d->runtime_dir_ + "/broker.sock") && d->Status().chunks() > 0) {
+      return d;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  *error = "memoffloadd did not become ready within 30 s:\n" + d->Log();
+  return nullptr;
+}
+
+DaemonProcess::~DaemonProcess() {
+  if (pid_ > 0) Stop(SIGTERM, 10000);
+  std::error_code ignored;
+  std::filesystem::remove_all(scratch_dir_, ignored);
+}
+
+int DaemonProcess::Stop(int signo, int timeout_ms) {
+  if (pid_ <= 0) return -1;
+  kill(pid_, signo);
+  int status = WaitFor(pid_, timeout_ms);
+  if (status == -1) {
+    kill(pid_, SIGKILL);
+    WaitFor(pid_, 5000);
+  }
+  pid_ = -1;
+  return status;
+}
+
+v1::GetStatusResponse DaemonProcess::Status() const {
+  auto admin = client::AdminClient::Connect(runtime_dir_, 2000);
+  if (!admin.ok()) return {};
+  auto status = (*admin)->GetStatus();
+  return status.ok() ? *status : v1::GetStatusResponse();
+}
+
+std::string DaemonProcess::Log() const {
+  std::ifstream in(log_path_);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace memoffload::testing

@@ -1,0 +1,142 @@
+// offload_worker: a client process driven by the integration tests.
+//
+//   offload_worker verify RUNTIME_DIR SEED GROUPS MIN_BYTES MAX_BYTES
+//     Offloads GROUPS groups of random size (log-uniform in [MIN, MAX]) with
+//     random contents, two in flight at a time, reads each back after
+//     Prefetch and compares every byte. Exit 0 when all matched.
+//   offload_worker hold RUNTIME_DIR GROUPS BYTES
+//     Reserves GROUPS groups of BYTES, writes them, commits every other one,
+//     prints "HELD <total bytes>" and sleeps until killed.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "memoffload/client/client.h"
+
+using memoffload::client::AttachOptions;
+using memoffload::client::Client;
+
+namespace {
+
+int Die(const std::string& what, const memoffload::Status& st) {
+  std::fprintf(stderr, "offload_worker: %s: %s\n", what.c_str(), st.ToString().c_str());
+  return 1;
+}
+
+std::unique_ptr<Client> AttachOrNull(const std::string& dir, int rank) {
+  AttachOptions options;
+  options.runtime_dir = dir;
+  options.job_id = "integration";
+  options.rank = rank;
+  auto c = Client::Attach(options);
+  if (!c.ok()) {
+    Die("attach", c.status());
+    return nullptr;
+  }
+  return std::move(c).value();
+}
+
+struct Live {
+  uint64_t group;
+  std::vector<uint8_t> data;
+};
+
+int Verify(const std::string& dir, uint64_t seed, int groups, uint64_t min_bytes,
+           uint64_t max_bytes) {
+  auto client = AttachOrNull(dir, static_cast<int>(seed));
+  if (!client) return 1;
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(min_bytes)),
+                                                  std::log(static_cast<double>(max_bytes)));
+  std::deque<Live> live;
+  uint64_t total = 0;
+  auto finish = [&](Live& g) -> int {
+    auto p = client->Prefetch(g.group);
+    if (!p.ok()) return Die("prefetch", p.status());
+    if (p->used_bytes != g.data.size()) {
+      std::fprintf(stderr, "used_bytes %lu != %zu\n", static_cast<unsigned long>(p->used_bytes),
+                   g.data.size());
+      return 1;
+    }
+    std::vector<uint8_t> back(g.data.size());
+    if (auto st = client->Read(p->extents, 0, back.data(), back.size()); !st.ok()) {
+      return Die("read", st);
+    }
+    if (back != g.data) {
+      std::fprintf(stderr, "offload_worker: group %lu came back different\n",
+                   static_cast<unsigned long>(g.group));
+      return 1;
+    }
+    if (auto st = client->Release(g.group); !st.ok()) return Die("release", st);
+    return 0;
+  };
+  for (int i = 0; i < groups; ++i) {
+    const uint64_t size = static_cast<uint64_t>(std::exp(log_size(rng)));
+    Live g{static_cast<uint64_t>(i) + 1, std::vector<uint8_t>(size)};
+    for (size_t k = 0; k < size; k += 8) {
+      const uint64_t v = rng();
+      std::memcpy(g.data.data() + k, &v, std::min<size_t>(8, size - k));
+    }
+    // Reserve a little more than needed so Commit returns a tail.
+    auto r = client->Reserve(g.group, size + 3 * 4096);
+    if (!r.ok()) return Die("reserve " + std::to_string(size), r.status());
+    if (auto st = client->Write(r->extents, 0, g.data.data(), size); !st.ok()) {
+      return Die("write", st);
+    }
+    auto c = client->Commit(g.group, size);
+    if (!c.ok()) return Die("commit", c.status());
+    total += size;
+    live.push_back(std::move(g));
+    if (live.size() > 2) {
+      if (finish(live.front()) != 0) return 1;
+      live.pop_front();
+    }
+  }
+  for (Live& g : live) {
+    if (finish(g) != 0) return 1;
+  }
+  std::printf("verified %d groups, %lu bytes\n", groups, static_cast<unsigned long>(total));
+  return 0;
+}
+
+int Hold(const std::string& dir, int groups, uint64_t bytes) {
+  auto client = AttachOrNull(dir, 0);
+  if (!client) return 1;
+  std::vector<uint8_t> pattern(bytes, 0xab);
+  uint64_t held = 0;
+  for (int i = 0; i < groups; ++i) {
+    auto r = client->Reserve(i + 1, bytes);
+    if (!r.ok()) return Die("reserve", r.status());
+    if (auto st = client->Write(r->extents, 0, pattern.data(), bytes); !st.ok()) {
+      return Die("write", st);
+    }
+    if (i % 2 == 0) {
+      auto c = client->Commit(i + 1, bytes);
+      if (!c.ok()) return Die("commit", c.status());
+    }
+    held += r->reserved_bytes;
+  }
+  std::printf("HELD %lu\n", static_cast<unsigned long>(held));
+  std::fflush(stdout);
+  while (true) pause();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 7 && std::strcmp(argv[1], "verify") == 0) {
+    return Verify(argv[2], std::stoull(argv[3]), std::stoi(argv[4]), std::stoull(argv[5]),
+                  std::stoull(argv[6]));
+  }
+  if (argc == 5 && std::strcmp(argv[1], "hold") == 0) {
+    return Hold(argv[2], std::stoi(argv[3]), std::stoull(argv[4]));
+  }
+  std::fprintf(stderr, "usage: offload_worker verify DIR SEED GROUPS MIN MAX | hold DIR N BYTES\n");
+  return 2;
+}

@@ -1,0 +1,101 @@
+#include "memoffload/shared_mem/attach_wire.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace memoffload {
+namespace {
+
+TEST(AttachWire, HelloRoundTrip) {
+  Hello h;
+  h.job_id = "llama-70b/run-3";
+  h.rank = 17;
+  h.local_rank = 1;
+  h.max_bytes = 123456789;
+  Result<Hello> d = DecodeHello(EncodeHello(h));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->job_id, h.job_id);
+  EXPECT_EQ(d->rank, 17);
+  EXPECT_EQ(d->local_rank, 1);
+  EXPECT_EQ(d->max_bytes, 123456789u);
+}
+
+TEST(AttachWire, ReplyAndBatchRoundTrip) {
+  AttachReply r;
+  r.session_id = 42;
+  r.session_token = "00112233445566778899aabbccddeeff";
+  r.grpc_socket = "/run/memoffload/memoffload.sock";
+  r.page_bytes = 4096;
+  r.chunks = {{0, 1 << 30}, {1, 1 << 20}};
+  r.fd_frames = 1;
+  Result<AttachReply> d = DecodeAttachReply(EncodeAttachReply(r));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->session_id, 42u);
+  EXPECT_EQ(d->session_token, r.session_token);
+  ASSERT_EQ(d->chunks.size(), 2u);
+  EXPECT_EQ(d->chunks[1].size_bytes, 1u << 20);
+  EXPECT_EQ(d->fd_frames, 1u);
+
+  ChunkFdBatch b{{3, 4, 5}};
+  Result<ChunkFdBatch> db = DecodeChunkFdBatch(EncodeChunkFdBatch(b));
+  ASSERT_TRUE(db.ok());
+  EXPECT_EQ(db->chunk_indexes, b.chunk_indexes);
+}
+
+TEST(AttachWire, RefusalCarriesCodeAndMessage) {
+  AttachReply r;
+  r.code = StatusCode::kPermissionDenied;
+  r.message = "uid 1234 is not allowed";
+  Result<AttachReply> d = DecodeAttachReply(EncodeAttachReply(r));
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->code, StatusCode::kPermissionDenied);
+  EXPECT_EQ(d->message, r.message);
+}
+
+TEST(AttachWire, RejectsWrongVersionMagicTypeAndTrailingBytes) {
+  Hello h;
+  std::string bytes = EncodeHello(h);
+  std::string wrong_version = bytes;
+  wrong_version[4] = 9;
+  Result<Hello> r = DecodeHello(wrong_version);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("version 9"), std::string::npos);
+  std::string wrong_magic = bytes;
+  wrong_magic[0] = 'X';
+  EXPECT_FALSE(DecodeHello(wrong_magic).ok());
+  EXPECT_FALSE(DecodeAttachReply(bytes).ok());  // a hello is not a reply
+  EXPECT_FALSE(DecodeHello(bytes + "x").ok());
+}
+
+TEST(AttachWire, RejectsBadJobIdAndRanks) {
+  Hello h;
+  h.job_id = std::string(kMaxJobIdBytes + 1, 'a');
+  EXPECT_FALSE(DecodeHello(EncodeHello(h)).ok());
+  h.job_id = "bad\nid";
+  EXPECT_FALSE(DecodeHello(EncodeHello(h)).ok());
+  h.job_id = "ok";
+  h.rank = -5;
+  EXPECT_FALSE(DecodeHello(EncodeHello(h)).ok());
+}
+
+TEST(AttachWire, EveryTruncationAndRandomBytesAreRejectedNotCrashes) {
+  Hello h;
+  h.job_id = "job";
+  const std::string bytes = EncodeHello(h);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(DecodeHello(bytes.substr(0, n)).ok()) << n;
+  }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 20000; ++i) {
+    std::string junk = bytes;
+    junk[rng() % junk.size()] = static_cast<char>(rng());
+    if (rng() % 2) junk.resize(rng() % (junk.size() + 8), 'z');
+    (void)DecodeHello(junk);
+    (void)DecodeAttachReply(junk);
+    (void)DecodeChunkFdBatch(junk);
+  }
+}
+
+}  // namespace
+}  // namespace memoffload
