@@ -1,0 +1,221 @@
+// memoffload-bench allocator [--json] [--seed N]
+//
+// Replays each trace of traces.h into an arena of the trace's capacity and
+// reports, for ExtentAllocator and for a model of PyTorch's pinned-memory
+// CachingHostAllocator measured in the same run, the utilisation at the
+// first failed reserve: live requested bytes / capacity. Also reports the
+// p50/p99 latency of one Allocate plus the Free of everything it returned.
+// Only bookkeeping runs; no memory is touched.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "benches.h"
+#include "memoffload/daemon/allocator.h"
+#include "traces.h"
+
+namespace memoffload::bench {
+namespace {
+
+using daemon::Extent;
+using daemon::ExtentAllocator;
+using Clock = std::chrono::steady_clock;
+
+// Latency samples are collected over repeated replays until at least this
+// many alloc+free pairs were timed.
+constexpr size_t kMinLatencySamples = 200000;
+
+int CeilLog2(uint64_t v) { return v <= 1 ? 0 : 64 - __builtin_clzll(v - 1); }
+
+// PyTorch's CachingHostAllocator as the benchmark models it: a request is
+// rounded up to a power of two; a released block is cached and later reused
+// whole by a request that fits it (the smallest such block), never split and
+// never returned; new blocks are carved from the budget until it runs out.
+class Pow2CachingModel {
+ public:
+  Pow2CachingModel(uint64_t budget_bytes, uint32_t ids)
+      : budget_bytes_(budget_bytes), block_log2_(ids, -1) {}
+
+  bool Reserve(uint32_t id, uint64_t bytes) {
+    const int need = CeilLog2(bytes);
+    for (int e = need; e < 64; ++e) {
+      if (cached_[e] > 0) {
+        --cached_[e];
+        block_log2_[id] = static_cast<int8_t>(e);
+        return true;
+      }
+    }
+    const uint64_t block = uint64_t{1} << need;
+    if (block > budget_bytes_ - carved_bytes_) return false;
+    carved_bytes_ += block;
+    block_log2_[id] = static_cast<int8_t>(need);
+    return true;
+  }
+
+  void Release(uint32_t id) { ++cached_[block_log2_[id]]; }
+
+ private:
+  uint64_t budget_bytes_;
+  uint64_t carved_bytes_ = 0;
+  uint64_t cached_[64] = {};  // cached blocks per log2 size
+  std::vector<int8_t> block_log2_;
+};
+
+struct Outcome {
+  double utilization = 1.0;  // at the first failure
+  uint32_t requests = 0;     // reserves served before the first failure
+  uint64_t extents = 0;      // extents handed out for those reserves
+};
+
+Outcome ReplayPow2(const Trace& trace) {
+  Pow2CachingModel model(trace.capacity_bytes, trace.reserve_count);
+  std::vector<uint64_t> sizes(trace.reserve_count, 0);
+  uint64_t live_bytes = 0;
+  Outcome out;
+  for (const TraceEvent& ev : trace.events) {
+    if (ev.kind == TraceEvent::Kind::kRelease) {
+      model.Release(ev.id);
+      live_bytes -= sizes[ev.id];
+      continue;
+    }
+    if (!model.Reserve(ev.id, ev.bytes)) break;
+    sizes[ev.id] = ev.bytes;
+    live_bytes += ev.bytes;
+    ++out.requests;
+  }
+  out.utilization = static_cast<double>(live_bytes) / trace.capacity_bytes;
+  return out;
+}
+
+// Replays `trace` into a fresh ExtentAllocator up to the first failure, then
+// frees what is still live. Appends one alloc+free latency per served reserve.
+Outcome ReplayOurs(const Trace& trace, std::vector<uint64_t>* latencies_ns) {
+  ExtentAllocator alloc(
+      std::vector<uint64_t>(trace.capacity_bytes / trace.chunk_bytes, trace.chunk_bytes),
+      trace.page_bytes);
+  std::vector<std::vector<Extent>> extents(trace.reserve_count);
+  std::vector<uint64_t> sizes(trace.reserve_count, 0);
+  std::vector<uint64_t> alloc_ns(trace.reserve_count, 0);
+  uint64_t live_bytes = 0;
+  Outcome out;
+  auto release = [&](uint32_t id) {
+    const Clock::time_point start = Clock::now();
+    for (const Extent& e : extents[id]) {
+      if (!alloc.Free(e).ok()) std::abort();
+    }
+    const Clock::time_point end = Clock::now();
+    latencies_ns->push_back(alloc_ns[id] + (end - start).count());
+    live_bytes -= sizes[id];
+    extents[id].clear();
+  };
+  for (const TraceEvent& ev : trace.events) {
+    if (ev.kind == TraceEvent::Kind::kRelease) {
+      release(ev.id);
+      continue;
+    }
+    const Clock::time_point start = Clock::now();
+    auto r = alloc.Allocate(ev.bytes);
+    const Clock::time_point end = Clock::now();
+    if (!r.ok()) break;
+    alloc_ns[ev.id] = (end - start).count();
+    extents[ev.id] = std::move(*r);
+    sizes[ev.id] = ev.bytes;
+    live_bytes += ev.bytes;
+    out.extents += extents[ev.id].size();
+    ++out.requests;
+  }
+  out.utilization = static_cast<double>(live_bytes) / trace.capacity_bytes;
+  for (uint32_t id = 0; id < trace.reserve_count; ++id) {
+    if (!extents[id].empty()) release(id);
+  }
+  return out;
+}
+
+struct Report {
+  std::string trace;
+  double capacity_gib = 0;
+  Outcome ours;
+  Outcome pow2;
+  uint64_t p50_ns = 0;
+  uint64_t p99_ns = 0;
+};
+
+Report Measure(const Trace& trace) {
+  Report report;
+  report.trace = trace.name;
+  report.capacity_gib = static_cast<double>(trace.capacity_bytes) / (1 << 30);
+  report.pow2 = ReplayPow2(trace);
+  std::vector<uint64_t> latencies;
+  report.ours = ReplayOurs(trace, &latencies);
+  while (latencies.size() < kMinLatencySamples) ReplayOurs(trace, &latencies);
+  std::sort(latencies.begin(), latencies.end());
+  report.p50_ns = latencies[latencies.size() / 2];
+  report.p99_ns = latencies[latencies.size() * 99 / 100];
+  return report;
+}
+
+void PrintUsage() {
+  std::fprintf(stderr,
+               "usage: memoffload-bench allocator [--json] [--seed N]\n"
+               "Replays activation traces (llama-7b, llama-70b-tp8, random) "
+               "and reports the\narena utilisation at the first failed "
+               "request for our allocator and for a\npower-of-two caching "
+               "model, plus alloc+free latency percentiles.\n");
+}
+
+}  // namespace
+
+int RunAllocatorBench(int argc, char** argv) {
+  bool json = false;
+  uint64_t seed = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0) {
+      json = true;
+    } else if (std::strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
+      char* end = nullptr;
+      seed = std::strtoull(argv[++i], &end, 10);
+      if (end == argv[i] || *end != '\0') {
+        std::fprintf(stderr, "allocator: --seed wants a number, got '%s'\n", argv[i]);
+        return 2;
+      }
+    } else if (std::strcmp(argv[i], "--help") == 0) {
+      PrintUsage();
+      return 0;
+    } else {
+      std::fprintf(stderr, "allocator: unknown flag '%s'\n", argv[i]);
+      PrintUsage();
+      return 2;
+    }
+  }
+  if (!json) {
+    std::printf("%-14s %8s %9s %8s %8s %8s %10s %8s %8s\n", "trace", "capacity", "requests", "ours",
+                "pow2", "ratio", "extents/req", "p50 ns", "p99 ns");
+  }
+  for (const Trace& trace : MakeAllTraces(seed)) {
+    const Report r = Measure(trace);
+    if (json) {
+      std::printf(
+          "{\"bench\":\"allocator\",\"trace\":\"%s\",\"utilization\":%.4f,"
+          "\"pow2_utilization\":%.4f,\"alloc_free_p50_ns\":%llu,"
+          "\"alloc_free_p99_ns\":%llu,\"requests\":%u}\n",
+          r.trace.c_str(), r.ours.utilization, r.pow2.utilization,
+          static_cast<unsigned long long>(r.p50_ns), static_cast<unsigned long long>(r.p99_ns),
+          r.ours.requests);
+    } else {
+      std::printf("%-14s %5.0fGiB %9u %8.4f %8.4f %7.2fx %11.2f %8llu %8llu\n", r.trace.c_str(),
+                  r.capacity_gib, r.ours.requests, r.ours.utilization, r.pow2.utilization,
+                  r.ours.utilization / r.pow2.utilization,
+                  static_cast<double>(r.ours.extents) / r.ours.requests,
+                  static_cast<unsigned long long>(r.p50_ns),
+                  static_cast<unsigned long long>(r.p99_ns));
+    }
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace memoffload::bench

@@ -1,0 +1,569 @@
+// TLSF-class extent allocator. Sizes and offsets are kept in pages.
+//
+// Every chunk is tiled by nodes, free or allocated, linked in address order
+// (prev_phys/next_phys). A chunk's first node is node number `chunk` and is
+// never released: splits create the new node on the right and merges release
+// the right-hand node. Free nodes sit in segregated lists indexed by (first
+// level = log2 class, second level = one of kSlCount linear sub-classes) and
+// summarised by a two-level bitmap. Allocated nodes are indexed by their
+// start in a hash map, which makes validating a Free O(1) when the extent
+// begins where an allocated extent begins.
+#include "memoffload/daemon/allocator.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+namespace memoffload::daemon {
+namespace {
+
+constexpr int kSlLog2 = 5;
+constexpr int kSlCount = 1 << kSlLog2;
+constexpr int kFlCount = 64 - kSlLog2 + 1;
+constexpr uint32_t kNone = UINT32_MAX;
+// A start key packs (chunk, page offset) as chunk << kKeyShift | offset.
+constexpr int kKeyShift = 40;
+
+int Log2Floor(uint64_t v) { return 63 - __builtin_clzll(v); }
+
+// Size class of a free extent of `pages` pages.
+void Mapping(uint64_t pages, int* fl, int* sl) {
+  if (pages < static_cast<uint64_t>(kSlCount)) {
+    *fl = 0;
+    *sl = static_cast<int>(pages);
+    return;
+  }
+  const int top = Log2Floor(pages);
+  *fl = top - kSlLog2 + 1;
+  *sl = static_cast<int>((pages >> (top - kSlLog2)) - kSlCount);
+}
+
+[[noreturn]] void Die(const char* what) {
+  std::fprintf(stderr, "ExtentAllocator: %s\n", what);
+  std::abort();
+}
+
+// Open-addressing hash map from a start key to a node (linear probing,
+// backward-shift deletion, grows at half load). Find returns kNone if absent.
+class StartIndex {
+ public:
+  explicit StartIndex(size_t expected) { Rehash(expected * 2); }
+  size_t size() const { return size_; }
+  uint32_t Find(uint64_t key) const { return slots_[Probe(key)].node; }
+  void Put(uint64_t key, uint32_t node) {
+    if (2 * (size_ + 1) > slots_.size()) Rehash(slots_.size() * 2);
+    const size_t i = Probe(key);
+    size_ += slots_[i].node == kNone;
+    slots_[i] = Slot{key, node};
+  }
+  void Erase(uint64_t key) {
+    size_t i = Probe(key);
+    if (slots_[i].node == kNone) return;
+    --size_;
+    // Pull later members of the probe run back so no lookup meets a hole.
+    for (size_t j = (i + 1) & mask_; slots_[j].node != kNone; j = (j + 1) & mask_) {
+      if (((j - Home(slots_[j].key)) & mask_) >= ((j - i) & mask_)) {
+        slots_[i] = slots_[j];
+        i = j;
+      }
+    }
+    slots_[i].node = kNone;
+  }
+
+ private:
+  struct Slot {
+    uint64_t key = 0;
+    uint32_t node = kNone;
+  };
+  size_t Home(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ull) >> shift_; }
+  // The slot holding `key`, or the empty slot ending its probe run.
+  size_t Probe(uint64_t key) const {
+    size_t i = Home(key);
+    while (slots_[i].node != kNone && slots_[i].key != key) i = (i + 1) & mask_;
+    return i;
+  }
+  void Rehash(size_t min_slots) {
+    size_t n = 16;
+    while (n < min_slots) n *= 2;
+    std::vector<Slot> old(n);
+    old.swap(slots_);
+    mask_ = n - 1;
+    shift_ = 64 - Log2Floor(n);
+    size_ = 0;
+    for (const Slot& s : old) {
+      if (s.node != kNone) Put(s.key, s.node);
+    }
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  int shift_ = 0;
+  size_t size_ = 0;
+};
+
+}  // namespace
+
+class ExtentAllocator::Impl {
+ public:
+  Impl(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
+      : page_bytes_(page_bytes), index_(chunk_sizes.size() * 8 + 1024) {
+    if (page_bytes == 0 || (page_bytes & (page_bytes - 1)) != 0) {
+      Die("page_bytes must be a power of two");
+    }
+    if (chunk_sizes.empty() || chunk_sizes.size() >= (1u << 23)) {
+      Die("chunk count must be in [1, 2^23)");
+    }
+    page_shift_ = Log2Floor(page_bytes);
+    for (auto& row : heads_) std::fill(row, row + kSlCount, kNone);
+    nodes_.reserve(chunk_sizes.size() * 8 + 1024);
+    for (uint32_t c = 0; c < chunk_sizes.size(); ++c) {
+      const uint64_t pages = chunk_sizes[c] >> page_shift_;
+      if (pages == 0 || chunk_sizes[c] % page_bytes != 0 || pages >= (uint64_t{1} << kKeyShift)) {
+        Die("chunk sizes must be non-zero multiples of page_bytes");
+      }
+      nodes_.push_back(Node{0, pages, c, kNone, kNone, kNone, kNone, true});
+      chunk_pages_.push_back(pages);
+      chunk_free_pages_.push_back(pages);
+      capacity_pages_ += pages;
+      InsertFree(c);
+    }
+    free_pages_ = capacity_pages_;
+  }
+
+  Result<std::vector<Extent>> Allocate(uint64_t bytes, bool single_extent,
+                                       const std::vector<bool>* allowed);
+  Status Free(const Extent& extent);
+  Result<std::vector<Extent>> Trim(const std::vector<Extent>& extents, uint64_t keep_bytes);
+  Status CheckInvariants() const;
+
+  // Pages of the longest free extent (in allowed chunks when non-null).
+  uint64_t LongestFreePages(const std::vector<bool>* allowed) const {
+    const uint32_t i = Largest(allowed, /*longest=*/true);
+    return i == kNone ? 0 : nodes_[i].length;
+  }
+  uint64_t ToBytes(uint64_t pages) const { return pages << page_shift_; }
+
+  uint64_t page_bytes_;
+  int page_shift_ = 0;
+  uint64_t capacity_pages_ = 0;
+  uint64_t free_pages_ = 0;
+  std::vector<uint64_t> chunk_pages_;
+  std::vector<uint64_t> chunk_free_pages_;
+
+ private:
+  struct Node {
+    uint64_t offset;  // pages from the chunk start
+    uint64_t length;  // pages
+    uint32_t chunk;
+    uint32_t prev_phys;
+    uint32_t next_phys;
+    uint32_t prev_free;  // class-list links, meaningful while is_free
+    uint32_t next_free;
+    bool is_free;
+  };
+
+  static uint64_t Key(uint32_t chunk, uint64_t offset) {
+    return (uint64_t{chunk} << kKeyShift) | offset;
+  }
+  static bool Allowed(const std::vector<bool>* allowed, uint32_t chunk) {
+    return allowed == nullptr || (*allowed)[chunk];
+  }
+  std::string Bytes(uint64_t pages) const { return std::to_string(ToBytes(pages)) + " bytes"; }
+  std::string Describe(uint32_t chunk, uint64_t offset, uint64_t len) const {
+    return "[chunk " + std::to_string(chunk) + " offset " + Bytes(offset) + " length " +
+           Bytes(len) + "]";
+  }
+
+  uint32_t NewNode() {
+    if (spare_nodes_.empty()) {
+      nodes_.push_back(Node{});
+      return static_cast<uint32_t>(nodes_.size() - 1);
+    }
+    const uint32_t i = spare_nodes_.back();
+    spare_nodes_.pop_back();
+    return i;
+  }
+
+  void InsertFree(uint32_t i) {
+    int fl, sl;
+    Node& n = nodes_[i];
+    Mapping(n.length, &fl, &sl);
+    n.is_free = true;
+    n.prev_free = kNone;
+    n.next_free = heads_[fl][sl];
+    if (n.next_free != kNone) nodes_[n.next_free].prev_free = i;
+    heads_[fl][sl] = i;
+    class_max_[fl][sl] = std::max(class_max_[fl][sl], n.length);
+    fl_bitmap_ |= uint64_t{1} << fl;
+    sl_bitmap_[fl] |= 1u << sl;
+  }
+
+  // Unlinks free node i from its class list; is_free is the caller's.
+  void RemoveFree(uint32_t i) {
+    int fl, sl;
+    const Node& n = nodes_[i];
+    Mapping(n.length, &fl, &sl);
+    if (n.next_free != kNone) nodes_[n.next_free].prev_free = n.prev_free;
+    if (n.prev_free != kNone) {
+      nodes_[n.prev_free].next_free = n.next_free;
+      return;
+    }
+    heads_[fl][sl] = n.next_free;
+    if (n.next_free == kNone) {
+      sl_bitmap_[fl] &= ~(1u << sl);
+      if (sl_bitmap_[fl] == 0) fl_bitmap_ &= ~(uint64_t{1} << fl);
+    }
+  }
+
+  // Splits node i after `pages` pages and returns the new right-hand node,
+  // which inherits i's state (indexed when allocated, not listed when free).
+  uint32_t SplitAt(uint32_t i, uint64_t pages) {
+    const uint32_t r = NewNode();
+    Node& left = nodes_[i];
+    Node& right = nodes_[r] = left;  // list links are set when listed
+    right.offset += pages;
+    right.length -= pages;
+    right.prev_phys = i;
+    if (left.next_phys != kNone) nodes_[left.next_phys].prev_phys = r;
+    left.next_phys = r;
+    left.length = pages;
+    if (!right.is_free) index_.Put(Key(right.chunk, right.offset), r);
+    return r;
+  }
+
+  // Good fit: a free node of >= pages in an allowed chunk, or kNone. The
+  // unrestricted search is O(1) (own class head, then the first non-empty
+  // class above the request's, found by find-first-set); with `exact` it then
+  // scans the own class, so kNone means nothing fits. A restricted search
+  // scans the classes from the own class up.
+  uint32_t FindFit(uint64_t pages, bool exact, const std::vector<bool>* allowed) {
+    int fl, sl;
+    Mapping(pages, &fl, &sl);
+    if (allowed != nullptr) {
+      for (int f = fl, s0 = sl; f < kFlCount; ++f, s0 = 0) {
+        for (uint32_t map = sl_bitmap_[f] & (~0u << s0); map != 0; map &= map - 1) {
+          for (uint32_t i = heads_[f][__builtin_ctz(map)]; i != kNone; i = nodes_[i].next_free) {
+            if (nodes_[i].length >= pages && (*allowed)[nodes_[i].chunk]) {
+              return i;
+            }
+          }
+        }
+      }
+      return kNone;
+    }
+    const uint32_t head = heads_[fl][sl];
+    if (head != kNone && nodes_[head].length >= pages) return head;
+    // Every member of a class above the own one is long enough.
+    int f = fl;
+    uint32_t map = sl + 1 < kSlCount ? sl_bitmap_[fl] & (~0u << (sl + 1)) : 0;
+    if (map == 0) {
+      const uint64_t fl_map = fl + 1 < 64 ? fl_bitmap_ & (~uint64_t{0} << (fl + 1)) : 0;
+      if (fl_map != 0) {
+        f = __builtin_ctzll(fl_map);
+        map = sl_bitmap_[f];
+      }
+    }
+    if (map != 0) return heads_[f][__builtin_ctz(map)];
+    // class_max_ is an upper bound made exact by each failed scan, so a
+    // repeated miss costs O(1).
+    if (exact && class_max_[fl][sl] >= pages) {
+      uint64_t longest = 0;
+      for (uint32_t i = head; i != kNone; i = nodes_[i].next_free) {
+        if (nodes_[i].length >= pages) return i;
+        longest = std::max(longest, nodes_[i].length);
+      }
+      class_max_[fl][sl] = longest;
+    }
+    return kNone;
+  }
+
+  // A node of the highest non-empty class holding an allowed node: the
+  // longest of that class with `longest`, else the first (O(1) unrestricted).
+  uint32_t Largest(const std::vector<bool>* allowed, bool longest) const {
+    for (uint64_t fl_map = fl_bitmap_; fl_map != 0;) {
+      const int fl = Log2Floor(fl_map);
+      fl_map &= ~(uint64_t{1} << fl);
+      for (uint32_t map = sl_bitmap_[fl]; map != 0;) {
+        const int sl = 31 - __builtin_clz(map);
+        map &= ~(1u << sl);
+        uint32_t best = kNone;
+        for (uint32_t i = heads_[fl][sl]; i != kNone; i = nodes_[i].next_free) {
+          if (!Allowed(allowed, nodes_[i].chunk)) continue;
+          if (!longest) return i;
+          if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
+        }
+        if (best != kNone) return best;
+      }
+    }
+    return kNone;
+  }
+
+  // Allocates the first `pages` pages of free node i.
+  Extent Carve(uint32_t i, uint64_t pages) {
+    RemoveFree(i);
+    if (nodes_[i].length > pages) InsertFree(SplitAt(i, pages));
+    Node& n = nodes_[i];
+    n.is_free = false;
+    index_.Put(Key(n.chunk, n.offset), i);
+    free_pages_ -= pages;
+    chunk_free_pages_[n.chunk] -= pages;
+    return Extent{n.chunk, ToBytes(n.offset), ToBytes(pages)};
+  }
+
+  // Frees allocated node i and coalesces it with its free neighbours.
+  void FreeNode(uint32_t i) {
+    index_.Erase(Key(nodes_[i].chunk, nodes_[i].offset));
+    free_pages_ += nodes_[i].length;
+    chunk_free_pages_[nodes_[i].chunk] += nodes_[i].length;
+    const uint32_t left = nodes_[i].prev_phys;
+    if (left != kNone && nodes_[left].is_free) {
+      RemoveFree(left);
+      Absorb(left, i);
+      i = left;
+    }
+    const uint32_t right = nodes_[i].next_phys;
+    if (right != kNone && nodes_[right].is_free) {
+      RemoveFree(right);
+      Absorb(i, right);
+    }
+    InsertFree(i);
+  }
+
+  // Merges node `right` into its left neighbour `left` and releases it.
+  void Absorb(uint32_t left, uint32_t right) {
+    nodes_[left].length += nodes_[right].length;
+    nodes_[left].next_phys = nodes_[right].next_phys;
+    if (nodes_[right].next_phys != kNone) {
+      nodes_[nodes_[right].next_phys].prev_phys = left;
+    }
+    spare_nodes_.push_back(right);
+  }
+
+  // Frees pages [offset, offset + pages) of allocated node i.
+  void FreeRange(uint32_t i, uint64_t offset, uint64_t pages) {
+    if (nodes_[i].offset < offset) i = SplitAt(i, offset - nodes_[i].offset);
+    if (nodes_[i].length > pages) SplitAt(i, pages);
+    FreeNode(i);
+  }
+
+  Status Locate(const Extent& extent, uint32_t* node) const;
+
+  std::vector<Node> nodes_;
+  std::vector<uint32_t> spare_nodes_;
+  uint64_t fl_bitmap_ = 0;
+  uint32_t sl_bitmap_[kFlCount] = {};
+  uint32_t heads_[kFlCount][kSlCount];
+  // Upper bound of the longest free extent per class: raised on insert,
+  // made exact by a failed scan.
+  uint64_t class_max_[kFlCount][kSlCount] = {};
+  StartIndex index_;  // start key -> allocated node
+};
+
+Result<std::vector<Extent>> ExtentAllocator::Impl::Allocate(uint64_t bytes, bool single_extent,
+                                                            const std::vector<bool>* allowed) {
+  if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
+  if (allowed != nullptr && allowed->size() != chunk_pages_.size()) {
+    return InvalidArgument("allowed_chunks has " + std::to_string(allowed->size()) +
+                           " entries, expected " + std::to_string(chunk_pages_.size()));
+  }
+  uint64_t free_pages = free_pages_;
+  if (allowed != nullptr) {
+    free_pages = 0;
+    size_t allowed_count = 0;
+    for (size_t c = 0; c < chunk_pages_.size(); ++c) {
+      if ((*allowed)[c]) {
+        free_pages += chunk_free_pages_[c];
+        ++allowed_count;
+      }
+    }
+    if (allowed_count == chunk_pages_.size()) allowed = nullptr;
+  }
+  const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
+  const uint32_t fit = pages <= free_pages ? FindFit(pages, /*exact=*/true, allowed) : kNone;
+  if (fit != kNone) return std::vector<Extent>{Carve(fit, pages)};
+  if (pages > free_pages || single_extent) {
+    return ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes (" +
+                             std::to_string(pages) + " pages of " + std::to_string(page_bytes_) +
+                             " bytes)" + (single_extent ? " as one extent" : "") + ": " +
+                             Bytes(free_pages) + " free" +
+                             (allowed != nullptr ? " in allowed chunks" : "") +
+                             ", largest free extent " + Bytes(LongestFreePages(allowed)));
+  }
+  // Nothing fits whole: take the largest free extents, then finish with a
+  // good fit for the remainder. Terminates because free_pages >= pages.
+  std::vector<Extent> out;
+  out.reserve(4);
+  for (uint64_t remaining = pages; remaining > 0;) {
+    uint32_t i = FindFit(remaining, /*exact=*/false, allowed);
+    if (i == kNone) i = Largest(allowed, /*longest=*/false);
+    out.push_back(Carve(i, std::min(remaining, nodes_[i].length)));
+    remaining -= out.back().length >> page_shift_;
+  }
+  return out;
+}
+
+Status ExtentAllocator::Impl::Locate(const Extent& e, uint32_t* node) const {
+  if (e.chunk >= chunk_pages_.size()) {
+    return FailedPrecondition("extent chunk " + std::to_string(e.chunk) +
+                              " out of range: the arena has " +
+                              std::to_string(chunk_pages_.size()) + " chunks");
+  }
+  if (e.length == 0 || e.offset % page_bytes_ != 0 || e.length % page_bytes_ != 0) {
+    return FailedPrecondition("extent [chunk " + std::to_string(e.chunk) + " offset " +
+                              std::to_string(e.offset) + " length " + std::to_string(e.length) +
+                              "] is empty or not aligned to " + std::to_string(page_bytes_) +
+                              "-byte pages");
+  }
+  const uint64_t offset = e.offset >> page_shift_;
+  const uint64_t length = e.length >> page_shift_;
+  auto what = [&] { return "extent " + Describe(e.chunk, offset, length); };
+  if (offset >= chunk_pages_[e.chunk] || length > chunk_pages_[e.chunk] - offset) {
+    return FailedPrecondition(what() + " ends past its chunk (" + Bytes(chunk_pages_[e.chunk]) +
+                              ")");
+  }
+  uint32_t i = index_.Find(Key(e.chunk, offset));
+  // Not where an allocated extent starts: walk the chunk in address order.
+  if (i == kNone) i = e.chunk;
+  while (nodes_[i].offset + nodes_[i].length <= offset) i = nodes_[i].next_phys;
+  const Node& n = nodes_[i];
+  if (n.is_free) {
+    return FailedPrecondition(what() + " overlaps free extent " +
+                              Describe(n.chunk, n.offset, n.length) +
+                              " (double free or never allocated)");
+  }
+  if (offset + length > n.offset + n.length) {
+    return FailedPrecondition(what() + " is not inside allocated extent " +
+                              Describe(n.chunk, n.offset, n.length));
+  }
+  *node = i;
+  return Status::Ok();
+}
+
+Status ExtentAllocator::Impl::Free(const Extent& extent) {
+  uint32_t i;
+  MEMOFFLOAD_RETURN_IF_ERROR(Locate(extent, &i));
+  FreeRange(i, extent.offset >> page_shift_, extent.length >> page_shift_);
+  return Status::Ok();
+}
+
+Result<std::vector<Extent>> ExtentAllocator::Impl::Trim(const std::vector<Extent>& extents,
+                                                        uint64_t keep_bytes) {
+  // Validate everything first so that a bad list changes nothing.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // (start key, pages)
+  for (const Extent& e : extents) {
+    uint32_t i;
+    MEMOFFLOAD_RETURN_IF_ERROR(Locate(e, &i));
+    ranges.emplace_back(Key(e.chunk, e.offset >> page_shift_), e.length >> page_shift_);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    if (ranges[k - 1].first + ranges[k - 1].second > ranges[k].first) {
+      return FailedPrecondition("Trim was given overlapping extents");
+    }
+  }
+  uint64_t keep_pages = keep_bytes / page_bytes_ + (keep_bytes % page_bytes_ != 0);
+  std::vector<Extent> kept;
+  for (const Extent& e : extents) {
+    const uint64_t pages = e.length >> page_shift_;
+    const uint64_t keep = std::min(pages, keep_pages);
+    keep_pages -= keep;
+    if (keep > 0) kept.push_back(Extent{e.chunk, e.offset, ToBytes(keep)});
+    if (keep == pages) continue;
+    // Disjoint extents stay inside allocated nodes while others are freed.
+    uint32_t i;
+    const Status located = Locate(e, &i);
+    if (!located.ok()) return Internal("Trim: " + located.message());
+    FreeRange(i, (e.offset >> page_shift_) + keep, pages - keep);
+  }
+  return kept;
+}
+
+Status ExtentAllocator::Impl::CheckInvariants() const {
+  uint64_t free_total = 0, free_nodes = 0, allocated_nodes = 0;
+  for (uint32_t c = 0; c < chunk_pages_.size(); ++c) {
+    uint64_t end = 0, chunk_free = 0;
+    for (uint32_t i = c, prev = kNone; i != kNone; prev = i, i = nodes_[i].next_phys) {
+      const Node& n = nodes_[i];
+      const char* broken = nullptr;
+      if (n.chunk != c || n.prev_phys != prev || n.length == 0 || n.offset != end ||
+          n.length > chunk_pages_[c] - end) {
+        broken = "breaks the address-ordered tiling of its chunk";
+      } else if (n.is_free && prev != kNone && nodes_[prev].is_free) {
+        broken = "is free next to a free extent";
+      } else if (!n.is_free && index_.Find(Key(c, n.offset)) != i) {
+        broken = "is allocated but not indexed";
+      }
+      if (broken != nullptr) {
+        return Internal("extent " + Describe(c, n.offset, n.length) + " " + broken);
+      }
+      end += n.length;
+      chunk_free += n.is_free ? n.length : 0;
+      ++(n.is_free ? free_nodes : allocated_nodes);
+    }
+    if (end != chunk_pages_[c] || chunk_free != chunk_free_pages_[c]) {
+      return Internal("chunk " + std::to_string(c) + ": extents cover " + Bytes(end) + " of " +
+                      Bytes(chunk_pages_[c]) + ", " + Bytes(chunk_free) + " free, counted " +
+                      Bytes(chunk_free_pages_[c]));
+    }
+    free_total += chunk_free;
+  }
+  if (free_total != free_pages_ || allocated_nodes != index_.size()) {
+    return Internal("free extents hold " + Bytes(free_total) + ", counted " + Bytes(free_pages_) +
+                    "; " + std::to_string(allocated_nodes) + " allocated extents, indexed " +
+                    std::to_string(index_.size()));
+  }
+  // Well-formed lists of free nodes of the right class, as many as there are
+  // free nodes, mean every free extent is listed in its class exactly once.
+  uint64_t listed = 0;
+  for (int fl = 0; fl < kFlCount; ++fl) {
+    for (int sl = 0; sl < kSlCount; ++sl) {
+      bool ok = ((sl_bitmap_[fl] >> sl & 1) != 0) == (heads_[fl][sl] != kNone) &&
+                ((fl_bitmap_ >> fl & 1) != 0) == (sl_bitmap_[fl] != 0);
+      for (uint32_t i = heads_[fl][sl], prev = kNone; ok && i != kNone;
+           prev = i, i = nodes_[i].next_free, ++listed) {
+        int f, s;
+        Mapping(nodes_[i].length, &f, &s);
+        ok = nodes_[i].is_free && nodes_[i].prev_free == prev && f == fl && s == sl &&
+             nodes_[i].length <= class_max_[fl][sl];
+      }
+      if (!ok) {
+        return Internal("size class (" + std::to_string(fl) + ", " + std::to_string(sl) +
+                        ") has a bad list or bitmap");
+      }
+    }
+  }
+  if (listed != free_nodes) {
+    return Internal("class lists hold " + std::to_string(listed) + " extents; the chunks hold " +
+                    std::to_string(free_nodes) + " free extents");
+  }
+  return Status::Ok();
+}
+
+ExtentAllocator::ExtentAllocator(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
+    : impl_(std::make_unique<Impl>(chunk_sizes, page_bytes)) {}
+ExtentAllocator::~ExtentAllocator() = default;
+
+Result<std::vector<Extent>> ExtentAllocator::Allocate(uint64_t bytes, bool single_extent,
+                                                      const std::vector<bool>* allowed_chunks) {
+  return impl_->Allocate(bytes, single_extent, allowed_chunks);
+}
+Status ExtentAllocator::Free(const Extent& extent) { return impl_->Free(extent); }
+Result<std::vector<Extent>> ExtentAllocator::Trim(const std::vector<Extent>& extents,
+                                                  uint64_t keep_bytes) {
+  return impl_->Trim(extents, keep_bytes);
+}
+uint64_t ExtentAllocator::capacity_bytes() const { return impl_->ToBytes(impl_->capacity_pages_); }
+uint64_t ExtentAllocator::free_bytes() const { return impl_->ToBytes(impl_->free_pages_); }
+uint64_t ExtentAllocator::largest_free_extent_bytes() const {
+  return impl_->ToBytes(impl_->LongestFreePages(nullptr));
+}
+uint64_t ExtentAllocator::page_bytes() const { return impl_->page_bytes_; }
+uint32_t ExtentAllocator::chunk_count() const {
+  return static_cast<uint32_t>(impl_->chunk_pages_.size());
+}
+uint64_t ExtentAllocator::chunk_free_bytes(uint32_t chunk) const {
+  return chunk < impl_->chunk_pages_.size() ? impl_->ToBytes(impl_->chunk_free_pages_[chunk]) : 0;
+}
+Status ExtentAllocator::CheckInvariants() const { return impl_->CheckInvariants(); }
+
+}  // namespace memoffload::daemon
