@@ -8,7 +8,7 @@ set -euo pipefail
 DEPS_BUILD=(
   build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  prometheus-cpp-dev libboost-dev libsystemd-dev
+  prometheus-cpp-dev libboost-dev libsystemd-dev libtomlplusplus-dev
 )
 # Torch integration (LibTorch extension and the Python package).
 DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest)

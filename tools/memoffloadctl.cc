@@ -1,9 +1,10 @@
 // memoffloadctl: operator CLI for memoffloadd.
 //
-//   memoffloadctl [--runtime-dir DIR] [--json] status|sessions
+//   memoffloadctl [--runtime-dir DIR] [--json] status|sessions|drain|undrain|config
 //
 // Exit codes: 0 success, 1 the daemon answered with an error, 2 usage error,
-// 3 the daemon is not reachable (the message names the socket tried).
+// 3 the daemon is not reachable (the message names the socket tried),
+// 4 permission denied (drain/undrain without access to the admin token).
 #include <google/protobuf/util/json_util.h>
 
 #include <cstdio>
@@ -23,24 +24,31 @@ constexpr int kExitOk = 0;
 constexpr int kExitDaemonError = 1;
 constexpr int kExitUsage = 2;
 constexpr int kExitUnreachable = 3;
+constexpr int kExitPermission = 4;
 
 void Usage(FILE* out) {
   std::fputs(
       "usage: memoffloadctl [--runtime-dir DIR] [--json] <command>\n\n"
       "commands:\n"
       "  status     arena capacity, use by state, sessions and groups\n"
-      "  sessions   attached sessions: job, rank, pid, uid, bytes held, groups, age\n\n"
+      "  sessions   attached sessions: job, rank, pid, uid, bytes held, groups, age\n"
+      "  drain      refuse new attaches and reserves; existing sessions finish\n"
+      "  undrain    accept attaches and reserves again\n"
+      "  config     the daemon's effective configuration and where each value came from\n\n"
       "The runtime dir defaults to $MEMOFFLOAD_RUNTIME_DIR, else /run/memoffload\n"
       "(root), $XDG_RUNTIME_DIR/memoffload or /tmp/memoffload-$UID.\n"
-      "Exit codes: 0 ok, 1 daemon error, 2 usage, 3 daemon not reachable.\n",
+      "Exit codes: 0 ok, 1 daemon error, 2 usage, 3 daemon not reachable,\n"
+      "4 permission denied (drain/undrain need root or the daemon's user).\n",
       out);
 }
 
 int Fail(const Status& st) {
   std::fprintf(stderr, "memoffloadctl: %s\n", st.message().c_str());
-  return st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded
-             ? kExitUnreachable
-             : kExitDaemonError;
+  if (st.code() == StatusCode::kUnavailable || st.code() == StatusCode::kDeadlineExceeded) {
+    return kExitUnreachable;
+  }
+  if (st.code() == StatusCode::kPermissionDenied) return kExitPermission;
+  return kExitDaemonError;
 }
 
 void PrintJson(const google::protobuf::Message& message) {
@@ -107,6 +115,33 @@ int Sessions(memoffload::client::AdminClient& admin, bool json) {
   return kExitOk;
 }
 
+int Drain(memoffload::client::AdminClient& admin, bool drain, bool json) {
+  auto r = admin.Drain(drain);
+  if (!r.ok()) return Fail(r.status());
+  if (json) {
+    PrintJson(*r);
+    return kExitOk;
+  }
+  if (r->draining()) {
+    std::printf("draining: new attaches and reserves are refused; %u sessions still hold %s\n",
+                r->sessions(), FormatSize(r->used_bytes()).c_str());
+  } else {
+    std::printf("serving: attaches and reserves are accepted\n");
+  }
+  return kExitOk;
+}
+
+int Config(memoffload::client::AdminClient& admin, bool json) {
+  auto r = admin.GetConfig();
+  if (!r.ok()) return Fail(r.status());
+  if (json) {
+    PrintJson(*r);
+    return kExitOk;
+  }
+  std::fputs(r->toml().c_str(), stdout);
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -139,6 +174,8 @@ int main(int argc, char** argv) {
   if (!admin.ok()) return Fail(admin.status());
   if (command == "status") return Status_(**admin, json);
   if (command == "sessions") return Sessions(**admin, json);
+  if (command == "drain" || command == "undrain") return Drain(**admin, command == "drain", json);
+  if (command == "config") return Config(**admin, json);
   std::fprintf(stderr, "memoffloadctl: unknown command '%s'\n", command.c_str());
   Usage(stderr);
   return kExitUsage;

@@ -1,5 +1,7 @@
 #include "memoffload/client/admin.h"
 
+#include <fstream>
+
 #include "grpc_util.h"
 #include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
@@ -8,6 +10,7 @@ namespace memoffload::client {
 
 class AdminClient::Impl {
  public:
+  std::string runtime_dir;
   std::string socket_path;
   int timeout_ms = 5000;
   std::unique_ptr<v1::Offload::Stub> stub;
@@ -19,7 +22,8 @@ AdminClient::~AdminClient() = default;
 Result<std::unique_ptr<AdminClient>> AdminClient::Connect(const std::string& runtime_dir,
                                                           int timeout_ms) {
   auto impl = std::make_unique<Impl>();
-  impl->socket_path = GrpcSocketPath(ResolveRuntimeDir(runtime_dir));
+  impl->runtime_dir = ResolveRuntimeDir(runtime_dir);
+  impl->socket_path = GrpcSocketPath(impl->runtime_dir);
   impl->timeout_ms = timeout_ms;
   impl->stub = v1::Offload::NewStub(MakeChannel(impl->socket_path));
   return std::unique_ptr<AdminClient>(new AdminClient(std::move(impl)));
@@ -41,6 +45,35 @@ Result<v1::ListSessionsResponse> AdminClient::ListSessions() {
   v1::ListSessionsResponse resp;
   Status st = FromGrpc(impl_->stub->ListSessions(&ctx, v1::ListSessionsRequest(), &resp),
                        impl_->socket_path);
+  if (!st.ok()) return st;
+  return resp;
+}
+
+Result<v1::GetConfigResponse> AdminClient::GetConfig() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, impl_->timeout_ms);
+  v1::GetConfigResponse resp;
+  Status st =
+      FromGrpc(impl_->stub->GetConfig(&ctx, v1::GetConfigRequest(), &resp), impl_->socket_path);
+  if (!st.ok()) return st;
+  return resp;
+}
+
+Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
+  const std::string token_path = impl_->runtime_dir + "/admin.token";
+  std::ifstream in(token_path);
+  std::string token;
+  if (!in || !std::getline(in, token)) {
+    return PermissionDenied("cannot read the admin token " + token_path +
+                            " (run as root or as the daemon's user)");
+  }
+  v1::DrainRequest req;
+  req.set_admin_token(token);
+  req.set_drain(drain);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, impl_->timeout_ms);
+  v1::DrainResponse resp;
+  Status st = FromGrpc(impl_->stub->Drain(&ctx, req, &resp), impl_->socket_path);
   if (!st.ok()) return st;
   return resp;
 }

@@ -119,6 +119,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   hello.rank = options.rank;
   hello.local_rank = options.local_rank;
   hello.max_bytes = options.max_bytes;
+  hello.job_max_bytes = options.job_max_bytes;
   MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(impl->lifeline_fd, EncodeHello(hello)));
 
   std::string payload;

@@ -1,9 +1,13 @@
 #include "memoffload/daemon/broker.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <boost/asio/posix/stream_descriptor.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
@@ -23,7 +27,11 @@ using Socket = asio::local::stream_protocol::socket;
 class Broker::Connection : public std::enable_shared_from_this<Connection> {
  public:
   Connection(Broker* broker, uint64_t id, Socket socket)
-      : broker_(broker), id_(id), socket_(std::move(socket)), timer_(broker->io_) {}
+      : broker_(broker),
+        id_(id),
+        socket_(std::move(socket)),
+        timer_(broker->io_),
+        pidfd_(broker->io_) {}
 
   void Start() {
     ucred cred{};
@@ -33,6 +41,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       return;
     }
     peer_ = PeerCredentials{cred.pid, cred.uid, cred.gid};
+    if (std::string denied = broker_->AccessDenied(peer_); !denied.empty()) {
+      Refuse("access_denied", PermissionDenied(denied));
+      return;
+    }
     timer_.expires_after(std::chrono::milliseconds(broker_->options_.hello_timeout_ms));
     auto self = shared_from_this();
     timer_.async_wait([self](error_code ec) {
@@ -50,6 +62,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   void Shutdown() {
     error_code ignored;
     timer_.cancel();
+    pidfd_.close(ignored);
     socket_.shutdown(Socket::shutdown_both, ignored);
     socket_.close(ignored);
   }
@@ -88,7 +101,11 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     if (!hello.ok()) return Refuse("bad_hello", hello.status());
     hello_ = *hello;
     Result<SessionGrant> grant = broker_->table_->Open(hello_, peer_);
-    if (!grant.ok()) return Refuse("session_error", grant.status());
+    if (!grant.ok()) {
+      return Refuse(
+          grant.status().code() == StatusCode::kUnavailable ? "draining" : "session_error",
+          grant.status());
+    }
     session_id_ = grant->session_id;
     if (Status st = SendGrant(*grant); !st.ok()) {
       MO_LOG_WARN("attach of pid %d failed while sending the chunk table: %s", peer_.pid,
@@ -101,6 +118,27 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
                 static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid,
                 hello_.job_id.c_str(), hello_.rank, hello_.local_rank);
     WatchLifeline();
+    WatchProcess();
+  }
+
+  // Closes the session when the peer process exits, even if a child it
+  // forked keeps the connection open. Skipped where the pid is not visible.
+  void WatchProcess() {
+    if (peer_.pid <= 0) return;
+    const int fd = static_cast<int>(syscall(SYS_pidfd_open, peer_.pid, 0));
+    if (fd < 0) return;
+    pidfd_.assign(fd);
+    auto self = shared_from_this();
+    pidfd_.async_wait(asio::posix::stream_descriptor::wait_read, [self](error_code ec) {
+      if (ec || self->session_id_ == 0) return;
+      // A process closes its fds before its pidfd turns readable: a hung-up
+      // socket means the ordinary lifeline case, an open one means a child
+      // still holds it.
+      pollfd p{self->socket_.native_handle(), POLLIN | POLLRDHUP, 0};
+      const bool hung_up = poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP));
+      self->CloseSession(hung_up ? CloseReason::kLifelineClosed : CloseReason::kProcessExited);
+      self->Finish();
+    });
   }
 
   Status SendGrant(const SessionGrant& grant) {
@@ -162,6 +200,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   const uint64_t id_;
   Socket socket_;
   asio::steady_timer timer_;
+  asio::posix::stream_descriptor pidfd_;
   PeerCredentials peer_;
   Hello hello_;
   uint64_t session_id_ = 0;
@@ -171,15 +210,28 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 };
 
 Broker::Broker(asio::io_context& io, const Arena* arena, SessionTable* table, Metrics* metrics,
-               BrokerOptions options)
+               BrokerOptions options, Policy policy)
+
     : io_(io),
       arena_(arena),
       table_(table),
       metrics_(metrics),
       options_(std::move(options)),
+      policy_(std::move(policy)),
       acceptor_(io) {}
 
 Broker::~Broker() { CloseAll(); }
+
+std::string Broker::AccessDenied(const PeerCredentials& peer) const {
+  if (peer.uid == 0 || peer.uid == geteuid()) return "";
+  const auto& uids = policy_.allowed_uids;
+  const auto& gids = policy_.allowed_gids;
+  if (std::find(uids.begin(), uids.end(), peer.uid) != uids.end()) return "";
+  if (std::find(gids.begin(), gids.end(), peer.gid) != gids.end()) return "";
+  return "uid " + std::to_string(peer.uid) + " (gid " + std::to_string(peer.gid) +
+         ") may not attach: allowed are root, the daemon's uid " + std::to_string(geteuid()) +
+         " and access.allowed_uids / access.allowed_gids in the daemon's config";
+}
 
 Status Broker::Start() {
   unlink(options_.socket_path.c_str());
@@ -192,6 +244,10 @@ Status Broker::Start() {
   }
   if (chmod(options_.socket_path.c_str(), options_.socket_mode) != 0) {
     return ErrnoStatus("chmod " + options_.socket_path, errno);
+  }
+  if (options_.socket_gid != static_cast<gid_t>(-1) &&
+      chown(options_.socket_path.c_str(), static_cast<uid_t>(-1), options_.socket_gid) != 0) {
+    return ErrnoStatus("chown " + options_.socket_path + " to the socket group", errno);
   }
   acceptor_.listen(asio::socket_base::max_listen_connections, ec);
   if (ec) return Unavailable("cannot listen on " + options_.socket_path + ": " + ec.message());

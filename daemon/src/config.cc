@@ -2,111 +2,367 @@
 
 #include <unistd.h>
 
+#define TOML_EXCEPTIONS 0
+#include <toml++/toml.h>
+
 #include <algorithm>
+#include <cctype>
 #include <functional>
+#include <sstream>
 #include <string_view>
 
 #include "memoffload/shared_mem/chunk.h"
 #include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/shared_mem/units.h"
 
+extern char** environ;
+
 namespace memoffload::daemon {
 namespace {
 
-struct Flag {
-  const char* name;
-  const char* value_help;  // nullptr: boolean flag taking no value
+enum class Kind { kString, kSize, kDuration, kInt, kBool, kIdList, kMode };
+
+const char* KindHelp(Kind kind) {
+  switch (kind) {
+    case Kind::kString:
+      return "STRING";
+    case Kind::kSize:
+      return "SIZE";
+    case Kind::kDuration:
+      return "DURATION";
+    case Kind::kInt:
+      return "N";
+    case Kind::kBool:
+      return "BOOL";
+    case Kind::kIdList:
+      return "ID,ID,...";
+    case Kind::kMode:
+      return "OCTAL";
+  }
+  return "";
+}
+
+struct Setting {
+  const char* section;
+  const char* key;
+  Kind kind;
   const char* help;
   std::function<Status(DaemonConfig*, const std::string&)> apply;
+  std::function<std::string(const DaemonConfig&)> format;
+
+  std::string Name() const { return std::string(section) + "." + key; }
+  std::string Flag() const {
+    std::string f = key;
+    std::replace(f.begin(), f.end(), '_', '-');
+    if (std::string_view(section) == "arena" && f == "size") return "arena-size";
+    return f;
+  }
+  std::string Env() const {
+    std::string e = "MEMOFFLOAD_" + Flag();
+    for (char& c : e) c = c == '-' ? '_' : static_cast<char>(std::toupper(c));
+    return e;
+  }
 };
 
-Status SetSize(uint64_t* out, const std::string& flag, const std::string& v) {
-  Result<uint64_t> r = ParseSize(v);
-  if (!r.ok()) return InvalidArgument("--" + flag + ": " + r.status().message());
-  *out = *r;
+Status ParseBool(const std::string& v, bool* out) {
+  std::string l = v;
+  for (char& c : l) c = static_cast<char>(std::tolower(c));
+  if (l == "true" || l == "1" || l == "yes" || l == "on")
+    *out = true;
+  else if (l == "false" || l == "0" || l == "no" || l == "off")
+    *out = false;
+  else
+    return InvalidArgument("'" + v + "' is not a boolean (true/false)");
   return Status::Ok();
 }
 
-const std::vector<Flag>& Flags() {
-  static const std::vector<Flag> flags = {
-      {"runtime-dir", "DIR",
-       "directory holding broker.sock and memoffload.sock (default: "
-       "/run/memoffload as root, else $XDG_RUNTIME_DIR/memoffload or "
-       "/tmp/memoffload-$UID; env MEMOFFLOAD_RUNTIME_DIR)",
+Status ParseIdList(const std::string& v, std::vector<uint32_t>* out) {
+  out->clear();
+  std::stringstream ss(v);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item.erase(std::remove_if(item.begin(), item.end(), ::isspace), item.end());
+    if (item.empty()) continue;
+    char* end = nullptr;
+    unsigned long id = std::strtoul(item.c_str(), &end, 10);
+    if (*end != '\0' || !std::isdigit(static_cast<unsigned char>(item[0])) || id > 0xfffffffeul) {
+      return InvalidArgument("'" + item + "' is not a numeric uid/gid");
+    }
+    out->push_back(static_cast<uint32_t>(id));
+  }
+  return Status::Ok();
+}
+
+std::string JoinIds(const std::vector<uint32_t>& ids) {
+  std::string s;
+  for (uint32_t id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
+}
+
+std::string Octal(uint32_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "0%o", mode);
+  return buf;
+}
+
+// Helpers that build the apply/format pair for a field of a given kind.
+Setting SizeSetting(const char* section, const char* key, const char* help,
+                    uint64_t DaemonConfig::*field) {
+  return {section,
+          key,
+          Kind::kSize,
+          help,
+          [field](DaemonConfig* c, const std::string& v) {
+            Result<uint64_t> r = ParseSize(v);
+            if (!r.ok()) return r.status();
+            c->*field = *r;
+            return Status::Ok();
+          },
+          [field](const DaemonConfig& c) { return std::to_string(c.*field); }};
+}
+
+Setting PolicySize(const char* key, const char* help, uint64_t Policy::*field) {
+  return {"quotas",
+          key,
+          Kind::kSize,
+          help,
+          [field](DaemonConfig* c, const std::string& v) {
+            Result<uint64_t> r = ParseSize(v);
+            if (!r.ok()) return r.status();
+            c->policy.*field = *r;
+            return Status::Ok();
+          },
+          [field](const DaemonConfig& c) { return std::to_string(c.policy.*field); }};
+}
+
+Setting DurationSetting(const char* section, const char* key, const char* help,
+                        uint64_t* (*field)(DaemonConfig*)) {
+  return {section,
+          key,
+          Kind::kDuration,
+          help,
+          [field](DaemonConfig* c, const std::string& v) {
+            Result<uint64_t> r = ParseDurationMs(v);
+            if (!r.ok()) return r.status();
+            *field(c) = *r;
+            return Status::Ok();
+          },
+          [field](const DaemonConfig& c) {
+            return std::to_string(*field(const_cast<DaemonConfig*>(&c))) + "ms";
+          }};
+}
+
+Setting BoolSetting(const char* section, const char* key, const char* help,
+                    bool DaemonConfig::*field) {
+  return {section,
+          key,
+          Kind::kBool,
+          help,
+          [field](DaemonConfig* c, const std::string& v) { return ParseBool(v, &(c->*field)); },
+          [field](const DaemonConfig& c) { return std::string(c.*field ? "true" : "false"); }};
+}
+
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> settings = {
+      {"server", "runtime_dir", Kind::kString,
+       "directory of broker.sock and memoffload.sock (default /run/memoffload as root, else "
+       "$XDG_RUNTIME_DIR/memoffload or /tmp/memoffload-$UID)",
        [](DaemonConfig* c, const std::string& v) {
-         if (v.empty()) return InvalidArgument("--runtime-dir: empty path");
+         if (v.empty() || v[0] != '/')
+           return InvalidArgument("'" + v + "' is not an absolute path");
          c->runtime_dir = v;
          return Status::Ok();
-       }},
-      {"arena-size", "SIZE", "arena size, e.g. 512MiB, 64GiB (default: min(1GiB, 25% of RAM))",
+       },
+       [](const DaemonConfig& c) { return c.runtime_dir; }},
+      {"server", "metrics_address", Kind::kString,
+       "Prometheus listener HOST:PORT (default 127.0.0.1:9477; 'none' disables)",
        [](DaemonConfig* c, const std::string& v) {
-         return SetSize(&c->arena_size_bytes, "arena-size", v);
-       }},
-      {"chunk-size", "SIZE", "size of one memfd chunk (default: min(1GiB, arena))",
-       [](DaemonConfig* c, const std::string& v) {
-         return SetSize(&c->chunk_size_bytes, "chunk-size", v);
-       }},
-      {"metrics-address", "HOST:PORT",
-       "Prometheus /metrics listener (default 127.0.0.1:9477; 'none' disables)",
-       [](DaemonConfig* c, const std::string& v) {
-         c->metrics_address = (v == "none") ? "" : v;
-         if (!c->metrics_address.empty() && c->metrics_address.find(':') == std::string::npos) {
-           return InvalidArgument("--metrics-address: '" + v + "' is not HOST:PORT or 'none'");
+         if (v == "none" || v.empty()) {
+           c->metrics_address.clear();
+           return Status::Ok();
          }
+         const size_t colon = v.rfind(':');
+         if (colon == std::string::npos || colon + 1 == v.size() ||
+             v.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+           return InvalidArgument("'" + v + "' is not HOST:PORT or 'none'");
+         }
+         c->metrics_address = v;
          return Status::Ok();
+       },
+       [](const DaemonConfig& c) {
+         return c.metrics_address.empty() ? std::string("none") : c.metrics_address;
        }},
-      {"prefault-threads", "N", "threads that pre-fault the arena (default: cores)",
+      {"server", "log_level", Kind::kString, "debug, info, warn or error (default info)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "debug" && v != "info" && v != "warn" && v != "error") {
+           return InvalidArgument("'" + v + "' is not one of debug, info, warn, error");
+         }
+         c->log_level = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.log_level; }},
+      {"server", "socket_mode", Kind::kMode, "file mode of both sockets (default 0660)",
+       [](DaemonConfig* c, const std::string& v) {
+         char* end = nullptr;
+         unsigned long m = std::strtoul(v.c_str(), &end, 8);
+         if (v.empty() || *end != '\0' || m > 0777) {
+           return InvalidArgument("'" + v + "' is not an octal file mode like 0660");
+         }
+         c->socket_mode = static_cast<uint32_t>(m);
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return Octal(c.socket_mode); }},
+      {"server", "socket_group", Kind::kString,
+       "group owning the sockets, so its members may attach (default: the daemon's group)",
+       [](DaemonConfig* c, const std::string& v) {
+         c->socket_group = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.socket_group; }},
+      SizeSetting("arena", "size", "arena size, e.g. 512MiB, 64GiB (default min(1GiB, 25% of RAM))",
+                  &DaemonConfig::arena_size_bytes),
+      SizeSetting("arena", "chunk_size", "size of one memfd chunk (default min(1GiB, arena))",
+                  &DaemonConfig::chunk_size_bytes),
+      {"arena", "prefault_threads", Kind::kInt, "threads pre-faulting the arena (0: one per core)",
        [](DaemonConfig* c, const std::string& v) {
          char* end = nullptr;
          long n = std::strtol(v.c_str(), &end, 10);
          if (v.empty() || *end != '\0' || n < 0 || n > 1024) {
-           return InvalidArgument("--prefault-threads: '" + v +
-                                  "' is not an integer in 0..1024 (0: one per core)");
+           return InvalidArgument("'" + v + "' is not an integer in 0..1024");
          }
          c->prefault_threads = static_cast<int>(n);
          return Status::Ok();
-       }},
-      {"session-max-bytes", "SIZE", "byte limit per session (default: none)",
+       },
+       [](const DaemonConfig& c) { return std::to_string(c.prefault_threads); }},
+      BoolSetting("arena", "hugepages", "back chunks with hugepages (MFD_HUGETLB)",
+                  &DaemonConfig::hugepages),
+      BoolSetting("arena", "mlock", "mlock the arena (default true; --no-mlock disables)",
+                  &DaemonConfig::mlock),
+      {"access", "allowed_uids", Kind::kIdList,
+       "uids allowed to attach besides the daemon's own uid and root (always allowed)",
        [](DaemonConfig* c, const std::string& v) {
-         return SetSize(&c->session_max_bytes, "session-max-bytes", v);
-       }},
-      {"log-level", "LEVEL", "debug, info, warn or error (default info)",
+         return ParseIdList(v, &c->policy.allowed_uids);
+       },
+       [](const DaemonConfig& c) { return JoinIds(c.policy.allowed_uids); }},
+      {"access", "allowed_gids", Kind::kIdList, "peers in these groups may attach too",
        [](DaemonConfig* c, const std::string& v) {
-         if (v != "debug" && v != "info" && v != "warn" && v != "error") {
-           return InvalidArgument("--log-level: '" + v +
-                                  "' is not one of debug, info, warn, error");
-         }
-         c->log_level = v;
-         return Status::Ok();
-       }},
-      {"hugepages", nullptr, "back chunks with hugepages (MFD_HUGETLB)",
-       [](DaemonConfig* c, const std::string&) {
-         c->hugepages = true;
-         return Status::Ok();
-       }},
-      {"no-mlock", nullptr, "do not mlock the arena",
-       [](DaemonConfig* c, const std::string&) {
-         c->mlock = false;
-         return Status::Ok();
-       }},
-      {"help", nullptr, "print this help and exit",
-       [](DaemonConfig* c, const std::string&) {
-         c->show_help = true;
-         return Status::Ok();
-       }},
-      {"version", nullptr, "print the version and exit",
-       [](DaemonConfig* c, const std::string&) {
-         c->show_version = true;
-         return Status::Ok();
-       }},
+         return ParseIdList(v, &c->policy.allowed_gids);
+       },
+       [](const DaemonConfig& c) { return JoinIds(c.policy.allowed_gids); }},
+      PolicySize("session_max_bytes", "byte limit of one session (0: none)",
+                 &Policy::session_max_bytes),
+      PolicySize("job_max_bytes", "byte limit of all sessions of one job id (0: none)",
+                 &Policy::job_max_bytes),
+      PolicySize("node_reserve_bytes", "arena bytes never handed out (default 0)",
+                 &Policy::node_reserve_bytes),
+      DurationSetting("quotas", "max_wait",
+                      "longest a waiting reserve waits when its call has no deadline",
+                      [](DaemonConfig* c) { return &c->policy.max_wait_ms; }),
+      DurationSetting("lifecycle", "drain_timeout",
+                      "on SIGTERM, how long to wait for sessions to release (default 30s)",
+                      [](DaemonConfig* c) { return &c->drain_timeout_ms; }),
+      DurationSetting("lifecycle", "hello_timeout",
+                      "drop a broker connection that sends no hello in this time",
+                      [](DaemonConfig* c) { return &c->hello_timeout_ms; }),
   };
-  return flags;
+  return settings;
 }
 
-}  // namespace
+const Setting* FindByFlag(const std::string& flag) {
+  for (const Setting& s : Settings()) {
+    if (s.Flag() == flag) return &s;
+  }
+  return nullptr;
+}
 
-Result<DaemonConfig> ParseFlags(int argc, const char* const* argv) {
-  DaemonConfig config;
+Status Apply(const Setting& s, DaemonConfig* c, const std::string& value, const std::string& source,
+             const std::string& where) {
+  Status st = s.apply(c, value);
+  if (!st.ok()) {
+    return InvalidArgument(where + ": " + st.message() + " (expected " + KindHelp(s.kind) + ": " +
+                           s.help + ")");
+  }
+  c->sources[s.Name()] = source;
+  return Status::Ok();
+}
+
+// Converts a TOML value to the string form the settings parse.
+Result<std::string> TomlValueToString(const toml::node& node) {
+  if (auto v = node.value<std::string>()) return *v;
+  if (node.is_boolean()) return std::string(*node.value<bool>() ? "true" : "false");
+  if (node.is_integer()) return std::to_string(*node.value<int64_t>());
+  if (const toml::array* arr = node.as_array()) {
+    std::string joined;
+    for (const toml::node& el : *arr) {
+      Result<std::string> s = TomlValueToString(el);
+      if (!s.ok()) return s;
+      joined += (joined.empty() ? "" : ",") + *s;
+    }
+    return joined;
+  }
+  return InvalidArgument("unsupported value type (use a string, integer, boolean or array)");
+}
+
+std::string KnownKeys(const std::string& section) {
+  std::string keys;
+  for (const Setting& s : Settings()) {
+    if (section.empty() || s.section == section) {
+      keys += (keys.empty() ? "" : ", ") + (section.empty() ? s.Name() : std::string(s.key));
+    }
+  }
+  return keys;
+}
+
+Status ApplyFile(const std::string& path, DaemonConfig* c) {
+  toml::parse_result parsed = toml::parse_file(path);
+  if (!parsed) {
+    const toml::parse_error& err = parsed.error();
+    if (!err.source().begin) {
+      return InvalidArgument("config file " + path + ": " + std::string(err.description()));
+    }
+    return InvalidArgument("config file " + path + ":" + std::to_string(err.source().begin.line) +
+                           ":" + std::to_string(err.source().begin.column) + ": " +
+                           std::string(err.description()));
+  }
+  for (const auto& [section_key, section_node] : parsed.table()) {
+    const std::string section(section_key.str());
+    const toml::table* table = section_node.as_table();
+    if (table == nullptr || KnownKeys(section).empty()) {
+      return InvalidArgument("config file " + path + ": unknown section '" + section +
+                             "'; expected [server], [arena], [access], [quotas] or [lifecycle]");
+    }
+    for (const auto& [key, node] : *table) {
+      const std::string name = section + "." + std::string(key.str());
+      const Setting* setting = nullptr;
+      for (const Setting& s : Settings()) {
+        if (s.Name() == name) setting = &s;
+      }
+      if (setting == nullptr) {
+        return InvalidArgument("config file " + path + ": unknown key '" + name + "'; keys in [" +
+                               section + "] are " + KnownKeys(section));
+      }
+      Result<std::string> value = TomlValueToString(node);
+      if (!value.ok()) {
+        return InvalidArgument("config file " + path + ": " + name + ": " +
+                               value.status().message());
+      }
+      MEMOFFLOAD_RETURN_IF_ERROR(
+          Apply(*setting, c, *value, "file", "config file " + path + ": " + name));
+    }
+  }
+  return Status::Ok();
+}
+
+struct ParsedFlag {
+  std::string name;
+  std::string value;
+  bool has_value = false;
+};
+
+// Splits argv into flags; handles "--name=value" and "--name value" (the
+// latter only for flags that need a value).
+Result<std::vector<ParsedFlag>> SplitFlags(int argc, const char* const* argv) {
+  std::vector<ParsedFlag> out;
   for (int i = 1; i < argc; ++i) {
     std::string_view arg = argv[i];
     if (arg.substr(0, 2) != "--") {
@@ -114,31 +370,103 @@ Result<DaemonConfig> ParseFlags(int argc, const char* const* argv) {
                              "'; flags start with -- (see --help)");
     }
     arg.remove_prefix(2);
-    std::string name(arg), value;
-    bool has_value = false;
+    ParsedFlag f;
     if (size_t eq = arg.find('='); eq != std::string_view::npos) {
-      name = std::string(arg.substr(0, eq));
-      value = std::string(arg.substr(eq + 1));
-      has_value = true;
+      f.name = std::string(arg.substr(0, eq));
+      f.value = std::string(arg.substr(eq + 1));
+      f.has_value = true;
+    } else {
+      f.name = std::string(arg);
     }
-    auto it =
-        std::find_if(Flags().begin(), Flags().end(), [&](const Flag& f) { return name == f.name; });
-    if (it == Flags().end()) {
-      return InvalidArgument("unknown flag '--" + name + "' (see --help)");
+    const bool action =
+        f.name == "help" || f.name == "version" || f.name == "print-config" || f.name == "no-mlock";
+    const Setting* s = FindByFlag(f.name);
+    if (!action && f.name != "config" && s == nullptr) {
+      return InvalidArgument("unknown flag '--" + f.name + "' (see --help)");
     }
-    if (it->value_help == nullptr) {
-      if (has_value) {
-        return InvalidArgument("flag '--" + name + "' takes no value");
+    if (action && f.has_value) {
+      return InvalidArgument("flag '--" + f.name + "' takes no value");
+    }
+    const bool is_bool = s != nullptr && s->kind == Kind::kBool;
+    if (!action && !f.has_value) {
+      if (is_bool) {
+        f.value = "true";
+        f.has_value = true;
+      } else if (i + 1 < argc) {
+        f.value = argv[++i];
+        f.has_value = true;
+      } else {
+        return InvalidArgument("flag '--" + f.name +
+                               "' needs a value: " + (s != nullptr ? KindHelp(s->kind) : "PATH"));
       }
-    } else if (!has_value) {
-      if (i + 1 >= argc) {
-        return InvalidArgument("flag '--" + name + "' needs a value: " + it->value_help);
-      }
-      value = argv[++i];
     }
-    MEMOFFLOAD_RETURN_IF_ERROR(it->apply(&config, value));
+    out.push_back(std::move(f));
   }
-  return config;
+  return out;
+}
+
+std::string EnvValue(const std::vector<std::string>& env, const std::string& name, bool* found) {
+  const std::string prefix = name + "=";
+  for (const std::string& kv : env) {
+    if (kv.compare(0, prefix.size(), prefix) == 0) {
+      *found = true;
+      return kv.substr(prefix.size());
+    }
+  }
+  *found = false;
+  return "";
+}
+
+Result<DaemonConfig> Build(int argc, const char* const* argv, const std::vector<std::string>& env) {
+  Result<std::vector<ParsedFlag>> flags = SplitFlags(argc, argv);
+  if (!flags.ok()) return flags.status();
+  DaemonConfig c;
+  for (const Setting& s : Settings()) c.sources[s.Name()] = "default";
+
+  bool found = false;
+  c.config_file = EnvValue(env, "MEMOFFLOAD_CONFIG", &found);
+  for (const ParsedFlag& f : *flags) {
+    if (f.name == "config") c.config_file = f.value;
+  }
+  if (!c.config_file.empty()) MEMOFFLOAD_RETURN_IF_ERROR(ApplyFile(c.config_file, &c));
+
+  for (const Setting& s : Settings()) {
+    std::string v = EnvValue(env, s.Env(), &found);
+    if (found) MEMOFFLOAD_RETURN_IF_ERROR(Apply(s, &c, v, "env", s.Env()));
+  }
+  for (const ParsedFlag& f : *flags) {
+    if (f.name == "help")
+      c.show_help = true;
+    else if (f.name == "version")
+      c.show_version = true;
+    else if (f.name == "print-config")
+      c.print_config = true;
+    else if (f.name == "no-mlock") {
+      c.mlock = false;
+      c.sources["arena.mlock"] = "flag";
+    } else if (f.name != "config") {
+      MEMOFFLOAD_RETURN_IF_ERROR(Apply(*FindByFlag(f.name), &c, f.value, "flag", "--" + f.name));
+    }
+  }
+  return c;
+}
+
+}  // namespace
+
+Result<DaemonConfig> LoadConfig(int argc, const char* const* argv,
+                                const std::vector<std::string>& env) {
+  return Build(argc, argv, env);
+}
+
+Result<DaemonConfig> ReloadConfig(const DaemonConfig& current, int argc, const char* const* argv,
+                                  const std::vector<std::string>& env) {
+  if (current.config_file.empty()) {
+    return FailedPrecondition("no config file to reload (start with --config PATH)");
+  }
+  Result<DaemonConfig> fresh = Build(argc, argv, env);
+  if (!fresh.ok()) return fresh.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(ResolveAndValidate(&*fresh));
+  return fresh;
 }
 
 uint64_t PhysicalMemoryBytes() {
@@ -148,57 +476,103 @@ uint64_t PhysicalMemoryBytes() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
 }
 
+std::vector<std::string> ProcessEnvironment() {
+  std::vector<std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) env.emplace_back(*e);
+  return env;
+}
+
 Status ResolveAndValidate(DaemonConfig* c) {
-  c->runtime_dir = ResolveRuntimeDir(c->runtime_dir);
+  if (c->runtime_dir.empty()) c->runtime_dir = DefaultRuntimeDir();
   const uint64_t page = SystemPageBytes();
   const uint64_t ram = PhysicalMemoryBytes();
-  if (c->arena_size_bytes == 0) {
-    c->arena_size_bytes = std::min<uint64_t>(kGiB, ram / 4);
-  }
+  if (c->arena_size_bytes == 0) c->arena_size_bytes = std::min<uint64_t>(kGiB, ram / 4);
   c->arena_size_bytes = c->arena_size_bytes / page * page;
   if (c->arena_size_bytes == 0) {
-    return InvalidArgument("--arena-size: must be at least one page (" + std::to_string(page) +
+    return InvalidArgument("arena.size: must be at least one page (" + std::to_string(page) +
                            " bytes)");
   }
   if (ram != 0 && c->arena_size_bytes > ram) {
-    return InvalidArgument("--arena-size: " + FormatSize(c->arena_size_bytes) +
+    return InvalidArgument("arena.size: " + FormatSize(c->arena_size_bytes) +
                            " exceeds this machine's RAM of " + FormatSize(ram));
   }
-  if (c->chunk_size_bytes == 0) {
-    c->chunk_size_bytes = std::min<uint64_t>(kGiB, c->arena_size_bytes);
-  }
+  if (c->chunk_size_bytes == 0) c->chunk_size_bytes = std::min<uint64_t>(kGiB, c->arena_size_bytes);
   if (c->chunk_size_bytes % page != 0) {
-    return InvalidArgument("--chunk-size: " + std::to_string(c->chunk_size_bytes) +
+    return InvalidArgument("arena.chunk_size: " + std::to_string(c->chunk_size_bytes) +
                            " is not a multiple of the page size (" + std::to_string(page) + ")");
   }
-  if (c->chunk_size_bytes > c->arena_size_bytes) {
-    c->chunk_size_bytes = c->arena_size_bytes;
-  }
+  if (c->chunk_size_bytes > c->arena_size_bytes) c->chunk_size_bytes = c->arena_size_bytes;
   const uint64_t chunks = (c->arena_size_bytes + c->chunk_size_bytes - 1) / c->chunk_size_bytes;
   if (chunks > 65536) {
-    return InvalidArgument("--chunk-size: " + FormatSize(c->chunk_size_bytes) + " gives " +
+    return InvalidArgument("arena.chunk_size: " + FormatSize(c->chunk_size_bytes) + " gives " +
                            std::to_string(chunks) +
                            " chunks; at most 65536 are supported, use larger chunks");
   }
+  if (c->policy.node_reserve_bytes >= c->arena_size_bytes) {
+    return InvalidArgument(
+        "quotas.node_reserve_bytes: " + FormatSize(c->policy.node_reserve_bytes) +
+        " leaves nothing of the " + FormatSize(c->arena_size_bytes) + " arena");
+  }
   if (c->prefault_threads == 0) {
-    c->prefault_threads = std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN));
+    c->prefault_threads = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
   }
   return Status::Ok();
 }
 
+std::vector<ConfigEntry> ConfigEntries(const DaemonConfig& c) {
+  std::vector<ConfigEntry> out;
+  for (const Setting& s : Settings()) {
+    auto it = c.sources.find(s.Name());
+    out.push_back({s.Name(), s.format(c), it == c.sources.end() ? "default" : it->second});
+  }
+  return out;
+}
+
+std::string FormatConfig(const DaemonConfig& c) {
+  std::string out = "# effective memoffloadd configuration";
+  if (!c.config_file.empty()) out += " (config file " + c.config_file + ")";
+  out += "\n";
+  std::string section;
+  for (const Setting& s : Settings()) {
+    if (section != s.section) {
+      section = s.section;
+      out += "\n[" + section + "]\n";
+    }
+    auto it = c.sources.find(s.Name());
+    const std::string value = s.format(c);
+    const bool quoted = s.kind == Kind::kString || s.kind == Kind::kMode ||
+                        s.kind == Kind::kDuration || s.kind == Kind::kIdList;
+    std::string rendered = quoted ? "\"" + value + "\"" : value;
+    if (s.kind == Kind::kIdList) rendered = "[" + value + "]";
+    out += std::string(s.key) + " = " + rendered + "  # " +
+           (it == c.sources.end() ? "default" : it->second) + "\n";
+  }
+  return out;
+}
+
 std::string FlagsHelp() {
   std::string out =
-      "usage: memoffloadd [flags]\n\n"
-      "Serves a shared, pre-faulted host-memory arena to training processes.\n\n";
-  for (const Flag& f : Flags()) {
-    std::string left = std::string("  --") + f.name;
-    if (f.value_help != nullptr) left += std::string("=") + f.value_help;
-    if (left.size() < 30)
-      left.resize(30, ' ');
+      "usage: memoffloadd [--config FILE] [flags]\n\n"
+      "Serves a shared, pre-faulted host-memory arena to training processes.\n"
+      "Every setting can come from the TOML config file ([section] key), the\n"
+      "environment (MEMOFFLOAD_<KEY>) or a flag; flags win over the environment,\n"
+      "which wins over the file, which wins over the defaults.\n\n";
+  auto line = [&](std::string left, const std::string& help) {
+    if (left.size() < 32)
+      left.resize(32, ' ');
     else
-      left += "\n" + std::string(30, ' ');
-    out += left + f.help + "\n";
+      left += "\n" + std::string(32, ' ');
+    out += left + help + "\n";
+  };
+  line("  --config=FILE", "TOML config file (env MEMOFFLOAD_CONFIG)");
+  for (const Setting& s : Settings()) {
+    line("  --" + s.Flag() + "=" + KindHelp(s.kind), s.help);
+    out += std::string(32, ' ') + "[" + s.section + "] " + s.key + ", env " + s.Env() + "\n";
   }
+  line("  --no-mlock", "same as --mlock=false");
+  line("  --print-config", "print the effective configuration as TOML and exit");
+  line("  --version", "print the version and exit");
+  line("  --help", "print this help and exit");
   return out;
 }
 

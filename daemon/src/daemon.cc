@@ -1,5 +1,7 @@
 #include "memoffload/daemon/daemon.h"
 
+#include <fcntl.h>
+#include <grp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
@@ -10,6 +12,7 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <cerrno>
 #include <cstring>
 
@@ -28,6 +31,11 @@
 
 namespace memoffload::daemon {
 namespace {
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kAdminTokenName[] = "admin.token";
 
 // True when something accepts connections on the Unix socket at `path`.
 bool SocketIsLive(const std::string& path) {
@@ -57,8 +65,7 @@ Status PrepareRuntimeDir(const std::string& dir) {
     return FailedPrecondition("runtime dir " + dir + " is not writable by uid " +
                               std::to_string(geteuid()));
   }
-  const std::string broker = BrokerSocketPath(dir);
-  if (SocketIsLive(broker)) {
+  if (SocketIsLive(BrokerSocketPath(dir))) {
     return FailedPrecondition("another memoffloadd is already serving " + dir +
                               " (its broker socket accepts connections)");
   }
@@ -70,12 +77,56 @@ Status PrepareRuntimeDir(const std::string& dir) {
   return Status::Ok();
 }
 
+Result<gid_t> ResolveGroup(const std::string& name) {
+  if (name.empty()) return static_cast<gid_t>(-1);
+  std::vector<char> buf(16384);
+  group gr{};
+  group* found = nullptr;
+  if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+    char* end = nullptr;
+    unsigned long gid = std::strtoul(name.c_str(), &end, 10);
+    if (*end == '\0' && !name.empty()) return static_cast<gid_t>(gid);
+    return InvalidArgument("server.socket_group: no group named '" + name + "'");
+  }
+  return found->gr_gid;
+}
+
+// Writes a fresh random admin token, readable by the daemon's user only.
+Result<std::string> WriteAdminToken(const std::string& dir) {
+  Result<std::string> token = NewSessionToken();
+  if (!token.ok()) return token.status();
+  const std::string path = dir + "/" + kAdminTokenName;
+  unlink(path.c_str());
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoStatus("creating " + path, errno);
+  const bool ok = write(fd, token->data(), token->size()) == static_cast<ssize_t>(token->size());
+  close(fd);
+  if (!ok) return Internal("writing " + path + " failed");
+  return token;
+}
+
+void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {
+  const auto old_entries = ConfigEntries(before);
+  const auto new_entries = ConfigEntries(after);
+  for (size_t i = 0; i < old_entries.size() && i < new_entries.size(); ++i) {
+    if (old_entries[i].value == new_entries[i].value) continue;
+    const std::string& key = new_entries[i].key;
+    const bool live = key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0;
+    MO_LOG_INFO("config %s: %s -> %s%s", key.c_str(), old_entries[i].value.c_str(),
+                new_entries[i].value.c_str(), live ? "" : " (takes effect at restart)");
+  }
+}
+
 }  // namespace
 
 const char* DaemonVersion() { return MEMOFFLOAD_VERSION; }
 
-Status RunDaemon(const DaemonConfig& config) {
+Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const* argv) {
+  DaemonConfig config = initial_config;
   MEMOFFLOAD_RETURN_IF_ERROR(PrepareRuntimeDir(config.runtime_dir));
+  Result<gid_t> socket_gid = ResolveGroup(config.socket_group);
+  if (!socket_gid.ok()) return socket_gid.status();
+  if (!config.config_file.empty()) MO_LOG_INFO("config file %s", config.config_file.c_str());
 
   ArenaOptions arena_options;
   arena_options.size_bytes = config.arena_size_bytes;
@@ -90,18 +141,16 @@ Status RunDaemon(const DaemonConfig& config) {
   Result<std::unique_ptr<Arena>> arena_or = Arena::Build(arena_options, &report);
   if (!arena_or.ok()) return arena_or.status();
   std::unique_ptr<Arena> arena = std::move(arena_or).value();
-  if (!report.mlocked && config.mlock)
+  if (!report.mlocked && config.mlock) {
     MO_LOG_WARN("mlock failed: %s", report.mlock_problem.c_str());
+  }
   MO_LOG_INFO("arena ready: %s, %u chunks of %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
               FormatSize(arena->capacity_bytes()).c_str(), arena->chunk_count(),
               FormatSize(arena->chunk_size_bytes()).c_str(), report.build_seconds,
               arena->capacity_bytes() / 1e9 / std::max(report.build_seconds, 1e-9),
               report.mlocked ? "yes" : "no");
 
-  SessionTableOptions table_options;
-  table_options.session_max_bytes = config.session_max_bytes;
-  SessionTable table(arena.get(), table_options);
-
+  SessionTable table(arena.get(), config.policy);
   MetricsInfo metrics_info{DaemonVersion(), arena->chunk_count(), arena->chunk_size_bytes(),
                            arena->mlocked()};
   Metrics metrics(&table, metrics_info);
@@ -112,10 +161,15 @@ Status RunDaemon(const DaemonConfig& config) {
     metrics_bound = *bound;
   }
 
+  Result<std::string> admin_token = WriteAdminToken(config.runtime_dir);
+  if (!admin_token.ok()) return admin_token.status();
+  const std::string admin_token_path = config.runtime_dir + "/" + kAdminTokenName;
+
   const std::string grpc_path = GrpcSocketPath(config.runtime_dir);
   unlink(grpc_path.c_str());
   OffloadService service(arena.get(), &table, &metrics,
-                         {DaemonVersion(), config.runtime_dir, metrics_bound});
+                         {DaemonVersion(), config.runtime_dir, metrics_bound, *admin_token},
+                         config);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -123,18 +177,28 @@ Status RunDaemon(const DaemonConfig& config) {
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) {
+    unlink(admin_token_path.c_str());
     return Unavailable("cannot start the gRPC server on " + grpc_path);
   }
-  chmod(grpc_path.c_str(), 0660);
+  chmod(grpc_path.c_str(), config.socket_mode);
+  if (*socket_gid != static_cast<gid_t>(-1)) {
+    if (chown(grpc_path.c_str(), static_cast<uid_t>(-1), *socket_gid) != 0) {
+      MO_LOG_WARN("chown %s: %s", grpc_path.c_str(), std::strerror(errno));
+    }
+  }
 
-  boost::asio::io_context io;
+  asio::io_context io;
   BrokerOptions broker_options;
   broker_options.socket_path = BrokerSocketPath(config.runtime_dir);
   broker_options.grpc_socket_path = grpc_path;
-  Broker broker(io, arena.get(), &table, &metrics, broker_options);
+  broker_options.socket_mode = config.socket_mode;
+  broker_options.socket_gid = *socket_gid;
+  broker_options.hello_timeout_ms = static_cast<int>(config.hello_timeout_ms);
+  Broker broker(io, arena.get(), &table, &metrics, broker_options, config.policy);
   if (Status st = broker.Start(); !st.ok()) {
     server->Shutdown();
     unlink(grpc_path.c_str());
+    unlink(admin_token_path.c_str());
     return st;
   }
 
@@ -146,20 +210,79 @@ Status RunDaemon(const DaemonConfig& config) {
                                   : ("http://" + metrics_bound + "/metrics").c_str());
   MO_LOG_INFO("clients: export MEMOFFLOAD_RUNTIME_DIR=%s", config.runtime_dir.c_str());
 
-  boost::asio::signal_set signals(io, SIGINT, SIGTERM);
-  signals.async_wait([&](const boost::system::error_code& ec, int signo) {
-    if (ec) return;
-    MO_LOG_INFO("received %s: shutting down", strsignal(signo));
+  auto stop = [&] {
     broker.StopAccepting();
     broker.CloseAll();
     io.stop();
-  });
+  };
+
+  // Drain: wait until no group is held or the deadline passes.
+  asio::steady_timer drain_timer(io);
+  Clock::time_point drain_deadline;
+  bool draining_for_exit = false;
+  std::function<void()> check_drained = [&] {
+    const ArenaSnapshot s = table.Snapshot();
+    const bool empty = s.capacity_bytes == s.free_bytes;
+    if (empty || Clock::now() >= drain_deadline) {
+      if (!empty) {
+        MO_LOG_WARN("drain deadline passed with %s still held by %u sessions; stopping",
+                    FormatSize(s.capacity_bytes - s.free_bytes).c_str(), s.sessions);
+      } else {
+        MO_LOG_INFO("drained: no groups held");
+      }
+      stop();
+      return;
+    }
+    drain_timer.expires_after(std::chrono::milliseconds(50));
+    drain_timer.async_wait([&](const boost::system::error_code& ec) {
+      if (!ec) check_drained();
+    });
+  };
+
+  asio::signal_set signals(io, SIGINT, SIGTERM, SIGHUP);
+  std::function<void(const boost::system::error_code&, int)> on_signal =
+      [&](const boost::system::error_code& ec, int signo) {
+        if (ec) return;
+        if (signo == SIGHUP) {
+          Result<DaemonConfig> fresh = ReloadConfig(config, argc, argv, ProcessEnvironment());
+          if (!fresh.ok()) {
+            MO_LOG_ERROR("config reload rejected, keeping the previous configuration: %s",
+                         fresh.status().message().c_str());
+          } else {
+            LogConfigChanges(config, *fresh);
+            // Only access and quotas change live; the rest waits for a restart.
+            config.policy = fresh->policy;
+            config.sources = fresh->sources;
+            table.SetPolicy(config.policy);
+            broker.SetPolicy(config.policy);
+            service.SetConfig(config);
+            MO_LOG_INFO("config reloaded from %s", config.config_file.c_str());
+          }
+        } else if (signo == SIGTERM && !draining_for_exit) {
+          draining_for_exit = true;
+          const ArenaSnapshot s = table.Snapshot();
+          MO_LOG_INFO("received SIGTERM: draining (%u sessions, %s held; deadline %lu ms)",
+                      s.sessions, FormatSize(s.capacity_bytes - s.free_bytes).c_str(),
+                      static_cast<unsigned long>(config.drain_timeout_ms));
+          table.SetDraining(true);
+          drain_deadline = Clock::now() + std::chrono::milliseconds(config.drain_timeout_ms);
+          check_drained();
+        } else {
+          MO_LOG_INFO("received %s: stopping now", strsignal(signo));
+          stop();
+          return;
+        }
+        signals.async_wait(on_signal);
+      };
+  signals.async_wait(on_signal);
   io.run();
 
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  // Sessions are closed; cancel whatever RPC is still in flight.
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   server->Wait();
   unlink(grpc_path.c_str());
   unlink(broker_options.socket_path.c_str());
+  unlink(admin_token_path.c_str());
   MO_LOG_INFO("stopped cleanly");
   return Status::Ok();
 }

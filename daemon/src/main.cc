@@ -9,7 +9,7 @@
 int main(int argc, char** argv) {
   using namespace memoffload::daemon;
   std::signal(SIGPIPE, SIG_IGN);
-  memoffload::Result<DaemonConfig> config = ParseFlags(argc, argv);
+  memoffload::Result<DaemonConfig> config = LoadConfig(argc, argv, ProcessEnvironment());
   if (!config.ok()) {
     std::fprintf(stderr, "memoffloadd: %s\n", config.status().message().c_str());
     return 2;
@@ -26,12 +26,16 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "memoffloadd: %s\n", st.message().c_str());
     return 2;
   }
+  if (config->print_config) {
+    std::fputs(FormatConfig(*config).c_str(), stdout);
+    return 0;
+  }
   const std::string& level = config->log_level;
   SetLogLevel(level == "debug"   ? LogLevel::kDebug
               : level == "warn"  ? LogLevel::kWarning
               : level == "error" ? LogLevel::kError
                                  : LogLevel::kInfo);
-  if (memoffload::Status st = RunDaemon(*config); !st.ok()) {
+  if (memoffload::Status st = RunDaemon(*config, argc, argv); !st.ok()) {
     std::fprintf(stderr, "memoffloadd: %s\n", st.message().c_str());
     return 1;
   }

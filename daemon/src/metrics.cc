@@ -21,6 +21,10 @@ const char* MethodName(Method method) {
       return "GetStatus";
     case Method::kListSessions:
       return "ListSessions";
+    case Method::kDrain:
+      return "Drain";
+    case Method::kGetConfig:
+      return "GetConfig";
   }
   return "unknown";
 }
@@ -84,6 +88,19 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
     auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");
     AddGauge(&sessions, s.sessions);
     out.push_back(std::move(sessions));
+    auto waiting =
+        GaugeFamily("memoffload_waiting_reserves", "Reserve requests waiting for space right now.");
+    AddGauge(&waiting, s.waiting_reserves);
+    out.push_back(std::move(waiting));
+    auto draining = GaugeFamily("memoffload_draining",
+                                "1 while the daemon drains (refuses attaches and reserves).");
+    AddGauge(&draining, s.draining ? 1 : 0);
+    out.push_back(std::move(draining));
+    auto reserve =
+        GaugeFamily("memoffload_arena_node_reserve_bytes",
+                    "Arena bytes the daemon never hands out (quotas.node_reserve_bytes).");
+    AddGauge(&reserve, static_cast<double>(s.node_reserve_bytes));
+    out.push_back(std::move(reserve));
     auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
     AddGauge(&groups, static_cast<double>(s.groups));
     out.push_back(std::move(groups));
@@ -129,8 +146,16 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
                           .Name("memoffload_sessions_closed_total")
                           .Help("Sessions ended, by reason.")
                           .Register(*registry_);
-  for (CloseReason r : {CloseReason::kLifelineClosed, CloseReason::kShutdown}) {
-    sessions_closed_->Add({{"reason", CloseReasonName(r)}});
+  for (int r = 0; r < kCloseReasonCount; ++r) {
+    sessions_closed_by_reason_[r] =
+        &sessions_closed_->Add({{"reason", CloseReasonName(static_cast<CloseReason>(r))}});
+  }
+  auto& rejections = prometheus::BuildCounter()
+                         .Name("memoffload_reserve_rejections_total")
+                         .Help("Reserve requests refused for quota or capacity, by reason.")
+                         .Register(*registry_);
+  for (int r = 1; r < kRejectReasonCount; ++r) {
+    rejections_[r] = &rejections.Add({{"reason", RejectReasonName(static_cast<RejectReason>(r))}});
   }
   attach_refusals_ = &prometheus::BuildCounter()
                           .Name("memoffload_attach_refusals_total")
@@ -177,8 +202,12 @@ void Metrics::RecordRequest(Method method, StatusCode code, double seconds) {
 
 void Metrics::SessionOpened() { sessions_opened_->Increment(); }
 
+void Metrics::RecordRejection(RejectReason reason) {
+  if (reason != RejectReason::kNone) rejections_[static_cast<int>(reason)]->Increment();
+}
+
 void Metrics::SessionClosed(CloseReason reason, uint64_t reclaimed_bytes) {
-  sessions_closed_->Add({{"reason", CloseReasonName(reason)}}).Increment();
+  sessions_closed_by_reason_[static_cast<int>(reason)]->Increment();
   reclaimed_bytes_->Increment(static_cast<double>(reclaimed_bytes));
 }
 

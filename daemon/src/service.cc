@@ -1,5 +1,8 @@
 #include "memoffload/daemon/service.h"
 
+#include <algorithm>
+#include <optional>
+
 namespace memoffload::daemon {
 namespace {
 
@@ -34,12 +37,18 @@ grpc::Status ToGrpc(const Status& status) {
 }
 
 OffloadService::OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics,
-                               ServiceInfo info)
+                               ServiceInfo info, const DaemonConfig& config)
     : arena_(arena),
       table_(table),
       metrics_(metrics),
       info_(std::move(info)),
-      started_(Clock::now()) {}
+      started_(Clock::now()),
+      config_(config) {}
+
+void OffloadService::SetConfig(const DaemonConfig& config) {
+  std::lock_guard<std::mutex> lock(config_mu_);
+  config_ = config;
+}
 
 grpc::Status OffloadService::Finish(Method method, Clock::time_point start, const Status& status) {
   metrics_->RecordRequest(method, status.code(),
@@ -47,14 +56,32 @@ grpc::Status OffloadService::Finish(Method method, Clock::time_point start, cons
   return ToGrpc(status);
 }
 
-grpc::Status OffloadService::Reserve(grpc::ServerContext*, const v1::ReserveRequest* req,
+grpc::Status OffloadService::Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
                                      v1::ReserveResponse* resp) {
   const auto start = Clock::now();
   Status st = CheckCredentials(req->session(), req->has_session());
   if (st.ok()) {
-    Result<ReserveResult> r =
-        table_->Reserve(req->session().session_id(), req->session().session_token(),
-                        req->group_id(), req->size_bytes(), req->single_extent());
+    std::optional<Clock::time_point> wait_until;
+    if (req->wait_for_space()) {
+      // The call's deadline, capped by quotas.max_wait: nothing waits forever.
+      uint64_t max_wait_ms;
+      {
+        std::lock_guard<std::mutex> lock(config_mu_);
+        max_wait_ms = config_.policy.max_wait_ms;
+      }
+      wait_until = start + std::chrono::milliseconds(max_wait_ms);
+      const auto deadline = ctx->deadline();
+      if (deadline != std::chrono::system_clock::time_point::max()) {
+        const auto left = deadline - std::chrono::system_clock::now();
+        wait_until =
+            std::min(*wait_until, start + std::chrono::duration_cast<Clock::duration>(left));
+      }
+    }
+    RejectReason reject = RejectReason::kNone;
+    Result<ReserveResult> r = table_->Reserve(
+        req->session().session_id(), req->session().session_token(), req->group_id(),
+        req->size_bytes(), req->single_extent(), wait_until, &reject);
+    metrics_->RecordRejection(reject);
     if (r.ok()) {
       CopyExtents(r->extents, resp->mutable_extents());
       resp->set_reserved_bytes(r->reserved_bytes);
@@ -136,7 +163,9 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_mlocked(arena_->mlocked());
   resp->set_sessions(s.sessions);
   resp->set_groups(s.groups);
-  resp->set_draining(false);
+  resp->set_draining(s.draining);
+  resp->set_waiting_reserves(s.waiting_reserves);
+  resp->set_node_reserve_bytes(s.node_reserve_bytes);
   resp->set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   return Finish(Method::kGetStatus, start, Status::Ok());
 }
@@ -159,6 +188,41 @@ grpc::Status OffloadService::ListSessions(grpc::ServerContext*, const v1::ListSe
     info->set_limit_bytes(s.limit_bytes);
   }
   return Finish(Method::kListSessions, start, Status::Ok());
+}
+
+grpc::Status OffloadService::GetConfig(grpc::ServerContext*, const v1::GetConfigRequest*,
+                                       v1::GetConfigResponse* resp) {
+  const auto start = Clock::now();
+  DaemonConfig config;
+  {
+    std::lock_guard<std::mutex> lock(config_mu_);
+    config = config_;
+  }
+  resp->set_config_file(config.config_file);
+  for (const ConfigEntry& e : ConfigEntries(config)) {
+    v1::ConfigEntry* out = resp->add_entries();
+    out->set_key(e.key);
+    out->set_value(e.value);
+    out->set_source(e.source);
+  }
+  resp->set_toml(FormatConfig(config));
+  return Finish(Method::kGetConfig, start, Status::Ok());
+}
+
+grpc::Status OffloadService::Drain(grpc::ServerContext*, const v1::DrainRequest* req,
+                                   v1::DrainResponse* resp) {
+  const auto start = Clock::now();
+  if (!ConstantTimeEquals(req->admin_token(), info_.admin_token)) {
+    return Finish(Method::kDrain, start,
+                  PermissionDenied("admin token does not match; read it from " + info_.runtime_dir +
+                                   "/admin.token (root or the daemon's user only)"));
+  }
+  table_->SetDraining(req->drain());
+  const ArenaSnapshot s = table_->Snapshot();
+  resp->set_draining(s.draining);
+  resp->set_sessions(s.sessions);
+  resp->set_used_bytes(s.capacity_bytes - s.free_bytes);
+  return Finish(Method::kDrain, start, Status::Ok());
 }
 
 }  // namespace memoffload::daemon

@@ -2,6 +2,7 @@
 
 #include <sys/random.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include "memoffload/shared_mem/units.h"
@@ -24,11 +25,39 @@ const char* CloseReasonName(CloseReason reason) {
   switch (reason) {
     case CloseReason::kLifelineClosed:
       return "lifeline_closed";
+    case CloseReason::kProcessExited:
+      return "process_exited";
     case CloseReason::kShutdown:
       return "shutdown";
   }
   return "unknown";
 }
+
+const char* RejectReasonName(RejectReason reason) {
+  switch (reason) {
+    case RejectReason::kNone:
+      return "none";
+    case RejectReason::kTooLarge:
+      return "too_large";
+    case RejectReason::kSessionLimit:
+      return "session_limit";
+    case RejectReason::kJobLimit:
+      return "job_limit";
+    case RejectReason::kArenaFull:
+      return "arena_full";
+    case RejectReason::kWaitTimeout:
+      return "wait_timeout";
+    case RejectReason::kTooManyWaiters:
+      return "too_many_waiters";
+    case RejectReason::kDraining:
+      return "draining";
+  }
+  return "unknown";
+}
+
+namespace {
+constexpr size_t kMaxWaiters = 1024;
+}  // namespace
 
 Result<std::string> NewSessionToken() {
   unsigned char raw[16];
@@ -60,23 +89,60 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-SessionTable::SessionTable(Arena* arena, SessionTableOptions options)
-    : arena_(arena), options_(options) {}
+SessionTable::SessionTable(Arena* arena, const Policy& policy) : arena_(arena), policy_(policy) {}
+
+void SessionTable::SetPolicy(const Policy& policy) {
+  std::lock_guard<std::mutex> lock(mu_);
+  policy_ = policy;
+  space_freed_.notify_all();
+}
+
+void SessionTable::SetDraining(bool draining) {
+  std::lock_guard<std::mutex> lock(mu_);
+  draining_ = draining;
+  space_freed_.notify_all();
+}
+
+bool SessionTable::draining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return draining_;
+}
+
+uint64_t SessionTable::JobLimit(const Session& session) const {
+  uint64_t limit = policy_.job_max_bytes;
+  auto it = jobs_.find(session.hello.job_id);
+  if (it != jobs_.end() && it->second.requested_limit != 0 &&
+      (limit == 0 || it->second.requested_limit < limit)) {
+    limit = it->second.requested_limit;
+  }
+  return limit;
+}
 
 Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer) {
   Result<std::string> token = NewSessionToken();
   if (!token.ok()) return token.status();
   std::lock_guard<std::mutex> lock(mu_);
+  if (draining_) {
+    return Unavailable(
+        "memoffloadd is draining: new sessions are refused until 'memoffloadctl "
+        "undrain'");
+  }
   Session s;
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
-  s.grant.limit_bytes = options_.session_max_bytes;
+  s.grant.limit_bytes = policy_.session_max_bytes;
   if (hello.max_bytes != 0 && (s.grant.limit_bytes == 0 || hello.max_bytes < s.grant.limit_bytes)) {
     s.grant.limit_bytes = hello.max_bytes;
   }
   s.hello = hello;
   s.peer = peer;
   s.opened_at = Clock::now();
+  Job& job = jobs_[hello.job_id];
+  ++job.sessions;
+  if (hello.job_max_bytes != 0 &&
+      (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
+    job.requested_limit = hello.job_max_bytes;
+  }
   SessionGrant grant = s.grant;
   sessions_.emplace(grant.session_id, std::move(s));
   return grant;
@@ -95,7 +161,13 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     reclaimed += group.held_bytes;
     --groups_;
   }
+  auto job = jobs_.find(it->second.hello.job_id);
+  if (job != jobs_.end()) {
+    job->second.held_bytes -= reclaimed;
+    if (--job->second.sessions == 0) jobs_.erase(job);
+  }
   sessions_.erase(it);
+  space_freed_.notify_all();
   return reclaimed;
 }
 
@@ -137,35 +209,40 @@ void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
   }
 }
 
-Result<ReserveResult> SessionTable::Reserve(uint64_t session_id, const std::string& token,
-                                            uint64_t group_id, uint64_t size_bytes,
-                                            bool single_extent) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Result<Session*> session = Authenticate(session_id, token);
-  if (!session.ok()) return session.status();
-  Session& s = **session;
-  if (auto it = s.groups.find(group_id); it != s.groups.end()) {
-    return FailedPrecondition("group " + std::to_string(group_id) + " already exists (" +
-                              GroupStateName(it->second.state) +
-                              "); Release it before reserving it again");
-  }
-  if (size_bytes == 0) return InvalidArgument("size_bytes must be positive");
-  const uint64_t capacity = arena_->capacity_bytes();
-  if (size_bytes > capacity) {
-    return ResourceExhausted("group of " + FormatSize(size_bytes) +
-                             " is larger than the whole arena (" + FormatSize(capacity) + ")");
-  }
-  const uint64_t page = arena_->page_bytes();
-  const uint64_t rounded = (size_bytes + page - 1) / page * page;
+Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
+                                               uint64_t rounded, bool single_extent,
+                                               RejectReason* reject) {
+  Session& s = *session;
   if (s.grant.limit_bytes != 0 && s.held_bytes + rounded > s.grant.limit_bytes) {
-    return ResourceExhausted("session limit: session " + std::to_string(session_id) + " holds " +
-                             FormatSize(s.held_bytes) + " of its " +
+    *reject = RejectReason::kSessionLimit;
+    return ResourceExhausted("session limit: session " + std::to_string(s.grant.session_id) +
+                             " holds " + FormatSize(s.held_bytes) + " of its " +
                              FormatSize(s.grant.limit_bytes) + " limit; " + FormatSize(rounded) +
                              " more would exceed it by " +
                              FormatSize(s.held_bytes + rounded - s.grant.limit_bytes));
   }
+  Job& job = jobs_[s.hello.job_id];
+  const uint64_t job_limit = JobLimit(s);
+  if (job_limit != 0 && job.held_bytes + rounded > job_limit) {
+    *reject = RejectReason::kJobLimit;
+    return ResourceExhausted("job limit: job '" + s.hello.job_id + "' holds " +
+                             FormatSize(job.held_bytes) + " of its " + FormatSize(job_limit) +
+                             " limit; " + FormatSize(rounded) + " more would exceed it by " +
+                             FormatSize(job.held_bytes + rounded - job_limit));
+  }
+  const ExtentAllocator& alloc = arena_->allocator();
+  const uint64_t usable = alloc.capacity_bytes() - policy_.node_reserve_bytes;
+  if (alloc.used_bytes() + rounded > usable) {
+    *reject = RejectReason::kArenaFull;
+    return ResourceExhausted(
+        "arena full: " + FormatSize(rounded) + " requested, " +
+        FormatSize(usable > alloc.used_bytes() ? usable - alloc.used_bytes() : 0) + " available (" +
+        FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
+        " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + ")");
+  }
   Result<std::vector<Extent>> extents = arena_->allocator().Allocate(rounded, single_extent);
   if (!extents.ok()) {
+    *reject = RejectReason::kArenaFull;
     return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) + ": " +
                              extents.status().message());
   }
@@ -173,11 +250,92 @@ Result<ReserveResult> SessionTable::Reserve(uint64_t session_id, const std::stri
   g.extents = std::move(extents).value();
   g.held_bytes = rounded;
   s.held_bytes += rounded;
+  job.held_bytes += rounded;
   reserved_bytes_ += rounded;
   ++groups_;
   ReserveResult result{g.extents, rounded};
   s.groups.emplace(group_id, std::move(g));
   return result;
+}
+
+Result<ReserveResult> SessionTable::Reserve(
+    uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
+    bool single_extent, std::optional<std::chrono::steady_clock::time_point> wait_until,
+    RejectReason* reject) {
+  RejectReason ignored_reason;
+  if (reject == nullptr) reject = &ignored_reason;
+  *reject = RejectReason::kNone;
+  std::unique_lock<std::mutex> lock(mu_);
+  Result<Session*> session = Authenticate(session_id, token);
+  if (!session.ok()) return session.status();
+  if (auto it = (*session)->groups.find(group_id); it != (*session)->groups.end()) {
+    return FailedPrecondition("group " + std::to_string(group_id) + " already exists (" +
+                              GroupStateName(it->second.state) +
+                              "); Release it before reserving it again");
+  }
+  if (size_bytes == 0) return InvalidArgument("size_bytes must be positive");
+  if (draining_) {
+    *reject = RejectReason::kDraining;
+    return Unavailable("memoffloadd is draining: new reservations are refused");
+  }
+  const uint64_t usable = arena_->capacity_bytes() - policy_.node_reserve_bytes;
+  if (size_bytes > usable) {
+    *reject = RejectReason::kTooLarge;
+    return ResourceExhausted("group of " + FormatSize(size_bytes) +
+                             " is larger than the whole usable arena (" + FormatSize(usable) +
+                             " of " + FormatSize(arena_->capacity_bytes()) + ")");
+  }
+  const uint64_t page = arena_->page_bytes();
+  const uint64_t rounded = (size_bytes + page - 1) / page * page;
+  if (!wait_until.has_value()) {
+    return TryReserve(*session, group_id, rounded, single_extent, reject);
+  }
+
+  if (waiters_.size() >= kMaxWaiters) {
+    *reject = RejectReason::kTooManyWaiters;
+    return ResourceExhausted("too many waiting reserves (" + std::to_string(kMaxWaiters) + ")");
+  }
+  const uint64_t ticket = next_ticket_++;
+  waiters_.push_back(ticket);
+  const auto waited_from = Clock::now();
+  auto leave = [&] {
+    waiters_.erase(std::find(waiters_.begin(), waiters_.end(), ticket));
+    space_freed_.notify_all();
+  };
+  Status last;
+  while (true) {
+    if (draining_) {
+      leave();
+      *reject = RejectReason::kDraining;
+      return Unavailable("memoffloadd started draining while this reserve waited");
+    }
+    Result<Session*> current = Authenticate(session_id, token);
+    if (!current.ok()) {
+      leave();
+      return current.status();
+    }
+    if (waiters_.front() == ticket) {
+      Result<ReserveResult> r = TryReserve(*current, group_id, rounded, single_extent, reject);
+      if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) {
+        leave();
+        if (r.ok()) *reject = RejectReason::kNone;
+        return r;
+      }
+      last = r.status();
+    } else {
+      last = ResourceExhausted("queued behind earlier waiting reserves");
+    }
+    if (space_freed_.wait_until(lock, *wait_until) == std::cv_status::timeout &&
+        Clock::now() >= *wait_until) {
+      leave();
+      const double waited_ms =
+          std::chrono::duration<double, std::milli>(Clock::now() - waited_from).count();
+      *reject = RejectReason::kWaitTimeout;
+      return ResourceExhausted("waited " + std::to_string(static_cast<int64_t>(waited_ms)) +
+                               " ms for " + FormatSize(rounded) +
+                               " until the deadline; last refusal: " + last.message());
+    }
+  }
 }
 
 Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string& token,
@@ -205,6 +363,8 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   reserved_bytes_ -= g.held_bytes;
   committed_bytes_ += kept_bytes;
   (*session)->held_bytes -= returned;
+  jobs_[(*session)->hello.job_id].held_bytes -= returned;
+  if (returned != 0) space_freed_.notify_all();
   g.extents = std::move(kept).value();
   g.held_bytes = kept_bytes;
   g.used_bytes = used_bytes;
@@ -254,8 +414,10 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   AddStateBytes(g.state, -static_cast<int64_t>(g.held_bytes));
   FreeExtents(g.extents);
   s.held_bytes -= g.held_bytes;
+  jobs_[s.hello.job_id].held_bytes -= g.held_bytes;
   --groups_;
   s.groups.erase(it);
+  space_freed_.notify_all();
   return result;
 }
 
@@ -268,8 +430,11 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.reserved_bytes = reserved_bytes_;
   a.committed_bytes = committed_bytes_;
   a.read_bytes = read_bytes_;
+  a.node_reserve_bytes = policy_.node_reserve_bytes;
   a.sessions = static_cast<uint32_t>(sessions_.size());
   a.groups = groups_;
+  a.waiting_reserves = static_cast<uint32_t>(waiters_.size());
+  a.draining = draining_;
   return a;
 }
 

@@ -115,6 +115,7 @@ std::string EncodeHello(const Hello& hello) {
   w.U32(static_cast<uint32_t>(hello.rank));
   w.U32(static_cast<uint32_t>(hello.local_rank));
   w.U64(hello.max_bytes);
+  w.U64(hello.job_max_bytes);
   return w.Take();
 }
 
@@ -129,7 +130,8 @@ Result<Hello> DecodeHello(const std::string& bytes) {
   if (!PrintableAscii(h.job_id)) {
     return InvalidArgument("hello: job id must be printable ASCII");
   }
-  if (!r.I32(&h.rank) || !r.I32(&h.local_rank) || !r.U64(&h.max_bytes)) {
+  if (!r.I32(&h.rank) || !r.I32(&h.local_rank) || !r.U64(&h.max_bytes) ||
+      !r.U64(&h.job_max_bytes)) {
     return Reader::Truncated();
   }
   if (h.rank < -1 || h.local_rank < -1) {

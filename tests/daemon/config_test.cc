@@ -1,7 +1,9 @@
 #include "memoffload/daemon/config.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <fstream>
 #include <vector>
 
 #include "memoffload/shared_mem/units.h"
@@ -9,25 +11,45 @@
 namespace memoffload::daemon {
 namespace {
 
-Result<DaemonConfig> Parse(std::vector<const char*> args) {
+Result<DaemonConfig> Parse(std::vector<const char*> args, std::vector<std::string> env = {}) {
   args.insert(args.begin(), "memoffloadd");
-  return ParseFlags(static_cast<int>(args.size()), args.data());
+  return LoadConfig(static_cast<int>(args.size()), args.data(), env);
 }
+
+// A TOML file in a temp dir, removed with the object.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& text) {
+    char name[] = "/tmp/memoffload-config-XXXXXX";
+    int fd = mkstemp(name);
+    path_ = name;
+    std::ofstream(path_) << text;
+    close(fd);
+  }
+  ~TempFile() { unlink(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
 
 TEST(Config, FlagsInBothForms) {
   Result<DaemonConfig> c =
       Parse({"--arena-size=4GiB", "--chunk-size", "512MiB", "--runtime-dir", "/tmp/x",
-             "--metrics-address=none", "--hugepages", "--prefault-threads=3"});
+             "--metrics-address=none", "--hugepages", "--prefault-threads=3", "--no-mlock"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->arena_size_bytes, 4 * kGiB);
   EXPECT_EQ(c->chunk_size_bytes, 512 * kMiB);
   EXPECT_EQ(c->runtime_dir, "/tmp/x");
   EXPECT_EQ(c->metrics_address, "");
   EXPECT_TRUE(c->hugepages);
+  EXPECT_FALSE(c->mlock);
   EXPECT_EQ(c->prefault_threads, 3);
+  EXPECT_EQ(c->sources["arena.size"], "flag");
+  EXPECT_EQ(c->sources["quotas.job_max_bytes"], "default");
 }
 
-TEST(Config, ErrorsNameTheFlag) {
+TEST(Config, ErrorsNameTheKey) {
   struct Case {
     std::vector<const char*> args;
     const char* needle;
@@ -35,10 +57,15 @@ TEST(Config, ErrorsNameTheFlag) {
       {{"--arena-size=lots"}, "--arena-size"},
       {{"--bogus"}, "unknown flag '--bogus'"},
       {{"--arena-size"}, "needs a value"},
-      {{"--hugepages=yes"}, "takes no value"},
+      {{"--help=yes"}, "takes no value"},
       {{"--prefault-threads=-2"}, "--prefault-threads"},
       {{"--metrics-address=9477"}, "HOST:PORT"},
       {{"--log-level=loud"}, "debug, info, warn, error"},
+      {{"--socket-mode=999"}, "octal"},
+      {{"--allowed-uids=1000,bob"}, "numeric uid"},
+      {{"--hugepages=maybe"}, "boolean"},
+      {{"--runtime-dir=relative/dir"}, "absolute path"},
+      {{"--drain-timeout=forever"}, "--drain-timeout"},
       {{"stray"}, "unexpected argument"},
   };
   for (const Case& c : cases) {
@@ -47,6 +74,59 @@ TEST(Config, ErrorsNameTheFlag) {
     EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << r.status().message();
   }
+}
+
+TEST(Config, PrecedenceDefaultsFileEnvFlags) {
+  TempFile file(
+      "[arena]\nsize = \"2GiB\"\nchunk_size = \"256MiB\"\nprefault_threads = 4\n"
+      "[quotas]\nsession_max_bytes = \"1GiB\"\njob_max_bytes = 4294967296\n"
+      "[access]\nallowed_uids = [1000, 1001]\n");
+  Result<DaemonConfig> c = Parse({"--config", file.path().c_str(), "--prefault-threads=1"},
+                                 {"MEMOFFLOAD_CHUNK_SIZE=128MiB", "MEMOFFLOAD_PREFAULT_THREADS=2",
+                                  "UNRELATED=1", "MEMOFFLOAD_SOMETHING_CLIENT_SIDE=1"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->arena_size_bytes, 2 * kGiB);      // file
+  EXPECT_EQ(c->chunk_size_bytes, 128 * kMiB);    // env beats file
+  EXPECT_EQ(c->prefault_threads, 1);             // flag beats env
+  EXPECT_EQ(c->policy.session_max_bytes, kGiB);  // file, string form
+  EXPECT_EQ(c->policy.job_max_bytes, 4 * kGiB);  // file, integer form
+  EXPECT_EQ(c->policy.allowed_uids, (std::vector<uint32_t>{1000, 1001}));
+  EXPECT_EQ(c->sources["arena.size"], "file");
+  EXPECT_EQ(c->sources["arena.chunk_size"], "env");
+  EXPECT_EQ(c->sources["arena.prefault_threads"], "flag");
+  EXPECT_EQ(c->config_file, file.path());
+}
+
+TEST(Config, ConfigFileFromEnvironment) {
+  TempFile file("[quotas]\nnode_reserve_bytes = \"64MiB\"\n");
+  Result<DaemonConfig> c = Parse({}, {"MEMOFFLOAD_CONFIG=" + file.path()});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.node_reserve_bytes, 64 * kMiB);
+}
+
+TEST(Config, BadFilesAreErrorsNamingFileKeyAndChoices) {
+  struct Case {
+    const char* text;
+    const char* needle;
+  } cases[] = {
+      {"[arena]\nsise = \"1GiB\"\n",
+       "unknown key 'arena.sise'; keys in [arena] are size, chunk_size"},
+      {"[arenas]\nsize = 1\n", "unknown section 'arenas'"},
+      {"size = 1\n", "unknown section 'size'"},
+      {"[arena]\nsize = \"big\"\n", "arena.size: invalid size 'big'"},
+      {"[arena]\nsize = 1.5\n", "unsupported value type"},
+      {"[arena\nsize = 1\n", ":1:"},
+  };
+  for (const Case& c : cases) {
+    TempFile file(c.text);
+    Result<DaemonConfig> r = Parse({"--config", file.path().c_str()});
+    ASSERT_FALSE(r.ok()) << c.text;
+    EXPECT_NE(r.status().message().find(file.path()), std::string::npos) << r.status().message();
+    EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << r.status().message();
+  }
+  Result<DaemonConfig> missing = Parse({"--config=/nonexistent/memoffloadd.toml"});
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/memoffloadd.toml"), std::string::npos);
 }
 
 TEST(Config, DefaultsResolveToSmallArena) {
@@ -58,6 +138,7 @@ TEST(Config, DefaultsResolveToSmallArena) {
   EXPECT_FALSE(c->runtime_dir.empty());
   EXPECT_GE(c->prefault_threads, 1);
   EXPECT_EQ(c->metrics_address, kDefaultMetricsAddress);
+  EXPECT_EQ(c->drain_timeout_ms, 30000u);
 }
 
 TEST(Config, ChunkLargerThanArenaIsClamped) {
@@ -68,27 +149,46 @@ TEST(Config, ChunkLargerThanArenaIsClamped) {
 }
 
 TEST(Config, RejectsImpossibleSizes) {
-  Result<DaemonConfig> c = Parse({"--chunk-size=1000"});
-  ASSERT_TRUE(c.ok());
-  Status st = ResolveAndValidate(&*c);
-  EXPECT_NE(st.message().find("multiple of the page size"), std::string::npos) << st.message();
-
-  c = Parse({"--arena-size=100TiB"});
-  ASSERT_TRUE(c.ok());
-  st = ResolveAndValidate(&*c);
-  EXPECT_NE(st.message().find("exceeds this machine's RAM"), std::string::npos) << st.message();
-
-  c = Parse({"--arena-size=1GiB", "--chunk-size=4KiB"});
-  ASSERT_TRUE(c.ok());
-  st = ResolveAndValidate(&*c);
-  EXPECT_NE(st.message().find("at most 65536"), std::string::npos) << st.message();
+  struct Case {
+    std::vector<const char*> args;
+    const char* needle;
+  } cases[] = {
+      {{"--chunk-size=1000"}, "multiple of the page size"},
+      {{"--arena-size=100TiB"}, "exceeds this machine's RAM"},
+      {{"--arena-size=1GiB", "--chunk-size=4KiB"}, "at most 65536"},
+      {{"--arena-size=64MiB", "--node-reserve-bytes=64MiB"}, "leaves nothing"},
+  };
+  for (const Case& c : cases) {
+    Result<DaemonConfig> r = Parse(c.args);
+    ASSERT_TRUE(r.ok());
+    Status st = ResolveAndValidate(&*r);
+    EXPECT_NE(st.message().find(c.needle), std::string::npos) << st.message();
+  }
 }
 
-TEST(Config, HelpListsEveryFlag) {
+TEST(Config, PrintedConfigParsesBackToTheSameValues) {
+  Result<DaemonConfig> c =
+      Parse({"--arena-size=3GiB", "--allowed-gids=10,20", "--max-wait=5s", "--socket-mode=0600"});
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(ResolveAndValidate(&*c).ok());
+  TempFile file(FormatConfig(*c));
+  Result<DaemonConfig> back = Parse({"--config", file.path().c_str()});
+  ASSERT_TRUE(back.ok()) << back.status().ToString() << "\n" << FormatConfig(*c);
+  ASSERT_TRUE(ResolveAndValidate(&*back).ok());
+  const auto a = ConfigEntries(*c);
+  const auto b = ConfigEntries(*back);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].value, b[i].value) << a[i].key;
+}
+
+TEST(Config, HelpListsEveryFlagAndEnvName) {
   const std::string help = FlagsHelp();
-  for (const char* flag : {"--runtime-dir", "--arena-size", "--chunk-size", "--metrics-address",
-                           "--prefault-threads", "--hugepages", "--no-mlock"}) {
-    EXPECT_NE(help.find(flag), std::string::npos) << flag;
+  for (const char* s :
+       {"--runtime-dir", "--arena-size", "--chunk-size", "--metrics-address", "--prefault-threads",
+        "--hugepages", "--no-mlock", "--config", "--print-config", "--session-max-bytes",
+        "--job-max-bytes", "--node-reserve-bytes", "--drain-timeout", "MEMOFFLOAD_ARENA_SIZE",
+        "[quotas] max_wait"}) {
+    EXPECT_NE(help.find(s), std::string::npos) << s;
   }
 }
 

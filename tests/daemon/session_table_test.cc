@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <mutex>
 #include <set>
+#include <thread>
 
 #include "memoffload/shared_mem/units.h"
 
@@ -20,15 +22,17 @@ class SessionTableTest : public ::testing::Test {
     auto arena = Arena::Build(options, &report);
     ASSERT_TRUE(arena.ok()) << arena.status().ToString();
     arena_ = std::move(arena).value();
-    table_ = std::make_unique<SessionTable>(arena_.get(), SessionTableOptions{});
+    table_ = std::make_unique<SessionTable>(arena_.get(), Policy{});
   }
   void TearDown() override { EXPECT_TRUE(table_->CheckInvariants().ok()); }
 
-  SessionGrant Open(uint64_t max_bytes = 0) {
+  SessionGrant Open(uint64_t max_bytes = 0, const std::string& job = "job",
+                    uint64_t job_max_bytes = 0) {
     Hello hello;
-    hello.job_id = "job";
+    hello.job_id = job;
     hello.rank = 3;
     hello.max_bytes = max_bytes;
+    hello.job_max_bytes = job_max_bytes;
     auto g = table_->Open(hello, PeerCredentials{1234, 1000, 1000});
     EXPECT_TRUE(g.ok());
     return *g;
@@ -111,7 +115,7 @@ TEST_F(SessionTableTest, CapacityAndSessionLimitMessagesNameSizes) {
   SessionGrant s = Open();
   auto big = table_->Reserve(s.session_id, s.token, 1, 5 * kMiB, false);
   ASSERT_EQ(big.status().code(), StatusCode::kResourceExhausted);
-  EXPECT_NE(big.status().message().find("larger than the whole arena"), std::string::npos);
+  EXPECT_NE(big.status().message().find("larger than the whole usable arena"), std::string::npos);
   EXPECT_NE(big.status().message().find("5.00 MiB"), std::string::npos);
 
   ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 2, 3 * kMiB, false).ok());
@@ -158,6 +162,133 @@ TEST_F(SessionTableTest, GroupsSpanChunksWhenNeeded) {
   EXPECT_GE(chunks.size(), 4u);
   EXPECT_EQ(table_->Reserve(s.session_id, s.token, 2, 2 * kMiB, true).status().code(),
             StatusCode::kResourceExhausted);
+}
+
+TEST_F(SessionTableTest, JobLimitSpansSessionsAndTheSmallestAskWins) {
+  Policy policy;
+  policy.job_max_bytes = 3 * kMiB;
+  table_->SetPolicy(policy);
+  SessionGrant a = Open(0, "train");
+  SessionGrant b = Open(0, "train", 2 * kMiB);  // the job asks for less
+  SessionGrant other = Open(0, "eval");
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, kMiB, false).ok());
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, kMiB, false).ok());
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(a.session_id, a.token, 2, 4096, false, std::nullopt, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kJobLimit);
+  EXPECT_NE(r.status().message().find("job limit: job 'train' holds 2.00 MiB of its 2.00 MiB"),
+            std::string::npos)
+      << r.status().message();
+  // Another job is not affected.
+  EXPECT_TRUE(table_->Reserve(other.session_id, other.token, 1, kMiB, false).ok());
+  // Releasing frees job budget.
+  ASSERT_TRUE(table_->Release(b.session_id, b.token, 1).ok());
+  EXPECT_TRUE(table_->Reserve(a.session_id, a.token, 2, 4096, false).ok());
+}
+
+TEST_F(SessionTableTest, NodeReserveIsNeverHandedOut) {
+  Policy policy;
+  policy.node_reserve_bytes = kMiB;
+  table_->SetPolicy(policy);
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 3 * kMiB, false).ok());
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 2, 4096, false, std::nullopt, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kArenaFull);
+  EXPECT_NE(r.status().message().find("node reserve 1.00 MiB"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(table_->Snapshot().free_bytes, kMiB);
+  auto too_large =
+      table_->Reserve(s.session_id, s.token, 3, 4 * kMiB, false, std::nullopt, &reason);
+  EXPECT_EQ(reason, RejectReason::kTooLarge);
+}
+
+TEST_F(SessionTableTest, WaitingReserveIsServedWhenSpaceIsReleased) {
+  SessionGrant a = Open();
+  SessionGrant b = Open();
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 3 * kMiB, false).ok());
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    EXPECT_EQ(table_->Snapshot().waiting_reserves, 1u);
+    ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
+  });
+  const auto start = std::chrono::steady_clock::now();
+  auto r =
+      table_->Reserve(b.session_id, b.token, 1, 2 * kMiB, false, start + std::chrono::seconds(10));
+  releaser.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(90));
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+}
+
+TEST_F(SessionTableTest, WaitingReserveTimesOutAtItsDeadline) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
+  const auto start = std::chrono::steady_clock::now();
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 2, kMiB, false,
+                           start + std::chrono::milliseconds(150), &reason);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kWaitTimeout);
+  EXPECT_NE(r.status().message().find("until the deadline"), std::string::npos);
+  EXPECT_GE(waited, std::chrono::milliseconds(150));
+  EXPECT_LT(waited, std::chrono::seconds(2));
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+}
+
+TEST_F(SessionTableTest, WaitersAreServedInArrivalOrder) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
+  std::vector<int> order;
+  std::mutex order_mu;
+  auto waiter = [&](int id, uint64_t group) {
+    auto r = table_->Reserve(s.session_id, s.token, group, kMiB, false,
+                             std::chrono::steady_clock::now() + std::chrono::seconds(10));
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    std::lock_guard<std::mutex> lock(order_mu);
+    order.push_back(id);
+  };
+  std::thread first(waiter, 1, 10);
+  while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
+  std::thread second(waiter, 2, 11);
+  while (table_->Snapshot().waiting_reserves < 2) std::this_thread::yield();
+  ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
+  first.join();
+  second.join();
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+}
+
+TEST_F(SessionTableTest, DrainRefusesNewWorkButLetsGroupsFinish) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, kMiB, false).ok());
+  table_->SetDraining(true);
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 2, 4096, false, std::nullopt, &reason);
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ(reason, RejectReason::kDraining);
+  Hello hello;
+  EXPECT_EQ(table_->Open(hello, {}).status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(table_->Commit(s.session_id, s.token, 1, kMiB).ok());
+  EXPECT_TRUE(table_->Prefetch(s.session_id, s.token, 1).ok());
+  EXPECT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
+  table_->SetDraining(false);
+  EXPECT_TRUE(table_->Reserve(s.session_id, s.token, 2, 4096, false).ok());
+}
+
+TEST_F(SessionTableTest, DrainWakesWaitersWithUnavailable) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
+  std::thread drainer([&] {
+    while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
+    table_->SetDraining(true);
+  });
+  auto r = table_->Reserve(s.session_id, s.token, 2, kMiB, false,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(10));
+  drainer.join();
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
 }
 
 TEST(ConstantTimeEquals, Basics) {

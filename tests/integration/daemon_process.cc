@@ -62,10 +62,13 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
   d->scratch_dir_ = scratch;
   d->runtime_dir_ = d->scratch_dir_ + "/run";
   d->log_path_ = d->scratch_dir_ + "/daemon.log";
-  std::vector<std::string> argv = {BinDir() + "/memoffloadd", "--runtime-dir=" + d->runtime_dir_,
+  std::vector<std::string> argv = {BinDir() + "/memoffloadd",
+                                   "--runtime-dir=" + d->runtime_dir_,
                                    "--arena-size=" + options.arena_size,
                                    "--chunk-size=" + options.chunk_size,
-                                   "--metrics-address=" + options.metrics_address};
+                                   "--metrics-address=" + options.metrics_address,
+                                   "--drain-timeout=" + options.drain_timeout};
+
   argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
   d->pid_ = fork();
   if (d->pid_ == 0) {

@@ -22,6 +22,8 @@ class DaemonProcess {
     std::string arena_size = "256MiB";
     std::string chunk_size = "64MiB";
     std::string metrics_address = "none";
+    std::string drain_timeout = "3s";
+
     std::vector<std::string> extra_args;
   };
 

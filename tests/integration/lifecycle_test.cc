@@ -82,19 +82,54 @@ TEST(Lifecycle, SigtermExitsZeroAndRemovesSockets) {
   ASSERT_NE(daemon, nullptr) << error;
   client::AttachOptions options;
   options.runtime_dir = daemon->runtime_dir();
-  auto c = client::Client::Attach(options);  // an attached session does not block exit
+  auto c = client::Client::Attach(options);  // an idle attached session does not block exit
   ASSERT_TRUE(c.ok());
-  ASSERT_TRUE((*c)->Reserve(1, 1 << 20).ok());
   const std::string dir = daemon->runtime_dir();
+  const auto start = Clock::now();
   int status = daemon->Stop(SIGTERM, 10000);
   ASSERT_NE(status, -1) << "daemon did not stop";
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
   EXPECT_TRUE(WIFEXITED(status)) << status;
   EXPECT_EQ(WEXITSTATUS(status), 0) << daemon->Log();
   EXPECT_FALSE(std::filesystem::exists(dir + "/broker.sock"));
   EXPECT_FALSE(std::filesystem::exists(dir + "/memoffload.sock"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/admin.token"));
   EXPECT_NE(daemon->Log().find("stopped cleanly"), std::string::npos);
   // The client sees the daemon gone as UNAVAILABLE, not a crash.
   EXPECT_EQ((*c)->Reserve(2, 4096).status().code(), StatusCode::kUnavailable);
+}
+
+TEST(Lifecycle, SigtermDrainsUntilGroupsAreReleased) {
+  std::string error;
+  DaemonProcess::Options opts;
+  opts.drain_timeout = "20s";
+  auto daemon = DaemonProcess::Start(opts, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  client::AttachOptions options;
+  options.runtime_dir = daemon->runtime_dir();
+  auto c = client::Client::Attach(options);
+  ASSERT_TRUE(c.ok());
+  auto& client = **c;
+  ASSERT_TRUE(client.Reserve(1, 1 << 20).ok());
+  kill(daemon->pid(), SIGTERM);
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Still serving the group it holds, but refusing new work.
+  EXPECT_TRUE(daemon->Status().draining());
+  Result<client::Reservation> refused = client.Reserve(2, 4096);
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(refused.status().message().find("draining"), std::string::npos);
+  auto late = client::Client::Attach(options);
+  EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(late.status().message().find("draining"), std::string::npos);
+  ASSERT_TRUE(client.Commit(1, 1 << 20).ok());
+  ASSERT_TRUE(client.Prefetch(1).ok());
+  ASSERT_TRUE(client.Release(1).ok());
+  const auto released = Clock::now();
+  int status = WaitFor(daemon->pid(), 5000);
+  ASSERT_NE(status, -1) << daemon->Log();
+  EXPECT_LT(Clock::now() - released, std::chrono::seconds(1));
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_NE(daemon->Log().find("drained: no groups held"), std::string::npos) << daemon->Log();
 }
 
 TEST(Lifecycle, SecondDaemonOnSameDirIsRefused) {

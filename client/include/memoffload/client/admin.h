@@ -21,6 +21,12 @@ class AdminClient {
 
   Result<v1::GetStatusResponse> GetStatus();
   Result<v1::ListSessionsResponse> ListSessions();
+  Result<v1::GetConfigResponse> GetConfig();
+  // Starts (drain=true) or ends draining. Reads the admin token from
+  // <runtime dir>/admin.token: PERMISSION_DENIED, naming the file, when this
+  // process may not read it.
+  Result<v1::DrainResponse> Drain(bool drain);
+
   const std::string& socket_path() const;
 
  private:

@@ -28,7 +28,8 @@ struct AttachOptions {
   std::string job_id;  // printable ASCII, <= 128 bytes
   int32_t rank = -1;
   int32_t local_rank = -1;
-  uint64_t max_bytes = 0;  // ask for a lower session limit; 0: daemon default
+  uint64_t max_bytes = 0;      // ask for a lower session limit; 0: daemon default
+  uint64_t job_max_bytes = 0;  // ask for a lower limit for the whole job; 0: default
   // Fill page tables of every chunk at attach (slower attach, faster first
   // write); otherwise pages are mapped on first touch.
   bool populate = false;

@@ -1,12 +1,19 @@
-// DaemonConfig: every setting of memoffloadd, with its default.
+// DaemonConfig: every setting of memoffloadd, where it came from, and how it
+// is parsed from each source.
 //
-// Sources, lowest precedence first: embedded defaults, then command-line
-// flags. ParseFlags never exits; it returns the config or a one-line error
-// naming the flag and what it accepts.
+// Precedence, lowest first: embedded defaults < config file (TOML, --config or
+// MEMOFFLOAD_CONFIG) < MEMOFFLOAD_* environment variables < command-line
+// flags. Every setting has one name in each source: TOML `[section] key`,
+// environment MEMOFFLOAD_<KEY>, flag --<key-with-dashes>. Unknown keys, flags
+// and bad values are errors that name the key and what it accepts. Nothing
+// here exits or throws.
 #ifndef MEMOFFLOAD_DAEMON_CONFIG_H_
 #define MEMOFFLOAD_DAEMON_CONFIG_H_
 
+#include <sys/types.h>
+
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -16,34 +23,77 @@ namespace memoffload::daemon {
 
 inline constexpr const char kDefaultMetricsAddress[] = "127.0.0.1:9477";
 
-struct DaemonConfig {
-  std::string runtime_dir;                               // resolved: never empty after parsing
-  uint64_t arena_size_bytes = 0;                         // resolved: min(1 GiB, 25% of RAM)
-  uint64_t chunk_size_bytes = 0;                         // resolved: min(1 GiB, arena size)
-  std::string metrics_address = kDefaultMetricsAddress;  // "" disables
-  int prefault_threads = 0;                              // 0: one per online core
-  bool hugepages = false;
-  bool mlock = true;
-  uint64_t session_max_bytes = 0;  // 0: no per-session limit
-  std::string log_level = "info";
-
-  // Action flags (the daemon prints and exits).
-  bool show_help = false;
-  bool show_version = false;
+// Settings SIGHUP may change without a restart (access policy and quotas).
+struct Policy {
+  std::vector<uint32_t> allowed_uids;  // besides the daemon's uid and root
+  std::vector<uint32_t> allowed_gids;  // peers in these groups are allowed too
+  uint64_t session_max_bytes = 0;      // 0: no per-session limit
+  uint64_t job_max_bytes = 0;          // 0: no per-job limit
+  uint64_t node_reserve_bytes = 0;     // never handed out
+  uint64_t max_wait_ms = 30000;        // cap for waiting reserves without deadline
 };
 
-// Parses argv (argv[0] is skipped). Accepts --name=value and --name value.
-Result<DaemonConfig> ParseFlags(int argc, const char* const* argv);
+struct DaemonConfig {
+  // [server]
+  std::string runtime_dir;                               // resolved: never empty after Resolve
+  std::string metrics_address = kDefaultMetricsAddress;  // "" disables
+  std::string log_level = "info";
+  uint32_t socket_mode = 0660;
+  std::string socket_group;  // "" keeps the daemon's group
+  // [arena]
+  uint64_t arena_size_bytes = 0;  // resolved: min(1 GiB, 25% of RAM)
+  uint64_t chunk_size_bytes = 0;  // resolved: min(1 GiB, arena size)
+  int prefault_threads = 0;       // resolved: one per online core
+  bool hugepages = false;
+  bool mlock = true;
+  // [access] and [quotas]
+  Policy policy;
+  // [lifecycle]
+  uint64_t drain_timeout_ms = 30000;
+  uint64_t hello_timeout_ms = 10000;
 
-// Resolves defaults that depend on the machine (RAM, cores, uid) and checks
-// cross-field consistency (chunk size a page multiple, chunk <= arena, ...).
+  std::string config_file;  // "" when none
+  // Where each key's value came from: "default", "file", "env" or "flag".
+  std::map<std::string, std::string> sources;
+
+  // Actions (print and exit).
+  bool show_help = false;
+  bool show_version = false;
+  bool print_config = false;
+};
+
+// Builds the config from all sources. `env` is the process environment
+// (environ-style "KEY=VALUE" strings; tests pass their own).
+Result<DaemonConfig> LoadConfig(int argc, const char* const* argv,
+                                const std::vector<std::string>& env);
+
+// Re-reads `path` on top of defaults, env and the original flags, for SIGHUP.
+// Only Policy changes take effect; the caller compares the rest and warns.
+Result<DaemonConfig> ReloadConfig(const DaemonConfig& current, int argc, const char* const* argv,
+                                  const std::vector<std::string>& env);
+
+// Resolves machine-dependent defaults (RAM, cores, uid) and checks
+// cross-field consistency.
 Status ResolveAndValidate(DaemonConfig* config);
+
+// The effective configuration as an annotated TOML document.
+std::string FormatConfig(const DaemonConfig& config);
+// (key, value, source) for every setting, in documentation order.
+struct ConfigEntry {
+  std::string key;  // "section.key"
+  std::string value;
+  std::string source;
+};
+std::vector<ConfigEntry> ConfigEntries(const DaemonConfig& config);
 
 // The help text listing every flag with its default.
 std::string FlagsHelp();
 
 // Total physical memory of this machine in bytes.
 uint64_t PhysicalMemoryBytes();
+
+// The process environment as a vector of "KEY=VALUE".
+std::vector<std::string> ProcessEnvironment();
 
 }  // namespace memoffload::daemon
 

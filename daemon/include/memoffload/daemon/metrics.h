@@ -23,8 +23,17 @@
 
 namespace memoffload::daemon {
 
-enum class Method { kReserve, kCommit, kPrefetch, kRelease, kGetStatus, kListSessions };
-inline constexpr int kMethodCount = 6;
+enum class Method {
+  kReserve,
+  kCommit,
+  kPrefetch,
+  kRelease,
+  kGetStatus,
+  kListSessions,
+  kDrain,
+  kGetConfig,
+};
+inline constexpr int kMethodCount = 8;
 const char* MethodName(Method method);
 
 struct MetricsInfo {
@@ -44,6 +53,7 @@ class Metrics {
   Result<std::string> Serve(const std::string& address);
 
   void RecordRequest(Method method, StatusCode code, double seconds);
+  void RecordRejection(RejectReason reason);
   void SessionOpened();
   void SessionClosed(CloseReason reason, uint64_t reclaimed_bytes);
   void AttachRefused(const std::string& reason);
@@ -65,6 +75,8 @@ class Metrics {
   std::array<prometheus::Histogram*, kMethodCount> latency_{};
   prometheus::Counter* sessions_opened_ = nullptr;
   prometheus::Family<prometheus::Counter>* sessions_closed_ = nullptr;
+  std::array<prometheus::Counter*, kCloseReasonCount> sessions_closed_by_reason_{};
+  std::array<prometheus::Counter*, kRejectReasonCount> rejections_{};
   prometheus::Family<prometheus::Counter>* attach_refusals_ = nullptr;
   prometheus::Counter* reclaimed_bytes_ = nullptr;
 };

@@ -7,9 +7,11 @@
 #define MEMOFFLOAD_DAEMON_SERVICE_H_
 
 #include <chrono>
+#include <mutex>
 #include <string>
 
 #include "memoffload/daemon/arena.h"
+#include "memoffload/daemon/config.h"
 #include "memoffload/daemon/metrics.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
@@ -20,11 +22,17 @@ struct ServiceInfo {
   std::string version;
   std::string runtime_dir;
   std::string metrics_address;  // bound address, "" when disabled
+  std::string admin_token;      // required by Drain
 };
 
 class OffloadService final : public memoffload::v1::Offload::Service {
  public:
-  OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics, ServiceInfo info);
+  OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics, ServiceInfo info,
+                 const DaemonConfig& config);
+
+  // Replaces the configuration GetConfig reports and the reserve wait cap
+  // (after SIGHUP). Thread-safe.
+  void SetConfig(const DaemonConfig& config);
 
   grpc::Status Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
                        v1::ReserveResponse* resp) override;
@@ -38,6 +46,10 @@ class OffloadService final : public memoffload::v1::Offload::Service {
                          v1::GetStatusResponse* resp) override;
   grpc::Status ListSessions(grpc::ServerContext* ctx, const v1::ListSessionsRequest* req,
                             v1::ListSessionsResponse* resp) override;
+  grpc::Status GetConfig(grpc::ServerContext* ctx, const v1::GetConfigRequest* req,
+                         v1::GetConfigResponse* resp) override;
+  grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req,
+                     v1::DrainResponse* resp) override;
 
  private:
   // Converts and records; `start` is when the request arrived.
@@ -49,6 +61,8 @@ class OffloadService final : public memoffload::v1::Offload::Service {
   Metrics* metrics_;
   const ServiceInfo info_;
   const std::chrono::steady_clock::time_point started_;
+  mutable std::mutex config_mu_;
+  DaemonConfig config_;  // guarded by config_mu_
 };
 
 // Maps our status to gRPC's (same numeric codes).

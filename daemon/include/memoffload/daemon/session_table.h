@@ -15,13 +15,17 @@
 #include <sys/types.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "memoffload/daemon/arena.h"
+#include "memoffload/daemon/config.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/status.h"
 
@@ -37,8 +41,25 @@ enum class GroupState { kReserved, kCommitted, kRead };
 const char* GroupStateName(GroupState state);
 
 // Why a session ended; a label of the sessions-closed metric.
-enum class CloseReason { kLifelineClosed, kShutdown };
+// kProcessExited: the pidfd watch saw the peer die while another process
+// (e.g. a forked child) still held its broker connection.
+enum class CloseReason { kLifelineClosed, kProcessExited, kShutdown };
+inline constexpr int kCloseReasonCount = 3;
 const char* CloseReasonName(CloseReason reason);
+
+// Why a Reserve was refused; a label of the rejections metric.
+enum class RejectReason {
+  kNone,
+  kTooLarge,  // larger than the usable arena: can never fit
+  kSessionLimit,
+  kJobLimit,
+  kArenaFull,    // usable arena (capacity - node reserve) is full
+  kWaitTimeout,  // waited until the deadline
+  kTooManyWaiters,
+  kDraining,
+};
+inline constexpr int kRejectReasonCount = 8;
+const char* RejectReasonName(RejectReason reason);
 
 struct SessionGrant {
   uint64_t session_id = 0;
@@ -74,8 +95,11 @@ struct ArenaSnapshot {
   uint64_t committed_bytes = 0;
   uint64_t read_bytes = 0;
   uint64_t largest_free_extent_bytes = 0;
+  uint64_t node_reserve_bytes = 0;
   uint32_t sessions = 0;
   uint64_t groups = 0;
+  uint32_t waiting_reserves = 0;
+  bool draining = false;
 };
 
 struct SessionSnapshot {
@@ -90,13 +114,9 @@ struct SessionSnapshot {
   double age_seconds = 0;
 };
 
-struct SessionTableOptions {
-  uint64_t session_max_bytes = 0;  // 0: no limit
-};
-
 class SessionTable {
  public:
-  SessionTable(Arena* arena, SessionTableOptions options);
+  SessionTable(Arena* arena, const Policy& policy);
   SessionTable(const SessionTable&) = delete;
   SessionTable& operator=(const SessionTable&) = delete;
 
@@ -109,12 +129,32 @@ class SessionTable {
 
   // Each checks the session (NOT_FOUND), then the token in constant time
   // (UNAUTHENTICATED), then the group and its state.
-  Result<ReserveResult> Reserve(uint64_t session_id, const std::string& token, uint64_t group_id,
-                                uint64_t size_bytes, bool single_extent);
+  //
+  // Reserve checks, in order: the usable arena (capacity - node reserve),
+  // the session limit, the job limit, free space. Without wait_until a
+  // request that does not fit fails at once with RESOURCE_EXHAUSTED naming
+  // the limit and the shortfall. With wait_until it queues behind earlier
+  // waiting reserves (strict arrival order among waiters) until it fits or the
+  // time passes. While draining, Reserve is UNAVAILABLE. *reject (if non-null)
+  // is set to why a request was refused.
+  Result<ReserveResult> Reserve(
+      uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
+      bool single_extent,
+      std::optional<std::chrono::steady_clock::time_point> wait_until = std::nullopt,
+      RejectReason* reject = nullptr);
+
   Result<CommitResult> Commit(uint64_t session_id, const std::string& token, uint64_t group_id,
                               uint64_t used_bytes);
   Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id);
   Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
+
+  // Replaces the quotas (SIGHUP). Sessions keep what they hold; limits apply
+  // to new reservations. Wakes waiting reserves.
+  void SetPolicy(const Policy& policy);
+  // Drain: new Reserves are UNAVAILABLE (waiting ones fail), existing groups
+  // may still be committed, prefetched and released.
+  void SetDraining(bool draining);
+  bool draining() const;
 
   ArenaSnapshot Snapshot() const;
   std::vector<SessionSnapshot> ListSessions() const;
@@ -133,6 +173,11 @@ class SessionTable {
     uint64_t used_bytes = 0;  // valid bytes after Commit
     Clock::time_point committed_at;
   };
+  struct Job {
+    uint64_t held_bytes = 0;
+    uint32_t sessions = 0;
+    uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
+  };
   struct Session {
     SessionGrant grant;
     Hello hello;
@@ -145,12 +190,22 @@ class SessionTable {
   // Finds the session and checks its token. Requires mu_.
   Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
   Result<Group*> FindGroup(Session* session, uint64_t group_id);
+  // One attempt to place the group now. Requires mu_.
+  Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
+                                   bool single_extent, RejectReason* reject);
+  // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
+  uint64_t JobLimit(const Session& session) const;       // requires mu_
   void AddStateBytes(GroupState state, int64_t delta);   // requires mu_
   void FreeExtents(const std::vector<Extent>& extents);  // requires mu_
 
   Arena* const arena_;
-  const SessionTableOptions options_;
   mutable std::mutex mu_;
+  std::condition_variable space_freed_;             // signalled when bytes return or state changes
+  Policy policy_;                                   // guarded by mu_
+  bool draining_ = false;                           // guarded by mu_
+  uint64_t next_ticket_ = 1;                        // guarded by mu_
+  std::deque<uint64_t> waiters_;                    // guarded by mu_; arrival order
+  std::unordered_map<std::string, Job> jobs_;       // guarded by mu_
   uint64_t next_session_id_ = 1;                    // guarded by mu_
   std::unordered_map<uint64_t, Session> sessions_;  // guarded by mu_
   uint64_t reserved_bytes_ = 0;                     // guarded by mu_

@@ -28,10 +28,11 @@ inline constexpr size_t kMaxJobIdBytes = 128;
 
 struct Hello {
   uint16_t version = kAttachProtocolVersion;
-  std::string job_id;       // free text, <= kMaxJobIdBytes, printable ASCII
-  int32_t rank = -1;        // global rank, -1 when unknown
-  int32_t local_rank = -1;  // rank on this node, -1 when unknown
-  uint64_t max_bytes = 0;   // session asks for a lower byte limit; 0: default
+  std::string job_id;          // free text, <= kMaxJobIdBytes, printable ASCII
+  int32_t rank = -1;           // global rank, -1 when unknown
+  int32_t local_rank = -1;     // rank on this node, -1 when unknown
+  uint64_t max_bytes = 0;      // session asks for a lower byte limit; 0: default
+  uint64_t job_max_bytes = 0;  // job asks for a lower byte limit; 0: default
 };
 
 struct ChunkInfo {

@@ -1,0 +1,126 @@
+// GroupOffloader: moves groups of tensors into the memoffloadd arena and back.
+//
+// A group is one forward invocation of one layer (or one explicit
+// OffloadGroup call), named by a caller-chosen 64-bit key. Life of a group:
+//
+//   BeginGroup(key, slot) -> Add(key, tensor)* -> CloseGroup(key)
+//     -> PrefetchGroup(key) -> Get(key, entry)* -> ReleaseGroup(key)
+//
+// or, from C++ trainers, OffloadGroup(key, tensors) / PrefetchGroup(key) /
+// GetGroup(key) / ReleaseGroup(key).
+//
+// Promises:
+// - Tensors that share a storage (a tensor and its transpose, a tensor saved
+//   twice) are stored once and come back as views of one restored storage with
+//   their original sizes, strides, storage offset, dtype and device. Storages
+//   are identified by their StorageImpl, held alive while the group is open so
+//   that an address cannot be reused by another storage.
+// - The group holds every source storage until its copy is complete and the
+//   daemon accepted the Commit; then it lets go of it.
+// - `slot` names the recurring place of a group (a layer index). The group is
+//   reserved at BeginGroup with the size its slot had last time, and Reserve,
+//   copies, Commit, Prefetch and Release all run on one worker thread: in
+//   steady state the calling thread never waits for an RPC. Get waits only for
+//   its own group's prefetch.
+// - When the daemon is unreachable or refuses space (RESOURCE_EXHAUSTED, quota)
+//   the group keeps its tensors where they are and Get returns them; the
+//   reason is logged once per status code and the bytes are counted as
+//   skipped. The worker attaches a new session when the daemon is back.
+// - Get refuses (FAILED_PRECONDITION, with PyTorch's in-place message) a
+//   tensor whose version counter moved since Add.
+//
+// Thread-safety: all public methods may be called from any thread; groups are
+// guarded by the offloader's mutex, each group's storages by its own mutex.
+#ifndef MEMOFFLOAD_TORCH_GROUP_OFFLOADER_H_
+#define MEMOFFLOAD_TORCH_GROUP_OFFLOADER_H_
+
+#include <ATen/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::torch {
+
+struct OffloaderOptions {
+  std::string runtime_dir;  // "": $MEMOFFLOAD_RUNTIME_DIR or the default
+  std::string job_id = "torch";
+  int32_t rank = -1;
+  int32_t local_rank = -1;
+  int rpc_timeout_ms = 10000;
+  // Minimum time between two attach attempts while the daemon is away.
+  int reconnect_interval_ms = 1000;
+  // Try the CUDA engine (falls back to the host engine when unavailable).
+  bool use_cuda = true;
+};
+
+struct OffloaderStats {
+  uint64_t offloaded_bytes = 0;    // written into the arena and committed
+  uint64_t prefetched_bytes = 0;   // read back from the arena
+  uint64_t skipped_bytes = 0;      // kept in memory: no space, no daemon, error
+  uint64_t groups = 0;             // groups begun
+  uint64_t groups_offloaded = 0;   // groups committed to the arena
+  uint64_t groups_skipped = 0;     // groups (partly) kept in memory
+  uint64_t groups_live = 0;        // groups not yet released
+  uint64_t tensors = 0;            // entries added
+  uint64_t deduplicated = 0;       // entries that shared an already added storage
+  uint64_t blocking_rpcs = 0;      // RPCs the calling thread waited for
+  uint64_t prefetch_waits = 0;     // Get calls that waited for a prefetch
+  double prefetch_wait_seconds = 0;
+  uint64_t rereads = 0;            // storages read again (a second backward)
+  uint64_t reconnects = 0;         // sessions attached after a loss
+  uint64_t rpc_errors = 0;
+  bool connected = false;
+  std::string engine;              // "host" or "cuda"
+  std::string last_skip_reason;
+};
+
+class GroupOffloader {
+ public:
+  // Attaches to the daemon (one blocking RPC). Never fails for want of a
+  // daemon: without one every group is skipped until an attach succeeds.
+  static std::shared_ptr<GroupOffloader> Create(const OffloaderOptions& options);
+  ~GroupOffloader();  // waits for queued work, releases every live group
+  GroupOffloader(const GroupOffloader&) = delete;
+  GroupOffloader& operator=(const GroupOffloader&) = delete;
+
+  // Opens group `key`; `slot` < 0: no size learning (reserved at close).
+  Status BeginGroup(uint64_t key, int64_t slot);
+  // Adds a tensor to an open group and returns its entry index. `stream`: the
+  // cudaStream_t (as integer) that produced a CUDA tensor; 0: legacy default.
+  Result<int64_t> Add(uint64_t key, const at::Tensor& tensor, uintptr_t stream = 0);
+  Status CloseGroup(uint64_t key);
+  // Starts bringing the group back (asynchronous). Unknown keys are ignored.
+  Status PrefetchGroup(uint64_t key);
+  // The tensor of `entry`, waiting for the group's prefetch if needed.
+  // `stream` (CUDA): the stream that will use it.
+  Result<at::Tensor> Get(uint64_t key, int64_t entry);
+  // The entry will not be asked for again; the group is released when its
+  // last entry is dropped.
+  Status DropEntry(uint64_t key, int64_t entry);
+  // Forgets the group and returns its space (asynchronous). Unknown keys are
+  // ignored.
+  Status ReleaseGroup(uint64_t key);
+
+  // Explicit API for C++ trainers: Begin + Add each + Close.
+  Status OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors, uintptr_t stream = 0);
+  // Every entry of the group in Add order.
+  Result<std::vector<at::Tensor>> GetGroup(uint64_t key);
+
+  // Waits until the worker has run everything queued so far.
+  void Flush();
+  OffloaderStats stats() const;
+
+  class Impl;
+
+ private:
+  explicit GroupOffloader(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace memoffload::torch
+
+#endif  // MEMOFFLOAD_TORCH_GROUP_OFFLOADER_H_
