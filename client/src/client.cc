@@ -178,7 +178,9 @@ Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
   req.set_single_extent(options.single_extent);
   req.set_wait_for_space(options.wait_for_space);
   grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
+  SetDeadline(&ctx, options.wait_for_space && options.wait_timeout_ms > 0 ? options.wait_timeout_ms
+                                                                          : impl_->rpc_timeout_ms);
+
   v1::ReserveResponse resp;
   Status st = FromGrpc(impl_->stub->Reserve(&ctx, req, &resp), impl_->grpc_socket);
   if (!st.ok()) return st;

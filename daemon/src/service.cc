@@ -72,7 +72,10 @@ grpc::Status OffloadService::Reserve(grpc::ServerContext* ctx, const v1::Reserve
       wait_until = start + std::chrono::milliseconds(max_wait_ms);
       const auto deadline = ctx->deadline();
       if (deadline != std::chrono::system_clock::time_point::max()) {
-        const auto left = deadline - std::chrono::system_clock::now();
+        // Answer a little before the caller's deadline so it sees why.
+        const auto left =
+            deadline - std::chrono::system_clock::now() - std::chrono::milliseconds(50);
+
         wait_until =
             std::min(*wait_until, start + std::chrono::duration_cast<Clock::duration>(left));
       }

@@ -108,6 +108,13 @@ bool SessionTable::draining() const {
   return draining_;
 }
 
+uint64_t SessionTable::SessionLimit(const Session& session) const {
+  uint64_t limit = policy_.session_max_bytes;
+  const uint64_t asked = session.hello.max_bytes;
+  if (asked != 0 && (limit == 0 || asked < limit)) limit = asked;
+  return limit;
+}
+
 uint64_t SessionTable::JobLimit(const Session& session) const {
   uint64_t limit = policy_.job_max_bytes;
   auto it = jobs_.find(session.hello.job_id);
@@ -130,11 +137,8 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   Session s;
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
-  s.grant.limit_bytes = policy_.session_max_bytes;
-  if (hello.max_bytes != 0 && (s.grant.limit_bytes == 0 || hello.max_bytes < s.grant.limit_bytes)) {
-    s.grant.limit_bytes = hello.max_bytes;
-  }
   s.hello = hello;
+  s.grant.limit_bytes = SessionLimit(s);
   s.peer = peer;
   s.opened_at = Clock::now();
   Job& job = jobs_[hello.job_id];
@@ -213,13 +217,14 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
                                                uint64_t rounded, bool single_extent,
                                                RejectReason* reject) {
   Session& s = *session;
-  if (s.grant.limit_bytes != 0 && s.held_bytes + rounded > s.grant.limit_bytes) {
+  const uint64_t session_limit = SessionLimit(s);
+  if (session_limit != 0 && s.held_bytes + rounded > session_limit) {
     *reject = RejectReason::kSessionLimit;
     return ResourceExhausted("session limit: session " + std::to_string(s.grant.session_id) +
                              " holds " + FormatSize(s.held_bytes) + " of its " +
-                             FormatSize(s.grant.limit_bytes) + " limit; " + FormatSize(rounded) +
+                             FormatSize(session_limit) + " limit; " + FormatSize(rounded) +
                              " more would exceed it by " +
-                             FormatSize(s.held_bytes + rounded - s.grant.limit_bytes));
+                             FormatSize(s.held_bytes + rounded - session_limit));
   }
   Job& job = jobs_[s.hello.job_id];
   const uint64_t job_limit = JobLimit(s);
@@ -451,7 +456,7 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
     snap.peer = s.peer;
     snap.held_bytes = s.held_bytes;
     snap.groups = s.groups.size();
-    snap.limit_bytes = s.grant.limit_bytes;
+    snap.limit_bytes = SessionLimit(s);
     snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
     out.push_back(std::move(snap));
   }

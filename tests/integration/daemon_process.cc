@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -52,6 +53,23 @@ int WaitFor(pid_t pid, int timeout_ms) {
   }
 }
 
+int RunCapture(const std::vector<std::string>& argv, std::string* out, int timeout_ms) {
+  int fd = -1;
+  pid_t pid = Spawn(argv, &fd);
+  out->clear();
+  char buf[4096];
+  ssize_t n;
+  while ((n = read(fd, buf, sizeof(buf))) > 0) out->append(buf, static_cast<size_t>(n));
+  close(fd);
+  int status = WaitFor(pid, timeout_ms);
+  if (status == -1) {
+    kill(pid, SIGKILL);
+    WaitFor(pid, 1000);
+    return -1;
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
 std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std::string* error) {
   std::unique_ptr<DaemonProcess> d(new DaemonProcess());
   char scratch[] = "/tmp/memoffload-test-XXXXXX";
@@ -69,6 +87,10 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
                                    "--metrics-address=" + options.metrics_address,
                                    "--drain-timeout=" + options.drain_timeout};
 
+  if (options.open_permissions) {
+    chmod(d->scratch_dir_.c_str(), 0755);
+    argv.push_back("--socket-mode=0666");
+  }
   argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
   d->pid_ = fork();
   if (d->pid_ == 0) {

@@ -23,9 +23,14 @@ class DaemonProcess {
     std::string chunk_size = "64MiB";
     std::string metrics_address = "none";
     std::string drain_timeout = "3s";
-
     std::vector<std::string> extra_args;
+    // Let other uids reach the sockets (scratch dir 0755, sockets 0666), so
+    // the daemon's access policy is what decides.
+    bool open_permissions = false;
   };
+
+  // The scratch directory (parent of the runtime dir), for test files.
+  const std::string& scratch_dir() const { return scratch_dir_; }
 
   // Starts the daemon and waits until it answers GetStatus. Returns nullptr
   // and fills *error (with the daemon's log) when it does not come up.
@@ -54,6 +59,9 @@ class DaemonProcess {
 pid_t Spawn(const std::vector<std::string>& argv, int* stdout_fd);
 // Waits for pid up to timeout_ms; returns the wait status or -1 on timeout.
 int WaitFor(pid_t pid, int timeout_ms);
+// Runs a program to completion (up to timeout_ms); returns its exit code (or
+// -1 on timeout or signal) and its stdout in *out.
+int RunCapture(const std::vector<std::string>& argv, std::string* out, int timeout_ms = 20000);
 
 }  // namespace memoffload::testing
 

@@ -7,6 +7,13 @@
 //   offload_worker hold RUNTIME_DIR GROUPS BYTES
 //     Reserves GROUPS groups of BYTES, writes them, commits every other one,
 //     prints "HELD <total bytes>" and sleeps until killed.
+//   offload_worker fork-hold RUNTIME_DIR BYTES
+//     Reserves one group, forks a child that inherits the broker connection
+//     and sleeps, prints "HELD <bytes> <child pid>" and sleeps until killed.
+//   offload_worker attach-as RUNTIME_DIR UID
+//     Drops to UID (and its gid), attaches, reserves and releases one page;
+//     prints "OK" or "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
+#include <grp.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -127,9 +134,59 @@ int Hold(const std::string& dir, int groups, uint64_t bytes) {
   while (true) pause();
 }
 
+int ForkHold(const std::string& dir, uint64_t bytes) {
+  auto client = AttachOrNull(dir, 0);
+  if (!client) return 1;
+  auto r = client->Reserve(1, bytes);
+  if (!r.ok()) return Die("reserve", r.status());
+  const pid_t child = fork();
+  if (child == 0) {
+    // Holds the inherited broker connection; touches nothing else.
+    while (true) pause();
+  }
+  std::printf("HELD %lu %d\n", static_cast<unsigned long>(r->reserved_bytes), child);
+  std::fflush(stdout);
+  while (true) pause();
+}
+
+int AttachAs(const std::string& dir, uid_t uid) {
+  if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
+    std::printf("ERR SETUID cannot drop to uid %u\n", uid);
+    return 1;
+  }
+  AttachOptions options;
+  options.runtime_dir = dir;
+  options.job_id = "other-user";
+  auto c = Client::Attach(options);
+  if (!c.ok()) {
+    std::printf("ERR %s %s\n", memoffload::StatusCodeName(c.status().code()),
+                c.status().message().c_str());
+    return 1;
+  }
+  auto r = (*c)->Reserve(1, 4096);
+  if (!r.ok()) {
+    std::printf("ERR %s %s\n", memoffload::StatusCodeName(r.status().code()),
+                r.status().message().c_str());
+    return 1;
+  }
+  if (auto st = (*c)->Release(1); !st.ok()) {
+    std::printf("ERR %s %s\n", memoffload::StatusCodeName(st.code()), st.message().c_str());
+    return 1;
+  }
+  std::printf("OK\n");
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[1], "fork-hold") == 0) {
+    return ForkHold(argv[2], std::stoull(argv[3]));
+  }
+  if (argc == 4 && std::strcmp(argv[1], "attach-as") == 0) {
+    return AttachAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])));
+  }
+
   if (argc == 7 && std::strcmp(argv[1], "verify") == 0) {
     return Verify(argv[2], std::stoull(argv[3]), std::stoi(argv[4]), std::stoull(argv[5]),
                   std::stoull(argv[6]));

@@ -658,9 +658,13 @@ class GroupOffloader::Impl {
     Result<client::Placement> placement = g.client->Prefetch(g.daemon_id);
     if (placement.ok()) {
       g.read_extents = placement->extents;
-    } else if (IsTransport(placement.status().code())) {
-      // The daemon is gone; the data is still in this session's mapping of
-      // the chunks, which nobody else was given these extents of.
+    } else if (IsTransport(placement.status().code()) ||
+               ((placement.status().code() == StatusCode::kNotFound ||
+                 placement.status().code() == StatusCode::kUnauthenticated) &&
+                (g.client != client_ || client_broken_))) {
+      // The daemon is gone (or restarted and no longer knows the session):
+      // the data is still in this process's mapping of the old chunks, whose
+      // extents nobody else was given.
       NoteFailure(placement.status(), "Prefetch");
       g.read_extents = g.write_extents;
     } else {

@@ -38,7 +38,10 @@ struct AttachOptions {
 
 struct ReserveOptions {
   bool single_extent = false;
+  // Wait up to wait_timeout_ms (default: the client's rpc timeout; the
+  // daemon caps it at quotas.max_wait) for space instead of failing at once.
   bool wait_for_space = false;
+  int wait_timeout_ms = 0;
 };
 
 struct Reservation {

@@ -148,8 +148,9 @@ class SessionTable {
   Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id);
   Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
 
-  // Replaces the quotas (SIGHUP). Sessions keep what they hold; limits apply
-  // to new reservations. Wakes waiting reserves.
+  // Replaces the quotas (SIGHUP). Sessions keep what they hold; the new
+  // limits apply to every later reservation, existing sessions included.
+  // Wakes waiting reserves.
   void SetPolicy(const Policy& policy);
   // Drain: new Reserves are UNAVAILABLE (waiting ones fail), existing groups
   // may still be committed, prefetched and released.
@@ -193,6 +194,8 @@ class SessionTable {
   // One attempt to place the group now. Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
                                    bool single_extent, RejectReason* reject);
+  // The session limit in force: min(policy, what its hello asked for).
+  uint64_t SessionLimit(const Session& session) const;  // requires mu_
   // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
   uint64_t JobLimit(const Session& session) const;       // requires mu_
   void AddStateBytes(GroupState state, int64_t delta);   // requires mu_

@@ -105,8 +105,10 @@ class GroupOffloader {
   // ignored.
   Status ReleaseGroup(uint64_t key);
 
-  // Explicit API for C++ trainers: Begin + Add each + Close.
-  Status OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors, uintptr_t stream = 0);
+  // Explicit API for C++ trainers: Begin + Add each + Close. `slot` as in
+  // BeginGroup (e.g. the layer index) enables reservation ahead of the copies.
+  Status OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors, uintptr_t stream = 0,
+                      int64_t slot = -1);
   // Every entry of the group in Add order.
   Result<std::vector<at::Tensor>> GetGroup(uint64_t key);
 

@@ -1,0 +1,166 @@
+// memoffload._C: Python bindings of the GroupOffloader and of the admin
+// status query. Errors become Python exceptions here, at the edge:
+// FAILED_PRECONDITION and the rest -> RuntimeError, INVALID_ARGUMENT ->
+// ValueError. Blocking calls release the GIL.
+#include <torch/extension.h>
+
+#include <string>
+
+#include "memoffload/client/admin.h"
+#include "memoffload/torch/group_offloader.h"
+
+namespace py = pybind11;
+using memoffload::Result;
+using memoffload::Status;
+using memoffload::StatusCode;
+using memoffload::torch::GroupOffloader;
+using memoffload::torch::OffloaderOptions;
+using memoffload::torch::OffloaderStats;
+
+namespace {
+
+[[noreturn]] void Raise(const Status& st) {
+  if (st.code() == StatusCode::kInvalidArgument) throw py::value_error(st.ToString());
+  throw std::runtime_error(st.message());
+}
+
+void Check(const Status& st) {
+  if (!st.ok()) Raise(st);
+}
+
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(r).value();
+}
+
+py::dict StatsDict(const OffloaderStats& s) {
+  py::dict d;
+  d["offloaded_bytes"] = s.offloaded_bytes;
+  d["prefetched_bytes"] = s.prefetched_bytes;
+  d["skipped_bytes"] = s.skipped_bytes;
+  d["groups"] = s.groups;
+  d["groups_offloaded"] = s.groups_offloaded;
+  d["groups_skipped"] = s.groups_skipped;
+  d["groups_live"] = s.groups_live;
+  d["tensors"] = s.tensors;
+  d["deduplicated"] = s.deduplicated;
+  d["blocking_rpcs"] = s.blocking_rpcs;
+  d["prefetch_waits"] = s.prefetch_waits;
+  d["prefetch_wait_seconds"] = s.prefetch_wait_seconds;
+  d["rereads"] = s.rereads;
+  d["reconnects"] = s.reconnects;
+  d["rpc_errors"] = s.rpc_errors;
+  d["connected"] = s.connected;
+  d["engine"] = s.engine;
+  d["last_skip_reason"] = s.last_skip_reason;
+  return d;
+}
+
+py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
+  memoffload::v1::GetStatusResponse r;
+  {
+    py::gil_scoped_release release;
+    auto admin = Take(memoffload::client::AdminClient::Connect(runtime_dir, timeout_ms));
+    r = Take(admin->GetStatus());
+  }
+  py::dict d;
+  d["version"] = r.version();
+  d["runtime_dir"] = r.runtime_dir();
+  d["capacity_bytes"] = r.capacity_bytes();
+  d["used_bytes"] = r.used_bytes();
+  d["free_bytes"] = r.free_bytes();
+  d["reserved_bytes"] = r.reserved_bytes();
+  d["committed_bytes"] = r.committed_bytes();
+  d["read_bytes"] = r.read_bytes();
+  d["largest_free_extent_bytes"] = r.largest_free_extent_bytes();
+  d["chunks"] = r.chunks();
+  d["chunk_size_bytes"] = r.chunk_size_bytes();
+  d["sessions"] = r.sessions();
+  d["groups"] = r.groups();
+  d["draining"] = r.draining();
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "memoffload native part: group offloader over the memoffloadd arena";
+
+  py::class_<GroupOffloader, std::shared_ptr<GroupOffloader>>(m, "GroupOffloader")
+      .def(py::init([](const std::string& runtime_dir, const std::string& job_id, int rank,
+                       int local_rank, int rpc_timeout_ms, int reconnect_interval_ms,
+                       bool use_cuda) {
+             OffloaderOptions o;
+             o.runtime_dir = runtime_dir;
+             o.job_id = job_id;
+             o.rank = rank;
+             o.local_rank = local_rank;
+             o.rpc_timeout_ms = rpc_timeout_ms;
+             o.reconnect_interval_ms = reconnect_interval_ms;
+             o.use_cuda = use_cuda;
+             py::gil_scoped_release release;
+             return GroupOffloader::Create(o);
+           }),
+           py::arg("runtime_dir") = "", py::arg("job_id") = "torch", py::arg("rank") = -1,
+           py::arg("local_rank") = -1, py::arg("rpc_timeout_ms") = 10000,
+           py::arg("reconnect_interval_ms") = 1000, py::arg("use_cuda") = true)
+      .def(
+          "begin_group",
+          [](GroupOffloader& o, uint64_t key, int64_t slot) { Check(o.BeginGroup(key, slot)); },
+          py::arg("key"), py::arg("slot") = -1)
+      .def(
+          "add",
+          // Returns the entry index, or -1 when the tensor cannot be offloaded
+          // (the caller keeps it as it is).
+          [](GroupOffloader& o, uint64_t key, const at::Tensor& t, uintptr_t stream) -> int64_t {
+            Result<int64_t> r = o.Add(key, t, stream);
+            if (!r.ok() && r.status().code() == StatusCode::kInvalidArgument) return -1;
+            return Take(std::move(r));
+          },
+          py::arg("key"), py::arg("tensor"), py::arg("stream") = 0)
+      .def(
+          "close_group", [](GroupOffloader& o, uint64_t key) { Check(o.CloseGroup(key)); },
+          py::arg("key"))
+      .def(
+          "prefetch_group", [](GroupOffloader& o, uint64_t key) { Check(o.PrefetchGroup(key)); },
+          py::arg("key"))
+      .def(
+          "get",
+          [](GroupOffloader& o, uint64_t key, int64_t entry) {
+            Result<at::Tensor> r = [&] {
+              py::gil_scoped_release release;
+              return o.Get(key, entry);
+            }();
+            return Take(std::move(r));
+          },
+          py::arg("key"), py::arg("entry"))
+      .def(
+          "drop_entry",
+          [](GroupOffloader& o, uint64_t key, int64_t entry) { Check(o.DropEntry(key, entry)); },
+          py::arg("key"), py::arg("entry"))
+      .def(
+          "release_group", [](GroupOffloader& o, uint64_t key) { Check(o.ReleaseGroup(key)); },
+          py::arg("key"))
+      .def(
+          "offload_group",
+          [](GroupOffloader& o, uint64_t key, const std::vector<at::Tensor>& tensors,
+             uintptr_t stream, int64_t slot) { Check(o.OffloadGroup(key, tensors, stream, slot)); },
+          py::arg("key"), py::arg("tensors"), py::arg("stream") = 0, py::arg("slot") = -1)
+      .def(
+          "get_group",
+          [](GroupOffloader& o, uint64_t key) {
+            Result<std::vector<at::Tensor>> r = [&] {
+              py::gil_scoped_release release;
+              return o.GetGroup(key);
+            }();
+            return Take(std::move(r));
+          },
+          py::arg("key"))
+      .def("flush", &GroupOffloader::Flush, py::call_guard<py::gil_scoped_release>())
+      .def("stats", [](const GroupOffloader& o) { return StatsDict(o.stats()); });
+
+  m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "",
+        py::arg("timeout_ms") = 5000,
+        "GetStatus of the daemon at runtime_dir as a dict (RuntimeError when unreachable).");
+}

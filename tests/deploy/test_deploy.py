@@ -1,0 +1,316 @@
+"""Static checks of deploy/: Kubernetes manifests, Dockerfile, Prometheus
+config and example configs agree with each other and with the daemon's
+defaults (read from its sources), and the image's packages match
+scripts/setup-deps.sh."""
+
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+import deploy_common as dc
+
+MIB = 1024 * 1024
+
+
+# ---------------------------------------------------------------- Kubernetes
+
+
+def test_yamllint_passes_on_k8s_and_prometheus_yaml():
+    yamllint = dc.require_tool("yamllint")
+    result = subprocess.run(
+        [yamllint, "--strict", "--format", "parsable", str(dc.K8S), str(dc.PROMETHEUS)],
+        capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_kustomization_lists_every_manifest_and_only_those():
+    kustomization = yaml.safe_load((dc.K8S / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    present = {p.name for p in dc.K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert listed == present, f"listed {sorted(listed)}, present {sorted(present)}"
+    assert kustomization["namespace"] == "memoffload-system"
+    # The sample trainer pod must not be deployed by the base.
+    assert not any(r.startswith("examples") for r in listed)
+
+
+def _daemonset_parts():
+    docs = dc.k8s_documents()
+    ds = dc.one(docs, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    return docs, ds, pod, container
+
+
+def test_daemonset_runs_on_every_node_as_critical_with_minimal_capabilities():
+    _, ds, pod, c = _daemonset_parts()
+    assert ds["apiVersion"] == "apps/v1"
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert ds["spec"]["updateStrategy"]["type"] == "OnDelete"
+    sc = c["securityContext"]
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["privileged"] is False
+    assert sc["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    assert not pod.get("hostIPC") and not pod.get("hostNetwork") and not pod.get("hostPID")
+
+
+def test_daemonset_socket_dir_is_the_daemon_default_on_the_host():
+    _, _, pod, c = _daemonset_parts()
+    run_dir = dc.default_runtime_dir()
+    volume = next(v for v in pod["volumes"] if "hostPath" in v)
+    assert volume["hostPath"] == {"path": run_dir, "type": "DirectoryOrCreate"}
+    mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["mountPath"] == run_dir
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env[dc.runtime_dir_env()] == run_dir
+
+
+def test_daemonset_probes_use_memoffloadctl_status():
+    _, _, _, c = _daemonset_parts()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["exec"]["command"] == ["memoffloadctl", "status"], probe
+    # A pre-fault of a large arena must fit in the startup budget (15 min).
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
+    # Liveness restarts drop every session: at least two minutes of failures.
+    live = c["livenessProbe"]
+    assert live["periodSeconds"] * live["failureThreshold"] >= 120
+
+
+def test_daemonset_config_metrics_port_and_memory_agree_with_configmap():
+    docs, _, pod, c = _daemonset_parts()
+    config = dc.configmap_toml(docs)
+    cm_name = dc.one(docs, "ConfigMap")["metadata"]["name"]
+    volume = next(v for v in pod["volumes"] if "configMap" in v)
+    assert volume["configMap"]["name"] == cm_name
+    mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+    assert c["args"] == ["--config", f"{mount['mountPath']}/memoffloadd.toml"]
+    port = dc.default_metrics_port()
+    (container_port,) = c["ports"]
+    assert container_port == {"name": "metrics", "containerPort": port, "protocol": "TCP"}
+    # The memfd pages of the arena are charged to the daemon's container.
+    arena = dc.parse_size_bytes(config["arena"]["size"])
+    limit = dc.parse_size_bytes(c["resources"]["limits"]["memory"])
+    assert limit >= arena + 256 * MIB
+    assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"]
+    # SIGTERM drains: the grace period must outlast the drain timeout.
+    drain = dc.parse_duration_s(config["lifecycle"]["drain_timeout"])
+    assert pod["terminationGracePeriodSeconds"] >= drain + 10
+
+
+def test_configmap_serves_metrics_on_all_pod_interfaces_and_default_dirs():
+    docs = dc.k8s_documents()
+    config = dc.configmap_toml(docs)
+    assert config["server"]["metrics_address"] == f"0.0.0.0:{dc.default_metrics_port()}"
+    assert config["server"]["runtime_dir"] == dc.default_runtime_dir()
+    ds = dc.one(docs, "DaemonSet")
+    gid = ds["spec"]["template"]["spec"]["securityContext"]["runAsGroup"]
+    assert config["access"]["allowed_gids"] == [gid]
+
+
+def test_service_and_servicemonitor_select_the_daemon_pods():
+    docs, ds, _, _ = _daemonset_parts()
+    svc = dc.one(docs, "Service")
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert svc["spec"]["clusterIP"] == "None"
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["port"] == dc.default_metrics_port()
+    assert svc_port["targetPort"] == "metrics"
+    sm = dc.one(docs, "ServiceMonitor")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    (endpoint,) = sm["spec"]["endpoints"]
+    assert endpoint["port"] == svc_port["name"]
+    assert endpoint["path"] == "/metrics"
+    # Same job label as the static Prometheus config and the dashboards.
+    assert svc["metadata"]["labels"][sm["spec"]["jobLabel"]] == "memoffload"
+
+
+def test_sample_trainer_pod_mounts_the_socket_dir_and_can_attach():
+    docs = dc.k8s_documents()
+    (pod,) = [p for p in docs["Pod"] if p["__file__"] == "examples/trainer-pod.yaml"]
+    run_dir = dc.default_runtime_dir()
+    volume = next(v for v in pod["spec"]["volumes"] if "hostPath" in v)
+    assert volume["hostPath"]["path"] == run_dir
+    (c,) = pod["spec"]["containers"]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
+    assert mount["mountPath"] == run_dir
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env[dc.runtime_dir_env()] == run_dir
+    config = dc.configmap_toml(docs)
+    assert pod["spec"]["securityContext"]["runAsGroup"] in config["access"]["allowed_gids"]
+
+
+# ---------------------------------------------------------------- Dockerfile
+
+
+def _dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for raw in dc.DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def _stages() -> dict[str, list[tuple[str, str]]]:
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for word, rest in _dockerfile_instructions():
+        if word == "FROM":
+            current = rest.split()[-1]
+            stages[current] = []
+        elif current is not None:
+            stages[current].append((word, rest))
+    return stages
+
+
+def _apt_packages(stage: list[tuple[str, str]]) -> list[str]:
+    packages = []
+    for word, rest in stage:
+        if word != "RUN" or "apt-get install" not in rest:
+            continue
+        for command in rest.split("&&"):
+            tokens = shlex.split(command)
+            if "install" in tokens and "apt-get" in tokens:
+                args = tokens[tokens.index("install") + 1:]
+                packages += [a for a in args if not a.startswith("-")]
+    return packages
+
+
+def test_dockerfile_is_multistage_debian_bookworm():
+    instructions = _dockerfile_instructions()
+    args = dict(rest.split("=", 1) for word, rest in instructions if word == "ARG")
+    assert args["DEBIAN_IMAGE"].startswith("debian:bookworm")
+    froms = [rest for word, rest in instructions if word == "FROM"]
+    assert froms == ["${DEBIAN_IMAGE} AS build", "${DEBIAN_IMAGE} AS runtime"]
+
+
+def test_dockerfile_build_packages_equal_setup_deps_build_array():
+    packages = _apt_packages(_stages()["build"])
+    deps = dc.deps_array("DEPS_BUILD")
+    assert sorted(packages) == sorted(deps), (
+        f"only in Dockerfile: {sorted(set(packages) - set(deps))}, "
+        f"only in setup-deps.sh: {sorted(set(deps) - set(packages))}")
+
+
+def test_dockerfile_runtime_stage_has_no_build_packages_and_a_non_root_user():
+    runtime = _stages()["runtime"]
+    packages = _apt_packages(runtime)
+    assert packages and not [p for p in packages if p.endswith("-dev")]
+    assert not set(packages) & set(dc.deps_array("DEPS_BUILD"))
+    user = [rest for word, rest in runtime if word == "USER"]
+    assert user == ["10001:10001"]
+    useradd = " ".join(rest for word, rest in runtime if word == "RUN")
+    assert "--uid 10001" in useradd and "--gid 10001" in useradd
+
+
+def test_dockerfile_runtime_packages_cover_the_built_binaries_libraries():
+    binaries = [dc.bin_dir() / b for b in ("memoffloadd", "memoffloadctl")]
+    if not all(b.is_file() for b in binaries):
+        pytest.skip(f"binaries not built in {dc.bin_dir()}")
+    # Direct dependencies (DT_NEEDED) only: apt pulls in what those need.
+    libraries = set()
+    for binary in binaries:
+        ldd = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True)
+        paths = dict(re.findall(r"^\s*(\S+)\s+=>\s+(/\S+)", ldd.stdout, re.M))
+        dynamic = subprocess.run(["readelf", "-d", str(binary)], capture_output=True, text=True,
+                                 check=True)
+        for soname in re.findall(r"\(NEEDED\).*\[(.+)\]", dynamic.stdout):
+            if soname.startswith("ld-linux"):
+                continue  # the dynamic loader, part of libc6
+            libraries.add(paths[soname])
+    needed = set()
+    for lib in sorted(libraries):
+        real = Path(lib).resolve()
+        for candidate in (lib, str(real), str(real).removeprefix("/usr"), "/usr" + str(real)):
+            found = subprocess.run(["dpkg", "-S", candidate], capture_output=True, text=True)
+            if found.returncode == 0:
+                needed.add(found.stdout.split(":")[0])
+                break
+        else:
+            pytest.fail(f"no Debian package owns {lib}")
+    packages = set(_apt_packages(_stages()["runtime"]))
+    assert needed <= packages, f"runtime stage lacks {sorted(needed - packages)}"
+
+
+def test_dockerfile_paths_ports_and_run_line_match_the_daemon():
+    runtime = _stages()["runtime"]
+    run_dir = dc.default_runtime_dir()
+    port = dc.default_metrics_port()
+    env = [rest for word, rest in runtime if word == "ENV"]
+    assert f"{dc.runtime_dir_env()}={run_dir}" in env
+    assert [rest for word, rest in runtime if word == "EXPOSE"] == [str(port)]
+    cmd = [rest for word, rest in runtime if word == "CMD"]
+    assert cmd == [f'["--runtime-dir={run_dir}", "--metrics-address=0.0.0.0:{port}"]']
+    assert [rest for word, rest in runtime if word == "ENTRYPOINT"] == ['["/usr/sbin/memoffloadd"]']
+    text = dc.DOCKERFILE.read_text()
+    run_line = text[text.index("#   docker run"):text.index("\n#\n", text.index("#   docker run"))]
+    for option in ("--ulimit memlock=-1:-1", f"-v {run_dir}:{run_dir}",
+                   f"-p 127.0.0.1:{port}:{port}", f"--runtime-dir={run_dir}",
+                   f"--metrics-address=0.0.0.0:{port}"):
+        assert option in run_line, option
+    assert "--ipc" in text and "/dev/shm" in text
+
+
+# ---------------------------------------------------------------- Prometheus
+
+
+def test_prometheus_config_is_valid_and_scrapes_the_metrics_port():
+    promtool = dc.require_tool("promtool")
+    result = subprocess.run([promtool, "check", "config", str(dc.PROMETHEUS)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load(dc.PROMETHEUS.read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "memoffload"]
+    targets = [t for sc in job["static_configs"] for t in sc["targets"]]
+    assert targets and all(t.endswith(f":{dc.default_metrics_port()}") for t in targets)
+    assert job["metrics_path"] == "/metrics"
+
+
+# ---------------------------------------------------------------- configs
+
+
+def test_example_config_matches_daemon_defaults_and_unit():
+    config = dc.example_toml()
+    assert config["server"]["runtime_dir"] == dc.default_runtime_dir()
+    assert config["server"]["metrics_address"] == dc.default_metrics_address()
+    default_drain = dc.default_drain_timeout_s()
+    if default_drain is not None:
+        assert dc.parse_duration_s(config["lifecycle"]["drain_timeout"]) == default_drain
+
+
+def _daemon_knows_config_files(binary: Path) -> bool:
+    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
+    return "--config" in help_text and "--print-config" in help_text
+
+
+@pytest.mark.parametrize("source", ["systemd example", "k8s configmap"])
+def test_config_files_are_accepted_by_the_daemon(source, tmp_path):
+    binary = dc.daemon_binary()
+    if not _daemon_knows_config_files(binary):
+        pytest.skip("this memoffloadd has no --config/--print-config yet (issue 4)")
+    if source == "systemd example":
+        path = dc.EXAMPLE_CONFIG
+    else:
+        path = tmp_path / "memoffloadd.toml"
+        path.write_text(dc.one(dc.k8s_documents(), "ConfigMap")["data"]["memoffloadd.toml"])
+    env = {"PATH": "/usr/bin:/bin"}
+    result = subprocess.run([str(binary), "--config", str(path), "--print-config"],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stderr

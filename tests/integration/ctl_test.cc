@@ -1,0 +1,122 @@
+// memoffloadctl against the real daemon: both output formats, drain and
+// undrain, config, and exit codes scripts rely on.
+#include <google/protobuf/util/json_util.h>
+#include <gtest/gtest.h>
+
+#include "daemon_process.h"
+#include "memoffload/client/client.h"
+#include "memoffload/v1/memoffload.pb.h"
+
+namespace memoffload::testing {
+namespace {
+
+class CtlTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string error;
+    daemon_ = DaemonProcess::Start({}, &error);
+    ASSERT_NE(daemon_, nullptr) << error;
+  }
+  int Ctl(std::vector<std::string> args, std::string* out) {
+    args.insert(args.begin(),
+                {BinDir() + "/memoffloadctl", "--runtime-dir", daemon_->runtime_dir()});
+    return RunCapture(args, out);
+  }
+  std::unique_ptr<DaemonProcess> daemon_;
+};
+
+template <typename Message>
+Message ParseJson(const std::string& json) {
+  Message m;
+  auto st = google::protobuf::util::JsonStringToMessage(json, &m);
+  EXPECT_TRUE(st.ok()) << st.ToString() << "\n" << json;
+  return m;
+}
+
+TEST_F(CtlTest, StatusHumanAndJson) {
+  client::AttachOptions options;
+  options.runtime_dir = daemon_->runtime_dir();
+  options.job_id = "ctl-job";
+  options.rank = 5;
+  auto c = client::Client::Attach(options);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Reserve(1, 3 << 20).ok());
+
+  std::string out;
+  ASSERT_EQ(Ctl({"status"}, &out), 0) << out;
+  EXPECT_NE(out.find("capacity             256.00 MiB"), std::string::npos) << out;
+  EXPECT_NE(out.find("used                 3.00 MiB (1.2%)"), std::string::npos) << out;
+  EXPECT_NE(out.find("sessions             1"), std::string::npos) << out;
+
+  ASSERT_EQ(Ctl({"status", "--json"}, &out), 0) << out;
+  auto status = ParseJson<v1::GetStatusResponse>(out);
+  EXPECT_EQ(status.capacity_bytes(), 256u << 20);
+  EXPECT_EQ(status.used_bytes(), 3u << 20);
+  EXPECT_EQ(status.reserved_bytes(), 3u << 20);
+  EXPECT_EQ(status.groups(), 1u);
+
+  ASSERT_EQ(Ctl({"sessions"}, &out), 0) << out;
+  EXPECT_NE(out.find("ctl-job"), std::string::npos) << out;
+  EXPECT_NE(out.find("3.00 MiB"), std::string::npos) << out;
+  ASSERT_EQ(Ctl({"--json", "sessions"}, &out), 0) << out;
+  auto sessions = ParseJson<v1::ListSessionsResponse>(out);
+  ASSERT_EQ(sessions.sessions_size(), 1);
+  EXPECT_EQ(sessions.sessions(0).job_id(), "ctl-job");
+  EXPECT_EQ(sessions.sessions(0).rank(), 5);
+  EXPECT_EQ(sessions.sessions(0).pid(), getpid());
+  EXPECT_EQ(sessions.sessions(0).held_bytes(), 3u << 20);
+  EXPECT_EQ(sessions.sessions(0).groups(), 1u);
+}
+
+TEST_F(CtlTest, DrainAndUndrain) {
+  std::string out;
+  ASSERT_EQ(Ctl({"drain"}, &out), 0) << out;
+  EXPECT_NE(out.find("draining"), std::string::npos) << out;
+  EXPECT_TRUE(daemon_->Status().draining());
+  client::AttachOptions options;
+  options.runtime_dir = daemon_->runtime_dir();
+  auto refused = client::Client::Attach(options);
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+
+  ASSERT_EQ(Ctl({"undrain", "--json"}, &out), 0) << out;
+  EXPECT_FALSE(ParseJson<v1::DrainResponse>(out).draining());
+  EXPECT_FALSE(daemon_->Status().draining());
+  EXPECT_TRUE(client::Client::Attach(options).ok());
+}
+
+TEST_F(CtlTest, ConfigShowsValuesAndSources) {
+  std::string out;
+  ASSERT_EQ(Ctl({"config"}, &out), 0) << out;
+  EXPECT_NE(out.find("[arena]"), std::string::npos) << out;
+  EXPECT_NE(out.find("size = 268435456  # flag"), std::string::npos) << out;
+  ASSERT_EQ(Ctl({"config", "--json"}, &out), 0) << out;
+  auto config = ParseJson<v1::GetConfigResponse>(out);
+  bool found = false;
+  for (const auto& e : config.entries()) {
+    if (e.key() == "lifecycle.drain_timeout") {
+      found = true;
+      EXPECT_EQ(e.value(), "3000ms");
+      EXPECT_EQ(e.source(), "flag");
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+TEST_F(CtlTest, ExitCodes) {
+  std::string out;
+  EXPECT_EQ(Ctl({"frobnicate"}, &out), 2);
+  EXPECT_EQ(Ctl({}, &out), 2);
+  EXPECT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", "/nonexistent/dir", "status"},
+                       &out),
+            3);
+  // Without access to the admin token, drain is refused with exit code 4.
+  const std::string token = daemon_->runtime_dir() + "/admin.token";
+  const std::string hidden = token + ".hidden";
+  ASSERT_EQ(rename(token.c_str(), hidden.c_str()), 0);
+  EXPECT_EQ(Ctl({"drain"}, &out), 4);
+  ASSERT_EQ(rename(hidden.c_str(), token.c_str()), 0);
+  EXPECT_FALSE(daemon_->Status().draining());
+}
+
+}  // namespace
+}  // namespace memoffload::testing

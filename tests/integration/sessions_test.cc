@@ -1,0 +1,242 @@
+// Access policy, quotas, waiting reserves, pidfd reclaim and SIGHUP reload,
+// against the real daemon.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <thread>
+
+#include "daemon_process.h"
+#include "memoffload/client/admin.h"
+#include "memoffload/client/client.h"
+
+namespace memoffload::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kMiB = 1 << 20;
+
+std::unique_ptr<client::Client> Attach(const DaemonProcess& d, const std::string& job = "job",
+                                       uint64_t max_bytes = 0) {
+  client::AttachOptions options;
+  options.runtime_dir = d.runtime_dir();
+  options.job_id = job;
+  options.max_bytes = max_bytes;
+  auto c = client::Client::Attach(options);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
+TEST(Access, OtherUidIsRefusedWithReasonUnlessAllowed) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.open_permissions = true;
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  std::string out;
+  int code =
+      RunCapture({BinDir() + "/offload_worker", "attach-as", daemon->runtime_dir(), "65534"}, &out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_EQ(out.rfind("ERR PERMISSION_DENIED", 0), 0u) << out;
+  EXPECT_NE(out.find("uid 65534"), std::string::npos) << out;
+  EXPECT_NE(out.find("access.allowed_uids"), std::string::npos) << out;
+  EXPECT_NE(daemon->Log().find("attach refused"), std::string::npos);
+  EXPECT_EQ(daemon->Status().sessions(), 0u);
+
+  options.extra_args = {"--allowed-uids=65534"};
+  auto allowing = DaemonProcess::Start(options, &error);
+  ASSERT_NE(allowing, nullptr) << error;
+  code = RunCapture({BinDir() + "/offload_worker", "attach-as", allowing->runtime_dir(), "65534"},
+                    &out);
+  EXPECT_EQ(code, 0) << out << allowing->Log();
+  EXPECT_EQ(out, "OK\n");
+}
+
+TEST(Quotas, SessionAndJobLimitsAndNodeReserveNameTheLimit) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.extra_args = {"--session-max-bytes=64MiB", "--job-max-bytes=96MiB",
+                        "--node-reserve-bytes=64MiB"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto a = Attach(*daemon, "train");
+  auto b = Attach(*daemon, "train");
+  auto small = Attach(*daemon, "eval", 8 * kMiB);  // asks for less than the default
+  ASSERT_TRUE(a && b && small);
+
+  ASSERT_TRUE(a->Reserve(1, 48 * kMiB).ok());
+  auto r = a->Reserve(2, 32 * kMiB);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("session limit"), std::string::npos);
+  EXPECT_NE(r.status().message().find("exceed it by 16.00 MiB"), std::string::npos)
+      << r.status().message();
+
+  ASSERT_TRUE(b->Reserve(1, 40 * kMiB).ok());
+  r = b->Reserve(2, 16 * kMiB);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("job limit: job 'train' holds 88.00 MiB of its 96.00 MiB"),
+            std::string::npos)
+      << r.status().message();
+
+  r = small->Reserve(1, 9 * kMiB);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("of its 8.00 MiB limit"), std::string::npos)
+      << r.status().message();
+
+  // 256 MiB arena, 64 MiB node reserve: 192 MiB usable, 88 MiB in use.
+  auto c = Attach(*daemon, "third");
+  auto d = Attach(*daemon, "fourth");
+  ASSERT_TRUE(c->Reserve(1, 64 * kMiB).ok());
+  ASSERT_TRUE(d->Reserve(1, 40 * kMiB).ok());  // 192 MiB in use now
+  r = d->Reserve(2, 4096);
+
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("node reserve 64.00 MiB"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(daemon->Status().node_reserve_bytes(), 64 * kMiB);
+}
+
+TEST(Quotas, WaitingReserveIsServedWhenAnotherSessionReleases) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto holder = Attach(*daemon);
+  auto waiter = Attach(*daemon);
+  ASSERT_TRUE(holder->Reserve(1, 200 * kMiB).ok());
+  std::thread releaser([&] {
+    const auto start = Clock::now();
+    while (daemon->Status().waiting_reserves() == 0 &&
+           Clock::now() - start < std::chrono::seconds(5)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_TRUE(holder->Release(1).ok());
+  });
+  client::ReserveOptions wait;
+  wait.wait_for_space = true;
+  wait.wait_timeout_ms = 10000;
+  auto r = waiter->Reserve(1, 100 * kMiB, wait);
+  releaser.join();
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->reserved_bytes, 100 * kMiB);
+  EXPECT_EQ(daemon->Status().waiting_reserves(), 0u);
+}
+
+TEST(Quotas, WaitingReserveTimesOutAtItsDeadline) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto holder = Attach(*daemon);
+  auto waiter = Attach(*daemon);
+  ASSERT_TRUE(holder->Reserve(1, 200 * kMiB).ok());
+  client::ReserveOptions wait;
+  wait.wait_for_space = true;
+  wait.wait_timeout_ms = 400;
+  const auto start = Clock::now();
+  auto r = waiter->Reserve(1, 100 * kMiB, wait);
+  const auto waited = Clock::now() - start;
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("until the deadline"), std::string::npos)
+      << r.status().message();
+  EXPECT_GE(waited, std::chrono::milliseconds(300));
+  EXPECT_LT(waited, std::chrono::seconds(2));
+  // Without wait_for_space the same request fails at once.
+  const auto now = Clock::now();
+  EXPECT_EQ(waiter->Reserve(1, 100 * kMiB).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_LT(Clock::now() - now, std::chrono::milliseconds(200));
+}
+
+TEST(Lifeline, ChildHoldingTheSocketDoesNotKeepADeadParentsMemory) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  int out = -1;
+  pid_t parent =
+      Spawn({BinDir() + "/offload_worker", "fork-hold", daemon->runtime_dir(), "16777216"}, &out);
+  std::string line;
+  char ch;
+  while (read(out, &ch, 1) == 1 && ch != '\n') line.push_back(ch);
+  close(out);
+  unsigned long held = 0;
+  int child = 0;
+  ASSERT_EQ(std::sscanf(line.c_str(), "HELD %lu %d", &held, &child), 2) << line;
+  EXPECT_EQ(held, 16 * kMiB);
+  EXPECT_EQ(daemon->Status().used_bytes(), 16 * kMiB);
+
+  const auto killed = Clock::now();
+  kill(parent, SIGKILL);
+  WaitFor(parent, 2000);
+  v1::GetStatusResponse s;
+  while (Clock::now() - killed < std::chrono::seconds(1)) {
+    s = daemon->Status();
+    if (s.used_bytes() == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_EQ(s.used_bytes(), 0u) << "the child still holds the socket; pidfd must reclaim";
+  EXPECT_EQ(s.sessions(), 0u);
+  EXPECT_EQ(kill(child, 0), 0) << "the child should still be alive";
+  EXPECT_NE(daemon->Log().find("closed (process_exited)"), std::string::npos) << daemon->Log();
+  kill(child, SIGKILL);
+}
+
+void WriteFile(const std::string& path, const std::string& text) { std::ofstream(path) << text; }
+
+std::string ConfigValue(const DaemonProcess& d, const std::string& key) {
+  auto admin = client::AdminClient::Connect(d.runtime_dir());
+  auto config = (*admin)->GetConfig();
+  if (!config.ok()) return "";
+  for (const auto& e : config->entries()) {
+    if (e.key() == key) return e.value();
+  }
+  return "";
+}
+
+TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
+  std::string error;
+  DaemonProcess::Options options;
+  char dir[] = "/tmp/memoffload-reload-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/memoffloadd.toml";
+  WriteFile(path, "[quotas]\nsession_max_bytes = \"1MiB\"\n");
+  options.extra_args = {"--config=" + path};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto c = Attach(*daemon);
+  EXPECT_EQ(c->Reserve(1, 2 * kMiB).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "1048576");
+
+  WriteFile(path, "[quotas]\nsession_max_bytes = \"4MiB\"\n");
+  kill(daemon->pid(), SIGHUP);
+  const auto start = Clock::now();
+  while (ConfigValue(*daemon, "quotas.session_max_bytes") != "4194304" &&
+         Clock::now() - start < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "4194304");
+  // The new limit applies to the existing session too.
+  EXPECT_TRUE(c->Reserve(1, 2 * kMiB).ok());
+  auto fresh = Attach(*daemon);
+  EXPECT_EQ(fresh->Reserve(1, 5 * kMiB).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(daemon->Status().sessions(), 2u);
+
+  WriteFile(path, "[quotas]\nsession_max_bytes = \"lots\"\n");
+  kill(daemon->pid(), SIGHUP);
+  const auto wait = Clock::now();
+  while (daemon->Log().find("config reload rejected") == std::string::npos &&
+         Clock::now() - wait < std::chrono::seconds(5)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_NE(daemon->Log().find("config reload rejected, keeping the previous configuration: "
+                               "config file " +
+                               path + ": quotas.session_max_bytes"),
+            std::string::npos)
+      << daemon->Log();
+  EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "4194304");
+  EXPECT_EQ(daemon->Status().sessions(), 2u);  // no session dropped
+  unlink(path.c_str());
+  rmdir(dir);
+}
+
+}  // namespace
+}  // namespace memoffload::testing
