@@ -160,7 +160,6 @@ PYBIND11_MODULE(_C, m) {
       .def("flush", &GroupOffloader::Flush, py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const GroupOffloader& o) { return StatsDict(o.stats()); });
 
-  m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "",
-        py::arg("timeout_ms") = 5000,
+  m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "", py::arg("timeout_ms") = 5000,
         "GetStatus of the daemon at runtime_dir as a dict (RuntimeError when unreachable).");
 }

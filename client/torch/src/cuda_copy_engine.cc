@@ -125,8 +125,8 @@ class CudaCopyEngine final : public CopyEngine {
       DeviceStreams s;
       CuDevice dev = 0;
       MEMOFFLOAD_RETURN_IF_ERROR(cu_->Check(cu_->cuDeviceGet(&dev, index), "cuDeviceGet"));
-      MEMOFFLOAD_RETURN_IF_ERROR(cu_->Check(cu_->cuDevicePrimaryCtxRetain(&s.context, dev),
-                                            "cuDevicePrimaryCtxRetain"));
+      MEMOFFLOAD_RETURN_IF_ERROR(
+          cu_->Check(cu_->cuDevicePrimaryCtxRetain(&s.context, dev), "cuDevicePrimaryCtxRetain"));
       MEMOFFLOAD_RETURN_IF_ERROR(cu_->Check(cu_->cuCtxSetCurrent(s.context), "cuCtxSetCurrent"));
       MEMOFFLOAD_RETURN_IF_ERROR(
           cu_->Check(cu_->cuStreamCreate(&s.d2h, kCuStreamNonBlocking), "cuStreamCreate"));
@@ -134,7 +134,8 @@ class CudaCopyEngine final : public CopyEngine {
           cu_->Check(cu_->cuStreamCreate(&s.h2d, kCuStreamNonBlocking), "cuStreamCreate"));
       it = streams_.emplace(index, s).first;
     }
-    MEMOFFLOAD_RETURN_IF_ERROR(cu_->Check(cu_->cuCtxSetCurrent(it->second.context), "cuCtxSetCurrent"));
+    MEMOFFLOAD_RETURN_IF_ERROR(
+        cu_->Check(cu_->cuCtxSetCurrent(it->second.context), "cuCtxSetCurrent"));
     return &it->second;
   }
 

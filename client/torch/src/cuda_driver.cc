@@ -58,8 +58,8 @@ Status CudaDriver::Check(CuResult result, const char* what) const {
   if (result == kCudaSuccess) return Status::Ok();
   const char* text = nullptr;
   if (cuGetErrorString != nullptr) cuGetErrorString(result, &text);
-  return Unavailable(std::string(what) + " failed: " + (text ? text : "unknown CUDA error") +
-                     " (" + std::to_string(result) + ")");
+  return Unavailable(std::string(what) + " failed: " + (text ? text : "unknown CUDA error") + " (" +
+                     std::to_string(result) + ")");
 }
 
 Result<const CudaDriver*> LoadCudaDriver() {

@@ -67,8 +67,8 @@ Status ForEachPiece(const Client& c, const std::vector<Extent>& extents, uint64_
 struct StoredStorage {
   c10::Device device{c10::kCPU};
   uint64_t nbytes = 0;
-  uint64_t offset = 0;     // in the group's byte stream
-  ReadyToken ready = 0;    // consumed by the copy (worker) or at release
+  uint64_t offset = 0;   // in the group's byte stream
+  ReadyToken ready = 0;  // consumed by the copy (worker) or at release
   CopyEngine* engine = nullptr;
   bool copy_queued = false;  // training side: a copy task was posted at Add
   // Written by the worker; read by Get under Group::mu.
@@ -642,11 +642,10 @@ class GroupOffloader::Impl {
       return Internal(std::string("allocating a restored storage failed: ") + ex.what());
     }
     uint8_t* dst = static_cast<uint8_t*>(out.data());
-    MEMOFFLOAD_RETURN_IF_ERROR(ForEachPiece(
-        *g.client, g.read_extents, s.offset, s.nbytes,
-        [&](uint8_t* src, uint64_t done, uint64_t n) {
-          return s.engine->CopyIn(s.device, src, dst + done, n);
-        }));
+    MEMOFFLOAD_RETURN_IF_ERROR(ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
+                                            [&](uint8_t* src, uint64_t done, uint64_t n) {
+                                              return s.engine->CopyIn(s.device, src, dst + done, n);
+                                            }));
     return out;
   }
 
@@ -722,8 +721,8 @@ class GroupOffloader::Impl {
   uint64_t next_daemon_id_ = 0;                          // GUARDED_BY(mu_)
 
   mutable std::mutex stats_mu_;
-  OffloaderStats stats_;          // GUARDED_BY(stats_mu_)
-  std::set<int> logged_codes_;    // GUARDED_BY(stats_mu_)
+  OffloaderStats stats_;        // GUARDED_BY(stats_mu_)
+  std::set<int> logged_codes_;  // GUARDED_BY(stats_mu_)
 
   // Worker-only state.
   std::shared_ptr<Client> client_;
@@ -761,7 +760,7 @@ Status GroupOffloader::DropEntry(uint64_t key, int64_t entry) {
 Status GroupOffloader::ReleaseGroup(uint64_t key) { return impl_->ReleaseGroup(key); }
 
 Status GroupOffloader::OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors,
-                                   uintptr_t stream, int64_t slot) {
+                                    uintptr_t stream, int64_t slot) {
   MEMOFFLOAD_RETURN_IF_ERROR(impl_->BeginGroup(key, slot));
   for (const at::Tensor& t : tensors) {
     Result<int64_t> added = impl_->Add(key, t, stream);

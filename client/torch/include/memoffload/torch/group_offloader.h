@@ -58,23 +58,23 @@ struct OffloaderOptions {
 };
 
 struct OffloaderStats {
-  uint64_t offloaded_bytes = 0;    // written into the arena and committed
-  uint64_t prefetched_bytes = 0;   // read back from the arena
-  uint64_t skipped_bytes = 0;      // kept in memory: no space, no daemon, error
-  uint64_t groups = 0;             // groups begun
-  uint64_t groups_offloaded = 0;   // groups committed to the arena
-  uint64_t groups_skipped = 0;     // groups (partly) kept in memory
-  uint64_t groups_live = 0;        // groups not yet released
-  uint64_t tensors = 0;            // entries added
-  uint64_t deduplicated = 0;       // entries that shared an already added storage
-  uint64_t blocking_rpcs = 0;      // RPCs the calling thread waited for
-  uint64_t prefetch_waits = 0;     // Get calls that waited for a prefetch
+  uint64_t offloaded_bytes = 0;   // written into the arena and committed
+  uint64_t prefetched_bytes = 0;  // read back from the arena
+  uint64_t skipped_bytes = 0;     // kept in memory: no space, no daemon, error
+  uint64_t groups = 0;            // groups begun
+  uint64_t groups_offloaded = 0;  // groups committed to the arena
+  uint64_t groups_skipped = 0;    // groups (partly) kept in memory
+  uint64_t groups_live = 0;       // groups not yet released
+  uint64_t tensors = 0;           // entries added
+  uint64_t deduplicated = 0;      // entries that shared an already added storage
+  uint64_t blocking_rpcs = 0;     // RPCs the calling thread waited for
+  uint64_t prefetch_waits = 0;    // Get calls that waited for a prefetch
   double prefetch_wait_seconds = 0;
-  uint64_t rereads = 0;            // storages read again (a second backward)
-  uint64_t reconnects = 0;         // sessions attached after a loss
+  uint64_t rereads = 0;     // storages read again (a second backward)
+  uint64_t reconnects = 0;  // sessions attached after a loss
   uint64_t rpc_errors = 0;
   bool connected = false;
-  std::string engine;              // "host" or "cuda"
+  std::string engine;  // "host" or "cuda"
   std::string last_skip_reason;
 };
 
