@@ -1,0 +1,146 @@
+"""Fixtures: a real memoffloadd in a temporary runtime dir.
+
+The daemon binary is $MEMOFFLOAD_BIN_DIR/memoffloadd (default: build/bin of
+the repository). Every test talks to it over its real sockets.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List, Optional
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "client" / "python"))
+
+import memoffload.torch as mot  # noqa: E402
+
+
+def bin_dir() -> Path:
+    return Path(os.environ.get("MEMOFFLOAD_BIN_DIR", REPO / "build" / "bin")).resolve()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+class Daemon:
+    """One memoffloadd process; stop() at the end, kill() to simulate a crash."""
+
+    def __init__(self, runtime_dir: Path, arena: str, chunk: str) -> None:
+        self.runtime_dir = str(runtime_dir)
+        self.arena = arena
+        self.chunk = chunk
+        self.proc: Optional[subprocess.Popen] = None
+        self.log = runtime_dir.parent / f"memoffloadd-{runtime_dir.name}.log"
+
+    def start(self) -> "Daemon":
+        exe = bin_dir() / "memoffloadd"
+        if not exe.exists():
+            pytest.fail(f"{exe} not found: build it or set MEMOFFLOAD_BIN_DIR")
+        self.proc = subprocess.Popen(
+            [
+                str(exe),
+                f"--runtime-dir={self.runtime_dir}",
+                f"--arena-size={self.arena}",
+                f"--chunk-size={self.chunk}",
+                "--metrics-address=none",
+                "--prefault-threads=1",
+                "--log-level=warn",
+            ],
+            stdout=open(self.log, "ab"),
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"memoffloadd exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                mot.daemon_status(self.runtime_dir)
+                return self
+            except RuntimeError:
+                time.sleep(0.05)
+        pytest.fail("memoffloadd did not answer within 20 s")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def status(self) -> dict:
+        return mot.daemon_status(self.runtime_dir)
+
+
+def _start(tmp: Path, name: str, arena: str, chunk: str) -> Daemon:
+    rt = tmp / name
+    rt.mkdir(mode=0o700)
+    return Daemon(rt, arena, chunk).start()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """A 256 MiB daemon shared by the tests of one module."""
+    d = _start(tmp_path_factory.mktemp("mo"), "rt", "256MiB", "64MiB")
+    yield d
+    mot.forget_offloader(d.runtime_dir)
+    d.stop()
+
+
+@pytest.fixture
+def own_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon of the test's own, for tests that kill or restart it."""
+    d = _start(tmp_path, "rt", "256MiB", "64MiB")
+    yield d
+    mot.forget_offloader(d.runtime_dir)
+    d.stop()
+
+
+@pytest.fixture
+def tiny_daemon(tmp_path: Path) -> Iterator[Daemon]:
+    """A 4 MiB arena: too small for big groups."""
+    d = _start(tmp_path, "rt", "4MiB", "4MiB")
+    yield d
+    mot.forget_offloader(d.runtime_dir)
+    d.stop()
+
+
+# ---- helpers shared by the test modules ----
+
+
+def clone_model(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def grads(model: torch.nn.Module) -> List[Optional[torch.Tensor]]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_grads(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert (pa.grad is None) == (pb.grad is None), name
+        if pa.grad is not None:
+            assert torch.equal(pa.grad, pb.grad), f"gradient of {name} differs"
+
+
+def assert_arena_empty(d: Daemon, off=None) -> None:
+    (off or mot.get_offloader(d.runtime_dir)).flush()
+    s = d.status()
+    assert s["used_bytes"] == 0, s
+    assert s["groups"] == 0, s
