@@ -58,6 +58,9 @@ torch::Tensor OffloadStep(Net& net, const torch::Tensor& input,
       x = Block(net.blocks[i], x);
     }
   }
+  // Backward starts at the last layer: bring its input back while the loss
+  // is computed.
+  (void)offloader.PrefetchGroup(keys[layers - 1]);
   torch::Tensor out = x.detach().requires_grad_();
   torch::Tensor loss = out.pow(2).mean();
   loss.backward();

@@ -283,6 +283,7 @@ class GroupOffloader::Impl {
     std::shared_ptr<StoredStorage> s;
     Entry e;
     bool demand = false;
+    bool open = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = groups_.find(key);
@@ -304,17 +305,21 @@ class GroupOffloader::Impl {
             " instead. (memoffload: it was saved in offload group " + std::to_string(key) + ")");
       }
       s = g->storages[e.storage];
-      if (!g->open && !g->prefetch_issued) {
+      open = g->open;
+      if (!open && !g->prefetch_issued) {
         demand = true;
         IssuePrefetchLocked(g);
       }
     }
     c10::Storage storage;
-    {
+    if (open) {
+      // Still in its forward: the group holds every source.
       std::lock_guard<std::mutex> lock(g->mu);
-      if (s->source) storage = s->source;
-    }
-    if (!storage) {
+      storage = s->source;
+    } else {
+      // Closed: wait for the prefetch (queued after the close), so that every
+      // entry of a storage sees the same final state and views stay views of
+      // one storage.
       if (demand) Count([](OffloaderStats& st) { ++st.blocking_rpcs; });
       if (g->prefetched.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
         const auto start = Clock::now();
@@ -577,6 +582,18 @@ class GroupOffloader::Impl {
       total = g.bump;
     }
     if (!g.reserve_tried && total > 0) Reserve(g, AlignUp(total, kAlignBytes));
+    if (g.client && total > g.reserved_bytes) {
+      // The group grew beyond last step's size: trade the reservation for
+      // one of the full size (sources are still held; copy everything).
+      Status st = g.client->Release(g.daemon_id);
+      (void)st;
+      g.client.reset();
+      {
+        std::lock_guard<std::mutex> lock(g.mu);
+        for (auto& s : storages) s->copied = false;
+      }
+      Reserve(g, AlignUp(total, kAlignBytes));
+    }
     uint64_t used = 0;
     uint64_t stored = 0;
     uint64_t kept = 0;

@@ -1,0 +1,118 @@
+"""Failure behaviour: the daemon dies mid-step, the arena is too small, the
+daemon is absent. Training goes on with exact gradients in every case."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import memoffload.torch as mot
+from conftest import assert_arena_empty, assert_same_grads, clone_model
+from models import DecoderStack, tokens
+
+
+def step_both(model, ref, batch):
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = None
+    loss = model(batch)
+    loss.backward()
+    loss_ref = ref(batch)
+    loss_ref.backward()
+    assert torch.equal(loss, loss_ref)
+    assert_same_grads(model, ref)
+
+
+def test_daemon_killed_mid_step(own_daemon):
+    torch.manual_seed(0)
+    model = DecoderStack(layers=5)
+    ref = clone_model(model)
+    handle = mot.offload_layers(
+        model.layers, min_tensor_bytes=0, runtime_dir=own_daemon.runtime_dir
+    )
+    step_both(model, ref, tokens())  # step 1: normal
+    kill = {"armed": True}
+
+    def killer(module, args, out):
+        if kill["armed"]:
+            kill["armed"] = False
+            handle.flush()  # groups 0..2 are committed in the arena
+            own_daemon.kill()
+
+    hook = model.layers[2].register_forward_hook(killer)
+    before = handle.stats()
+    step_both(model, ref, tokens())  # daemon killed after layer 2's forward
+    s = handle.stats()
+    assert s["prefetched_bytes"] > before["prefetched_bytes"]  # read back from the mapping
+    assert s["skipped_bytes"] > before["skipped_bytes"]  # later groups stayed in memory
+    assert "UNAVAILABLE" in s["last_skip_reason"]
+    assert not s["connected"]
+    step_both(model, ref, tokens())  # without a daemon
+    hook.remove()
+
+    # The daemon comes back in the same runtime dir: a new session is attached.
+    own_daemon.start()
+    time.sleep(1.1)  # the reconnect interval
+    before = handle.stats()
+    step_both(model, ref, tokens())
+    step_both(model, ref, tokens())
+    s = handle.stats()
+    handle.remove()
+    assert s["reconnects"] == before["reconnects"] + 1
+    assert s["connected"]
+    assert s["offloaded_bytes"] > before["offloaded_bytes"]
+    assert_arena_empty(own_daemon)
+
+
+def test_arena_too_small_for_a_group(tiny_daemon):
+    """4 MiB arena: the layer with a 6 MiB activation is skipped, the small
+    layers are offloaded, gradients are exact."""
+
+    class Wide(torch.nn.Module):
+        def __init__(self, width: int) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(64, width)
+            self.down = torch.nn.Linear(width, 64)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    torch.manual_seed(1)
+    layers = torch.nn.Sequential(Wide(64), Wide(6144), Wide(64), Wide(64))
+    ref = clone_model(layers)
+    handle = mot.offload_layers(
+        list(layers), num_layers=4, min_tensor_bytes=0, runtime_dir=tiny_daemon.runtime_dir
+    )
+    for _ in range(2):
+        x = torch.randn(256, 64)
+        for m in (layers, ref):
+            for p in m.parameters():
+                p.grad = None
+        loss = layers(x).pow(2).mean()
+        loss.backward()
+        loss_ref = ref(x).pow(2).mean()
+        loss_ref.backward()
+        assert torch.equal(loss, loss_ref)
+        assert_same_grads(layers, ref)
+    s = handle.stats()
+    handle.remove()
+    assert s["skipped_bytes"] >= 2 * 256 * 6144 * 4
+    assert s["offloaded_bytes"] > 0  # the small layers went through the arena
+    assert s["groups_skipped"] >= 2
+    assert "RESOURCE_EXHAUSTED" in s["last_skip_reason"]
+    assert_arena_empty(tiny_daemon)
+
+
+def test_no_daemon_at_all(tmp_path):
+    runtime_dir = str(tmp_path / "nobody-home")
+    torch.manual_seed(2)
+    model = DecoderStack(layers=3)
+    ref = clone_model(model)
+    handle = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=runtime_dir)
+    step_both(model, ref, tokens())
+    s = handle.stats()
+    handle.remove()
+    mot.forget_offloader(runtime_dir)
+    assert s["offloaded_bytes"] == 0 and s["skipped_bytes"] > 0
+    assert not s["connected"]

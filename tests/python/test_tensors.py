@@ -1,0 +1,163 @@
+"""Saved-tensor semantics through offload_activations and the explicit API."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memoffload.torch as mot
+from conftest import assert_arena_empty
+
+
+class SaveAndCheck(torch.autograd.Function):
+    """Saves the given tensors; backward checks each comes back exactly as it
+    was (values, dtype, sizes, strides, storage offset) and returns grad * 2."""
+
+    @staticmethod
+    def forward(ctx, x, *saved):
+        ctx.expect = [
+            (t.detach().clone(), t.dtype, t.shape, t.stride(), t.storage_offset()) for t in saved
+        ]
+        ctx.save_for_backward(*saved)
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        got = ctx.saved_tensors
+        SaveAndCheck.seen = got
+        for t, (value, dtype, shape, stride, offset) in zip(got, ctx.expect):
+            assert t.dtype == dtype and t.shape == shape
+            assert t.stride() == stride and t.storage_offset() == offset
+            assert torch.equal(t, value)
+        return (grad * 2,) + (None,) * len(got)
+
+
+def run_saving(daemon, *tensors, min_tensor_bytes=0):
+    x = torch.randn(8, requires_grad=True)
+    with mot.offload_activations(min_tensor_bytes=min_tensor_bytes, runtime_dir=daemon.runtime_dir) as ctx:
+        y = SaveAndCheck.apply(x, *tensors)
+    ctx.prefetch()
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.full((8,), 2.0))
+    return ctx
+
+
+def test_tensor_and_transpose_restore_as_views_of_one_storage(daemon):
+    a = torch.randn(64, 32)
+    before = mot.get_offloader(daemon.runtime_dir).stats()
+    run_saving(daemon, a, a.t(), a)  # saved three times: one storage
+    got = SaveAndCheck.seen
+    ptr = got[0].storage().data_ptr()
+    assert got[1].storage().data_ptr() == ptr and got[2].storage().data_ptr() == ptr
+    assert ptr != a.storage().data_ptr()  # really restored from the arena
+    assert torch.equal(got[1], got[0].t())
+    s = mot.get_offloader(daemon.runtime_dir).stats()
+    assert s["offloaded_bytes"] - before["offloaded_bytes"] == a.numel() * 4
+    assert s["deduplicated"] - before["deduplicated"] == 2
+    del got
+    SaveAndCheck.seen = None
+    assert_arena_empty(daemon)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool]
+)
+def test_dtypes(daemon, dtype):
+    if dtype == torch.bool:
+        t = torch.rand(33, 17) > 0.5
+    elif dtype == torch.int64:
+        t = torch.randint(-(2**40), 2**40, (33, 17))
+    else:
+        t = torch.randn(33, 17).to(dtype)
+    before = mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"]
+    run_saving(daemon, t, t[5:, 3:].t())
+    assert mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"] > before
+    SaveAndCheck.seen = None
+    assert_arena_empty(daemon)
+
+
+def test_bfloat16_mlp_exact(daemon):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)
+    ).to(torch.bfloat16)
+    ref = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32)
+    ).to(torch.bfloat16)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(16, 32, dtype=torch.bfloat16)
+    with mot.offload_activations(runtime_dir=daemon.runtime_dir):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    ref(x).float().pow(2).mean().backward()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    del loss
+    assert_arena_empty(daemon)
+
+
+def test_zero_size_noncontiguous_offset_and_expanded(daemon):
+    base = torch.randn(10, 12)
+    cases = [
+        torch.empty(0, 5),
+        base[:, ::3],  # non-contiguous
+        base[4:],  # storage offset
+        base.t()[2:5],  # transposed with offset
+        torch.randn(1, 6).expand(4, 6),  # stride 0
+        torch.randn(3, 4, 5).permute(2, 0, 1),
+    ]
+    run_saving(daemon, *cases)
+    got = SaveAndCheck.seen
+    assert got[1].storage().data_ptr() == got[2].storage().data_ptr() == got[3].storage().data_ptr()
+    SaveAndCheck.seen = None
+    del got
+    assert_arena_empty(daemon)
+
+
+def test_small_tensors_stay(daemon):
+    t = torch.randn(4)
+    before = mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"]
+    ctx = run_saving(daemon, t, min_tensor_bytes=1 << 10)
+    assert SaveAndCheck.seen[0].storage().data_ptr() == t.storage().data_ptr()
+    assert ctx.stats()["kept_small_bytes"] == 16
+    assert mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"] == before
+    SaveAndCheck.seen = None
+
+
+@pytest.mark.parametrize("what", ["input", "output"])
+def test_inplace_after_save_raises(daemon, what):
+    """PyTorch 1.13 skips its version check when saved_tensors_hooks are in use;
+    memoffload checks the version counter itself and raises the usual error."""
+    for offload in (False, True):
+        a = torch.randn(50, 50, requires_grad=True)
+        h = a * 1.0
+        if offload:
+            ctx = mot.offload_activations(runtime_dir=daemon.runtime_dir)
+            ctx.__enter__()
+        if what == "input":
+            y = h.sin()  # saves its input h
+        else:
+            y = h.exp()  # saves its output y
+        if offload:
+            ctx.__exit__(None, None, None)
+        (h if what == "input" else y).mul_(2)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+    del y, h
+    assert_arena_empty(daemon)
+
+
+def test_explicit_api(daemon):
+    off = mot.get_offloader(daemon.runtime_dir)
+    a = torch.randn(128, 64)
+    b = torch.arange(1000)
+    off.offload_group(9_000_001, [a, a.t(), b[10:20]], 0, -1)
+    off.prefetch_group(9_000_001)
+    x, xt, bs = off.get_group(9_000_001)
+    assert torch.equal(x, a) and torch.equal(xt, a.t()) and torch.equal(bs, b[10:20])
+    assert xt.storage().data_ptr() == x.storage().data_ptr() != a.storage().data_ptr()
+    assert bs.storage_offset() == 10
+    off.release_group(9_000_001)
+    with pytest.raises(RuntimeError, match="released"):
+        off.get(9_000_001, 0)
+    assert_arena_empty(daemon, off)
