@@ -13,7 +13,8 @@ DEPS_BUILD=(
 # Torch integration (LibTorch extension and the Python package).
 DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest)
 # Tests and benchmarks.
-DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl)
+DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
+  yamllint systemd strace python3-yaml)
 
 want=("${DEPS_BUILD[@]}" "${DEPS_TORCH[@]}" "${DEPS_TEST[@]}")
 if [[ "${1:-}" == "--print" ]]; then

@@ -52,6 +52,7 @@ def test_unit_has_the_required_settings():
     assert exec_start.split()[:3] == [INSTALLED_DAEMON, "--config",
                                       "/etc/memoffload/memoffloadd.toml"]
     assert "--runtime-dir=${RUNTIME_DIRECTORY}" in exec_start.split()
+    assert service["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
 
 
 def test_stop_timeout_outlasts_the_drain_timeout():
@@ -169,3 +170,75 @@ def test_daemon_stays_inside_the_units_sandbox(tmp_path):
           if re.search(r"\bmmap\(.*PROT_WRITE\|PROT_EXEC|\bmmap\(.*PROT_EXEC\|PROT_WRITE", line)
           or re.search(r"\bmprotect\(.*PROT_EXEC", line)]
     assert not wx, wx[:5]
+
+
+def _install_tree(tmp_path: Path, prefix: str, name: str) -> Path:
+    """Configures a tiny project with stand-in memoffloadd/memoffloadctl
+    targets that include cmake/install.cmake, installs it into a DESTDIR and
+    returns the DESTDIR."""
+    cmake = dc.require_tool("cmake")
+    src = tmp_path / f"{name}-src"
+    src.mkdir()
+    (src / "main.c").write_text("int main(void) { return 0; }\n")
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.22)\n"
+        "project(memoffload VERSION 0.0.0 LANGUAGES C)\n"
+        "add_executable(memoffloadd main.c)\n"
+        "add_executable(memoffloadctl main.c)\n"
+        f'include("{dc.REPO}/cmake/install.cmake")\n')
+    build = tmp_path / f"{name}-build"
+    dest = tmp_path / f"{name}-dest"
+    for command in ([cmake, "-S", str(src), "-B", str(build), f"-DCMAKE_INSTALL_PREFIX={prefix}"],
+                    [cmake, "--build", str(build)]):
+        result = subprocess.run(command, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
+    install(build, dest)
+    return dest
+
+
+def install(build: Path, dest: Path) -> None:
+    env = dict(os.environ, DESTDIR=str(dest))
+    result = subprocess.run([shutil.which("cmake"), "--install", str(build)],
+                            capture_output=True, text=True, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_install_rules_lay_out_files_for_prefix_usr(tmp_path):
+    dest = _install_tree(tmp_path, "/usr", "usr")
+    for path in ("usr/sbin/memoffloadd", "usr/bin/memoffloadctl",
+                 "usr/lib/systemd/system/memoffloadd.service",
+                 "usr/lib/sysusers.d/memoffload.conf",
+                 "etc/memoffload/memoffloadd.toml",
+                 "usr/share/doc/memoffload/examples/memoffloadd.toml",
+                 "usr/share/doc/memoffload/deploy.md",
+                 "usr/share/memoffload/grafana"):
+        assert (dest / path).exists(), path
+    # With prefix /usr the installed unit is the reviewed file, byte for byte.
+    assert (dest / "usr/lib/systemd/system/memoffloadd.service").read_text() == \
+        dc.UNIT.read_text()
+    grafana = sorted(p.relative_to(dc.REPO / "grafana").as_posix()
+                     for p in (dc.REPO / "grafana").rglob("*") if p.is_file())
+    installed = sorted(p.relative_to(dest / "usr/share/memoffload/grafana").as_posix()
+                       for p in (dest / "usr/share/memoffload/grafana").rglob("*")
+                       if p.is_file())
+    assert installed == grafana
+
+
+def test_install_keeps_an_existing_config(tmp_path):
+    dest = _install_tree(tmp_path, "/usr", "keep")
+    config = dest / "etc/memoffload/memoffloadd.toml"
+    config.write_text("# operator's settings\n")
+    install(tmp_path / "keep-build", dest)
+    assert config.read_text() == "# operator's settings\n"
+
+
+def test_install_rewrites_unit_paths_for_another_prefix(tmp_path):
+    dest = _install_tree(tmp_path, "/opt/mo", "opt")
+    unit = dest / "opt/mo/lib/systemd/system/memoffloadd.service"
+    (exec_start,) = dc.unit_settings(unit)["Service"]["ExecStart"]
+    binary, flag, config = exec_start.split()[:3]
+    # GNUInstallDirs puts the config dir of prefix /opt/mo under /etc/opt/mo.
+    assert (binary, flag, config) == ("/opt/mo/sbin/memoffloadd", "--config",
+                                      "/etc/opt/mo/memoffload/memoffloadd.toml")
+    assert (dest / binary.lstrip("/")).is_file()
+    assert (dest / config.lstrip("/")).is_file()
