@@ -1,0 +1,160 @@
+#!/usr/bin/python3
+"""Benchmarks of the PyTorch integration, each against a baseline measured in
+the same run. Prints one JSON object per line.
+
+1. hooks: per-tensor cost of memoffload's pack + unpack (through the arena:
+   Reserve, copy, Commit, Prefetch, copy back, Release) next to a hook that
+   only clones the tensor, for several tensor sizes.
+2. step: CPU step time (forward + backward) of a small Transformer with
+   offload_layers vs without.
+
+    bench/torch_bench.py [--runtime-dir DIR]
+
+Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
+build/bin) in a temporary directory and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(REPO, "client", "python"))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import memoffload.torch as mot  # noqa: E402
+from memoffload.torch import _Counters, _make_pack, _unpack  # noqa: E402
+
+
+def start_daemon(tmp: str) -> subprocess.Popen:
+    exe = os.path.join(os.environ.get("MEMOFFLOAD_BIN_DIR", os.path.join(REPO, "build", "bin")), "memoffloadd")
+    proc = subprocess.Popen(
+        [exe, f"--runtime-dir={tmp}", "--arena-size=512MiB", "--chunk-size=128MiB",
+         "--metrics-address=none", "--log-level=warn"])
+    for _ in range(200):
+        try:
+            mot.daemon_status(tmp)
+            return proc
+        except RuntimeError:
+            time.sleep(0.05)
+    proc.kill()
+    raise SystemExit("memoffloadd did not start")
+
+
+def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) -> dict:
+    off = mot.get_offloader(runtime_dir)
+    src = [torch.randn(size_bytes // 4) for _ in range(tensors)]
+
+    def ours() -> None:
+        ctx = mot.offload_activations(runtime_dir=runtime_dir, slot=size_bytes)
+        ctx.__enter__()
+        pack = _make_pack(off, ctx.key, 0, set(), _Counters())
+        handles = [pack(t) for t in src]
+        ctx.__exit__(None, None, None)
+        ctx.prefetch()
+        out = [_unpack(h) for h in handles]
+        del handles, out
+        off.flush()  # Release done: the whole round trip is in the time
+
+    def clone() -> None:
+        handles = [t.clone() for t in src]
+        out = [_unpack(h) for h in handles]
+        del handles, out
+
+    times = {"memoffload": [], "clone": []}
+    for fn in (ours, clone):  # warm-up (first ours learns the group size)
+        fn()
+    for _ in range(rounds):
+        for name, fn in (("memoffload", ours), ("clone", clone)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) / tensors)
+    m = statistics.median(times["memoffload"])
+    c = statistics.median(times["clone"])
+    return {
+        "bench": "hooks",
+        "tensor_bytes": size_bytes,
+        "tensors_per_group": tensors,
+        "memoffload_us_per_tensor": round(m * 1e6, 1),
+        "clone_us_per_tensor": round(c * 1e6, 1),
+        "ratio_vs_clone": round(m / c, 2),
+    }
+
+
+def bench_step(runtime_dir: str, steps: int) -> dict:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 6)
+    x = torch.randn(8, 128, 128)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        model(x).pow(2).mean().backward()
+        return time.perf_counter() - t0
+
+    plain, offloaded = [], []
+    handle = None
+    step()
+    for i in range(2 * steps):
+        if i % 2 == 0:
+            plain.append(step())
+        else:
+            handle = mot.offload_layers(model.layers, min_tensor_bytes=64 << 10, runtime_dir=runtime_dir)
+            offloaded.append(step())
+            handle.remove()
+    assert handle is not None
+    s = handle.stats()
+    p = statistics.median(plain)
+    o = statistics.median(offloaded)
+    return {
+        "bench": "step",
+        "model": "TransformerEncoder 6x(d=128, ff=512), batch 8x128, CPU",
+        "torch_threads": torch.get_num_threads(),
+        "plain_ms": round(p * 1e3, 1),
+        "offload_ms": round(o * 1e3, 1),
+        "ratio_vs_plain": round(o / p, 3),
+        "offloaded_mib_per_step": round(s["offloaded_bytes"] / steps / (1 << 20), 2),
+        "blocking_rpcs": s["blocking_rpcs"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runtime-dir", default="")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    proc = None
+    tmp = None
+    runtime_dir = args.runtime_dir
+    if not runtime_dir:
+        tmp = tempfile.TemporaryDirectory(prefix="mo-bench-")
+        runtime_dir = tmp.name
+        proc = start_daemon(runtime_dir)
+    try:
+        for size in (4 << 10, 64 << 10, 1 << 20, 16 << 20):
+            tensors = max(2, min(64, (32 << 20) // size))
+            print(json.dumps(bench_hooks(runtime_dir, size, tensors, args.rounds)), flush=True)
+        print(json.dumps(bench_step(runtime_dir, args.steps)), flush=True)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+        if tmp is not None:
+            tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
