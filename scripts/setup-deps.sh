@@ -11,7 +11,7 @@ DEPS_BUILD=(
   prometheus-cpp-dev libboost-dev libsystemd-dev libtomlplusplus-dev
 )
 # Torch integration (LibTorch extension and the Python package).
-DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest)
+DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest pybind11-dev)
 # Tests and benchmarks.
 DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
   yamllint systemd strace python3-yaml)

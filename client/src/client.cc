@@ -4,11 +4,17 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
+#include <climits>
 #include <cstring>
+#include <mutex>
+#include <unordered_map>
 
 #include "grpc_util.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/chunk.h"
+#include "memoffload/shared_mem/crc32c.h"
 #include "memoffload/shared_mem/fd_passing.h"
 #include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
@@ -57,11 +63,129 @@ class Client::Impl {
 
   std::string runtime_dir;
   std::string grpc_socket;
-  int lifeline_fd = -1;
+  int lifeline_fd = -1;  // after attach, used only under map_mu
   int rpc_timeout_ms = 30000;
-  AttachReply reply;
-  std::vector<Chunk> chunks;  // indexed by chunk index
+  bool populate = false;
+
+  // Populate-on-first-use state, one byte per kPopulateBlockBytes of each
+  // chunk (kBlockMapped once its page tables are filled). Sized at attach and
+  // never resized; racing threads may both populate a block, which is
+  // harmless (MADV_POPULATE_READ is idempotent).
+  static constexpr uint64_t kPopulateBlockBytes = 2ull << 20;
+  static constexpr uint8_t kBlockMapped = 1;
+  bool populate_on_first_use = false;
+  std::unique_ptr<std::atomic<uint8_t>[]> block_state;
+  std::vector<uint64_t> first_block;  // index into block_state, per chunk
+  bool checksums = false;
+  // With checksums: the extents of each reserved group, until Commit.
+  std::mutex groups_mu;
+  std::unordered_map<uint64_t, std::vector<Extent>> reserved;  // guarded by groups_mu
+
+  // CRC32C of the used bytes of each extent they touch, in order.
+  std::vector<uint32_t> ExtentChecksums(const std::vector<Extent>& extents, uint64_t used) const {
+    std::vector<uint32_t> out;
+    uint64_t pos = 0;
+    for (const Extent& e : extents) {
+      if (pos >= used) break;
+      const uint64_t n = std::min(e.length, used - pos);
+      const uint8_t* p = Locate(e);
+      out.push_back(p == nullptr ? 0 : Crc32c(p, n));
+      pos += e.length;
+    }
+    return out;
+  }
+  AttachReply reply;  // immutable after attach
   std::unique_ptr<v1::Offload::Stub> stub;
+
+  // Chunk mappings. A chunk is mapped when this session is first handed its
+  // fd; the base address is published once and never changes, so Locate
+  // reads it without a lock.
+  std::mutex map_mu;
+  std::vector<Chunk> chunks;                       // guarded by map_mu
+  std::unique_ptr<std::atomic<uint8_t*>[]> bases;  // indexed by chunk
+
+  // Maps received fds (taking ownership of all of them). Requires map_mu.
+  Status MapReceived(const std::vector<uint32_t>& indexes, std::vector<int>* fds) {
+    Status result;
+    for (size_t i = 0; i < fds->size(); ++i) {
+      const int fd = (*fds)[i];
+      const uint32_t index = i < indexes.size() ? indexes[i] : UINT32_MAX;
+      if (!result.ok() || index >= reply.chunks.size() || chunks[index].valid()) {
+        close(fd);
+        if (result.ok() && index >= reply.chunks.size()) {
+          result = Internal("daemon sent chunk index " + std::to_string(index) + " out of range");
+        }
+        continue;
+      }
+      Result<Chunk> chunk = Chunk::Map(fd, reply.chunks[index].size_bytes, populate);
+      if (!chunk.ok()) {
+        result = chunk.status();
+        continue;
+      }
+      chunks[index] = std::move(chunk).value();
+      bases[index].store(chunks[index].data(), std::memory_order_release);
+    }
+    fds->clear();
+    return result;
+  }
+
+  // Makes sure every chunk the extents touch is mapped, asking the daemon
+  // for the missing fds over the broker connection.
+  Status EnsureMapped(const std::vector<uint32_t>& wanted) {
+    std::vector<uint32_t> missing;
+    for (uint32_t c : wanted) {
+      if (c >= reply.chunks.size()) {
+        return InvalidArgument("chunk " + std::to_string(c) + " does not exist");
+      }
+      if (bases[c].load(std::memory_order_acquire) == nullptr &&
+          std::find(missing.begin(), missing.end(), c) == missing.end()) {
+        missing.push_back(c);
+      }
+    }
+    if (missing.empty()) return Status::Ok();
+    std::lock_guard<std::mutex> lock(map_mu);
+    missing.erase(std::remove_if(missing.begin(), missing.end(),
+                                 [&](uint32_t c) { return chunks[c].valid(); }),
+                  missing.end());
+    for (size_t first = 0; first < missing.size(); first += kMaxFdsPerFrame) {
+      const size_t last = std::min(missing.size(), first + kMaxFdsPerFrame);
+      ChunkRequest request{{missing.begin() + first, missing.begin() + last}};
+      MEMOFFLOAD_RETURN_IF_ERROR(RequestChunks(request));
+    }
+    return Status::Ok();
+  }
+
+  // One request/reply exchange on the broker connection. Requires map_mu.
+  Status RequestChunks(const ChunkRequest& request) {
+    MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(lifeline_fd, EncodeChunkRequest(request)));
+    std::string payload;
+    std::vector<int> fds;
+    if (Status st = RecvFrame(lifeline_fd, &payload, &fds); !st.ok()) {
+      CloseFds(&fds);
+      return Unavailable("memoffloadd broker connection lost: " + st.message());
+    }
+    Result<ChunkReply> chunk_reply = DecodeChunkReply(payload);
+    if (!chunk_reply.ok()) {
+      CloseFds(&fds);
+      return chunk_reply.status();
+    }
+    if (chunk_reply->code != StatusCode::kOk) {
+      CloseFds(&fds);
+      return Status(chunk_reply->code, "memoffloadd refused chunk fds: " + chunk_reply->message);
+    }
+    if (chunk_reply->chunk_indexes.size() != fds.size()) {
+      CloseFds(&fds);
+      return Internal("chunk reply lists " + std::to_string(chunk_reply->chunk_indexes.size()) +
+                      " chunks but carries " + std::to_string(fds.size()) + " fds");
+    }
+    return MapReceived(chunk_reply->chunk_indexes, &fds);
+  }
+
+  static std::vector<uint32_t> ChunksOf(const std::vector<Extent>& extents) {
+    std::vector<uint32_t> out;
+    for (const Extent& e : extents) out.push_back(e.chunk);
+    return out;
+  }
 
   // Runs `fn` over the pieces of [offset, offset+length) of the extent stream.
   template <typename Fn>
@@ -82,6 +206,7 @@ class Client::Impl {
       if (want < end) {
         const uint64_t in_extent = want - pos;
         const uint64_t n = std::min(e.length - in_extent, length - done);
+        PopulateRange(e.chunk, e.offset + in_extent, n);
         fn(base + in_extent, done, n);
         done += n;
       }
@@ -95,11 +220,32 @@ class Client::Impl {
     return Status::Ok();
   }
 
+  // Fills the page tables of [offset, offset + length) of a mapped chunk
+  // unless done before (see block_state).
+  void PopulateRange(uint32_t chunk, uint64_t offset, uint64_t length) const {
+    if (!populate_on_first_use || length == 0) return;
+    std::atomic<uint8_t>* state = &block_state[first_block[chunk]];
+    const uint64_t last = (offset + length - 1) / kPopulateBlockBytes;
+    for (uint64_t b = offset / kPopulateBlockBytes; b <= last; ++b) {
+      if (state[b].load(std::memory_order_acquire) == kBlockMapped) continue;
+      uint64_t end = b;  // populate a run of unmapped blocks in one call
+      while (end < last && state[end + 1].load(std::memory_order_relaxed) != kBlockMapped) ++end;
+      const uint64_t from = b * kPopulateBlockBytes;
+      const uint64_t to = std::min((end + 1) * kPopulateBlockBytes, chunks[chunk].size_bytes());
+      // chunks[chunk] never changes once mapped (callers located it first).
+      // Cannot fail for an in-range request; pages would fault on touch anyway.
+      (void)chunks[chunk].MapPages(from, to - from);
+      for (uint64_t i = b; i <= end; ++i) state[i].store(kBlockMapped, std::memory_order_release);
+      b = end;
+    }
+  }
+
   uint8_t* Locate(const Extent& e) const {
-    if (e.chunk >= chunks.size() || !chunks[e.chunk].valid()) return nullptr;
-    const Chunk& c = chunks[e.chunk];
-    if (e.offset > c.size_bytes() || e.length > c.size_bytes() - e.offset) return nullptr;
-    return c.data() + e.offset;
+    if (e.chunk >= reply.chunks.size()) return nullptr;
+    uint8_t* base = bases[e.chunk].load(std::memory_order_acquire);
+    const uint64_t size = reply.chunks[e.chunk].size_bytes;
+    if (base == nullptr || e.offset > size || e.length > size - e.offset) return nullptr;
+    return base + e.offset;
   }
 };
 
@@ -135,7 +281,20 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
     return Status(reply->code, "memoffloadd refused the attach: " + reply->message);
   }
   impl->reply = std::move(reply).value();
+  impl->populate = options.populate;
+  impl->checksums = options.checksums;
   impl->chunks.resize(impl->reply.chunks.size());
+  impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
+  impl->first_block.reserve(impl->reply.chunks.size());
+  uint64_t blocks = 0;
+  for (const auto& c : impl->reply.chunks) {
+    impl->first_block.push_back(blocks);
+    blocks += (c.size_bytes + Impl::kPopulateBlockBytes - 1) / Impl::kPopulateBlockBytes;
+  }
+  impl->block_state = std::make_unique<std::atomic<uint8_t>[]>(blocks);  // zeroed: unmapped
+  impl->bases = std::make_unique<std::atomic<uint8_t*>[]>(impl->reply.chunks.size());
+  for (size_t i = 0; i < impl->reply.chunks.size(); ++i) impl->bases[i].store(nullptr);
+  std::lock_guard<std::mutex> lock(impl->map_mu);
   for (uint32_t frame = 0; frame < impl->reply.fd_frames; ++frame) {
     if (Status st = RecvFrame(impl->lifeline_fd, &payload, &fds); !st.ok()) {
       CloseFds(&fds);
@@ -146,23 +305,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
       CloseFds(&fds);
       return Internal("attach: malformed chunk fd batch from the daemon");
     }
-    for (size_t i = 0; i < fds.size(); ++i) {
-      const uint32_t index = batch->chunk_indexes[i];
-      if (index >= impl->chunks.size()) {
-        for (size_t j = i; j < fds.size(); ++j) close(fds[j]);
-        fds.clear();
-        return Internal("attach: chunk index " + std::to_string(index) + " out of range");
-      }
-      Result<Chunk> chunk =
-          Chunk::Map(fds[i], impl->reply.chunks[index].size_bytes, options.populate);
-      if (!chunk.ok()) {
-        for (size_t j = i + 1; j < fds.size(); ++j) close(fds[j]);
-        fds.clear();
-        return chunk.status();
-      }
-      impl->chunks[index] = std::move(chunk).value();
-    }
-    fds.clear();
+    MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, &fds));
   }
   impl->grpc_socket = impl->reply.grpc_socket;
   impl->stub = v1::Offload::NewStub(MakeChannel(impl->grpc_socket));
@@ -184,7 +327,17 @@ Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
   v1::ReserveResponse resp;
   Status st = FromGrpc(impl_->stub->Reserve(&ctx, req, &resp), impl_->grpc_socket);
   if (!st.ok()) return st;
-  return Reservation{FromProto(resp.extents()), resp.reserved_bytes()};
+  Reservation reservation{FromProto(resp.extents()), resp.reserved_bytes()};
+  if (Status mapped = impl_->EnsureMapped(Impl::ChunksOf(reservation.extents)); !mapped.ok()) {
+    Status ignored = Release(group_id);
+    (void)ignored;
+    return mapped;
+  }
+  if (impl_->checksums) {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved[group_id] = reservation.extents;
+  }
+  return reservation;
 }
 
 Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const CopyStats& copy) {
@@ -194,6 +347,20 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
   req.set_used_bytes(used_bytes);
   req.mutable_copy()->set_bytes(copy.bytes);
   req.mutable_copy()->set_seconds(copy.seconds);
+  if (impl_->checksums) {
+    std::vector<Extent> extents;
+    {
+      std::lock_guard<std::mutex> lock(impl_->groups_mu);
+      auto it = impl_->reserved.find(group_id);
+      if (it != impl_->reserved.end()) {
+        extents = std::move(it->second);
+        impl_->reserved.erase(it);
+      }
+    }
+    for (uint32_t crc : impl_->ExtentChecksums(extents, used_bytes)) {
+      req.add_extent_crc32c(crc);
+    }
+  }
   grpc::ClientContext ctx;
   SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CommitResponse resp;
@@ -211,10 +378,35 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
   v1::PrefetchResponse resp;
   Status st = FromGrpc(impl_->stub->Prefetch(&ctx, req, &resp), impl_->grpc_socket);
   if (!st.ok()) return st;
-  return Placement{FromProto(resp.extents()), resp.used_bytes()};
+  Placement placement{FromProto(resp.extents()),
+                      resp.used_bytes(),
+                      {resp.extent_crc32c().begin(), resp.extent_crc32c().end()}};
+  MEMOFFLOAD_RETURN_IF_ERROR(impl_->EnsureMapped(Impl::ChunksOf(placement.extents)));
+  if (impl_->checksums && !placement.extent_crc32c.empty()) {
+    const std::vector<uint32_t> actual =
+        impl_->ExtentChecksums(placement.extents, placement.used_bytes);
+    for (size_t i = 0; i < actual.size() && i < placement.extent_crc32c.size(); ++i) {
+      if (actual[i] != placement.extent_crc32c[i]) {
+        const Extent& e = placement.extents[i];
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "expected crc32c %08x, read %08x",
+                      placement.extent_crc32c[i], actual[i]);
+        return Status(StatusCode::kDataLoss,
+                      "checksum mismatch in group " + std::to_string(group_id) + " of session " +
+                          std::to_string(impl_->reply.session_id) + " at chunk " +
+                          std::to_string(e.chunk) + " offset " + std::to_string(e.offset) +
+                          " (extent " + std::to_string(i) + "): " + buf);
+      }
+    }
+  }
+  return placement;
 }
 
 Status Client::Release(uint64_t group_id, const CopyStats& copy) {
+  if (impl_->checksums) {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved.erase(group_id);
+  }
   v1::ReleaseRequest req;
   FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_group_id(group_id);
@@ -242,11 +434,19 @@ Status Client::Read(const std::vector<Extent>& extents, uint64_t offset, void* d
   });
 }
 
-uint8_t* Client::Address(const Extent& extent) const { return impl_->Locate(extent); }
+uint8_t* Client::Address(const Extent& extent) const {
+  uint8_t* p = impl_->Locate(extent);
+  if (p != nullptr) impl_->PopulateRange(extent.chunk, extent.offset, extent.length);
+  return p;
+}
+
+Status Client::MapChunks(const std::vector<uint32_t>& chunks) {
+  return impl_->EnsureMapped(chunks);
+}
 uint64_t Client::session_id() const { return impl_->reply.session_id; }
 uint64_t Client::page_bytes() const { return impl_->reply.page_bytes; }
 uint64_t Client::session_limit_bytes() const { return impl_->reply.session_limit_bytes; }
-uint32_t Client::chunk_count() const { return static_cast<uint32_t>(impl_->chunks.size()); }
+uint32_t Client::chunk_count() const { return static_cast<uint32_t>(impl_->reply.chunks.size()); }
 const std::string& Client::runtime_dir() const { return impl_->runtime_dir; }
 
 }  // namespace memoffload::client

@@ -41,10 +41,6 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       return;
     }
     peer_ = PeerCredentials{cred.pid, cred.uid, cred.gid};
-    if (std::string denied = broker_->AccessDenied(peer_); !denied.empty()) {
-      Refuse("access_denied", PermissionDenied(denied));
-      return;
-    }
     timer_.expires_after(std::chrono::milliseconds(broker_->options_.hello_timeout_ms));
     auto self = shared_from_this();
     timer_.async_wait([self](error_code ec) {
@@ -97,6 +93,11 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   void OnHello(error_code ec) {
     if (ec) return Finish();
     timer_.cancel();
+    // Access is decided after the hello so the client, which writes its hello
+    // first, always reads the reason instead of a broken pipe.
+    if (std::string denied = broker_->AccessDenied(peer_); !denied.empty()) {
+      return Refuse("access_denied", PermissionDenied(denied));
+    }
     Result<Hello> hello = DecodeHello(payload_);
     if (!hello.ok()) return Refuse("bad_hello", hello.status());
     hello_ = *hello;
@@ -143,6 +144,8 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   Status SendGrant(const SessionGrant& grant) {
     const Arena& arena = *broker_->arena_;
+    Result<std::vector<uint32_t>> granted = broker_->table_->AttachChunks(grant.session_id);
+    if (!granted.ok()) return granted.status();
     AttachReply reply;
     reply.session_id = grant.session_id;
     reply.session_token = grant.token;
@@ -153,28 +156,66 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       reply.chunks.push_back({i, arena.chunk(i).size_bytes()});
     }
     reply.fd_frames =
-        static_cast<uint32_t>((arena.chunk_count() + kMaxFdsPerFrame - 1) / kMaxFdsPerFrame);
+        static_cast<uint32_t>((granted->size() + kMaxFdsPerFrame - 1) / kMaxFdsPerFrame);
     const int fd = socket_.native_handle();
     MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(fd, EncodeAttachReply(reply)));
-    for (uint32_t first = 0; first < arena.chunk_count(); first += kMaxFdsPerFrame) {
+    for (size_t first = 0; first < granted->size(); first += kMaxFdsPerFrame) {
       ChunkFdBatch batch;
       std::vector<int> fds;
-      for (uint32_t i = first; i < arena.chunk_count() && i < first + kMaxFdsPerFrame; ++i) {
-        batch.chunk_indexes.push_back(i);
-        fds.push_back(arena.chunk(i).fd());
+      for (size_t i = first; i < granted->size() && i < first + kMaxFdsPerFrame; ++i) {
+        batch.chunk_indexes.push_back((*granted)[i]);
+        fds.push_back(arena.chunk((*granted)[i]).fd());
       }
       MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(fd, EncodeChunkFdBatch(batch), fds));
     }
     return Status::Ok();
   }
 
-  // Reads (and discards) until the peer closes: that is the lifeline.
+  // Serves chunk requests until the peer closes: the connection is the
+  // session's lifeline.
   void WatchLifeline() {
     auto self = shared_from_this();
-    socket_.async_read_some(asio::buffer(drain_), [self](error_code ec, size_t) {
+    asio::async_read(socket_, asio::buffer(header_), [self](error_code ec, size_t) {
       if (ec) return self->Finish();
-      self->WatchLifeline();
+      uint32_t len = 0;
+      for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(self->header_[i]) << (8 * i);
+      if (len > 64 * 1024) {
+        MO_LOG_WARN("session %lu sent a %u-byte frame on its broker connection; closing it",
+                    static_cast<unsigned long>(self->session_id_), len);
+        return self->Finish();
+      }
+      self->payload_.assign(len, '\0');
+      asio::async_read(self->socket_, asio::buffer(self->payload_), [self](error_code ec2, size_t) {
+        if (ec2) return self->Finish();
+        self->ServeChunkRequest();
+        self->WatchLifeline();
+      });
     });
+  }
+
+  void ServeChunkRequest() {
+    ChunkReply reply;
+    std::vector<int> fds;
+    Result<ChunkRequest> request = DecodeChunkRequest(payload_);
+    Status st = request.ok() ? Status::Ok() : request.status();
+    if (st.ok() && request->chunk_indexes.size() > kMaxFdsPerFrame) {
+      st = InvalidArgument("at most " + std::to_string(kMaxFdsPerFrame) + " chunks per request");
+    }
+    if (st.ok()) st = broker_->table_->GrantChunks(session_id_, request->chunk_indexes);
+    if (st.ok()) {
+      reply.chunk_indexes = request->chunk_indexes;
+      for (uint32_t c : reply.chunk_indexes) fds.push_back(broker_->arena_->chunk(c).fd());
+    } else {
+      reply.code = st.code();
+      reply.message = st.message();
+      MO_LOG_WARN("session %lu (pid %d): chunk request refused: %s",
+                  static_cast<unsigned long>(session_id_), peer_.pid, st.ToString().c_str());
+    }
+    if (Status sent = SendFrame(socket_.native_handle(), EncodeChunkReply(reply), fds);
+        !sent.ok()) {
+      MO_LOG_WARN("session %lu: sending chunk fds failed: %s",
+                  static_cast<unsigned long>(session_id_), sent.ToString().c_str());
+    }
   }
 
   void Refuse(const std::string& reason, const Status& status) {
@@ -206,7 +247,6 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   uint64_t session_id_ = 0;
   std::array<unsigned char, 4> header_{};
   std::string payload_;
-  std::array<char, 256> drain_{};
 };
 
 Broker::Broker(asio::io_context& io, const Arena* arena, SessionTable* table, Metrics* metrics,

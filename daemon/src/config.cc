@@ -238,13 +238,36 @@ const std::vector<Setting>& Settings() {
                   &DaemonConfig::hugepages),
       BoolSetting("arena", "mlock", "mlock the arena (default true; --no-mlock disables)",
                   &DaemonConfig::mlock),
+      {"arena", "numa_node", Kind::kInt,
+       "NUMA node the arena's memory is bound to (default -1: no binding)",
+       [](DaemonConfig* c, const std::string& v) {
+         char* end = nullptr;
+         long n = std::strtol(v.c_str(), &end, 10);
+         if (v.empty() || *end != '\0' || n < -1 || n > 65535) {
+           return InvalidArgument("'" + v + "' is not a NUMA node number (0..65535, or -1 for none)");
+         }
+         c->numa_node = static_cast<int>(n);
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return std::to_string(c.numa_node); }},
       {"access", "allowed_uids", Kind::kIdList,
        "uids allowed to attach besides the daemon's own uid and root (always allowed)",
        [](DaemonConfig* c, const std::string& v) {
          return ParseIdList(v, &c->policy.allowed_uids);
        },
        [](const DaemonConfig& c) { return JoinIds(c.policy.allowed_uids); }},
+      {"access", "tenant", Kind::kString,
+       "who may share a chunk: uid (default), job, or none (every session maps every chunk)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "uid" && v != "job" && v != "none") {
+           return InvalidArgument("'" + v + "' is not one of uid, job, none");
+         }
+         c->tenant = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.tenant; }},
       {"access", "allowed_gids", Kind::kIdList, "peers in these groups may attach too",
+
        [](DaemonConfig* c, const std::string& v) {
          return ParseIdList(v, &c->policy.allowed_gids);
        },

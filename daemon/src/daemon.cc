@@ -20,6 +20,7 @@
 #include "memoffload/daemon/broker.h"
 #include "memoffload/daemon/log.h"
 #include "memoffload/daemon/metrics.h"
+#include "memoffload/daemon/notifier.h"
 #include "memoffload/daemon/service.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/runtime_dir.h"
@@ -134,6 +135,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   arena_options.prefault_threads = config.prefault_threads;
   arena_options.hugepages = config.hugepages;
   arena_options.mlock = config.mlock;
+  arena_options.numa_node = config.numa_node;
   MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
               FormatSize(config.arena_size_bytes).c_str(),
               FormatSize(config.chunk_size_bytes).c_str(), config.prefault_threads);
@@ -150,7 +152,10 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
               arena->capacity_bytes() / 1e9 / std::max(report.build_seconds, 1e-9),
               report.mlocked ? "yes" : "no");
 
-  SessionTable table(arena.get(), config.policy);
+  Result<TenantMode> tenant_mode = ParseTenantMode(config.tenant);
+  if (!tenant_mode.ok()) return tenant_mode.status();
+  SessionTable table(arena.get(), config.policy, *tenant_mode);
+
   MetricsInfo metrics_info{DaemonVersion(), arena->chunk_count(), arena->chunk_size_bytes(),
                            arena->mlocked()};
   Metrics metrics(&table, metrics_info);
@@ -210,7 +215,33 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
                                   : ("http://" + metrics_bound + "/metrics").c_str());
   MO_LOG_INFO("clients: export MEMOFFLOAD_RUNTIME_DIR=%s", config.runtime_dir.c_str());
 
+  // systemd (Type=notify): the arena is built and every listener accepts.
+  Notifier notifier;
+  auto status_text = [&table] {
+    const ArenaSnapshot s = table.Snapshot();
+    return "arena " + FormatSize(s.capacity_bytes - s.free_bytes) + " of " +
+           FormatSize(s.capacity_bytes) + " used, " + std::to_string(s.sessions) + " sessions" +
+           (s.draining ? ", draining" : "");
+  };
+  notifier.Ready(status_text());
+  // WATCHDOG=1 and a fresh STATUS= from the event loop, every half watchdog
+  // timeout (every 10 s without one); it keeps going while draining.
+  asio::steady_timer notify_timer(io);
+  std::function<void()> arm_notify_timer = [&] {
+    notify_timer.expires_after(notifier.WatchdogEnabled()
+                                   ? notifier.WatchdogInterval()
+                                   : std::chrono::microseconds(std::chrono::seconds(10)));
+    notify_timer.async_wait([&](const boost::system::error_code& ec) {
+      if (ec) return;
+      notifier.WatchdogPing();
+      notifier.Status(status_text());
+      arm_notify_timer();
+    });
+  };
+  if (notifier.Enabled()) arm_notify_timer();
+
   auto stop = [&] {
+    notify_timer.cancel();
     broker.StopAccepting();
     broker.CloseAll();
     io.stop();
@@ -260,6 +291,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
           }
         } else if (signo == SIGTERM && !draining_for_exit) {
           draining_for_exit = true;
+          notifier.Stopping();
           const ArenaSnapshot s = table.Snapshot();
           MO_LOG_INFO("received SIGTERM: draining (%u sessions, %s held; deadline %lu ms)",
                       s.sessions, FormatSize(s.capacity_bytes - s.free_bytes).c_str(),
@@ -269,6 +301,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
           check_drained();
         } else {
           MO_LOG_INFO("received %s: stopping now", strsignal(signo));
+          notifier.Stopping();
           stop();
           return;
         }

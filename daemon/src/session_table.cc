@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstring>
 
 #include "memoffload/shared_mem/units.h"
 
@@ -89,7 +90,87 @@ bool ConstantTimeEquals(const std::string& a, const std::string& b) {
   return diff == 0;
 }
 
-SessionTable::SessionTable(Arena* arena, const Policy& policy) : arena_(arena), policy_(policy) {}
+Result<TenantMode> ParseTenantMode(const std::string& text) {
+  if (text == "uid") return TenantMode::kUid;
+  if (text == "job") return TenantMode::kJob;
+  if (text == "none") return TenantMode::kNone;
+  return InvalidArgument("'" + text + "' is not a tenant mode: uid, job or none");
+}
+
+SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode)
+    : arena_(arena),
+      policy_(policy),
+      tenant_mode_(tenant_mode),
+      chunk_owners_(arena->chunk_count()) {}
+
+int64_t SessionTable::Claimable(const std::string& tenant) const {
+  int64_t reused = -1;
+  for (uint32_t c = 0; c < chunk_owners_.size(); ++c) {
+    const ChunkOwner& owner = chunk_owners_[c];
+    if (owner.tenant == tenant) continue;
+    if (arena_->allocator().chunk_free_bytes(c) != arena_->chunk(c).size_bytes()) continue;
+    // No live session of another tenant may still have it mapped.
+    bool foreign_holder = false;
+    for (uint64_t id : owner.holders) {
+      auto it = sessions_.find(id);
+      if (it != sessions_.end() && it->second.tenant != tenant) foreign_holder = true;
+    }
+    if (foreign_holder) continue;
+    if (owner.tenant.empty()) return c;  // never used: no zeroing needed
+    if (reused < 0) reused = c;
+  }
+  return reused;
+}
+
+void SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
+  ChunkOwner& owner = chunk_owners_[chunk];
+  if (!owner.tenant.empty() && owner.tenant != tenant) {
+    const auto start = Clock::now();
+    const Chunk& c = arena_->chunk(chunk);
+    std::memset(c.data(), 0, c.size_bytes());
+    zeroing_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
+    ++zeroed_chunks_;
+  }
+  owner.tenant = tenant;
+}
+
+Result<std::vector<uint32_t>> SessionTable::AttachChunks(uint64_t session_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
+  std::vector<uint32_t> chunks;
+  for (uint32_t c = 0; c < chunk_owners_.size(); ++c) {
+    ChunkOwner& owner = chunk_owners_[c];
+    if (tenant_mode_ == TenantMode::kNone || owner.tenant == it->second.tenant) {
+      chunks.push_back(c);
+      owner.holders.push_back(session_id);
+    }
+  }
+  return chunks;
+}
+
+Status SessionTable::GrantChunks(uint64_t session_id, const std::vector<uint32_t>& chunks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
+  for (uint32_t c : chunks) {
+    if (c >= chunk_owners_.size()) {
+      return InvalidArgument("chunk " + std::to_string(c) + " does not exist (the arena has " +
+                             std::to_string(chunk_owners_.size()) + ")");
+    }
+    if (tenant_mode_ != TenantMode::kNone && chunk_owners_[c].tenant != it->second.tenant) {
+      return PermissionDenied("chunk " + std::to_string(c) + " does not belong to tenant " +
+                              it->second.tenant);
+    }
+  }
+  for (uint32_t c : chunks) {
+    auto& holders = chunk_owners_[c].holders;
+    if (std::find(holders.begin(), holders.end(), session_id) == holders.end()) {
+      holders.push_back(session_id);
+    }
+  }
+  return Status::Ok();
+}
 
 void SessionTable::SetPolicy(const Policy& policy) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -138,6 +219,17 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
   s.hello = hello;
+  switch (tenant_mode_) {
+    case TenantMode::kUid:
+      s.tenant = "uid:" + std::to_string(peer.uid);
+      break;
+    case TenantMode::kJob:
+      s.tenant = "job:" + hello.job_id;
+      break;
+    case TenantMode::kNone:
+      break;
+  }
+
   s.grant.limit_bytes = SessionLimit(s);
   s.peer = peer;
   s.opened_at = Clock::now();
@@ -169,6 +261,10 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
   if (job != jobs_.end()) {
     job->second.held_bytes -= reclaimed;
     if (--job->second.sessions == 0) jobs_.erase(job);
+  }
+  for (ChunkOwner& owner : chunk_owners_) {
+    owner.holders.erase(std::remove(owner.holders.begin(), owner.holders.end(), session_id),
+                        owner.holders.end());
   }
   sessions_.erase(it);
   space_freed_.notify_all();
@@ -245,11 +341,30 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
         FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
         " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + ")");
   }
-  Result<std::vector<Extent>> extents = arena_->allocator().Allocate(rounded, single_extent);
+  Result<std::vector<Extent>> extents = Status();
+  if (tenant_mode_ == TenantMode::kNone) {
+    extents = arena_->allocator().Allocate(rounded, single_extent);
+  } else {
+    // Only the tenant's own chunks; take over empty ones until it fits.
+    std::vector<bool> allowed(chunk_owners_.size());
+    for (size_t c = 0; c < allowed.size(); ++c) allowed[c] = chunk_owners_[c].tenant == s.tenant;
+    while (true) {
+      extents = arena_->allocator().Allocate(rounded, single_extent, &allowed);
+      if (extents.ok()) break;
+      const int64_t c = Claimable(s.tenant);
+      if (c < 0) break;
+      Claim(static_cast<uint32_t>(c), s.tenant);
+      allowed[c] = true;
+    }
+  }
   if (!extents.ok()) {
     *reject = RejectReason::kArenaFull;
-    return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) + ": " +
-                             extents.status().message());
+    return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) +
+                             (tenant_mode_ == TenantMode::kNone
+                                  ? ""
+                                  : " in the chunks of tenant " + s.tenant +
+                                        " (chunks of other tenants are not shared)") +
+                             ": " + extents.status().message());
   }
   Group g;
   g.extents = std::move(extents).value();
@@ -344,7 +459,8 @@ Result<ReserveResult> SessionTable::Reserve(
 }
 
 Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string& token,
-                                          uint64_t group_id, uint64_t used_bytes) {
+                                          uint64_t group_id, uint64_t used_bytes,
+                                          std::vector<uint32_t> extent_crc32c) {
   std::lock_guard<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
@@ -360,6 +476,20 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
                            " exceeds the group's reserved " + std::to_string(g.held_bytes) +
                            " bytes");
   }
+  if (!extent_crc32c.empty()) {
+    size_t touched = 0;
+    uint64_t pos = 0;
+    for (const Extent& e : g.extents) {
+      if (pos >= used_bytes) break;
+      ++touched;
+      pos += e.length;
+    }
+    if (extent_crc32c.size() != touched) {
+      return InvalidArgument("extent_crc32c has " + std::to_string(extent_crc32c.size()) +
+                             " checksums; the used bytes span " + std::to_string(touched) +
+                             " extents");
+    }
+  }
   Result<std::vector<Extent>> kept = arena_->allocator().Trim(g.extents, used_bytes);
   if (!kept.ok()) return Internal("trimming group: " + kept.status().message());
   uint64_t kept_bytes = 0;
@@ -373,6 +503,7 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   g.extents = std::move(kept).value();
   g.held_bytes = kept_bytes;
   g.used_bytes = used_bytes;
+  g.extent_crc32c = std::move(extent_crc32c);
   g.state = GroupState::kCommitted;
   g.committed_at = Clock::now();
   return CommitResult{kept_bytes, returned};
@@ -395,7 +526,7 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
     read_bytes_ += g.held_bytes;
     g.state = GroupState::kRead;
   }
-  return PrefetchResult{g.extents, g.used_bytes};
+  return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c};
 }
 
 Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
@@ -440,6 +571,9 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.groups = groups_;
   a.waiting_reserves = static_cast<uint32_t>(waiters_.size());
   a.draining = draining_;
+  for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
+  a.zeroed_chunks = zeroed_chunks_;
+  a.zeroing_seconds = zeroing_seconds_;
   return a;
 }
 
@@ -480,7 +614,15 @@ Status SessionTable::CheckInvariants() const {
     uint64_t session_held = 0;
     for (const auto& [gid, g] : s.groups) {
       uint64_t sum = 0;
-      for (const Extent& e : g.extents) sum += e.length;
+      for (const Extent& e : g.extents) {
+        sum += e.length;
+        if (tenant_mode_ != TenantMode::kNone && chunk_owners_[e.chunk].tenant != s.tenant) {
+          return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
+                          " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
+                          chunk_owners_[e.chunk].tenant);
+        }
+      }
+
       if (sum != g.held_bytes) {
         return Internal("group " + std::to_string(gid) + " extents sum to " + std::to_string(sum) +
                         ", recorded " + std::to_string(g.held_bytes));

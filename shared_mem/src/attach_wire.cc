@@ -9,6 +9,8 @@ enum class MessageType : uint8_t {
   kHello = 1,
   kAttachReply = 2,
   kChunkFdBatch = 3,
+  kChunkRequest = 4,
+  kChunkReply = 5,
 };
 
 constexpr size_t kMaxChunks = 1 << 16;
@@ -201,6 +203,64 @@ Result<ChunkFdBatch> DecodeChunkFdBatch(const std::string& bytes) {
   }
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
   return b;
+}
+
+namespace {
+
+void WriteIndexes(Writer* w, const std::vector<uint32_t>& indexes) {
+  w->U32(static_cast<uint32_t>(indexes.size()));
+  for (uint32_t i : indexes) w->U32(i);
+}
+
+bool ReadIndexes(Reader* r, std::vector<uint32_t>* indexes) {
+  uint32_t n = 0;
+  if (!r->U32(&n) || n > kMaxChunks) return false;
+  indexes->resize(n);
+  for (uint32_t& i : *indexes) {
+    if (!r->U32(&i)) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string EncodeChunkRequest(const ChunkRequest& request) {
+  Writer w(MessageType::kChunkRequest, kAttachProtocolVersion);
+  WriteIndexes(&w, request.chunk_indexes);
+  return w.Take();
+}
+
+Result<ChunkRequest> DecodeChunkRequest(const std::string& bytes) {
+  Reader r(bytes);
+  ChunkRequest req;
+  uint16_t version = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kChunkRequest, &version));
+  if (!ReadIndexes(&r, &req.chunk_indexes)) return Reader::Truncated();
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
+  return req;
+}
+
+std::string EncodeChunkReply(const ChunkReply& reply) {
+  Writer w(MessageType::kChunkReply, kAttachProtocolVersion);
+  w.U32(static_cast<uint32_t>(reply.code));
+  w.Str(reply.message);
+  WriteIndexes(&w, reply.chunk_indexes);
+  return w.Take();
+}
+
+Result<ChunkReply> DecodeChunkReply(const std::string& bytes) {
+  Reader r(bytes);
+  ChunkReply reply;
+  uint16_t version = 0;
+  uint32_t code = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kChunkReply, &version));
+  if (!r.U32(&code) || code > static_cast<uint32_t>(StatusCode::kUnauthenticated) ||
+      !r.Str(&reply.message, kMaxStringBytes) || !ReadIndexes(&r, &reply.chunk_indexes)) {
+    return Reader::Truncated();
+  }
+  reply.code = static_cast<StatusCode>(code);
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
+  return reply;
 }
 
 }  // namespace memoffload

@@ -10,6 +10,9 @@
 //   offload_worker fork-hold RUNTIME_DIR BYTES
 //     Reserves one group, forks a child that inherits the broker connection
 //     and sleeps, prints "HELD <bytes> <child pid>" and sleeps until killed.
+//   offload_worker tenant-probe RUNTIME_DIR UID BYTES
+//     Drops to UID, asks for every chunk's fd, reserves BYTES and checks they
+//     read as zeros. Prints "REFUSED <chunks> GOT <chunks> ZEROS <yes|no>".
 //   offload_worker attach-as RUNTIME_DIR UID
 //     Drops to UID (and its gid), attaches, reserves and releases one page;
 //     prints "OK" or "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
@@ -149,11 +152,41 @@ int ForkHold(const std::string& dir, uint64_t bytes) {
   while (true) pause();
 }
 
-int AttachAs(const std::string& dir, uid_t uid) {
+bool DropTo(uid_t uid) {
   if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
     std::printf("ERR SETUID cannot drop to uid %u\n", uid);
-    return 1;
+    return false;
   }
+  return true;
+}
+
+int TenantProbe(const std::string& dir, uid_t uid, uint64_t bytes) {
+  if (!DropTo(uid)) return 1;
+  auto client = AttachOrNull(dir, 0);
+  if (!client) return 1;
+  std::string refused, got;
+  for (uint32_t c = 0; c < client->chunk_count(); ++c) {
+    memoffload::Status st = client->MapChunks({c});
+    if (st.code() == memoffload::StatusCode::kPermissionDenied) {
+      refused += (refused.empty() ? "" : ",") + std::to_string(c);
+    } else if (!st.ok()) {
+      return Die("map chunk", st);
+    }
+  }
+  auto r = client->Reserve(1, bytes);
+  if (!r.ok()) return Die("reserve", r.status());
+  std::vector<uint8_t> data(bytes);
+  if (auto st = client->Read(r->extents, 0, data.data(), bytes); !st.ok()) return Die("read", st);
+  bool zeros = true;
+  for (uint8_t b : data) zeros = zeros && b == 0;
+  for (const auto& e : r->extents) got += (got.empty() ? "" : ",") + std::to_string(e.chunk);
+  std::printf("REFUSED %s GOT %s ZEROS %s\n", refused.empty() ? "-" : refused.c_str(), got.c_str(),
+              zeros ? "yes" : "no");
+  return 0;
+}
+
+int AttachAs(const std::string& dir, uid_t uid) {
+  if (!DropTo(uid)) return 1;
   AttachOptions options;
   options.runtime_dir = dir;
   options.job_id = "other-user";
@@ -182,6 +215,9 @@ int AttachAs(const std::string& dir, uid_t uid) {
 int main(int argc, char** argv) {
   if (argc == 4 && std::strcmp(argv[1], "fork-hold") == 0) {
     return ForkHold(argv[2], std::stoull(argv[3]));
+  }
+  if (argc == 5 && std::strcmp(argv[1], "tenant-probe") == 0) {
+    return TenantProbe(argv[2], static_cast<uid_t>(std::stoul(argv[3])), std::stoull(argv[4]));
   }
   if (argc == 4 && std::strcmp(argv[1], "attach-as") == 0) {
     return AttachAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])));

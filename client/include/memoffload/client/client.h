@@ -1,9 +1,10 @@
 // memoffload::client::Client: one training process's session with memoffloadd.
 //
-// Attach() connects to the daemon's broker socket, receives the chunk fds and
-// maps them, and opens the gRPC channel. The broker connection stays open for
-// the Client's lifetime: destroying the Client (or the process dying) ends
-// the session, and the daemon reclaims every group it still holds.
+// Attach() connects to the daemon's broker socket, maps the chunks this
+// session's tenant owns, and opens the gRPC channel; chunks its reservations
+// land in later are fetched over the broker connection and mapped on demand. The broker connection
+// stays open for the Client's lifetime: destroying the Client (or the process dying) ends the
+// session, and the daemon reclaims every group it still holds.
 //
 // Group ids are chosen by the caller and scoped to this session. Extents
 // returned by Reserve are writable until Commit; extents returned by Prefetch
@@ -30,10 +31,25 @@ struct AttachOptions {
   int32_t local_rank = -1;
   uint64_t max_bytes = 0;      // ask for a lower session limit; 0: daemon default
   uint64_t job_max_bytes = 0;  // ask for a lower limit for the whole job; 0: default
-  // Fill page tables of every chunk at attach (slower attach, faster first
-  // write); otherwise pages are mapped on first touch.
+  // How this process's page tables for a chunk get filled (the daemon has
+  // already allocated, zeroed and locked every page; only mappings are
+  // missing). Default: on first use, Write, Read and Address map the pages of
+  // the range they are given with MADV_POPULATE_READ, tracked per 2 MiB
+  // block, so mapping a chunk costs microseconds whatever its size and a
+  // first write runs at ~0.8-0.9 of a memcpy into faulted memory instead of
+  // ~0.3 with one write fault per page (docs/arena.md). With populate, each
+  // chunk's page tables are filled when it is mapped (MAP_POPULATE, ~0.1 s
+  // per GiB on the attach/first-Reserve path). populate_on_first_use = false
+  // leaves pages to fault one by one on touch (for benchmarks).
   bool populate = false;
+  bool populate_on_first_use = true;
   int rpc_timeout_ms = 30000;
+  // Integrity check: Commit sends a CRC32C of each extent's used bytes (read
+  // from the arena, so call it once the data is in place), and Prefetch
+  // verifies them, failing with DATA_LOSS naming group, session, chunk and
+  // offset on a mismatch. Costs one extra pass over the data each way (see
+  // docs/reliability.md).
+  bool checksums = false;
 };
 
 struct ReserveOptions {
@@ -52,6 +68,7 @@ struct Reservation {
 struct Placement {
   std::vector<Extent> extents;
   uint64_t used_bytes = 0;
+  std::vector<uint32_t> extent_crc32c;  // empty unless committed with checksums
 };
 
 // Reported with Commit and Release so the daemon can export copy throughput.
@@ -87,8 +104,16 @@ class Client {
               uint64_t length) const;
 
   // Address of an extent's first byte in this process, or nullptr when the
-  // extent is not inside a mapped chunk.
+  // extent is not inside a mapped chunk. The extent's pages are mapped
+  // (populated) before it returns, so writes through the pointer do not fault. Extents returned by
+  // Reserve and Prefetch are always mapped.
   uint8_t* Address(const Extent& extent) const;
+
+  // Maps the given chunks, asking the daemon for their fds if this process
+  // has not got them yet. Chunks belong to one tenant at a time; the daemon
+  // refuses another tenant's chunks with PERMISSION_DENIED. Reserve does this
+  // itself; exposed for tests and tools.
+  Status MapChunks(const std::vector<uint32_t>& chunks);
 
   uint64_t session_id() const;
   uint64_t page_bytes() const;

@@ -46,8 +46,11 @@ struct DaemonConfig {
   int prefault_threads = 0;       // resolved: one per online core
   bool hugepages = false;
   bool mlock = true;
+  int numa_node = -1;  // bind the arena's memory to this node; -1: no binding
   // [access] and [quotas]
+  std::string tenant = "uid";  // uid, job or none; see TenantMode
   Policy policy;
+
   // [lifecycle]
   uint64_t drain_timeout_ms = 30000;
   uint64_t hello_timeout_ms = 10000;

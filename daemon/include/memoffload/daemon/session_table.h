@@ -80,6 +80,7 @@ struct CommitResult {
 struct PrefetchResult {
   std::vector<Extent> extents;
   uint64_t used_bytes = 0;
+  std::vector<uint32_t> extent_crc32c;
 };
 
 struct ReleaseResult {
@@ -100,7 +101,21 @@ struct ArenaSnapshot {
   uint64_t groups = 0;
   uint32_t waiting_reserves = 0;
   bool draining = false;
+  uint32_t owned_chunks = 0;   // chunks currently assigned to a tenant
+  uint64_t zeroed_chunks = 0;  // chunks zeroed on a change of tenant, total
+  double zeroing_seconds = 0;  // time spent zeroing them, total
 };
+
+// Who may share a chunk. Chunks belong to one tenant at a time; a session is
+// handed the fds of its tenant's chunks only, and a chunk changes tenant only
+// when it is empty and no live session of its old tenant has it mapped; it
+// is zeroed before the new tenant gets it.
+enum class TenantMode {
+  kUid,   // tenant = the peer's uid (default)
+  kJob,   // tenant = the hello's job id
+  kNone,  // one tenant: every session gets every chunk (trusted nodes)
+};
+Result<TenantMode> ParseTenantMode(const std::string& text);
 
 struct SessionSnapshot {
   uint64_t session_id = 0;
@@ -116,12 +131,19 @@ struct SessionSnapshot {
 
 class SessionTable {
  public:
-  SessionTable(Arena* arena, const Policy& policy);
+  SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode = TenantMode::kUid);
   SessionTable(const SessionTable&) = delete;
   SessionTable& operator=(const SessionTable&) = delete;
 
   // Creates a session for an attached peer with a fresh random token.
   Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer);
+
+  // Chunks whose fds a new session gets at attach: those its tenant owns
+  // (every chunk with TenantMode::kNone). Records the session as a holder.
+  Result<std::vector<uint32_t>> AttachChunks(uint64_t session_id);
+  // A session asks for more chunk fds (its reservations landed there). Each
+  // must belong to its tenant: PERMISSION_DENIED otherwise, nothing granted.
+  Status GrantChunks(uint64_t session_id, const std::vector<uint32_t>& chunks);
 
   // Ends a session and returns everything it holds to the free pool.
   // Returns the bytes reclaimed; NOT_FOUND if the session is already gone.
@@ -143,8 +165,10 @@ class SessionTable {
       std::optional<std::chrono::steady_clock::time_point> wait_until = std::nullopt,
       RejectReason* reject = nullptr);
 
+  // extent_crc32c, when non-empty, must hold one checksum per kept extent; it
+  // is stored and handed back by Prefetch (the daemon never reads the data).
   Result<CommitResult> Commit(uint64_t session_id, const std::string& token, uint64_t group_id,
-                              uint64_t used_bytes);
+                              uint64_t used_bytes, std::vector<uint32_t> extent_crc32c = {});
   Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id);
   Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
 
@@ -170,8 +194,10 @@ class SessionTable {
   struct Group {
     GroupState state = GroupState::kReserved;
     std::vector<Extent> extents;
-    uint64_t held_bytes = 0;  // sum of extent lengths
-    uint64_t used_bytes = 0;  // valid bytes after Commit
+    uint64_t held_bytes = 0;              // sum of extent lengths
+    uint64_t used_bytes = 0;              // valid bytes after Commit
+    std::vector<uint32_t> extent_crc32c;  // optional, from Commit
+
     Clock::time_point committed_at;
   };
   struct Job {
@@ -182,6 +208,8 @@ class SessionTable {
   struct Session {
     SessionGrant grant;
     Hello hello;
+    std::string tenant;
+
     PeerCredentials peer;
     Clock::time_point opened_at;
     uint64_t held_bytes = 0;
@@ -203,12 +231,27 @@ class SessionTable {
 
   Arena* const arena_;
   mutable std::mutex mu_;
-  std::condition_variable space_freed_;             // signalled when bytes return or state changes
-  Policy policy_;                                   // guarded by mu_
-  bool draining_ = false;                           // guarded by mu_
-  uint64_t next_ticket_ = 1;                        // guarded by mu_
-  std::deque<uint64_t> waiters_;                    // guarded by mu_; arrival order
-  std::unordered_map<std::string, Job> jobs_;       // guarded by mu_
+  std::condition_variable space_freed_;        // signalled when bytes return or state changes
+  Policy policy_;                              // guarded by mu_
+  bool draining_ = false;                      // guarded by mu_
+  uint64_t next_ticket_ = 1;                   // guarded by mu_
+  std::deque<uint64_t> waiters_;               // guarded by mu_; arrival order
+  std::unordered_map<std::string, Job> jobs_;  // guarded by mu_
+
+  struct ChunkOwner {
+    std::string tenant;             // "" while never used
+    std::vector<uint64_t> holders;  // sessions that were handed the fd
+  };
+  // Marks `chunk` as the tenant's, zeroing it when it held another tenant's
+  // data. Requires mu_.
+  void Claim(uint32_t chunk, const std::string& tenant);
+  // A chunk the tenant may take over now, or -1. Requires mu_.
+  int64_t Claimable(const std::string& tenant) const;
+  const TenantMode tenant_mode_;
+  std::vector<ChunkOwner> chunk_owners_;  // guarded by mu_; one per chunk
+  uint64_t zeroed_chunks_ = 0;            // guarded by mu_
+  double zeroing_seconds_ = 0;            // guarded by mu_
+
   uint64_t next_session_id_ = 1;                    // guarded by mu_
   std::unordered_map<uint64_t, Session> sessions_;  // guarded by mu_
   uint64_t reserved_bytes_ = 0;                     // guarded by mu_

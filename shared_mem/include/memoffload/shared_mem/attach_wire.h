@@ -57,6 +57,19 @@ struct ChunkFdBatch {
   std::vector<uint32_t> chunk_indexes;  // one per fd, in order
 };
 
+// After attach, a client asks for the fds of chunks its reservations landed
+// in (chunks are handed out per tenant, on demand). The daemon answers with
+// a ChunkReply carrying the fds, or a refusal and none.
+struct ChunkRequest {
+  std::vector<uint32_t> chunk_indexes;
+};
+
+struct ChunkReply {
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+  std::vector<uint32_t> chunk_indexes;  // one per fd, in order
+};
+
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(const std::string& bytes);
 
@@ -65,6 +78,12 @@ Result<AttachReply> DecodeAttachReply(const std::string& bytes);
 
 std::string EncodeChunkFdBatch(const ChunkFdBatch& batch);
 Result<ChunkFdBatch> DecodeChunkFdBatch(const std::string& bytes);
+
+std::string EncodeChunkRequest(const ChunkRequest& request);
+Result<ChunkRequest> DecodeChunkRequest(const std::string& bytes);
+
+std::string EncodeChunkReply(const ChunkReply& reply);
+Result<ChunkReply> DecodeChunkReply(const std::string& bytes);
 
 }  // namespace memoffload
 

@@ -1,0 +1,108 @@
+// Tenant isolation against the real daemon: another uid cannot obtain this
+// tenant's chunk fds, and a chunk that changes tenant reads as zeros.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "daemon_process.h"
+#include "memoffload/client/client.h"
+
+namespace memoffload::testing {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+// Parses offload_worker tenant-probe output: "REFUSED a,b GOT c,d ZEROS yes".
+struct Probe {
+  std::set<uint32_t> refused, got;
+  bool zeros = false;
+};
+
+std::set<uint32_t> ParseList(const std::string& list) {
+  std::set<uint32_t> out;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item != "-") out.insert(static_cast<uint32_t>(std::stoul(item)));
+  }
+  return out;
+}
+
+Probe ParseProbe(const std::string& out) {
+  Probe p;
+  char refused[256] = {}, got[256] = {}, zeros[8] = {};
+  if (std::sscanf(out.c_str(), "REFUSED %255s GOT %255s ZEROS %7s", refused, got, zeros) == 3) {
+    p.refused = ParseList(refused);
+    p.got = ParseList(got);
+    p.zeros = std::string(zeros) == "yes";
+  }
+  return p;
+}
+
+TEST(Tenants, OtherTenantGetsNeitherOurFdsNorOurBytes) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.arena_size = "64MiB";
+  options.chunk_size = "16MiB";
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+
+  // Tenant A (root, this process) fills two chunks with a pattern.
+  client::AttachOptions attach;
+  attach.runtime_dir = daemon->runtime_dir();
+  auto a = client::Client::Attach(attach);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto r = (*a)->Reserve(1, 32 * kMiB);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::vector<uint8_t> pattern(32 * kMiB, 0xAB);
+  ASSERT_TRUE((*a)->Write(r->extents, 0, pattern.data(), pattern.size()).ok());
+  ASSERT_TRUE((*a)->Commit(1, pattern.size()).ok());
+  std::set<uint32_t> a_chunks;
+  for (const auto& e : r->extents) a_chunks.insert(e.chunk);
+
+  // Tenant B (uid 65534) is refused A's chunks and gets zeroed memory.
+  std::string out;
+  ASSERT_EQ(RunCapture({BinDir() + "/offload_worker", "tenant-probe", daemon->runtime_dir(),
+                        "65534", std::to_string(16 * kMiB)},
+                       &out),
+            0)
+      << out << daemon->Log();
+  Probe first = ParseProbe(out);
+  for (uint32_t c : a_chunks) EXPECT_EQ(first.refused.count(c), 1u) << "chunk " << c << ": " << out;
+  for (uint32_t c : first.got) EXPECT_EQ(a_chunks.count(c), 0u) << "chunk " << c << ": " << out;
+  EXPECT_TRUE(first.zeros) << out;
+
+  // A releases everything and goes away; B may now take over A's chunks,
+  // and must see zeros, never A's bytes.
+  ASSERT_TRUE((*a)->Release(1).ok());
+  a->reset();
+  const auto start = std::chrono::steady_clock::now();
+  while (daemon->Status().sessions() != 0 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(2)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(RunCapture({BinDir() + "/offload_worker", "tenant-probe", daemon->runtime_dir(),
+                        "65534", std::to_string(64 * kMiB)},
+                       &out),
+            0)
+      << out << daemon->Log();
+  // Until B's reservation takes them over (zeroing them), A's old chunks
+  // still hold A's bytes, so their fds are still refused; then B's 64 MiB
+  // reservation needs every chunk, A's old ones included, and reads zeros.
+  Probe second = ParseProbe(out);
+  for (uint32_t c : a_chunks) {
+    EXPECT_EQ(second.refused.count(c), 1u) << "chunk " << c << ": " << out;
+    EXPECT_EQ(second.got.count(c), 1u) << "chunk " << c << ": " << out;
+  }
+  EXPECT_EQ(second.got.size(), 4u) << out;
+  EXPECT_TRUE(second.zeros) << out;
+}
+
+}  // namespace
+}  // namespace memoffload::testing

@@ -1,0 +1,39 @@
+#include "memoffload/shared_mem/crc32c.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+#include <string>
+#include <vector>
+
+namespace memoffload {
+namespace {
+
+TEST(Crc32c, KnownVectors) {
+  // RFC 3720 (iSCSI) test vectors.
+  std::vector<uint8_t> zeros(32, 0), ones(32, 0xff), inc(32);
+  for (int i = 0; i < 32; ++i) inc[i] = static_cast<uint8_t>(i);
+  EXPECT_EQ(Crc32c(zeros.data(), 32), 0x8a9136aau);
+  EXPECT_EQ(Crc32c(ones.data(), 32), 0x62a8ab43u);
+  EXPECT_EQ(Crc32c(inc.data(), 32), 0x46dd794eu);
+  const std::string digits = "123456789";
+  EXPECT_EQ(Crc32c(digits.data(), digits.size()), 0xe3069283u);
+  EXPECT_EQ(Crc32c(nullptr, 0), 0u);
+}
+
+TEST(Crc32c, HardwareMatchesPortableAndExtends) {
+  std::mt19937 rng(3);
+  std::vector<uint8_t> data(100003);
+  for (auto& b : data) b = static_cast<uint8_t>(rng());
+  for (size_t len : {0ul, 1ul, 7ul, 8ul, 9ul, 4096ul, data.size()}) {
+    EXPECT_EQ(Crc32c(data.data(), len), Crc32cPortable(data.data(), len)) << len;
+  }
+  const uint32_t whole = Crc32c(data.data(), data.size());
+  const uint32_t split = Crc32c(data.data() + 5000, data.size() - 5000, Crc32c(data.data(), 5000));
+  EXPECT_EQ(whole, split);
+  data[777] ^= 1;
+  EXPECT_NE(Crc32c(data.data(), data.size()), whole);
+}
+
+}  // namespace
+}  // namespace memoffload
