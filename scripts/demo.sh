@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What `scripts/run.sh --demo` runs: starts memoffloadd with embedded defaults
+# in a private runtime dir, trains a small Transformer on CPU with offload
+# through it (scripts/demo.py), then stops the daemon. Expects a built tree.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$(mktemp -d /tmp/memoffload-demo-XXXXXX)
+log="$dir/memoffloadd.log"
+build/bin/memoffloadd --runtime-dir "$dir/run" --metrics-address none >"$log" 2>&1 &
+daemon=$!
+cleanup() {
+  kill -INT "$daemon" 2>/dev/null || true
+  wait "$daemon" 2>/dev/null || true
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+for _ in $(seq 1 300); do
+  if build/bin/memoffloadctl --runtime-dir "$dir/run" status >/dev/null 2>&1; then break; fi
+  if ! kill -0 "$daemon" 2>/dev/null; then
+    echo "demo: memoffloadd failed to start:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+  sleep 0.1
+done
+grep -E "arena ready|listening" "$log" | sed 's/^/  /'
+PYTHONPATH="$PWD/client/python" /usr/bin/python3 scripts/demo.py --runtime-dir "$dir/run" "$@"
