@@ -17,6 +17,8 @@ struct Subcommand {
 const Subcommand kSubcommands[] = {
     {"allocator", "replay activation traces: packing vs a pow2 caching model",
      memoffload::bench::RunAllocatorBench},
+    {"load", "N client processes cycle groups against a running daemon: ops/s, latency",
+     memoffload::bench::RunLoadBench},
 };
 
 void PrintUsage() {
@@ -36,6 +38,10 @@ int main(int argc, char** argv) {
   }
   for (const auto& s : kSubcommands) {
     if (std::strcmp(argv[1], s.name) == 0) return s.run(argc - 1, argv + 1);
+  }
+  // Hidden: one client process of `load`, started by it.
+  if (std::strcmp(argv[1], "load-worker") == 0) {
+    return memoffload::bench::RunLoadWorker(argc - 1, argv + 1);
   }
   std::fprintf(stderr, "memoffload-bench: unknown subcommand '%s'\n", argv[1]);
   PrintUsage();

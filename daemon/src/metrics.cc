@@ -4,6 +4,8 @@
 #include <prometheus/gauge.h>
 
 #include <chrono>
+#include <cmath>
+#include <unordered_set>
 
 namespace memoffload::daemon {
 
@@ -122,7 +124,8 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
 
 Metrics::Metrics(const SessionTable* table, MetricsInfo info)
     : registry_(std::make_shared<prometheus::Registry>()),
-      arena_collector_(std::make_shared<ArenaCollector>(table, std::move(info))) {
+      arena_collector_(std::make_shared<ArenaCollector>(table, std::move(info))),
+      table_(table) {
   requests_ = &prometheus::BuildCounter()
                    .Name("memoffload_requests_total")
                    .Help("gRPC requests by method and status code.")
@@ -146,9 +149,20 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
                           .Name("memoffload_sessions_closed_total")
                           .Help("Sessions ended, by reason.")
                           .Register(*registry_);
+  auto& reclaimed = prometheus::BuildCounter()
+                        .Name("memoffload_reclaimed_bytes_total")
+                        .Help("Bytes returned to the pool because their session ended, by reason.")
+                        .Register(*registry_);
+  auto& reclaimed_sessions =
+      prometheus::BuildCounter()
+          .Name("memoffload_sessions_reclaimed_total")
+          .Help("Sessions that ended while still holding bytes (which were reclaimed), by reason.")
+          .Register(*registry_);
   for (int r = 0; r < kCloseReasonCount; ++r) {
-    sessions_closed_by_reason_[r] =
-        &sessions_closed_->Add({{"reason", CloseReasonName(static_cast<CloseReason>(r))}});
+    const prometheus::Labels labels = {{"reason", CloseReasonName(static_cast<CloseReason>(r))}};
+    sessions_closed_by_reason_[r] = &sessions_closed_->Add(labels);
+    reclaimed_bytes_[r] = &reclaimed.Add(labels);
+    sessions_reclaimed_[r] = &reclaimed_sessions.Add(labels);
   }
   auto& rejections = prometheus::BuildCounter()
                          .Name("memoffload_reserve_rejections_total")
@@ -161,11 +175,53 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
                           .Name("memoffload_attach_refusals_total")
                           .Help("Attach attempts refused, by reason.")
                           .Register(*registry_);
-  reclaimed_bytes_ = &prometheus::BuildCounter()
-                          .Name("memoffload_reclaimed_bytes_total")
-                          .Help("Bytes returned to the pool because their session ended.")
-                          .Register(*registry_)
-                          .Add({});
+  // The broker's reasons, so that they read 0 rather than missing.
+  for (const char* reason : {"peer_credentials", "access_denied", "hello_timeout", "bad_hello",
+                             "draining", "session_error"}) {
+    attach_refusals_->Add({{"reason", reason}});
+  }
+  offload_bytes_ = &prometheus::BuildCounter()
+                        .Name("memoffload_offload_bytes_total")
+                        .Help("Data bytes committed into the arena (Commit's used_bytes).")
+                        .Register(*registry_)
+                        .Add({});
+  prefetch_bytes_ = &prometheus::BuildCounter()
+                         .Name("memoffload_prefetch_bytes_total")
+                         .Help("Data bytes handed back for reading (Prefetch's used_bytes).")
+                         .Register(*registry_)
+                         .Add({});
+  rank_offload_bytes_ = &prometheus::BuildCounter()
+                             .Name("memoffload_rank_offload_bytes_total")
+                             .Help("Data bytes committed, by the session's job id and rank.")
+                             .Register(*registry_);
+  rank_prefetch_bytes_ = &prometheus::BuildCounter()
+                              .Name("memoffload_rank_prefetch_bytes_total")
+                              .Help("Data bytes prefetched, by the session's job id and rank.")
+                              .Register(*registry_);
+  residency_ = &prometheus::BuildHistogram()
+                    .Name("memoffload_group_residency_seconds")
+                    .Help("Time a group spent in the arena, from Commit to Release.")
+                    .Register(*registry_)
+                    .Add({}, prometheus::Histogram::BucketBoundaries{
+                                 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
+                                 60, 300, 900, 3600});
+  auto& copy_bytes = prometheus::BuildCounter()
+                         .Name("memoffload_client_copy_bytes_total")
+                         .Help(
+                             "Bytes clients report having copied, by direction (offload: "
+                             "into the arena, with Commit; prefetch: out of it, with Release).")
+                         .Register(*registry_);
+  auto& copy_seconds = prometheus::BuildCounter()
+                           .Name("memoffload_client_copy_seconds_total")
+                           .Help(
+                               "Seconds clients report their copies took, by direction; "
+                               "rate(bytes) / rate(seconds) is the copy throughput.")
+                           .Register(*registry_);
+  const char* const directions[] = {"offload", "prefetch"};
+  for (int d = 0; d < 2; ++d) {
+    copy_bytes_[d] = &copy_bytes.Add({{"direction", directions[d]}});
+    copy_seconds_[d] = &copy_seconds.Add({{"direction", directions[d]}});
+  }
 }
 
 Metrics::~Metrics() = default;
@@ -207,12 +263,87 @@ void Metrics::RecordRejection(RejectReason reason) {
 }
 
 void Metrics::SessionClosed(CloseReason reason, uint64_t reclaimed_bytes) {
-  sessions_closed_by_reason_[static_cast<int>(reason)]->Increment();
-  reclaimed_bytes_->Increment(static_cast<double>(reclaimed_bytes));
+  const int r = static_cast<int>(reason);
+  sessions_closed_by_reason_[r]->Increment();
+  if (reclaimed_bytes > 0) {
+    reclaimed_bytes_[r]->Increment(static_cast<double>(reclaimed_bytes));
+    sessions_reclaimed_[r]->Increment();
+  }
 }
 
 void Metrics::AttachRefused(const std::string& reason) {
   attach_refusals_->Add({{"reason", reason}}).Increment();
+}
+
+Metrics::RankSeries* Metrics::RankSeriesOf(uint64_t session_id) {
+  auto it = by_session_.find(session_id);
+  if (it != by_session_.end()) return it->second;
+  std::string job_id;
+  int32_t rank = -1;
+  if (!table_->SessionLabels(session_id, &job_id, &rank)) return nullptr;
+  if (by_session_.size() >= prune_at_sessions_) Prune();
+  auto key = std::make_pair(job_id, rank);
+  std::unique_ptr<RankSeries>& series = by_rank_[key];
+  if (!series) {
+    const prometheus::Labels labels = {{"job_id", job_id}, {"rank", std::to_string(rank)}};
+    series = std::make_unique<RankSeries>();
+    series->offload_bytes = &rank_offload_bytes_->Add(labels);
+    series->prefetch_bytes = &rank_prefetch_bytes_->Add(labels);
+  }
+  by_session_[session_id] = series.get();
+  return series.get();
+}
+
+void Metrics::Prune() {
+  std::string job_id;
+  int32_t rank = 0;
+  std::unordered_set<const RankSeries*> live;
+  for (auto it = by_session_.begin(); it != by_session_.end();) {
+    if (table_->SessionLabels(it->first, &job_id, &rank)) {
+      live.insert(it->second);
+      ++it;
+    } else {
+      it = by_session_.erase(it);
+    }
+  }
+  prune_at_sessions_ = 2 * by_session_.size() + 64;
+  if (by_rank_.size() < kMaxRankSeries) return;
+  for (auto it = by_rank_.begin(); it != by_rank_.end();) {
+    if (live.count(it->second.get()) != 0) {
+      ++it;
+      continue;
+    }
+    rank_offload_bytes_->Remove(it->second->offload_bytes);
+    rank_prefetch_bytes_->Remove(it->second->prefetch_bytes);
+    it = by_rank_.erase(it);
+  }
+}
+
+void Metrics::RecordOffload(uint64_t session_id, uint64_t data_bytes) {
+  offload_bytes_->Increment(static_cast<double>(data_bytes));
+  std::lock_guard<std::mutex> lock(rank_mu_);
+  if (RankSeries* series = RankSeriesOf(session_id)) {
+    series->offload_bytes->Increment(static_cast<double>(data_bytes));
+  }
+}
+
+void Metrics::RecordPrefetch(uint64_t session_id, uint64_t data_bytes) {
+  prefetch_bytes_->Increment(static_cast<double>(data_bytes));
+  std::lock_guard<std::mutex> lock(rank_mu_);
+  if (RankSeries* series = RankSeriesOf(session_id)) {
+    series->prefetch_bytes->Increment(static_cast<double>(data_bytes));
+  }
+}
+
+void Metrics::RecordResidency(double resident_seconds) {
+  if (resident_seconds > 0) residency_->Observe(resident_seconds);
+}
+
+void Metrics::RecordClientCopy(CopyDirection direction, uint64_t bytes, double seconds) {
+  if (bytes == 0 || !std::isfinite(seconds) || seconds <= 0) return;
+  const int d = static_cast<int>(direction);
+  copy_bytes_[d]->Increment(static_cast<double>(bytes));
+  copy_seconds_[d]->Increment(seconds);
 }
 
 }  // namespace memoffload::daemon

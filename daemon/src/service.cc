@@ -106,6 +106,9 @@ grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitReques
     if (r.ok()) {
       resp->set_committed_bytes(r->committed_bytes);
       resp->set_returned_bytes(r->returned_bytes);
+      metrics_->RecordOffload(req->session().session_id(), req->used_bytes());
+      metrics_->RecordClientCopy(Metrics::CopyDirection::kOffload, req->copy().bytes(),
+                                 req->copy().seconds());
     } else {
       st = r.status();
     }
@@ -123,6 +126,7 @@ grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRe
     if (r.ok()) {
       CopyExtents(r->extents, resp->mutable_extents());
       resp->set_used_bytes(r->used_bytes);
+      metrics_->RecordPrefetch(req->session().session_id(), r->used_bytes);
     } else {
       st = r.status();
     }
@@ -139,6 +143,9 @@ grpc::Status OffloadService::Release(grpc::ServerContext*, const v1::ReleaseRequ
                                               req->session().session_token(), req->group_id());
     if (r.ok()) {
       resp->set_released_bytes(r->released_bytes);
+      metrics_->RecordResidency(r->resident_seconds);
+      metrics_->RecordClientCopy(Metrics::CopyDirection::kPrefetch, req->copy().bytes(),
+                                 req->copy().seconds());
     } else {
       st = r.status();
     }

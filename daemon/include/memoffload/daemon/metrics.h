@@ -15,8 +15,13 @@
 
 #include <array>
 #include <atomic>
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
+#include <utility>
 
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/status.h"
@@ -58,12 +63,35 @@ class Metrics {
   void SessionClosed(CloseReason reason, uint64_t reclaimed_bytes);
   void AttachRefused(const std::string& reason);
 
+  // Data traffic. `data_bytes` is what the client wrote (Commit's used_bytes)
+  // or may read (Prefetch's used_bytes). Counted in the node totals and, when
+  // the session is still known to the table, under its job id and rank.
+  void RecordOffload(uint64_t session_id, uint64_t data_bytes);
+  void RecordPrefetch(uint64_t session_id, uint64_t data_bytes);
+  // A group left the arena; `resident_seconds` > 0 when it had been committed.
+  void RecordResidency(double resident_seconds);
+  // Copy statistics a client reported with Commit (kOffload) or Release
+  // (kPrefetch). Ignored unless bytes > 0 and seconds is finite and > 0.
+  enum class CopyDirection { kOffload, kPrefetch };
+  void RecordClientCopy(CopyDirection direction, uint64_t bytes, double seconds);
+
   // The registry, for tests that serialise it without HTTP.
   std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
 
  private:
   class ArenaCollector;
   prometheus::Counter& RequestCounter(Method method, StatusCode code);
+  // Series of one (job id, rank); owned by by_rank_, removed only by Prune.
+  struct RankSeries {
+    prometheus::Counter* offload_bytes = nullptr;
+    prometheus::Counter* prefetch_bytes = nullptr;
+  };
+  // The series of a session, created on its first use and cached; nullptr
+  // when the session is gone. Requires rank_mu_.
+  RankSeries* RankSeriesOf(uint64_t session_id);
+  // Forgets closed sessions and, past kMaxRankSeries, drops the series of
+  // (job, rank) pairs no live session uses. Requires rank_mu_.
+  void Prune();
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<ArenaCollector> arena_collector_;
@@ -78,8 +106,27 @@ class Metrics {
   std::array<prometheus::Counter*, kCloseReasonCount> sessions_closed_by_reason_{};
   std::array<prometheus::Counter*, kRejectReasonCount> rejections_{};
   prometheus::Family<prometheus::Counter>* attach_refusals_ = nullptr;
-  prometheus::Counter* reclaimed_bytes_ = nullptr;
+  std::array<prometheus::Counter*, kCloseReasonCount> reclaimed_bytes_{};
+  std::array<prometheus::Counter*, kCloseReasonCount> sessions_reclaimed_{};
+  prometheus::Counter* offload_bytes_ = nullptr;
+  prometheus::Counter* prefetch_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* rank_offload_bytes_ = nullptr;
+  prometheus::Family<prometheus::Counter>* rank_prefetch_bytes_ = nullptr;
+  prometheus::Histogram* residency_ = nullptr;
+  std::array<prometheus::Counter*, 2> copy_bytes_{};    // [CopyDirection]
+  std::array<prometheus::Counter*, 2> copy_seconds_{};  // [CopyDirection]
+
+  const SessionTable* table_;
+  std::mutex rank_mu_;  // guards by_session_, by_rank_ and the increments of their series
+  std::unordered_map<uint64_t, RankSeries*> by_session_;  // guarded by rank_mu_
+  std::map<std::pair<std::string, int32_t>, std::unique_ptr<RankSeries>>
+      by_rank_;                    // guarded by rank_mu_
+  size_t prune_at_sessions_ = 64;  // guarded by rank_mu_; sweep by_session_ when it grows past this
 };
+
+// Past this many (job id, rank) series pairs, pairs without a live session
+// are removed from /metrics (the node totals keep counting).
+inline constexpr size_t kMaxRankSeries = 1024;
 
 }  // namespace memoffload::daemon
 

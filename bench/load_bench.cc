@@ -1,0 +1,550 @@
+// memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]
+//     [--max-bytes B] [--min-group B] [--max-group B] [--window N]
+//     [--job-id ID] [--seed N]
+//
+// A traffic generator against a running memoffloadd. Starts N client
+// processes (fork + exec of this binary with the hidden `load-worker`
+// subcommand, so no gRPC state crosses a fork). Each attaches as rank i of
+// job ID, waits until all have attached, then for S seconds runs cycles of
+// Reserve / write / Commit, and, WINDOW groups later, Prefetch / read and
+// verify every byte / Release, with group sizes log-uniform in
+// [min-group, max-group]. --max-bytes asks for a lower session limit, so
+// that some Reserves are refused with RESOURCE_EXHAUSTED: those count as
+// `rejected`, not errors. Copy times are reported to the daemon with Commit
+// and Release (its client copy throughput metric).
+//
+// Reports per method: ops, ops/s, client-side latency p50/p90/p99, errors and
+// rejections, then a summary (one JSON object per line with --json). Exit 0
+// when no error and no verify failure happened, 1 otherwise, 2 on usage.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benches.h"
+#include "memoffload/client/client.h"
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kMethods = 4;
+const char* const kMethodNames[kMethods] = {"Reserve", "Commit", "Prefetch", "Release"};
+enum MethodIndex { kReserve, kCommit, kPrefetch, kRelease };
+
+// Latency histogram with 2% wide log buckets: mergeable across processes.
+constexpr double kBucketBase = 1.02;
+constexpr int kBuckets = 1400;  // up to ~1e12 ns
+
+int BucketOf(double ns) {
+  if (ns < 1) return 0;
+  const int b = static_cast<int>(std::log(ns) / std::log(kBucketBase));
+  return b < kBuckets ? b : kBuckets - 1;
+}
+
+double BucketValueNs(int bucket) { return std::pow(kBucketBase, bucket + 0.5); }
+
+struct MethodStats {
+  uint64_t ops = 0;  // successful calls
+  uint64_t errors = 0;
+  uint64_t rejected = 0;  // RESOURCE_EXHAUSTED
+  std::vector<uint64_t> histogram = std::vector<uint64_t>(kBuckets, 0);
+
+  void Record(Clock::duration elapsed) {
+    ++histogram[BucketOf(std::chrono::duration<double, std::nano>(elapsed).count())];
+  }
+  double PercentileUs(double q) const {
+    uint64_t total = 0;
+    for (uint64_t c : histogram) total += c;
+    if (total == 0) return 0;
+    const uint64_t target = static_cast<uint64_t>(std::ceil(q * static_cast<double>(total)));
+    uint64_t seen = 0;
+    for (int b = 0; b < kBuckets; ++b) {
+      seen += histogram[b];
+      if (seen >= target && histogram[b] > 0) return BucketValueNs(b) / 1000.0;
+    }
+    return BucketValueNs(kBuckets - 1) / 1000.0;
+  }
+};
+
+struct LoadOptions {
+  std::string runtime_dir;
+  int clients = 4;
+  double seconds = 5;
+  bool json = false;
+  uint64_t max_bytes = 0;
+  uint64_t min_group = 4096;
+  uint64_t max_group = 4 << 20;
+  int window = 4;
+  std::string job_id = "memoffload-bench-load";
+  uint64_t seed = 1;
+  int index = 0;  // worker only
+};
+
+int Usage(const char* message) {
+  std::fprintf(stderr,
+               "memoffload-bench load: %s\n"
+               "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
+               "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
+               "         [--job-id ID] [--seed N]\n",
+               message);
+  return 2;
+}
+
+// Parses flags shared by `load` and `load-worker`; false with *error set on
+// a bad flag.
+bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--json") {
+      o->json = true;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      *error = "flag " + flag + " needs a value";
+      return false;
+    }
+    const std::string value = argv[++i];
+    auto size = [&](uint64_t* out) {
+      Result<uint64_t> v = ParseSize(value);
+      if (!v.ok()) *error = flag + ": " + v.status().message();
+      if (v.ok()) *out = *v;
+      return v.ok();
+    };
+    char* end = nullptr;
+    if (flag == "--runtime-dir") {
+      o->runtime_dir = value;
+    } else if (flag == "--clients") {
+      o->clients = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (*end != '\0' || o->clients < 1 || o->clients > 1024) {
+        *error = "--clients '" + value + "' is not an integer in 1..1024";
+        return false;
+      }
+    } else if (flag == "--seconds") {
+      o->seconds = std::strtod(value.c_str(), &end);
+      if (*end != '\0' || !(o->seconds > 0) || o->seconds > 86400) {
+        *error = "--seconds '" + value + "' is not a number in (0, 86400]";
+        return false;
+      }
+    } else if (flag == "--window") {
+      o->window = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (*end != '\0' || o->window < 1 || o->window > 4096) {
+        *error = "--window '" + value + "' is not an integer in 1..4096";
+        return false;
+      }
+    } else if (flag == "--seed" || flag == "--index") {
+      const uint64_t v = std::strtoull(value.c_str(), &end, 10);
+      if (*end != '\0' || value.empty()) {
+        *error = flag + " '" + value + "' is not a non-negative integer";
+        return false;
+      }
+      if (flag == "--seed") o->seed = v;
+      if (flag == "--index") o->index = static_cast<int>(v);
+    } else if (flag == "--job-id") {
+      o->job_id = value;
+    } else if (flag == "--max-bytes") {
+      if (!size(&o->max_bytes)) return false;
+    } else if (flag == "--min-group") {
+      if (!size(&o->min_group)) return false;
+    } else if (flag == "--max-group") {
+      if (!size(&o->max_group)) return false;
+    } else {
+      *error = "unknown flag '" + flag + "'";
+      return false;
+    }
+  }
+  if (o->runtime_dir.empty()) {
+    *error = "--runtime-dir is required";
+    return false;
+  }
+  if (o->min_group == 0 || o->min_group > o->max_group || o->max_group > (uint64_t{1} << 34)) {
+    *error = "need 0 < --min-group <= --max-group <= 16GiB";
+    return false;
+  }
+  return true;
+}
+
+// ---- worker ---------------------------------------------------------------
+
+struct Held {
+  uint64_t group_id;
+  uint64_t bytes;
+};
+
+// Bytes of group g are source[offset(g) .. offset(g) + bytes): every group has
+// distinct contents without generating data on the hot path.
+constexpr uint64_t kShiftSpan = 65536;
+uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
+
+int RunWorker(const LoadOptions& o) {
+  client::AttachOptions attach;
+  attach.runtime_dir = o.runtime_dir;
+  attach.job_id = o.job_id;
+  attach.rank = o.index;
+  attach.local_rank = o.index;
+  attach.max_bytes = o.max_bytes;
+  auto attached = client::Client::Attach(attach);
+  if (!attached.ok()) {
+    std::fprintf(stderr, "load-worker %d: attach failed: %s\n", o.index,
+                 attached.status().ToString().c_str());
+    return 1;
+  }
+  client::Client& c = **attached;
+
+  std::mt19937_64 rng(o.seed * 1000003 + static_cast<uint64_t>(o.index));
+  std::vector<uint8_t> source(o.max_group + kShiftSpan);
+  for (size_t i = 0; i < source.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(source.data() + i, &v, std::min<size_t>(8, source.size() - i));
+  }
+  std::vector<uint8_t> readback(o.max_group);
+  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(o.min_group)),
+                                                  std::log(static_cast<double>(o.max_group)));
+
+  std::printf("READY\n");
+  std::fflush(stdout);
+  char go = 0;
+  if (read(STDIN_FILENO, &go, 1) != 1) return 1;  // the parent gave up
+
+  MethodStats stats[kMethods];
+  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0;
+  std::vector<std::string> messages;
+  auto note = [&](const char* what, const Status& st) {
+    if (messages.size() < 5) messages.push_back(std::string(what) + ": " + st.ToString());
+  };
+  auto count_error = [&](MethodIndex m, const Status& st) {
+    if (st.code() == StatusCode::kResourceExhausted) {
+      ++stats[m].rejected;
+    } else {
+      ++stats[m].errors;
+      note(kMethodNames[m], st);
+    }
+  };
+  std::deque<Held> held;
+
+  // Prefetch, read and verify, Release the oldest held group.
+  auto read_back = [&](bool timed) {
+    const Held h = held.front();
+    held.pop_front();
+    auto t0 = Clock::now();
+    Result<client::Placement> p = c.Prefetch(h.group_id);
+    auto t1 = Clock::now();
+    if (timed) stats[kPrefetch].Record(t1 - t0);
+    client::CopyStats copy;
+    if (!p.ok()) {
+      count_error(kPrefetch, p.status());
+    } else {
+      ++stats[kPrefetch].ops;
+      const auto r0 = Clock::now();
+      Status st = p->used_bytes == h.bytes
+                      ? c.Read(p->extents, 0, readback.data(), h.bytes)
+                      : InvalidArgument("prefetch says " + std::to_string(p->used_bytes) +
+                                        " bytes, committed " + std::to_string(h.bytes));
+      copy = {h.bytes, std::chrono::duration<double>(Clock::now() - r0).count()};
+      if (!st.ok() ||
+          std::memcmp(readback.data(), source.data() + SourceOffset(h.group_id), h.bytes) != 0) {
+        ++verify_failures;
+        note("verify", st.ok() ? Internal("group " + std::to_string(h.group_id) +
+                                          " read back different bytes")
+                               : st);
+      }
+    }
+    t0 = Clock::now();
+    Status st = c.Release(h.group_id, copy);
+    t1 = Clock::now();
+    if (timed) stats[kRelease].Record(t1 - t0);
+    if (st.ok()) {
+      if (timed) ++stats[kRelease].ops;
+    } else if (timed) {
+      count_error(kRelease, st);
+    }
+  };
+
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
+  uint64_t next_group = 1;
+  while (Clock::now() < deadline) {
+    const uint64_t g = next_group++;
+    const uint64_t bytes = std::min(o.max_group, static_cast<uint64_t>(std::exp(log_size(rng))));
+    auto t0 = Clock::now();
+    Result<client::Reservation> r = c.Reserve(g, bytes);
+    stats[kReserve].Record(Clock::now() - t0);
+    if (!r.ok()) {
+      count_error(kReserve, r.status());
+      // Make room (the session limit was reached) and go on.
+      if (!held.empty()) read_back(true);
+      continue;
+    }
+    ++stats[kReserve].ops;
+    const auto w0 = Clock::now();
+    Status st = c.Write(r->extents, 0, source.data() + SourceOffset(g), bytes);
+    const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
+    if (!st.ok()) note("write", st);
+    t0 = Clock::now();
+    Result<client::CommitInfo> ci = c.Commit(g, bytes, copy);
+    stats[kCommit].Record(Clock::now() - t0);
+    if (!ci.ok() || !st.ok()) {
+      if (!ci.ok()) count_error(kCommit, ci.status());
+      if (!st.ok()) ++stats[kCommit].errors;
+      (void)c.Release(g);
+      continue;
+    }
+    ++stats[kCommit].ops;
+    offloaded_bytes += bytes;
+    held.push_back({g, bytes});
+    if (static_cast<int>(held.size()) >= o.window) read_back(true);
+    ++cycles;
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  while (!held.empty()) read_back(false);
+
+  for (int m = 0; m < kMethods; ++m) {
+    std::printf("M %d %lu %lu %lu\n", m, static_cast<unsigned long>(stats[m].ops),
+                static_cast<unsigned long>(stats[m].errors),
+                static_cast<unsigned long>(stats[m].rejected));
+    for (int b = 0; b < kBuckets; ++b) {
+      if (stats[m].histogram[b] != 0) {
+        std::printf("H %d %d %lu\n", m, b, static_cast<unsigned long>(stats[m].histogram[b]));
+      }
+    }
+  }
+  std::printf("S %lu %lu %lu %.6f\n", static_cast<unsigned long>(offloaded_bytes),
+              static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(cycles),
+              elapsed);
+  for (const std::string& m : messages) std::printf("E %s\n", m.c_str());
+  std::printf("END\n");
+  std::fflush(stdout);
+  return 0;
+}
+
+// ---- parent ---------------------------------------------------------------
+
+struct Worker {
+  pid_t pid = -1;
+  int to_child = -1;           // write end of its stdin
+  FILE* from_child = nullptr;  // its stdout
+};
+
+bool StartWorker(const LoadOptions& o, int index, Worker* w) {
+  int in_pipe[2], out_pipe[2];
+  if (pipe2(in_pipe, O_CLOEXEC) != 0) return false;
+  if (pipe2(out_pipe, O_CLOEXEC) != 0) {
+    close(in_pipe[0]);
+    close(in_pipe[1]);
+    return false;
+  }
+  std::vector<std::string> args = {"memoffload-bench", "load-worker",
+                                   "--runtime-dir",    o.runtime_dir,
+                                   "--seconds",        std::to_string(o.seconds),
+                                   "--index",          std::to_string(index),
+                                   "--seed",           std::to_string(o.seed),
+                                   "--job-id",         o.job_id,
+                                   "--max-bytes",      std::to_string(o.max_bytes),
+                                   "--min-group",      std::to_string(o.min_group),
+                                   "--max-group",      std::to_string(o.max_group),
+                                   "--window",         std::to_string(o.window)};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const pid_t pid = fork();
+  if (pid < 0) return false;
+  if (pid == 0) {
+    dup2(in_pipe[0], STDIN_FILENO);
+    dup2(out_pipe[1], STDOUT_FILENO);
+    execv("/proc/self/exe", argv.data());
+    _exit(127);
+  }
+  close(in_pipe[0]);
+  close(out_pipe[1]);
+  w->pid = pid;
+  w->to_child = in_pipe[1];
+  w->from_child = fdopen(out_pipe[0], "r");
+  return w->from_child != nullptr;
+}
+
+void StopWorkers(std::vector<Worker>* workers) {
+  for (Worker& w : *workers) {
+    if (w.to_child >= 0) close(w.to_child);
+    if (w.from_child != nullptr) fclose(w.from_child);
+    if (w.pid > 0) {
+      kill(w.pid, SIGKILL);
+      waitpid(w.pid, nullptr, 0);
+    }
+  }
+}
+
+std::string JsonEscape(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      out += ' ';
+    } else {
+      out += ch;
+    }
+  }
+  return out;
+}
+
+int RunParent(const LoadOptions& o) {
+  std::vector<Worker> workers(o.clients);
+  for (int i = 0; i < o.clients; ++i) {
+    if (!StartWorker(o, i, &workers[i])) {
+      std::fprintf(stderr, "memoffload-bench load: cannot start worker %d: %s\n", i,
+                   std::strerror(errno));
+      StopWorkers(&workers);
+      return 1;
+    }
+  }
+  char line[4096];
+  for (int i = 0; i < o.clients; ++i) {
+    if (std::fgets(line, sizeof line, workers[i].from_child) == nullptr ||
+        std::strcmp(line, "READY\n") != 0) {
+      std::fprintf(stderr,
+                   "memoffload-bench load: worker %d did not attach to the daemon in %s "
+                   "(see its message above)\n",
+                   i, o.runtime_dir.c_str());
+      StopWorkers(&workers);
+      return 1;
+    }
+  }
+  for (Worker& w : workers) {
+    if (write(w.to_child, "g", 1) != 1) {
+      std::fprintf(stderr, "memoffload-bench load: cannot start a worker: %s\n",
+                   std::strerror(errno));
+    }
+  }
+
+  MethodStats total[kMethods];
+  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, lost_workers = 0;
+  double elapsed_max = 0;
+  std::vector<std::string> messages;
+  for (int i = 0; i < o.clients; ++i) {
+    bool ended = false;
+    while (std::fgets(line, sizeof line, workers[i].from_child) != nullptr) {
+      int m = 0, b = 0;
+      unsigned long a1 = 0, a2 = 0, a3 = 0;
+      double secs = 0;
+      if (std::sscanf(line, "M %d %lu %lu %lu", &m, &a1, &a2, &a3) == 4 && m >= 0 && m < kMethods) {
+        total[m].ops += a1;
+        total[m].errors += a2;
+        total[m].rejected += a3;
+      } else if (std::sscanf(line, "H %d %d %lu", &m, &b, &a1) == 3 && m >= 0 && m < kMethods &&
+                 b >= 0 && b < kBuckets) {
+        total[m].histogram[b] += a1;
+      } else if (std::sscanf(line, "S %lu %lu %lu %lf", &a1, &a2, &a3, &secs) == 4) {
+        offloaded_bytes += a1;
+        verify_failures += a2;
+        cycles += a3;
+        elapsed_max = std::max(elapsed_max, secs);
+      } else if (std::strncmp(line, "E ", 2) == 0) {
+        std::string msg(line + 2);
+        if (!msg.empty() && msg.back() == '\n') msg.pop_back();
+        if (messages.size() < 10) messages.push_back("worker " + std::to_string(i) + ": " + msg);
+      } else if (std::strcmp(line, "END\n") == 0) {
+        ended = true;
+      }
+    }
+    int status = 0;
+    waitpid(workers[i].pid, &status, 0);
+    workers[i].pid = -1;
+    if (!ended || !WIFEXITED(status) || WEXITSTATUS(status) != 0) ++lost_workers;
+  }
+  StopWorkers(&workers);
+
+  const double seconds = elapsed_max > 0 ? elapsed_max : o.seconds;
+  uint64_t errors = verify_failures + lost_workers, rejected = 0, ops = 0;
+  for (int m = 0; m < kMethods; ++m) {
+    const MethodStats& s = total[m];
+    errors += s.errors;
+    rejected += s.rejected;
+    ops += s.ops;
+    const double rate = static_cast<double>(s.ops) / seconds;
+    if (o.json) {
+      std::printf(
+          "{\"bench\":\"load\",\"method\":\"%s\",\"clients\":%d,\"seconds\":%.3f,\"ops\":%lu,"
+          "\"ops_per_second\":%.1f,\"p50_us\":%.1f,\"p90_us\":%.1f,\"p99_us\":%.1f,"
+          "\"errors\":%lu,\"rejected\":%lu}\n",
+          kMethodNames[m], o.clients, seconds, static_cast<unsigned long>(s.ops), rate,
+          s.PercentileUs(0.5), s.PercentileUs(0.9), s.PercentileUs(0.99),
+          static_cast<unsigned long>(s.errors), static_cast<unsigned long>(s.rejected));
+    } else {
+      if (m == 0) {
+        std::printf("load: %d clients, %.1f s, groups %s..%s, window %d%s\n", o.clients, seconds,
+                    FormatSize(o.min_group).c_str(), FormatSize(o.max_group).c_str(), o.window,
+                    o.max_bytes ? (", session limit " + FormatSize(o.max_bytes)).c_str() : "");
+        std::printf("%-9s %10s %10s %9s %9s %9s %7s %9s\n", "method", "ops", "ops/s", "p50 us",
+                    "p90 us", "p99 us", "errors", "rejected");
+      }
+      std::printf("%-9s %10lu %10.0f %9.1f %9.1f %9.1f %7lu %9lu\n", kMethodNames[m],
+                  static_cast<unsigned long>(s.ops), rate, s.PercentileUs(0.5), s.PercentileUs(0.9),
+                  s.PercentileUs(0.99), static_cast<unsigned long>(s.errors),
+                  static_cast<unsigned long>(s.rejected));
+    }
+  }
+  const double bytes_per_second = static_cast<double>(offloaded_bytes) / seconds;
+  if (o.json) {
+    std::printf(
+        "{\"bench\":\"load\",\"summary\":true,\"clients\":%d,\"seconds\":%.3f,\"ops\":%lu,"
+        "\"ops_per_second\":%.1f,\"cycles\":%lu,\"cycles_per_second\":%.1f,"
+        "\"offloaded_bytes\":%lu,\"offload_bytes_per_second\":%.0f,\"errors\":%lu,"
+        "\"rejected\":%lu,\"verify_failures\":%lu,\"failed_workers\":%lu,\"messages\":[",
+        o.clients, seconds, static_cast<unsigned long>(ops), static_cast<double>(ops) / seconds,
+        static_cast<unsigned long>(cycles), static_cast<double>(cycles) / seconds,
+        static_cast<unsigned long>(offloaded_bytes), bytes_per_second,
+        static_cast<unsigned long>(errors), static_cast<unsigned long>(rejected),
+        static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(lost_workers));
+    for (size_t i = 0; i < messages.size(); ++i) {
+      std::printf("%s\"%s\"", i ? "," : "", JsonEscape(messages[i]).c_str());
+    }
+    std::printf("]}\n");
+  } else {
+    std::printf(
+        "total: %lu ops (%.0f ops/s), %lu cycles (%.0f/s), offloaded %s (%s/s), "
+        "%lu errors, %lu rejected, %lu verify failures, %lu failed workers\n",
+        static_cast<unsigned long>(ops), static_cast<double>(ops) / seconds,
+        static_cast<unsigned long>(cycles), static_cast<double>(cycles) / seconds,
+        FormatSize(offloaded_bytes).c_str(),
+        FormatSize(static_cast<uint64_t>(bytes_per_second)).c_str(),
+        static_cast<unsigned long>(errors), static_cast<unsigned long>(rejected),
+        static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(lost_workers));
+    for (const std::string& m : messages) std::printf("  %s\n", m.c_str());
+  }
+  std::fflush(stdout);
+  return errors == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int RunLoadBench(int argc, char** argv) {
+  LoadOptions o;
+  std::string error;
+  if (!ParseFlags(argc, argv, &o, &error)) return Usage(error.c_str());
+  signal(SIGPIPE, SIG_IGN);
+  return RunParent(o);
+}
+
+int RunLoadWorker(int argc, char** argv) {
+  LoadOptions o;
+  std::string error;
+  if (!ParseFlags(argc, argv, &o, &error)) return Usage(error.c_str());
+  return RunWorker(o);
+}
+
+}  // namespace memoffload::bench
