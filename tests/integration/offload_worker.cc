@@ -13,18 +13,25 @@
 //   offload_worker tenant-probe RUNTIME_DIR UID BYTES
 //     Drops to UID, asks for every chunk's fd, reserves BYTES and checks they
 //     read as zeros. Prints "REFUSED <chunks> GOT <chunks> ZEROS <yes|no>".
+//   offload_worker soak RUNTIME_DIR SEED SECONDS
+//     Random reserve/write/commit/prefetch/read-and-verify/release cycles
+//     with CRC32C checksums for SECONDS. RESOURCE_EXHAUSTED is expected under
+//     contention; any other error or a mismatch exits 1. Prints
+//     "DONE cycles=N verified=N exhausted=N".
 //   offload_worker attach-as RUNTIME_DIR UID
 //     Drops to UID (and its gid), attaches, reserves and releases one page;
 //     prints "OK" or "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
 #include <grp.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "memoffload/client/client.h"
@@ -185,6 +192,59 @@ int TenantProbe(const std::string& dir, uid_t uid, uint64_t bytes) {
   return 0;
 }
 
+int Soak(const std::string& dir, uint64_t seed, int seconds) {
+  AttachOptions options;
+  options.runtime_dir = dir;
+  options.job_id = "soak";
+  options.rank = static_cast<int>(seed % 1000);
+  options.checksums = true;
+  auto c = Client::Attach(options);
+  if (!c.ok()) return Die("attach", c.status());
+  Client& client = **c;
+  std::mt19937_64 rng(seed);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  uint64_t cycles = 0, verified = 0, exhausted = 0;
+  std::vector<uint8_t> data, back;
+  for (uint64_t group = 1; std::chrono::steady_clock::now() < deadline; ++group) {
+    const uint64_t size = 4096 + rng() % (8 << 20);
+    data.resize(size);
+    for (size_t k = 0; k + 8 <= size; k += 8) {
+      const uint64_t v = rng();
+      std::memcpy(data.data() + k, &v, 8);
+    }
+    auto r = client.Reserve(group, size);
+    if (!r.ok()) {
+      if (r.status().code() == memoffload::StatusCode::kResourceExhausted) {
+        ++exhausted;
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        continue;
+      }
+      return Die("reserve", r.status());
+    }
+    if (auto st = client.Write(r->extents, 0, data.data(), size); !st.ok()) {
+      return Die("write", st);
+    }
+    if (auto cm = client.Commit(group, size); !cm.ok()) return Die("commit", cm.status());
+    auto p = client.Prefetch(group);
+    if (!p.ok()) return Die("prefetch", p.status());
+    back.resize(size);
+    if (auto st = client.Read(p->extents, 0, back.data(), size); !st.ok()) {
+      return Die("read", st);
+    }
+    if (back != data || p->extent_crc32c.empty()) {
+      std::fprintf(stderr, "offload_worker: soak group %lu came back different\n",
+                   static_cast<unsigned long>(group));
+      return 1;
+    }
+    ++verified;
+    if (auto st = client.Release(group); !st.ok()) return Die("release", st);
+    ++cycles;
+  }
+  std::printf("DONE cycles=%lu verified=%lu exhausted=%lu\n", static_cast<unsigned long>(cycles),
+              static_cast<unsigned long>(verified), static_cast<unsigned long>(exhausted));
+  return 0;
+}
+
 int AttachAs(const std::string& dir, uid_t uid) {
   if (!DropTo(uid)) return 1;
   AttachOptions options;
@@ -215,6 +275,9 @@ int AttachAs(const std::string& dir, uid_t uid) {
 int main(int argc, char** argv) {
   if (argc == 4 && std::strcmp(argv[1], "fork-hold") == 0) {
     return ForkHold(argv[2], std::stoull(argv[3]));
+  }
+  if (argc == 5 && std::strcmp(argv[1], "soak") == 0) {
+    return Soak(argv[2], std::stoull(argv[3]), std::stoi(argv[4]));
   }
   if (argc == 5 && std::strcmp(argv[1], "tenant-probe") == 0) {
     return TenantProbe(argv[2], static_cast<uid_t>(std::stoul(argv[3])), std::stoull(argv[4]));
