@@ -100,9 +100,9 @@ grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitReques
   const auto start = Clock::now();
   Status st = CheckCredentials(req->session(), req->has_session());
   if (st.ok()) {
-    Result<CommitResult> r =
-        table_->Commit(req->session().session_id(), req->session().session_token(), req->group_id(),
-                       req->used_bytes());
+    Result<CommitResult> r = table_->Commit(
+        req->session().session_id(), req->session().session_token(), req->group_id(),
+        req->used_bytes(), {req->extent_crc32c().begin(), req->extent_crc32c().end()});
     if (r.ok()) {
       resp->set_committed_bytes(r->committed_bytes);
       resp->set_returned_bytes(r->returned_bytes);
@@ -126,6 +126,8 @@ grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRe
     if (r.ok()) {
       CopyExtents(r->extents, resp->mutable_extents());
       resp->set_used_bytes(r->used_bytes);
+      for (uint32_t crc : r->extent_crc32c) resp->add_extent_crc32c(crc);
+
       metrics_->RecordPrefetch(req->session().session_id(), r->used_bytes);
     } else {
       st = r.status();
@@ -176,6 +178,10 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_draining(s.draining);
   resp->set_waiting_reserves(s.waiting_reserves);
   resp->set_node_reserve_bytes(s.node_reserve_bytes);
+  resp->set_owned_chunks(s.owned_chunks);
+  resp->set_zeroed_chunks(s.zeroed_chunks);
+  resp->set_zeroing_seconds(s.zeroing_seconds);
+
   resp->set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   return Finish(Method::kGetStatus, start, Status::Ok());
 }
