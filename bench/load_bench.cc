@@ -1,6 +1,6 @@
 // memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]
 //     [--max-bytes B] [--min-group B] [--max-group B] [--window N]
-//     [--job-id ID] [--seed N]
+//     [--job-id ID] [--seed N] [--baseline]
 //
 // A traffic generator against a running memoffloadd. Starts N client
 // processes (fork + exec of this binary with the hidden `load-worker`
@@ -16,7 +16,14 @@
 // Reports per method: ops, ops/s, client-side latency p50/p90/p99, errors and
 // rejections, then a summary (one JSON object per line with --json). Exit 0
 // when no error and no verify failure happened, 1 otherwise, 2 on usage.
+//
+// --baseline also measures the plain gRPC floor in the same run: a trivial
+// unary service (GetStatus answered at once, nothing else) served by this
+// process on its own Unix socket, called in a loop by the same number of
+// client processes for the same time. Each method's p50/p99 is then printed
+// next to the floor's, as a ratio.
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -35,6 +42,7 @@
 #include "benches.h"
 #include "memoffload/client/client.h"
 #include "memoffload/shared_mem/units.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
 
 namespace memoffload::bench {
 namespace {
@@ -91,7 +99,9 @@ struct LoadOptions {
   int window = 4;
   std::string job_id = "memoffload-bench-load";
   uint64_t seed = 1;
-  int index = 0;  // worker only
+  bool baseline = false;
+  std::string floor_socket;  // worker side: call the floor service here
+  int index = 0;             // worker only
 };
 
 int Usage(const char* message) {
@@ -99,7 +109,7 @@ int Usage(const char* message) {
                "memoffload-bench load: %s\n"
                "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
                "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
-               "         [--job-id ID] [--seed N]\n",
+               "         [--job-id ID] [--seed N] [--baseline]\n",
                message);
   return 2;
 }
@@ -109,6 +119,10 @@ int Usage(const char* message) {
 bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
+    if (flag == "--baseline") {
+      o->baseline = true;
+      continue;
+    }
     if (flag == "--json") {
       o->json = true;
       continue;
@@ -153,6 +167,8 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
       }
       if (flag == "--seed") o->seed = v;
       if (flag == "--index") o->index = static_cast<int>(v);
+    } else if (flag == "--floor-socket") {
+      o->floor_socket = value;
     } else if (flag == "--job-id") {
       o->job_id = value;
     } else if (flag == "--max-bytes") {
@@ -166,7 +182,7 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
       return false;
     }
   }
-  if (o->runtime_dir.empty()) {
+  if (o->runtime_dir.empty() && o->floor_socket.empty()) {
     *error = "--runtime-dir is required";
     return false;
   }
@@ -189,7 +205,57 @@ struct Held {
 constexpr uint64_t kShiftSpan = 65536;
 uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
 
+// Calls the trivial floor service in a loop; reports like RunWorker, as
+// method 0.
+int RunFloorWorker(const LoadOptions& o) {
+  auto stub = v1::Offload::NewStub(
+      grpc::CreateChannel("unix:" + o.floor_socket, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    v1::GetStatusResponse resp;
+    if (!stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok()) return 1;
+  }
+  std::printf("READY\n");
+  std::fflush(stdout);
+  char go = 0;
+  if (read(STDIN_FILENO, &go, 1) != 1) return 1;
+  MethodStats stats;
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
+  while (Clock::now() < deadline) {
+    grpc::ClientContext ctx;
+    v1::GetStatusResponse resp;
+    const auto t0 = Clock::now();
+    const bool ok = stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok();
+    stats.Record(Clock::now() - t0);
+    ok ? ++stats.ops : ++stats.errors;
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  std::printf("M 0 %lu %lu 0\n", static_cast<unsigned long>(stats.ops),
+              static_cast<unsigned long>(stats.errors));
+  for (int b = 0; b < kBuckets; ++b) {
+    if (stats.histogram[b] != 0) {
+      std::printf("H 0 %d %lu\n", b, static_cast<unsigned long>(stats.histogram[b]));
+    }
+  }
+  std::printf("S 0 0 0 %.6f\nEND\n", elapsed);
+  std::fflush(stdout);
+  return 0;
+}
+
+// The floor: a unary RPC that does nothing, on its own socket.
+class FloorService final : public v1::Offload::Service {
+ public:
+  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
+                         v1::GetStatusResponse*) override {
+    return grpc::Status::OK;
+  }
+};
+
 int RunWorker(const LoadOptions& o) {
+  if (!o.floor_socket.empty()) return RunFloorWorker(o);
   client::AttachOptions attach;
   attach.runtime_dir = o.runtime_dir;
   attach.job_id = o.job_id;
@@ -349,6 +415,7 @@ bool StartWorker(const LoadOptions& o, int index, Worker* w) {
   }
   std::vector<std::string> args = {"memoffload-bench", "load-worker",
                                    "--runtime-dir",    o.runtime_dir,
+                                   "--floor-socket",   o.floor_socket,
                                    "--seconds",        std::to_string(o.seconds),
                                    "--index",          std::to_string(index),
                                    "--seed",           std::to_string(o.seed),
@@ -402,14 +469,23 @@ std::string JsonEscape(const std::string& s) {
   return out;
 }
 
-int RunParent(const LoadOptions& o) {
+struct PhaseTotals {
+  MethodStats total[kMethods];
+  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, lost_workers = 0;
+  double elapsed_max = 0;
+  std::vector<std::string> messages;
+};
+
+// Starts o.clients workers, runs them together and merges their reports.
+// Returns false (after a message) when they could not be started.
+bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
   std::vector<Worker> workers(o.clients);
   for (int i = 0; i < o.clients; ++i) {
     if (!StartWorker(o, i, &workers[i])) {
       std::fprintf(stderr, "memoffload-bench load: cannot start worker %d: %s\n", i,
                    std::strerror(errno));
       StopWorkers(&workers);
-      return 1;
+      return false;
     }
   }
   char line[4096];
@@ -419,9 +495,9 @@ int RunParent(const LoadOptions& o) {
       std::fprintf(stderr,
                    "memoffload-bench load: worker %d did not attach to the daemon in %s "
                    "(see its message above)\n",
-                   i, o.runtime_dir.c_str());
+                   i, o.floor_socket.empty() ? o.runtime_dir.c_str() : o.floor_socket.c_str());
       StopWorkers(&workers);
-      return 1;
+      return false;
     }
   }
   for (Worker& w : workers) {
@@ -431,10 +507,13 @@ int RunParent(const LoadOptions& o) {
     }
   }
 
-  MethodStats total[kMethods];
-  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, lost_workers = 0;
-  double elapsed_max = 0;
-  std::vector<std::string> messages;
+  MethodStats* total = t->total;
+  uint64_t& offloaded_bytes = t->offloaded_bytes;
+  uint64_t& verify_failures = t->verify_failures;
+  uint64_t& cycles = t->cycles;
+  uint64_t& lost_workers = t->lost_workers;
+  double& elapsed_max = t->elapsed_max;
+  std::vector<std::string>& messages = t->messages;
   for (int i = 0; i < o.clients; ++i) {
     bool ended = false;
     while (std::fgets(line, sizeof line, workers[i].from_child) != nullptr) {
@@ -467,8 +546,43 @@ int RunParent(const LoadOptions& o) {
     if (!ended || !WIFEXITED(status) || WEXITSTATUS(status) != 0) ++lost_workers;
   }
   StopWorkers(&workers);
+  return true;
+}
 
-  const double seconds = elapsed_max > 0 ? elapsed_max : o.seconds;
+// Measures the floor with the same clients and time; fills *floor.
+bool RunFloor(const LoadOptions& o, MethodStats* floor) {
+  char dir[] = "/tmp/memoffload-floor-XXXXXX";
+  if (mkdtemp(dir) == nullptr) return false;
+  LoadOptions f = o;
+  f.floor_socket = std::string(dir) + "/floor.sock";
+  FloorService service;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("unix:" + f.floor_socket, grpc::InsecureServerCredentials());
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  bool ok = server != nullptr;
+  PhaseTotals t;
+  if (ok) ok = RunPhase(f, &t) && t.lost_workers == 0;
+  if (server) server->Shutdown();
+  unlink(f.floor_socket.c_str());
+  rmdir(dir);
+  *floor = t.total[0];
+  return ok;
+}
+
+int RunParent(const LoadOptions& o) {
+  PhaseTotals t;
+  if (!RunPhase(o, &t)) return 1;
+  MethodStats floor;
+  const bool have_floor = o.baseline && RunFloor(o, &floor);
+  if (o.baseline && !have_floor) {
+    std::fprintf(stderr, "memoffload-bench load: the gRPC floor measurement failed\n");
+  }
+  const MethodStats* total = t.total;
+  const uint64_t offloaded_bytes = t.offloaded_bytes, verify_failures = t.verify_failures,
+                 cycles = t.cycles, lost_workers = t.lost_workers;
+  const std::vector<std::string>& messages = t.messages;
+  const double seconds = t.elapsed_max > 0 ? t.elapsed_max : o.seconds;
   uint64_t errors = verify_failures + lost_workers, rejected = 0, ops = 0;
   for (int m = 0; m < kMethods; ++m) {
     const MethodStats& s = total[m];
@@ -496,6 +610,33 @@ int RunParent(const LoadOptions& o) {
                   static_cast<unsigned long>(s.ops), rate, s.PercentileUs(0.5), s.PercentileUs(0.9),
                   s.PercentileUs(0.99), static_cast<unsigned long>(s.errors),
                   static_cast<unsigned long>(s.rejected));
+    }
+  }
+  if (have_floor) {
+    const double f50 = floor.PercentileUs(0.5), f99 = floor.PercentileUs(0.99);
+    if (o.json) {
+      std::printf(
+          "{\"bench\":\"load\",\"method\":\"grpc_floor\",\"clients\":%d,\"ops\":%lu,"
+          "\"ops_per_second\":%.1f,\"p50_us\":%.1f,\"p90_us\":%.1f,\"p99_us\":%.1f,"
+          "\"errors\":%lu}\n",
+          o.clients, static_cast<unsigned long>(floor.ops),
+          static_cast<double>(floor.ops) / o.seconds, f50, floor.PercentileUs(0.9), f99,
+          static_cast<unsigned long>(floor.errors));
+      for (int m = 0; m < kMethods; ++m) {
+        std::printf(
+            "{\"bench\":\"load\",\"method\":\"%s\",\"p50_vs_floor\":%.2f,"
+            "\"p99_vs_floor\":%.2f}\n",
+            kMethodNames[m], total[m].PercentileUs(0.5) / f50, total[m].PercentileUs(0.99) / f99);
+      }
+    } else {
+      std::printf("%-9s %10lu %10.0f %9.1f %9.1f %9.1f %7lu   (trivial unary gRPC, same clients)\n",
+                  "floor", static_cast<unsigned long>(floor.ops),
+                  static_cast<double>(floor.ops) / o.seconds, f50, floor.PercentileUs(0.9), f99,
+                  static_cast<unsigned long>(floor.errors));
+      for (int m = 0; m < kMethods; ++m) {
+        std::printf("%-9s p50 %.2fx floor, p99 %.2fx floor\n", kMethodNames[m],
+                    total[m].PercentileUs(0.5) / f50, total[m].PercentileUs(0.99) / f99);
+      }
     }
   }
   const double bytes_per_second = static_cast<double>(offloaded_bytes) / seconds;
