@@ -7,6 +7,8 @@
 namespace memoffload::bench {
 
 int RunAllocatorBench(int argc, char** argv);
+int RunStartupBench(int argc, char** argv);
+int RunAttachBench(int argc, char** argv);
 int RunLoadBench(int argc, char** argv);
 // The hidden `load-worker` subcommand: one client process of RunLoadBench.
 int RunLoadWorker(int argc, char** argv);

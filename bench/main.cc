@@ -17,6 +17,10 @@ struct Subcommand {
 const Subcommand kSubcommands[] = {
     {"allocator", "replay activation traces: packing vs a pow2 caching model",
      memoffload::bench::RunAllocatorBench},
+    {"startup", "arena build GB/s vs a parallel memset of the same size",
+     memoffload::bench::RunStartupBench},
+    {"attach", "attach latency and first-write GB/s vs private-memory memcpy",
+     memoffload::bench::RunAttachBench},
     {"load", "N client processes cycle groups against a running daemon: ops/s, latency",
      memoffload::bench::RunLoadBench},
 };

@@ -244,7 +244,8 @@ const std::vector<Setting>& Settings() {
          char* end = nullptr;
          long n = std::strtol(v.c_str(), &end, 10);
          if (v.empty() || *end != '\0' || n < -1 || n > 65535) {
-           return InvalidArgument("'" + v + "' is not a NUMA node number (0..65535, or -1 for none)");
+           return InvalidArgument("'" + v +
+                                  "' is not a NUMA node number (0..65535, or -1 for none)");
          }
          c->numa_node = static_cast<int>(n);
          return Status::Ok();

@@ -4,24 +4,63 @@
 #include <linux/memfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #include "memoffload/shared_mem/units.h"
 
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
+#ifndef MLOCK_ONFAULT
+#define MLOCK_ONFAULT 0x01
+#endif
 
 namespace memoffload {
+
+namespace {
+
+constexpr int kMpolBind = 2;  // MPOL_BIND from <linux/mempolicy.h>
+
+// A "Key: N kB" or "Key: N" field of /proc/meminfo, 0 if absent.
+uint64_t MeminfoField(const char* key) {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t value = 0;
+  const size_t key_len = std::strlen(key);
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strncmp(line, key, key_len) == 0 && line[key_len] == ':') {
+      unsigned long long n = 0;
+      char unit[8] = "";
+      if (std::sscanf(line + key_len + 1, "%llu %7s", &n, unit) >= 1) {
+        value = std::strcmp(unit, "kB") == 0 ? n * 1024 : n;
+      }
+      break;
+    }
+  }
+  std::fclose(f);
+  return value;
+}
+
+}  // namespace
 
 uint64_t SystemPageBytes() {
   static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
   return page;
 }
+
+uint64_t DefaultHugePageBytes() { return MeminfoField("Hugepagesize"); }
+uint64_t FreeHugePages() { return MeminfoField("HugePages_Free"); }
 
 Result<Chunk> Chunk::Create(const std::string& name, uint64_t size_bytes, bool hugepages) {
   if (size_bytes == 0 || size_bytes % SystemPageBytes() != 0) {
@@ -35,8 +74,7 @@ Result<Chunk> Chunk::Create(const std::string& name, uint64_t size_bytes, bool h
     const int err = errno;
     if (hugepages) {
       return ResourceExhausted(std::string("memfd_create with MFD_HUGETLB failed (") +
-                               strerror(err) +
-                               "); reserve hugepages with 'sysctl vm.nr_hugepages=N'");
+                               strerror(err) + ")");
     }
     return ErrnoStatus("memfd_create", err);
   }
@@ -58,8 +96,8 @@ Result<Chunk> Chunk::Create(const std::string& name, uint64_t size_bytes, bool h
     close(fd);
     if (hugepages) {
       return ResourceExhausted("mapping a hugepage memfd of " + FormatSize(size_bytes) +
-                               " failed (" + strerror(err) +
-                               "); reserve hugepages with 'sysctl vm.nr_hugepages=N'");
+                               " failed (" + strerror(err) + "; " +
+                               std::to_string(FreeHugePages()) + " hugepages free)");
     }
     return ErrnoStatus("mmap memfd of " + FormatSize(size_bytes), err);
   }
@@ -129,6 +167,44 @@ Status Chunk::Prefault(uint64_t offset, uint64_t length) {
   const uint64_t page = SystemPageBytes();
   volatile uint8_t* p = data_ + offset;
   for (uint64_t i = 0; i < length; i += page) p[i] = p[i];
+  return Status::Ok();
+}
+
+Status Chunk::MapPages(uint64_t offset, uint64_t length) const {
+  if (offset > size_bytes_ || length > size_bytes_ - offset) {
+    return InvalidArgument("map range [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                           ") beyond chunk of " + std::to_string(size_bytes_) + " bytes");
+  }
+  if (length == 0) return Status::Ok();
+  if (madvise(data_ + offset, length, MADV_POPULATE_READ) == 0) return Status::Ok();
+  const uint64_t page = SystemPageBytes();
+  volatile const uint8_t* p = data_ + offset;
+  for (uint64_t i = 0; i < length; i += page) (void)p[i];
+  return Status::Ok();
+}
+
+Status Chunk::BindToNode(int node) {
+  if (node < 0) return InvalidArgument("NUMA node " + std::to_string(node) + " is negative");
+  constexpr int kBitsPerWord = 8 * sizeof(unsigned long);
+  std::vector<unsigned long> mask(static_cast<size_t>(node / kBitsPerWord + 1), 0);
+  mask[static_cast<size_t>(node / kBitsPerWord)] |= 1ul << (node % kBitsPerWord);
+  // maxnode counts bits; the kernel ignores the last one, hence the + 1.
+  const unsigned long max_node = mask.size() * kBitsPerWord + 1;
+  if (syscall(SYS_mbind, data_, size_bytes_, kMpolBind, mask.data(), max_node, 0) != 0) {
+    return ErrnoStatus("mbind to NUMA node " + std::to_string(node), errno);
+  }
+  return Status::Ok();
+}
+
+Status Chunk::LockOnFault() {
+  if (syscall(SYS_mlock2, data_, size_bytes_, MLOCK_ONFAULT) != 0) {
+    const int err = errno;
+    if (err == ENOSYS || err == EINVAL) {
+      return Status(StatusCode::kUnimplemented, "mlock2(MLOCK_ONFAULT) is not supported");
+    }
+    return ErrnoStatus("mlock2", err);
+  }
+  locked_ = true;
   return Status::Ok();
 }
 

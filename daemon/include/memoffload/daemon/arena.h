@@ -1,7 +1,10 @@
 // Arena: the daemon's chunks of shared memory and the allocator over them.
 //
-// Built once at start: chunks are created, pre-faulted in parallel and
-// mlock'ed when permitted; nothing is allocated or faulted afterwards. The
+// Built once at start: chunks are created (hugetlb when asked and available,
+// else normal pages), bound to a NUMA node when asked, marked locked on fault
+// (mlock2 MLOCK_ONFAULT, when permitted) and pre-faulted in parallel, so each
+// page is allocated, zeroed and locked in one pass; nothing is allocated or
+// faulted afterwards. The
 // arena owns the chunks for the daemon's lifetime. The allocator is not
 // thread-safe: its single user (SessionTable) holds its own lock around it.
 #ifndef MEMOFFLOAD_DAEMON_ARENA_H_
@@ -22,19 +25,25 @@ struct ArenaOptions {
   uint64_t size_bytes = 0;
   uint64_t chunk_size_bytes = 0;
   int prefault_threads = 1;
+  // Back chunks with hugepages (MFD_HUGETLB). When the system has too few
+  // free, Build warns once and uses normal pages for the remaining chunks.
   bool hugepages = false;
   bool mlock = true;
+  int numa_node = -1;  // bind chunk memory to this node; -1: no binding
 };
 
 struct ArenaBuildReport {
   double build_seconds = 0;  // create + pre-fault + lock
   bool mlocked = false;
-  std::string mlock_problem;  // why mlock was skipped or failed, "" if ok
+  std::string mlock_problem;      // why mlock was skipped or failed, "" if ok
+  uint32_t hugepage_chunks = 0;   // chunks backed by hugepages
+  std::string hugepage_fallback;  // why hugepages were not (all) used, "" if ok
 };
 
 class Arena {
  public:
   // Builds the whole arena or fails (nothing is left allocated on failure).
+  // A NUMA node that does not exist is INVALID_ARGUMENT.
   static Result<std::unique_ptr<Arena>> Build(const ArenaOptions& options,
                                               ArenaBuildReport* report);
 

@@ -21,8 +21,8 @@ class Chunk {
  public:
   // Creates a sealed memfd of size_bytes and maps it read-write. With
   // hugepages the memfd uses MFD_HUGETLB (size must be a multiple of the
-  // default hugepage size); failure then is RESOURCE_EXHAUSTED with a message
-  // that says how to reserve hugepages.
+  // default hugepage size); failure then is RESOURCE_EXHAUSTED (typically no
+  // hugepages reserved) and the caller decides whether to fall back.
   static Result<Chunk> Create(const std::string& name, uint64_t size_bytes, bool hugepages);
 
   // Maps a received chunk fd (taking ownership of it). The fd must be a memfd
@@ -42,9 +42,26 @@ class Chunk {
   // a byte per page. Safe to call from several threads on disjoint ranges.
   Status Prefault(uint64_t offset, uint64_t length);
 
+  // Fills this mapping's page tables for [offset, offset + length) (offset
+  // page-aligned) without changing the contents: MADV_POPULATE_READ, which on
+  // a memfd whose pages already exist maps them writable 16 at a time (fault
+  // around), several times cheaper than one write fault per page. Falls back
+  // to reading a byte per page. Safe to call from several threads, also on
+  // overlapping ranges.
+  Status MapPages(uint64_t offset, uint64_t length) const;
+
+  // Binds the memfd's memory to NUMA node `node` (mbind MPOL_BIND on the
+  // shared mapping, so it applies to the file whoever faults it). Call before
+  // pages are faulted; pages that already exist are not moved.
+  Status BindToNode(int node);
+
   // mlock()s the whole mapping. Returns the errno-based status on failure
   // (typically ENOMEM/EPERM when RLIMIT_MEMLOCK is too low).
   Status Lock();
+  // Marks the whole mapping locked without faulting it (mlock2
+  // MLOCK_ONFAULT): pages are locked as Prefault faults them, so locking
+  // costs no second pass. UNIMPLEMENTED when the kernel lacks mlock2.
+  Status LockOnFault();
   bool locked() const { return locked_; }
 
   int fd() const { return fd_; }
@@ -65,6 +82,11 @@ class Chunk {
 
 // Page size of the running system.
 uint64_t SystemPageBytes();
+
+// The default hugepage size (Hugepagesize in /proc/meminfo), 0 if unknown.
+uint64_t DefaultHugePageBytes();
+// Free hugepages of the default size (HugePages_Free), 0 if unknown.
+uint64_t FreeHugePages();
 
 }  // namespace memoffload
 
