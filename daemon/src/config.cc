@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <fstream>
 #include <functional>
 #include <sstream>
 #include <string_view>
@@ -337,8 +338,44 @@ std::string KnownKeys(const std::string& section) {
   return keys;
 }
 
+// Reads a config file for parsing. The file must be ASCII: toml++ 3.3
+// (Debian 12) reaches __builtin_unreachable() when it checks some non-ASCII
+// code points for whitespace (U+00A1..U+0499, U+FB06..U+FEFE, e.g. in a
+// quoted key or after a value), which is undefined behaviour on operator
+// input. Every setting is ASCII anyway. Found by tests/fuzz/fuzz_config.
+Result<std::string> ReadConfigText(const std::string& path) {
+  constexpr size_t kMaxConfigBytes = 1 << 20;
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return InvalidArgument("config file " + path + ": cannot be opened for reading");
+  std::string text(kMaxConfigBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) return InvalidArgument("config file " + path + ": read error");
+  text.resize(static_cast<size_t>(in.gcount()));
+  if (text.size() > kMaxConfigBytes) {
+    return InvalidArgument("config file " + path + ": larger than " +
+                           std::to_string(kMaxConfigBytes) + " bytes");
+  }
+  size_t line = 1, column = 1;
+  for (const char ch : text) {
+    if (static_cast<unsigned char>(ch) >= 0x80) {
+      return InvalidArgument("config file " + path + ":" + std::to_string(line) + ":" +
+                             std::to_string(column) +
+                             ": non-ASCII character; memoffloadd config files must be ASCII");
+    }
+    if (ch == '\n') {
+      ++line;
+      column = 1;
+    } else {
+      ++column;
+    }
+  }
+  return text;
+}
+
 Status ApplyFile(const std::string& path, DaemonConfig* c) {
-  toml::parse_result parsed = toml::parse_file(path);
+  Result<std::string> text = ReadConfigText(path);
+  if (!text.ok()) return text.status();
+  toml::parse_result parsed = toml::parse(*text, path);
   if (!parsed) {
     const toml::parse_error& err = parsed.error();
     if (!err.source().begin) {

@@ -2,9 +2,13 @@
 // Built in every build, so a fix cannot silently come undone. Each test names
 // the target that found the bug and the input, reduced.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdio>
 #include <string>
+#include <vector>
 
+#include "memoffload/daemon/config.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/units.h"
 
@@ -22,6 +26,61 @@ TEST(FuzzRegressions, HelloPrefixesAreRejected) {
     EXPECT_EQ(DecodeHello(bytes.substr(0, n)).status().code(), StatusCode::kInvalidArgument) << n;
   }
   ASSERT_TRUE(DecodeHello(bytes).ok());
+}
+
+// A config file in a temporary path, removed at the end of the test.
+class ConfigFile {
+ public:
+  explicit ConfigFile(const std::string& content) {
+    char name[] = "/tmp/memoffload-fuzz-regression-XXXXXX";
+    const int fd = mkstemp(name);
+    EXPECT_GE(fd, 0);
+    path_ = name;
+    EXPECT_EQ(write(fd, content.data(), content.size()), static_cast<ssize_t>(content.size()));
+    close(fd);
+  }
+  ~ConfigFile() { unlink(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+Result<daemon::DaemonConfig> LoadFile(const std::string& path) {
+  const std::string flag = "--config=" + path;
+  const char* argv[] = {"memoffloadd", flag.c_str()};
+  return daemon::LoadConfig(2, argv, {});
+}
+
+// fuzz_config: toml++ 3.3 reaches __builtin_unreachable() (undefined
+// behaviour; UBSan: "execution reached an unreachable program point" in
+// is_non_ascii_horizontal_whitespace) on U+0424 right after a value. Config
+// files are now required to be ASCII and checked before toml++ sees them.
+TEST(FuzzRegressions, ConfigWithNonAsciiIsRejectedBeforeParsing) {
+  ConfigFile file("[quotas]\nsession_max_bytes = 1\xd0\xa4\n");
+  Result<daemon::DaemonConfig> c = LoadFile(file.path());
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(c.status().message().find(file.path() + ":2:22: non-ASCII"), std::string::npos)
+      << c.status().message();
+  // Also inside a quoted key and in a comment: always refused, never parsed.
+  ConfigFile key("[server]\n\"\xc3\xa9\" = 1\n");
+  EXPECT_FALSE(LoadFile(key.path()).ok());
+  ConfigFile comment(
+      "# Gr\xc3\xb6\xc3\x9f"
+      "e\n[server]\nlog_level = \"info\"\n");
+  EXPECT_FALSE(LoadFile(comment.path()).ok());
+}
+
+// Found while hardening the reader: a config path that never ends (a device)
+// or is a directory is an error, not a hang or an empty config.
+TEST(FuzzRegressions, ConfigFileMustBeABoundedReadableFile) {
+  Result<daemon::DaemonConfig> zero = LoadFile("/dev/zero");
+  ASSERT_FALSE(zero.ok());
+  EXPECT_NE(zero.status().message().find("larger than"), std::string::npos)
+      << zero.status().message();
+  EXPECT_FALSE(LoadFile("/tmp").ok());
+  EXPECT_FALSE(LoadFile("/nonexistent/memoffloadd.toml").ok());
 }
 
 }  // namespace
