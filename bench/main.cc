@@ -23,6 +23,9 @@ const Subcommand kSubcommands[] = {
      memoffload::bench::RunAttachBench},
     {"load", "N client processes cycle groups against a running daemon: ops/s, latency",
      memoffload::bench::RunLoadBench},
+    {"crc", "CRC32C integrity check cost vs memcpy of the same bytes",
+     memoffload::bench::RunCrcBench},
+
 };
 
 void PrintUsage() {
@@ -35,8 +38,7 @@ void PrintUsage() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 ||
-      std::strcmp(argv[1], "-h") == 0) {
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {
     PrintUsage();
     return argc < 2 ? 2 : 0;
   }
