@@ -589,9 +589,39 @@ std::vector<ConfigEntry> ConfigEntries(const DaemonConfig& c) {
   return out;
 }
 
+namespace {
+
+// `value` as a TOML basic string: quotes, backslashes and control
+// characters escaped, so that any value prints as a string that parses back
+// to itself (found by tests/fuzz/fuzz_config).
+std::string TomlString(const std::string& value) {
+  std::string out = "\"";
+  for (const char ch : value) {
+    const unsigned char u = static_cast<unsigned char>(ch);
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (u < 0x20 || u == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", u);
+      out += buf;
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+}  // namespace
+
 std::string FormatConfig(const DaemonConfig& c) {
   std::string out = "# effective memoffloadd configuration";
-  if (!c.config_file.empty()) out += " (config file " + c.config_file + ")";
+  if (!c.config_file.empty()) {
+    std::string file = c.config_file;  // a comment ends at a line break
+    std::replace_if(
+        file.begin(), file.end(), [](char ch) { return ch == '\n' || ch == '\r'; }, '?');
+    out += " (config file " + file + ")";
+  }
   out += "\n";
   std::string section;
   for (const Setting& s : Settings()) {
@@ -601,9 +631,12 @@ std::string FormatConfig(const DaemonConfig& c) {
     }
     auto it = c.sources.find(s.Name());
     const std::string value = s.format(c);
-    const bool quoted = s.kind == Kind::kString || s.kind == Kind::kMode ||
-                        s.kind == Kind::kDuration || s.kind == Kind::kIdList;
-    std::string rendered = quoted ? "\"" + value + "\"" : value;
+    // TOML integers are signed 64-bit; a size of 2^63 prints as a string.
+    const bool too_big = s.kind == Kind::kSize && std::strtoull(value.c_str(), nullptr, 10) >
+                                                      static_cast<uint64_t>(INT64_MAX);
+    const bool quoted =
+        s.kind == Kind::kString || s.kind == Kind::kMode || s.kind == Kind::kDuration || too_big;
+    std::string rendered = quoted ? TomlString(value) : value;
     if (s.kind == Kind::kIdList) rendered = "[" + value + "]";
     out += std::string(s.key) + " = " + rendered + "  # " +
            (it == c.sources.end() ? "default" : it->second) + "\n";

@@ -83,5 +83,38 @@ TEST(FuzzRegressions, ConfigFileMustBeABoundedReadableFile) {
   EXPECT_FALSE(LoadFile("/nonexistent/memoffloadd.toml").ok());
 }
 
+// Loads `config`, prints it and loads the print: every value must survive.
+void ExpectPrintedConfigRoundTrips(const std::string& config) {
+  ConfigFile file(config);
+  Result<daemon::DaemonConfig> c = LoadFile(file.path());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  ASSERT_TRUE(daemon::ResolveAndValidate(&*c).ok());
+  const std::string printed = daemon::FormatConfig(*c);
+  ConfigFile printed_file(printed);
+  Result<daemon::DaemonConfig> back = LoadFile(printed_file.path());
+  ASSERT_TRUE(back.ok()) << back.status().ToString() << "\n" << printed;
+  const std::vector<daemon::ConfigEntry> want = daemon::ConfigEntries(*c);
+  const std::vector<daemon::ConfigEntry> got = daemon::ConfigEntries(*back);
+  ASSERT_EQ(want.size(), got.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(want[i].value, got[i].value) << want[i].key << "\n" << printed;
+  }
+}
+
+// fuzz_config: --print-config / GetConfig printed strings between bare
+// quotes, so a value holding '"' or '\\' printed as TOML that does not parse.
+TEST(FuzzRegressions, PrintedConfigEscapesStrings) {
+  ExpectPrintedConfigRoundTrips("[server]\nsocket_group = \"wheel\\\"s\"\n");
+  ExpectPrintedConfigRoundTrips("[server]\nruntime_dir = '/tmp/a\\b\"c'\n");
+  ExpectPrintedConfigRoundTrips("[server]\nsocket_group = \"tab\\there\\u007f\"\n");
+}
+
+// fuzz_config: sizes are accepted up to 2^63 inclusive, but TOML integers
+// stop at 2^63 - 1, so the printed config did not parse.
+TEST(FuzzRegressions, PrintedConfigKeepsTheLargestSize) {
+  ExpectPrintedConfigRoundTrips("[quotas]\nsession_max_bytes = \"9223372036854775808\"\n");
+  ExpectPrintedConfigRoundTrips("[quotas]\njob_max_bytes = 9223372036854775807\n");
+}
+
 }  // namespace
 }  // namespace memoffload
