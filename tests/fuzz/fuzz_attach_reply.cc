@@ -1,6 +1,6 @@
-// Fuzzes what a client decodes from the broker: the attach reply and the
-// chunk fd batches that follow it (a client must survive a broken or hostile
-// daemon, or something else listening on the broker socket).
+// Fuzzes what a client decodes from the broker: the attach reply, the chunk
+// fd batches that follow it and the replies to later chunk requests (a client must survive a broken
+// or hostile daemon, or something else listening on the broker socket).
 //
 // Checks: decoding never crashes; a failure is INVALID_ARGUMENT; a decoded
 // message stays within the documented bounds (status code, chunk count) and
@@ -34,6 +34,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::Check(batch.status().code() == StatusCode::kInvalidArgument,
                 "DecodeChunkFdBatch failed with " + batch.status().ToString());
   }
-  fuzz::Check(!(reply.ok() && batch.ok()), "one message decoded as two types");
+  Result<ChunkReply> chunk_reply = DecodeChunkReply(input);
+  if (chunk_reply.ok()) {
+    fuzz::Check(chunk_reply->code <= StatusCode::kUnauthenticated, "chunk reply code unknown");
+    fuzz::Check(chunk_reply->chunk_indexes.size() <= (1u << 16), "chunk reply too long");
+    fuzz::Check(EncodeChunkReply(*chunk_reply) == input,
+                "chunk reply does not re-encode to its input");
+  } else {
+    fuzz::Check(chunk_reply.status().code() == StatusCode::kInvalidArgument,
+                "DecodeChunkReply failed with " + chunk_reply.status().ToString());
+  }
+  fuzz::Check(reply.ok() + batch.ok() + chunk_reply.ok() <= 1, "one message decoded as two types");
   return 0;
 }

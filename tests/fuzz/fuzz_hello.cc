@@ -5,6 +5,7 @@
 //     exact input (the encoding is canonical: nothing is silently dropped);
 //   - a session opened with it honours the limits the hello asked for, and
 //     closing it gives every byte back (table invariants hold throughout).
+// Chunk fd requests, which the broker reads after attach, are decoded too.
 #include <cstdint>
 #include <string>
 
@@ -69,6 +70,16 @@ void ExerciseSession(const Hello& hello) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memoffload;
   const std::string input(reinterpret_cast<const char*>(data), size);
+  // After attach the broker also reads chunk fd requests from the client.
+  Result<ChunkRequest> chunk_request = DecodeChunkRequest(input);
+  if (chunk_request.ok()) {
+    fuzz::Check(chunk_request->chunk_indexes.size() <= (1u << 16), "chunk request too long");
+    fuzz::Check(EncodeChunkRequest(*chunk_request) == input,
+                "chunk request does not re-encode to its input");
+  } else {
+    fuzz::Check(chunk_request.status().code() == StatusCode::kInvalidArgument,
+                "DecodeChunkRequest failed with " + chunk_request.status().ToString());
+  }
   Result<Hello> hello = DecodeHello(input);
   if (!hello.ok()) {
     fuzz::Check(hello.status().code() == StatusCode::kInvalidArgument,

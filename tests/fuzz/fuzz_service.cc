@@ -6,11 +6,14 @@
 // session, the other session, a closed or unknown session, no session, and
 // right / other / empty / garbage tokens; arbitrary group ids, sizes and
 // flags; raw bytes parsed as each request type (optionally given real
-// credentials); session close and reopen (the lifeline); quota changes.
+// credentials); session close and reopen (the lifeline); quota changes;
+// chunk fd requests (the broker's ChunkRequest) under each tenant mode, with
+// sessions of one or two tenants.
 //
 // A shadow model predicts every status code and checks every answer: group
 // state machine, byte counts, limits, extents in bounds and never shared
-// between live groups, one session never reaching another's groups, and
+// between live groups, one session never reaching another's groups nor
+// another tenant's chunks, and
 // SessionTable::CheckInvariants after every operation. Any mismatch aborts.
 #include <fuzzer/FuzzedDataProvider.h>
 #include <grpcpp/server_context.h>
@@ -28,6 +31,7 @@
 #include "memoffload/daemon/metrics.h"
 #include "memoffload/daemon/service.h"
 #include "memoffload/daemon/session_table.h"
+#include "memoffload/shared_mem/attach_wire.h"
 
 namespace memoffload::fuzz {
 namespace {
@@ -48,6 +52,7 @@ struct ModelGroup {
 struct ModelSession {
   daemon::SessionGrant grant;
   Hello hello;
+  uid_t uid = 0;
   bool open = false;
   std::map<uint64_t, ModelGroup> groups;
   uint64_t Held() const {
@@ -69,7 +74,8 @@ class Harness {
  public:
   explicit Harness(FuzzedDataProvider* in) : in_(in), arena_(SharedArena()) {
     policy_.max_wait_ms = 0;  // waiting reserves answer at once
-    table_ = std::make_unique<daemon::SessionTable>(arena_, policy_);
+    tenant_mode_ = static_cast<daemon::TenantMode>(in_->ConsumeIntegralInRange(0, 2));
+    table_ = std::make_unique<daemon::SessionTable>(arena_, policy_, tenant_mode_);
     metrics_ = std::make_unique<daemon::Metrics>(table_.get(), daemon::MetricsInfo{});
     daemon::DaemonConfig config;
     config.policy = policy_;
@@ -109,7 +115,8 @@ class Harness {
     hello.rank = in_->ConsumeIntegralInRange<int32_t>(-1, 7);
     hello.max_bytes = PickLimit();
     hello.job_max_bytes = PickLimit();
-    Result<daemon::SessionGrant> grant = table_->Open(hello, daemon::PeerCredentials{1, 2, 3});
+    const uid_t uid = in_->ConsumeBool() ? 1000 : 1001;  // two possible tenants
+    Result<daemon::SessionGrant> grant = table_->Open(hello, daemon::PeerCredentials{1, uid, 3});
     if (draining_) {
       Check(!grant.ok() && grant.status().code() == StatusCode::kUnavailable,
             "Open while draining: " + grant.status().ToString());
@@ -119,8 +126,10 @@ class Harness {
     CheckOk(grant.status(), "Open");
     s->grant = *grant;
     s->hello = hello;
+    s->uid = uid;
     s->groups.clear();
     s->open = true;
+    CheckOk(table_->AttachChunks(s->grant.session_id).status(), "AttachChunks");
     // The job's requested limit: smallest asked while the job had sessions.
     JobOpened(hello);
   }
@@ -269,7 +278,7 @@ class Harness {
 
   // ---- operations ----
   void Step() {
-    switch (in_->ConsumeIntegralInRange(0, 13)) {
+    switch (in_->ConsumeIntegralInRange(0, 14)) {
       case 0:
       case 1: {
         v1::ReserveRequest req;
@@ -373,9 +382,68 @@ class Harness {
         service_->SetConfig(config);
         return;
       }
+      case 12:
+        return DoGrantChunks();
       default:
         return DoReads();
     }
+  }
+
+  std::string Tenant(const ModelSession& s) const {
+    switch (tenant_mode_) {
+      case daemon::TenantMode::kUid:
+        return std::to_string(s.uid);
+      case daemon::TenantMode::kJob:
+        return s.hello.job_id;
+      case daemon::TenantMode::kNone:
+        break;
+    }
+    return "";
+  }
+
+  // A session asks for chunk fds (the broker's ChunkRequest, decoded from
+  // raw bytes or chosen). Chunks where another tenant holds a live group must
+  // be refused; chunks where the session's own groups live must be granted.
+  void DoGrantChunks() {
+    ModelSession* s = &sessions_[in_->ConsumeIntegralInRange(0, 1)];
+    std::vector<uint32_t> chunks;
+    if (in_->ConsumeBool()) {
+      Result<ChunkRequest> req = DecodeChunkRequest(in_->ConsumeRandomLengthString(64));
+      if (!req.ok()) return;
+      chunks = req->chunk_indexes;
+    } else {
+      const size_t n = in_->ConsumeIntegralInRange<size_t>(0, 5);
+      for (size_t i = 0; i < n; ++i) chunks.push_back(in_->ConsumeIntegralInRange<uint32_t>(0, 5));
+    }
+    const Status st = table_->GrantChunks(s->grant.session_id, chunks);
+    if (!s->open) {
+      Check(st.code() == StatusCode::kNotFound, "GrantChunks for a closed session");
+      return;
+    }
+    bool out_of_range = false, foreign = false;
+    for (uint32_t c : chunks) {
+      if (c >= arena_->chunk_count()) out_of_range = true;
+      for (const ModelSession& other : sessions_) {
+        if (!other.open || Tenant(other) == Tenant(*s)) continue;
+        for (const auto& [gid, g] : other.groups) {
+          for (const Extent& e : g.extents) foreign |= e.chunk == c;
+        }
+      }
+    }
+    if (out_of_range) {
+      Check(st.code() == StatusCode::kInvalidArgument || st.code() == StatusCode::kPermissionDenied,
+            "GrantChunks of a chunk that does not exist: " + st.ToString());
+    } else if (foreign && tenant_mode_ != daemon::TenantMode::kNone) {
+      Check(st.code() == StatusCode::kPermissionDenied,
+            "GrantChunks handed out a chunk where another tenant holds data: " + st.ToString());
+    }
+    // Chunks of the session's own groups are always its tenant's.
+    std::vector<uint32_t> own;
+    for (const auto& [gid, g] : s->groups) {
+      for (const Extent& e : g.extents) own.push_back(e.chunk);
+    }
+    CheckOk(table_->GrantChunks(s->grant.session_id, own),
+            "GrantChunks of the session's own chunks");
   }
 
   static uint64_t MinLimit(uint64_t a, uint64_t b) {
@@ -605,6 +673,7 @@ class Harness {
   daemon::Arena* arena_;
   uint64_t page_ = 0;
   Policy policy_;
+  daemon::TenantMode tenant_mode_ = daemon::TenantMode::kUid;
   bool draining_ = false;
   std::unique_ptr<daemon::SessionTable> table_;
   std::unique_ptr<daemon::Metrics> metrics_;
