@@ -1,7 +1,5 @@
 #include "memoffload/daemon/session_table.h"
 
-#include <sys/random.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -60,117 +58,11 @@ namespace {
 constexpr size_t kMaxWaiters = 1024;
 }  // namespace
 
-Result<std::string> NewSessionToken() {
-  unsigned char raw[16];
-  size_t got = 0;
-  while (got < sizeof(raw)) {
-    ssize_t n = getrandom(raw + got, sizeof(raw) - got, 0);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      return ErrnoStatus("getrandom", errno);
-    }
-    got += static_cast<size_t>(n);
-  }
-  static const char kHex[] = "0123456789abcdef";
-  std::string token(32, '0');
-  for (size_t i = 0; i < sizeof(raw); ++i) {
-    token[2 * i] = kHex[raw[i] >> 4];
-    token[2 * i + 1] = kHex[raw[i] & 0xf];
-  }
-  return token;
-}
-
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  // The length of a token is public; its content is not.
-  if (a.size() != b.size()) return false;
-  volatile unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    diff = diff | static_cast<unsigned char>(a[i] ^ b[i]);
-  }
-  return diff == 0;
-}
-
-Result<TenantMode> ParseTenantMode(const std::string& text) {
-  if (text == "uid") return TenantMode::kUid;
-  if (text == "job") return TenantMode::kJob;
-  if (text == "none") return TenantMode::kNone;
-  return InvalidArgument("'" + text + "' is not a tenant mode: uid, job or none");
-}
-
 SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode)
     : arena_(arena),
       policy_(policy),
       tenant_mode_(tenant_mode),
       chunk_owners_(arena->chunk_count()) {}
-
-int64_t SessionTable::Claimable(const std::string& tenant) const {
-  int64_t reused = -1;
-  for (uint32_t c = 0; c < chunk_owners_.size(); ++c) {
-    const ChunkOwner& owner = chunk_owners_[c];
-    if (owner.tenant == tenant) continue;
-    if (arena_->allocator().chunk_free_bytes(c) != arena_->chunk(c).size_bytes()) continue;
-    // No live session of another tenant may still have it mapped.
-    bool foreign_holder = false;
-    for (uint64_t id : owner.holders) {
-      auto it = sessions_.find(id);
-      if (it != sessions_.end() && it->second.tenant != tenant) foreign_holder = true;
-    }
-    if (foreign_holder) continue;
-    if (owner.tenant.empty()) return c;  // never used: no zeroing needed
-    if (reused < 0) reused = c;
-  }
-  return reused;
-}
-
-void SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
-  ChunkOwner& owner = chunk_owners_[chunk];
-  if (!owner.tenant.empty() && owner.tenant != tenant) {
-    const auto start = Clock::now();
-    const Chunk& c = arena_->chunk(chunk);
-    std::memset(c.data(), 0, c.size_bytes());
-    zeroing_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-    ++zeroed_chunks_;
-  }
-  owner.tenant = tenant;
-}
-
-Result<std::vector<uint32_t>> SessionTable::AttachChunks(uint64_t session_id) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
-  std::vector<uint32_t> chunks;
-  for (uint32_t c = 0; c < chunk_owners_.size(); ++c) {
-    ChunkOwner& owner = chunk_owners_[c];
-    if (tenant_mode_ == TenantMode::kNone || owner.tenant == it->second.tenant) {
-      chunks.push_back(c);
-      owner.holders.push_back(session_id);
-    }
-  }
-  return chunks;
-}
-
-Status SessionTable::GrantChunks(uint64_t session_id, const std::vector<uint32_t>& chunks) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
-  for (uint32_t c : chunks) {
-    if (c >= chunk_owners_.size()) {
-      return InvalidArgument("chunk " + std::to_string(c) + " does not exist (the arena has " +
-                             std::to_string(chunk_owners_.size()) + ")");
-    }
-    if (tenant_mode_ != TenantMode::kNone && chunk_owners_[c].tenant != it->second.tenant) {
-      return PermissionDenied("chunk " + std::to_string(c) + " does not belong to tenant " +
-                              it->second.tenant);
-    }
-  }
-  for (uint32_t c : chunks) {
-    auto& holders = chunk_owners_[c].holders;
-    if (std::find(holders.begin(), holders.end(), session_id) == holders.end()) {
-      holders.push_back(session_id);
-    }
-  }
-  return Status::Ok();
-}
 
 void SessionTable::SetPolicy(const Policy& policy) {
   std::lock_guard<std::mutex> lock(mu_);

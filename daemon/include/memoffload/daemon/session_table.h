@@ -26,6 +26,7 @@
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
+#include "memoffload/daemon/session_token.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/status.h"
 
@@ -259,11 +260,6 @@ class SessionTable {
   uint64_t read_bytes_ = 0;                         // guarded by mu_
   uint64_t groups_ = 0;                             // guarded by mu_
 };
-
-// 128-bit random token as 32 lowercase hex digits (getrandom(2)).
-Result<std::string> NewSessionToken();
-// Compares in time independent of where the strings differ.
-bool ConstantTimeEquals(const std::string& a, const std::string& b);
 
 }  // namespace memoffload::daemon
 
