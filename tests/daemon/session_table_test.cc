@@ -241,24 +241,29 @@ TEST_F(SessionTableTest, WaitingReserveTimesOutAtItsDeadline) {
 
 TEST_F(SessionTableTest, WaitersAreServedInArrivalOrder) {
   SessionGrant s = Open();
-  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
-  std::vector<int> order;
-  std::mutex order_mu;
-  auto waiter = [&](int id, uint64_t group) {
-    auto r = table_->Reserve(s.session_id, s.token, group, kMiB, false,
-                             std::chrono::steady_clock::now() + std::chrono::seconds(10));
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-    std::lock_guard<std::mutex> lock(order_mu);
-    order.push_back(id);
-  };
-  std::thread first(waiter, 1, 10);
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, kMiB, false).ok());
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 2, 3 * kMiB, false).ok());
+  auto deadline = [] { return std::chrono::steady_clock::now() + std::chrono::seconds(10); };
+  // The first waiter needs 2 MiB, the second only 1 MiB.
+  std::thread first([&] {
+    EXPECT_TRUE(table_->Reserve(s.session_id, s.token, 10, 2 * kMiB, false, deadline()).ok());
+  });
   while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
-  std::thread second(waiter, 2, 11);
+  std::thread second([&] {
+    EXPECT_TRUE(table_->Reserve(s.session_id, s.token, 11, kMiB, false, deadline()).ok());
+  });
   while (table_->Snapshot().waiting_reserves < 2) std::this_thread::yield();
+  // 1 MiB frees up: enough for the second, but it may not overtake the first.
   ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 2u);
+  EXPECT_EQ(table_->Snapshot().free_bytes, kMiB);
+  // 3 MiB more: both are served.
+  ASSERT_TRUE(table_->Release(s.session_id, s.token, 2).ok());
   first.join();
   second.join();
-  EXPECT_EQ(order, (std::vector<int>{1, 2}));
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+  EXPECT_EQ(table_->Snapshot().free_bytes, kMiB);
 }
 
 TEST_F(SessionTableTest, DrainRefusesNewWorkButLetsGroupsFinish) {

@@ -1,0 +1,249 @@
+#include "config_settings.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::daemon::config_internal {
+
+const char* KindHelp(Kind kind) {
+  switch (kind) {
+    case Kind::kString:
+      return "STRING";
+    case Kind::kSize:
+      return "SIZE";
+    case Kind::kDuration:
+      return "DURATION";
+    case Kind::kInt:
+      return "N";
+    case Kind::kBool:
+      return "BOOL";
+    case Kind::kIdList:
+      return "ID,ID,...";
+    case Kind::kMode:
+      return "OCTAL";
+  }
+  return "";
+}
+
+namespace {
+
+Status ParseBool(const std::string& v, bool* out) {
+  std::string l = v;
+  for (char& c : l) c = static_cast<char>(std::tolower(c));
+  if (l == "true" || l == "1" || l == "yes" || l == "on")
+    *out = true;
+  else if (l == "false" || l == "0" || l == "no" || l == "off")
+    *out = false;
+  else
+    return InvalidArgument("'" + v + "' is not a boolean (true/false)");
+  return Status::Ok();
+}
+
+Status ParseIdList(const std::string& v, std::vector<uint32_t>* out) {
+  out->clear();
+  std::stringstream ss(v);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    item.erase(std::remove_if(item.begin(), item.end(), ::isspace), item.end());
+    if (item.empty()) continue;
+    char* end = nullptr;
+    unsigned long id = std::strtoul(item.c_str(), &end, 10);
+    if (*end != '\0' || !std::isdigit(static_cast<unsigned char>(item[0])) || id > 0xfffffffeul) {
+      return InvalidArgument("'" + item + "' is not a numeric uid/gid");
+    }
+    out->push_back(static_cast<uint32_t>(id));
+  }
+  return Status::Ok();
+}
+
+std::string JoinIds(const std::vector<uint32_t>& ids) {
+  std::string s;
+  for (uint32_t id : ids) s += (s.empty() ? "" : ",") + std::to_string(id);
+  return s;
+}
+
+std::string Octal(uint32_t mode) {
+  char buf[8];
+  std::snprintf(buf, sizeof(buf), "0%o", mode);
+  return buf;
+}
+
+// Helpers that build the apply/format pair for a field of a given kind.
+using U64Field = uint64_t* (*)(DaemonConfig*);
+
+// A byte size (kSize) or a duration in milliseconds (kDuration).
+Setting U64Setting(const char* section, const char* key, Kind kind, const char* help,
+                   U64Field field) {
+  const bool duration = kind == Kind::kDuration;
+  return {section,
+          key,
+          kind,
+          help,
+          [field, duration](DaemonConfig* c, const std::string& v) {
+            Result<uint64_t> r = duration ? ParseDurationMs(v) : ParseSize(v);
+            if (!r.ok()) return r.status();
+            *field(c) = *r;
+            return Status::Ok();
+          },
+          [field, duration](const DaemonConfig& c) {
+            return std::to_string(*field(const_cast<DaemonConfig*>(&c))) + (duration ? "ms" : "");
+          }};
+}
+
+Setting BoolSetting(const char* section, const char* key, const char* help,
+                    bool DaemonConfig::*field) {
+  return {section,
+          key,
+          Kind::kBool,
+          help,
+          [field](DaemonConfig* c, const std::string& v) { return ParseBool(v, &(c->*field)); },
+          [field](const DaemonConfig& c) { return std::string(c.*field ? "true" : "false"); }};
+}
+
+}  // namespace
+
+const std::vector<Setting>& Settings() {
+  static const std::vector<Setting> settings = {
+      {"server", "runtime_dir", Kind::kString,
+       "directory of broker.sock and memoffload.sock (default /run/memoffload as root, else "
+       "$XDG_RUNTIME_DIR/memoffload or /tmp/memoffload-$UID)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v.empty() || v[0] != '/')
+           return InvalidArgument("'" + v + "' is not an absolute path");
+         c->runtime_dir = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.runtime_dir; }},
+      {"server", "metrics_address", Kind::kString,
+       "Prometheus listener HOST:PORT (default 127.0.0.1:9477; 'none' disables)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v == "none" || v.empty()) {
+           c->metrics_address.clear();
+           return Status::Ok();
+         }
+         const size_t colon = v.rfind(':');
+         if (colon == std::string::npos || colon + 1 == v.size() ||
+             v.find_first_not_of("0123456789", colon + 1) != std::string::npos) {
+           return InvalidArgument("'" + v + "' is not HOST:PORT or 'none'");
+         }
+         c->metrics_address = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) {
+         return c.metrics_address.empty() ? std::string("none") : c.metrics_address;
+       }},
+      {"server", "log_level", Kind::kString, "debug, info, warn or error (default info)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "debug" && v != "info" && v != "warn" && v != "error") {
+           return InvalidArgument("'" + v + "' is not one of debug, info, warn, error");
+         }
+         c->log_level = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.log_level; }},
+      {"server", "socket_mode", Kind::kMode, "file mode of both sockets (default 0660)",
+       [](DaemonConfig* c, const std::string& v) {
+         char* end = nullptr;
+         unsigned long m = std::strtoul(v.c_str(), &end, 8);
+         if (v.empty() || *end != '\0' || m > 0777) {
+           return InvalidArgument("'" + v + "' is not an octal file mode like 0660");
+         }
+         c->socket_mode = static_cast<uint32_t>(m);
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return Octal(c.socket_mode); }},
+      {"server", "socket_group", Kind::kString,
+       "group owning the sockets, so its members may attach (default: the daemon's group)",
+       [](DaemonConfig* c, const std::string& v) {
+         c->socket_group = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.socket_group; }},
+      U64Setting("arena", "size", Kind::kSize,
+                 "arena size, e.g. 512MiB, 64GiB (default min(1GiB, 25% of RAM))",
+                 [](DaemonConfig* c) { return &c->arena_size_bytes; }),
+      U64Setting("arena", "chunk_size", Kind::kSize,
+                 "size of one memfd chunk (default min(1GiB, arena))",
+                 [](DaemonConfig* c) { return &c->chunk_size_bytes; }),
+      {"arena", "prefault_threads", Kind::kInt, "threads pre-faulting the arena (0: one per core)",
+       [](DaemonConfig* c, const std::string& v) {
+         char* end = nullptr;
+         long n = std::strtol(v.c_str(), &end, 10);
+         if (v.empty() || *end != '\0' || n < 0 || n > 1024) {
+           return InvalidArgument("'" + v + "' is not an integer in 0..1024");
+         }
+         c->prefault_threads = static_cast<int>(n);
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return std::to_string(c.prefault_threads); }},
+      BoolSetting("arena", "hugepages", "back chunks with hugepages (MFD_HUGETLB)",
+                  &DaemonConfig::hugepages),
+      BoolSetting("arena", "mlock", "mlock the arena (default true; --no-mlock disables)",
+                  &DaemonConfig::mlock),
+      {"arena", "numa_node", Kind::kInt,
+       "NUMA node the arena's memory is bound to (default -1: no binding)",
+       [](DaemonConfig* c, const std::string& v) {
+         char* end = nullptr;
+         long n = std::strtol(v.c_str(), &end, 10);
+         if (v.empty() || *end != '\0' || n < -1 || n > 65535) {
+           return InvalidArgument("'" + v +
+                                  "' is not a NUMA node number (0..65535, or -1 for none)");
+         }
+         c->numa_node = static_cast<int>(n);
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return std::to_string(c.numa_node); }},
+      {"access", "allowed_uids", Kind::kIdList,
+       "uids allowed to attach besides the daemon's own uid and root (always allowed)",
+       [](DaemonConfig* c, const std::string& v) {
+         return ParseIdList(v, &c->policy.allowed_uids);
+       },
+       [](const DaemonConfig& c) { return JoinIds(c.policy.allowed_uids); }},
+      {"access", "tenant", Kind::kString,
+       "who may share a chunk: uid (default), job, or none (every session maps every chunk)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "uid" && v != "job" && v != "none") {
+           return InvalidArgument("'" + v + "' is not one of uid, job, none");
+         }
+         c->tenant = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.tenant; }},
+      {"access", "allowed_gids", Kind::kIdList, "peers in these groups may attach too",
+
+       [](DaemonConfig* c, const std::string& v) {
+         return ParseIdList(v, &c->policy.allowed_gids);
+       },
+       [](const DaemonConfig& c) { return JoinIds(c.policy.allowed_gids); }},
+      U64Setting("quotas", "session_max_bytes", Kind::kSize, "byte limit of one session (0: none)",
+                 [](DaemonConfig* c) { return &c->policy.session_max_bytes; }),
+      U64Setting("quotas", "job_max_bytes", Kind::kSize,
+                 "byte limit of all sessions of one job id (0: none)",
+                 [](DaemonConfig* c) { return &c->policy.job_max_bytes; }),
+      U64Setting("quotas", "node_reserve_bytes", Kind::kSize,
+                 "arena bytes never handed out (default 0)",
+                 [](DaemonConfig* c) { return &c->policy.node_reserve_bytes; }),
+      U64Setting("quotas", "max_wait", Kind::kDuration,
+                 "longest a waiting reserve waits when its call has no deadline",
+                 [](DaemonConfig* c) { return &c->policy.max_wait_ms; }),
+      U64Setting("lifecycle", "drain_timeout", Kind::kDuration,
+                 "on SIGTERM, how long to wait for sessions to release (default 30s)",
+                 [](DaemonConfig* c) { return &c->drain_timeout_ms; }),
+      U64Setting("lifecycle", "hello_timeout", Kind::kDuration,
+                 "drop a broker connection that sends no hello in this time",
+                 [](DaemonConfig* c) { return &c->hello_timeout_ms; }),
+  };
+  return settings;
+}
+
+const Setting* FindByFlag(const std::string& flag) {
+  for (const Setting& s : Settings()) {
+    if (s.Flag() == flag) return &s;
+  }
+  return nullptr;
+}
+
+}  // namespace memoffload::daemon::config_internal
