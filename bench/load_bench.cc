@@ -40,53 +40,17 @@
 #include <vector>
 
 #include "benches.h"
+#include "grpc_floor.h"
+#include "latency_stats.h"
 #include "memoffload/client/client.h"
 #include "memoffload/shared_mem/units.h"
-#include "memoffload/v1/memoffload.grpc.pb.h"
 
 namespace memoffload::bench {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-
 constexpr int kMethods = 4;
 const char* const kMethodNames[kMethods] = {"Reserve", "Commit", "Prefetch", "Release"};
 enum MethodIndex { kReserve, kCommit, kPrefetch, kRelease };
-
-// Latency histogram with 2% wide log buckets: mergeable across processes.
-constexpr double kBucketBase = 1.02;
-constexpr int kBuckets = 1400;  // up to ~1e12 ns
-
-int BucketOf(double ns) {
-  if (ns < 1) return 0;
-  const int b = static_cast<int>(std::log(ns) / std::log(kBucketBase));
-  return b < kBuckets ? b : kBuckets - 1;
-}
-
-double BucketValueNs(int bucket) { return std::pow(kBucketBase, bucket + 0.5); }
-
-struct MethodStats {
-  uint64_t ops = 0;  // successful calls
-  uint64_t errors = 0;
-  uint64_t rejected = 0;  // RESOURCE_EXHAUSTED
-  std::vector<uint64_t> histogram = std::vector<uint64_t>(kBuckets, 0);
-
-  void Record(Clock::duration elapsed) {
-    ++histogram[BucketOf(std::chrono::duration<double, std::nano>(elapsed).count())];
-  }
-  double PercentileUs(double q) const {
-    uint64_t total = 0;
-    for (uint64_t c : histogram) total += c;
-    if (total == 0) return 0;
-    const uint64_t target = static_cast<uint64_t>(std::ceil(q * static_cast<double>(total)));
-    uint64_t seen = 0;
-    for (int b = 0; b < kBuckets; ++b) {
-      seen += histogram[b];
-      if (seen >= target && histogram[b] > 0) return BucketValueNs(b) / 1000.0;
-    }
-    return BucketValueNs(kBuckets - 1) / 1000.0;
-  }
-};
 
 struct LoadOptions {
   std::string runtime_dir;
@@ -205,57 +169,8 @@ struct Held {
 constexpr uint64_t kShiftSpan = 65536;
 uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
 
-// Calls the trivial floor service in a loop; reports like RunWorker, as
-// method 0.
-int RunFloorWorker(const LoadOptions& o) {
-  auto stub = v1::Offload::NewStub(
-      grpc::CreateChannel("unix:" + o.floor_socket, grpc::InsecureChannelCredentials()));
-  {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-    v1::GetStatusResponse resp;
-    if (!stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok()) return 1;
-  }
-  std::printf("READY\n");
-  std::fflush(stdout);
-  char go = 0;
-  if (read(STDIN_FILENO, &go, 1) != 1) return 1;
-  MethodStats stats;
-  const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
-  while (Clock::now() < deadline) {
-    grpc::ClientContext ctx;
-    v1::GetStatusResponse resp;
-    const auto t0 = Clock::now();
-    const bool ok = stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok();
-    stats.Record(Clock::now() - t0);
-    ok ? ++stats.ops : ++stats.errors;
-  }
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  std::printf("M 0 %lu %lu 0\n", static_cast<unsigned long>(stats.ops),
-              static_cast<unsigned long>(stats.errors));
-  for (int b = 0; b < kBuckets; ++b) {
-    if (stats.histogram[b] != 0) {
-      std::printf("H 0 %d %lu\n", b, static_cast<unsigned long>(stats.histogram[b]));
-    }
-  }
-  std::printf("S 0 0 0 %.6f\nEND\n", elapsed);
-  std::fflush(stdout);
-  return 0;
-}
-
-// The floor: a unary RPC that does nothing, on its own socket.
-class FloorService final : public v1::Offload::Service {
- public:
-  grpc::Status GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
-                         v1::GetStatusResponse*) override {
-    return grpc::Status::OK;
-  }
-};
-
 int RunWorker(const LoadOptions& o) {
-  if (!o.floor_socket.empty()) return RunFloorWorker(o);
+  if (!o.floor_socket.empty()) return RunGrpcFloorWorker(o.floor_socket, o.seconds);
   client::AttachOptions attach;
   attach.runtime_dir = o.runtime_dir;
   attach.job_id = o.job_id;
@@ -378,16 +293,7 @@ int RunWorker(const LoadOptions& o) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   while (!held.empty()) read_back(false);
 
-  for (int m = 0; m < kMethods; ++m) {
-    std::printf("M %d %lu %lu %lu\n", m, static_cast<unsigned long>(stats[m].ops),
-                static_cast<unsigned long>(stats[m].errors),
-                static_cast<unsigned long>(stats[m].rejected));
-    for (int b = 0; b < kBuckets; ++b) {
-      if (stats[m].histogram[b] != 0) {
-        std::printf("H %d %d %lu\n", m, b, static_cast<unsigned long>(stats[m].histogram[b]));
-      }
-    }
-  }
+  for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);
   std::printf("S %lu %lu %lu %.6f\n", static_cast<unsigned long>(offloaded_bytes),
               static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(cycles),
               elapsed);
@@ -551,21 +457,12 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
 
 // Measures the floor with the same clients and time; fills *floor.
 bool RunFloor(const LoadOptions& o, MethodStats* floor) {
-  char dir[] = "/tmp/memoffload-floor-XXXXXX";
-  if (mkdtemp(dir) == nullptr) return false;
+  Result<std::unique_ptr<GrpcFloorServer>> server = GrpcFloorServer::Start();
+  if (!server.ok()) return false;
   LoadOptions f = o;
-  f.floor_socket = std::string(dir) + "/floor.sock";
-  FloorService service;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + f.floor_socket, grpc::InsecureServerCredentials());
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  bool ok = server != nullptr;
+  f.floor_socket = (*server)->socket_path();
   PhaseTotals t;
-  if (ok) ok = RunPhase(f, &t) && t.lost_workers == 0;
-  if (server) server->Shutdown();
-  unlink(f.floor_socket.c_str());
-  rmdir(dir);
+  const bool ok = RunPhase(f, &t) && t.lost_workers == 0;
   *floor = t.total[0];
   return ok;
 }

@@ -1,0 +1,37 @@
+// The plain gRPC floor for memoffload-bench load --baseline: a trivial unary
+// service (GetStatus answered at once, nothing else) on its own Unix socket,
+// and a worker that calls it in a loop. What memoffloadd adds to a request is
+// its latency over this floor, measured in the same run with the same clients.
+#ifndef MEMOFFLOAD_BENCH_GRPC_FLOOR_H_
+#define MEMOFFLOAD_BENCH_GRPC_FLOOR_H_
+
+#include <memory>
+#include <string>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::bench {
+
+// Serves the floor service from a private temporary directory until
+// destroyed (then removes the socket and the directory).
+class GrpcFloorServer {
+ public:
+  static Result<std::unique_ptr<GrpcFloorServer>> Start();
+  ~GrpcFloorServer();
+  const std::string& socket_path() const { return socket_path_; }
+
+ private:
+  class Impl;
+  GrpcFloorServer() = default;
+  std::unique_ptr<Impl> impl_;
+  std::string dir_;
+  std::string socket_path_;
+};
+
+// Worker side: waits for "go" on stdin after printing READY, calls the floor
+// for `seconds`, and reports as method 0 in the load bench's line format.
+int RunGrpcFloorWorker(const std::string& socket_path, double seconds);
+
+}  // namespace memoffload::bench
+
+#endif  // MEMOFFLOAD_BENCH_GRPC_FLOOR_H_
