@@ -14,7 +14,8 @@ DEPS_BUILD=(
 DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest pybind11-dev)
 # Tests and benchmarks.
 DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
-  yamllint systemd strace python3-yaml)
+  yamllint systemd strace python3-yaml
+  clang-14 libclang-rt-14-dev)
 
 want=("${DEPS_BUILD[@]}" "${DEPS_TORCH[@]}" "${DEPS_TEST[@]}")
 if [[ "${1:-}" == "--print" ]]; then
