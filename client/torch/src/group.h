@@ -1,0 +1,94 @@
+// The state of one offload group, shared by the training side (the
+// GroupOffloader's public methods) and the worker thread.
+//
+// Lock discipline: fields marked "training side" are guarded by the
+// offloader's mutex; fields marked "worker side" are written only by the
+// worker and read by Get only after `prefetched` is ready; Group::mu guards
+// StoredStorage::{copied, offloaded, source, restored}.
+#ifndef MEMOFFLOAD_TORCH_SRC_GROUP_H_
+#define MEMOFFLOAD_TORCH_SRC_GROUP_H_
+
+#include <c10/core/Device.h>
+#include <c10/core/Storage.h>
+#include <c10/core/TensorImpl.h>
+
+#include <cstdint>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "memoffload/client/client.h"
+#include "memoffload/shared_mem/extent.h"
+#include "memoffload/shared_mem/status.h"
+#include "memoffload/torch/copy_engine.h"
+
+namespace memoffload::torch {
+
+// Placement alignment of storages inside a group (covers every dtype and the
+// CUDA copy engine's preferred alignment).
+constexpr uint64_t kAlignBytes = 256;
+
+inline uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+
+// One storage of a group, stored once however many entries view it.
+struct StoredStorage {
+  c10::Device device{c10::kCPU};
+  uint64_t nbytes = 0;
+  uint64_t offset = 0;   // in the group's byte stream
+  ReadyToken ready = 0;  // consumed by the copy (worker) or at release
+  CopyEngine* engine = nullptr;
+  bool copy_queued = false;  // training side: a copy task was posted at Add
+  // Written by the worker; read by Get under Group::mu.
+  bool copied = false;     // bytes are in the reservation (not yet committed)
+  bool offloaded = false;  // committed; `source` dropped
+  c10::Storage source;     // held until offloaded, or for good when skipped
+  c10::Storage restored;   // prefetched copy; dropped after each backward round
+};
+
+// One added tensor: a view (sizes, strides, offset, dtype) of a stored storage.
+struct Entry {
+  int32_t storage = 0;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t storage_offset = 0;
+  caffe2::TypeMeta dtype;
+  c10::Device device{c10::kCPU};
+  c10::VariableVersion version{c10::VariableVersion::Disabled::DISABLED};
+  uint32_t saved_version = 0;
+  bool live = true;
+  bool unpacked = false;  // in the current backward round
+};
+
+struct Group {
+  uint64_t key = 0;
+  int64_t slot = -1;
+  uint64_t daemon_id = 0;
+  // Training side, guarded by the offloader's mutex.
+  bool open = true;
+  uint64_t planned_bytes = 0;  // reserved at Begin (0: reserve at close)
+  uint64_t bump = 0;
+  std::unordered_map<c10::StorageImpl*, int32_t> by_impl;  // while open
+  std::vector<std::shared_ptr<StoredStorage>> storages;
+  std::vector<Entry> entries;
+  int64_t live = 0;
+  int64_t unpacked = 0;
+  bool prefetch_issued = false;
+  std::shared_future<Status> prefetched;
+  std::promise<Status> prefetch_promise;
+  // Worker side; read by Get only after `prefetched` is ready.
+  std::shared_ptr<client::Client> client;  // set once the reservation succeeded
+  std::vector<Extent> write_extents;
+  uint64_t reserved_bytes = 0;
+  bool reserve_tried = false;
+  Status reserve_status;
+  bool in_arena = false;  // committed
+  std::vector<Extent> read_extents;
+  // Guards StoredStorage::{copied, offloaded, source, restored}.
+  std::mutex mu;
+};
+
+}  // namespace memoffload::torch
+
+#endif  // MEMOFFLOAD_TORCH_SRC_GROUP_H_

@@ -1,0 +1,247 @@
+#include "group_transfer.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memoffload::torch {
+namespace {
+
+using client::Client;
+
+Status DataLoss(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
+
+// Runs fn(host_address, done, n) over the pieces of [offset, offset + length)
+// of the byte stream formed by `extents`.
+template <typename Fn>
+Status ForEachPiece(const Client& c, const std::vector<Extent>& extents, uint64_t offset,
+                    uint64_t length, Fn fn) {
+  uint64_t pos = 0;
+  uint64_t done = 0;
+  for (const Extent& e : extents) {
+    if (done == length) break;
+    const uint64_t end = pos + e.length;
+    const uint64_t want = offset + done;
+    if (want < end) {
+      uint8_t* base = c.Address(e);
+      if (base == nullptr) return Internal("extent outside the mapped arena");
+      const uint64_t in_extent = want - pos;
+      const uint64_t n = std::min(e.length - in_extent, length - done);
+      MEMOFFLOAD_RETURN_IF_ERROR(fn(base + in_extent, done, n));
+      done += n;
+    }
+    pos = end;
+  }
+  if (done != length) {
+    return Internal("range [" + std::to_string(offset) + ", " + std::to_string(offset + length) +
+                    ") exceeds the group's " + std::to_string(pos) + " bytes");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s) {
+  c10::Storage out;
+  try {
+    out = at::empty({static_cast<int64_t>(s.nbytes)},
+                    at::TensorOptions().dtype(at::kByte).device(s.device))
+              .storage();
+  } catch (const std::exception& ex) {
+    return Internal(std::string("allocating a restored storage failed: ") + ex.what());
+  }
+  uint8_t* dst = static_cast<uint8_t*>(out.data());
+  MEMOFFLOAD_RETURN_IF_ERROR(ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
+                                          [&](uint8_t* src, uint64_t done, uint64_t n) {
+                                            return s.engine->CopyIn(s.device, src, dst + done, n);
+                                          }));
+  return out;
+}
+
+GroupTransfer::GroupTransfer(Session* session, StatsBook* stats, CopyEngine* cuda_engine,
+                             std::mutex* training_mu)
+    : session_(session), stats_(stats), cuda_engine_(cuda_engine), training_mu_(training_mu) {}
+
+void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
+  g.reserve_tried = true;
+  std::shared_ptr<Client> c = session_->Ensure();
+  if (!c) {
+    g.reserve_status = Unavailable("memoffloadd is not reachable");
+    return;
+  }
+  Result<client::Reservation> r = c->Reserve(g.daemon_id, bytes);
+  if (!r.ok()) {
+    g.reserve_status = r.status();
+    session_->NoteFailure(r.status(), "Reserve");
+    return;
+  }
+  g.client = c;
+  g.write_extents = r->extents;
+  g.reserved_bytes = r->reserved_bytes;
+  const uint64_t chunk_bytes = session_->chunk_bytes();
+  if (cuda_engine_ && chunk_bytes > 0) {
+    for (const Extent& e : g.write_extents) {
+      uint8_t* base = c->Address(Extent{e.chunk, 0, chunk_bytes});
+      if (base != nullptr) cuda_engine_->PrepareHostRange(base, chunk_bytes);
+    }
+  }
+}
+
+void GroupTransfer::CopyOut(Group& g, StoredStorage& s) {
+  if (!g.client || s.offset + s.nbytes > g.reserved_bytes) return;  // handled at Close
+  const ReadyToken ready = s.ready;
+  s.ready = 0;
+  const uint8_t* src = static_cast<const uint8_t*>(s.source.data());
+  bool first = true;
+  Status st = ForEachPiece(*g.client, g.write_extents, s.offset, s.nbytes,
+                           [&](uint8_t* dst, uint64_t done, uint64_t n) {
+                             const ReadyToken token = first ? ready : 0;
+                             first = false;
+                             return s.engine->CopyOut(s.device, src + done, dst, n, token);
+                           });
+  if (first) s.engine->DropToken(ready);  // zero bytes: no piece consumed it
+  if (!st.ok()) {
+    session_->NoteFailure(st, "copy to the arena");
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g.mu);
+  s.copied = true;
+}
+
+void GroupTransfer::Close(Group& g) {
+  std::vector<std::shared_ptr<StoredStorage>> storages;
+  uint64_t total = 0;
+  {
+    std::lock_guard<std::mutex> lock(*training_mu_);
+    storages = g.storages;
+    total = g.bump;
+  }
+  if (!g.reserve_tried && total > 0) Reserve(g, AlignUp(total, kAlignBytes));
+  if (g.client && total > g.reserved_bytes) {
+    // The group grew beyond last step's size: trade the reservation for
+    // one of the full size (sources are still held; copy everything).
+    Status st = g.client->Release(g.daemon_id);
+    (void)st;
+    g.client.reset();
+    {
+      std::lock_guard<std::mutex> lock(g.mu);
+      for (auto& s : storages) s->copied = false;
+    }
+    Reserve(g, AlignUp(total, kAlignBytes));
+  }
+  uint64_t used = 0;
+  uint64_t stored = 0;
+  uint64_t kept = 0;
+  for (auto& s : storages) {
+    if (!s->copied) CopyOut(g, *s);
+    if (s->ready != 0) {
+      s->engine->DropToken(s->ready);
+      s->ready = 0;
+    }
+    if (s->copied) {
+      used = std::max(used, s->offset + s->nbytes);
+      stored += s->nbytes;
+    } else {
+      kept += s->nbytes;
+    }
+  }
+  if (g.client && used == 0) {
+    Status st = g.client->Release(g.daemon_id);
+    (void)st;
+    g.client.reset();
+  }
+  if (g.client) {
+    Result<client::CommitInfo> commit = g.client->Commit(g.daemon_id, used, {stored, 0});
+    if (commit.ok()) {
+      g.in_arena = true;
+      std::lock_guard<std::mutex> lock(g.mu);
+      for (auto& s : storages) {
+        if (!s->copied) continue;
+        s->offloaded = true;
+        s->source = c10::Storage();
+      }
+    } else {
+      session_->NoteFailure(commit.status(), "Commit");
+      Status st = g.client->Release(g.daemon_id);
+      (void)st;
+      g.client.reset();
+      kept += stored;
+      stored = 0;
+    }
+  }
+  // A failed Reserve keeps everything; NoteFailure already counted it.
+  stats_->Count([&](OffloaderStats& st) {
+    st.offloaded_bytes += stored;
+    st.skipped_bytes += kept;
+    if (stored > 0) ++st.groups_offloaded;
+    if (kept > 0) ++st.groups_skipped;
+    if (kept > 0 && st.last_skip_reason.empty()) {
+      st.last_skip_reason = "group grew beyond its reservation";
+    }
+  });
+}
+
+void GroupTransfer::Prefetch(Group& g) {
+  if (!g.in_arena) {
+    g.prefetch_promise.set_value(Status::Ok());
+    return;
+  }
+  Result<client::Placement> placement = g.client->Prefetch(g.daemon_id);
+  if (placement.ok()) {
+    g.read_extents = placement->extents;
+  } else if (IsTransport(placement.status().code()) ||
+             ((placement.status().code() == StatusCode::kNotFound ||
+               placement.status().code() == StatusCode::kUnauthenticated) &&
+              !session_->IsCurrent(g.client))) {
+    // The daemon is gone (or restarted and no longer knows the session):
+    // the data is still in this process's mapping of the old chunks, whose
+    // extents nobody else was given.
+    session_->NoteFailure(placement.status(), "Prefetch");
+    g.read_extents = g.write_extents;
+  } else {
+    session_->NoteFailure(placement.status(), "Prefetch");
+    g.prefetch_promise.set_value(
+        DataLoss("offload group " + std::to_string(g.key) +
+                 " cannot be read back: " + placement.status().ToString()));
+    return;
+  }
+  std::vector<std::shared_ptr<StoredStorage>> storages;
+  {
+    std::lock_guard<std::mutex> lock(*training_mu_);
+    storages = g.storages;
+  }
+  uint64_t bytes = 0;
+  for (auto& s : storages) {
+    if (!s->offloaded) continue;
+    Result<c10::Storage> restored = RestoreStorage(g, *s);
+    if (!restored.ok()) {
+      g.prefetch_promise.set_value(restored.status());
+      return;
+    }
+    std::lock_guard<std::mutex> lock(g.mu);
+    s->restored = *restored;
+    bytes += s->nbytes;
+  }
+  stats_->Count([bytes](OffloaderStats& st) { st.prefetched_bytes += bytes; });
+  g.prefetch_promise.set_value(Status::Ok());
+}
+
+void GroupTransfer::Release(Group& g) {
+  for (auto& s : g.storages) {
+    if (s->ready != 0) {
+      s->engine->DropToken(s->ready);
+      s->ready = 0;
+    }
+  }
+  if (g.client) {
+    Status st = g.client->Release(g.daemon_id);
+    if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
+    g.client.reset();
+  }
+  if (!g.prefetch_issued) g.prefetch_promise.set_value(Status::Ok());
+}
+
+}  // namespace memoffload::torch

@@ -1,0 +1,59 @@
+// GroupTransfer: the worker thread's half of a group's life, one task per
+// step: Reserve, CopyOut (each storage), Close (copy the rest and Commit),
+// Prefetch (read back) and Release. The Worker's FIFO order is what keeps the
+// steps of one group in sequence; none of these runs on a training thread.
+//
+// A group whose reservation, copy or Commit fails keeps its source storages
+// (counted as skipped); a Prefetch that finds the daemon gone reads the data
+// back from this process's mapping of the chunks.
+#ifndef MEMOFFLOAD_TORCH_SRC_GROUP_TRANSFER_H_
+#define MEMOFFLOAD_TORCH_SRC_GROUP_TRANSFER_H_
+
+#include <c10/core/Storage.h>
+
+#include <cstdint>
+#include <mutex>
+
+#include "group.h"
+#include "memoffload/shared_mem/status.h"
+#include "memoffload/torch/copy_engine.h"
+#include "session.h"
+#include "stats_book.h"
+
+namespace memoffload::torch {
+
+// Copies an offloaded storage back from the arena (g.read_extents) into fresh
+// memory on its device. Also used on a training thread for a second backward,
+// once the group's prefetch is complete.
+Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s);
+
+class GroupTransfer {
+ public:
+  // `cuda_engine` (may be null) pins the chunks of each reservation;
+  // `training_mu` is the offloader's mutex, held while reading a group's
+  // training-side fields. Every pointer must outlive the transfer.
+  GroupTransfer(Session* session, StatsBook* stats, CopyEngine* cuda_engine,
+                std::mutex* training_mu);
+
+  // Reserves `bytes` for the group (the reservation is kept in g.client and
+  // g.write_extents; a failure in g.reserve_status).
+  void Reserve(Group& g, uint64_t bytes);
+  // Copies one storage into the reservation when it fits (else Close does).
+  void CopyOut(Group& g, StoredStorage& s);
+  // Copies what is left, commits and drops the sources that made it.
+  void Close(Group& g);
+  // Restores every offloaded storage and fulfils g.prefetch_promise.
+  void Prefetch(Group& g);
+  // Returns the group's space and drops unconsumed ready tokens.
+  void Release(Group& g);
+
+ private:
+  Session* const session_;
+  StatsBook* const stats_;
+  CopyEngine* const cuda_engine_;
+  std::mutex* const training_mu_;
+};
+
+}  // namespace memoffload::torch
+
+#endif  // MEMOFFLOAD_TORCH_SRC_GROUP_TRANSFER_H_

@@ -1,0 +1,77 @@
+#include "session.h"
+
+#include <cstdio>
+#include <string>
+#include <utility>
+
+#include "memoffload/client/admin.h"
+
+namespace memoffload::torch {
+
+using client::Client;
+
+bool IsTransport(StatusCode code) {
+  return code == StatusCode::kUnavailable || code == StatusCode::kDeadlineExceeded ||
+         code == StatusCode::kCancelled;
+}
+
+Session::Session(const OffloaderOptions& options, bool query_chunk_bytes, StatsBook* stats)
+    : options_(options), query_chunk_bytes_(query_chunk_bytes), stats_(stats) {}
+
+std::shared_ptr<Client> Session::Ensure(bool force) {
+  if (client_ && !broken_) return client_;
+  const auto now = Clock::now();
+  if (!force && attempted_ &&
+      now - last_attempt_ < std::chrono::milliseconds(options_.reconnect_interval_ms)) {
+    return nullptr;
+  }
+  attempted_ = true;
+  last_attempt_ = now;
+  client::AttachOptions attach;
+  attach.runtime_dir = options_.runtime_dir;
+  attach.job_id = options_.job_id;
+  attach.rank = options_.rank;
+  attach.local_rank = options_.local_rank;
+  attach.rpc_timeout_ms = options_.rpc_timeout_ms;
+  Result<std::unique_ptr<Client>> attached = Client::Attach(attach);
+  if (!attached.ok()) {
+    NoteFailure(attached.status(), "attach");
+    return nullptr;
+  }
+  const bool reconnect = client_ != nullptr;
+  client_ = std::shared_ptr<Client>(std::move(attached).value());
+  broken_ = false;
+  chunk_bytes_ = 0;
+  if (query_chunk_bytes_) {
+    Result<std::unique_ptr<client::AdminClient>> admin =
+        client::AdminClient::Connect(client_->runtime_dir(), options_.rpc_timeout_ms);
+    if (admin.ok()) {
+      Result<v1::GetStatusResponse> status = (*admin)->GetStatus();
+      if (status.ok()) chunk_bytes_ = status->chunk_size_bytes();
+    }
+  }
+  stats_->Count([reconnect](OffloaderStats& s) {
+    s.connected = true;
+    if (reconnect) ++s.reconnects;
+  });
+  if (reconnect) std::fprintf(stderr, "memoffload: attached a new session to memoffloadd\n");
+  return client_;
+}
+
+void Session::NoteFailure(const Status& st, const char* what) {
+  if (IsTransport(st.code()) && client_) broken_ = true;
+  stats_->Count([&](OffloaderStats& s) {
+    ++s.rpc_errors;
+    if (IsTransport(st.code())) s.connected = false;
+    s.last_skip_reason = std::string(what) + ": " + st.ToString();
+  });
+  const bool first = logged_codes_.insert(static_cast<int>(st.code())).second;
+  if (first) {
+    std::fprintf(stderr,
+                 "memoffload: %s failed (%s); affected groups stay in memory, training goes "
+                 "on (logged once per error code)\n",
+                 what, st.ToString().c_str());
+  }
+}
+
+}  // namespace memoffload::torch

@@ -1,0 +1,65 @@
+// Session: the worker's connection to memoffloadd. Attaches on demand, marks
+// itself broken on transport errors and attaches a new session when the
+// daemon is back, at most once per reconnect interval.
+//
+// Thread-safety: worker thread only (GroupOffloader::Create's first attach
+// runs there too). Counters go to the shared StatsBook under its own lock.
+#ifndef MEMOFFLOAD_TORCH_SRC_SESSION_H_
+#define MEMOFFLOAD_TORCH_SRC_SESSION_H_
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <set>
+
+#include "memoffload/client/client.h"
+#include "memoffload/shared_mem/status.h"
+#include "memoffload/torch/group_offloader.h"
+#include "stats_book.h"
+
+namespace memoffload::torch {
+
+// Transport failures: the daemon is gone or not answering. Committed data is
+// still in this process's mapping of the chunks and can be read back.
+bool IsTransport(StatusCode code);
+
+class Session {
+ public:
+  // `query_chunk_bytes`: ask the daemon its chunk size at each attach (the
+  // CUDA engine pins whole chunks). `stats` must outlive the session.
+  Session(const OffloaderOptions& options, bool query_chunk_bytes, StatsBook* stats);
+
+  // The current session, attaching a new one when there is none (at most
+  // once per reconnect interval unless `force`). nullptr: no daemon.
+  std::shared_ptr<client::Client> Ensure(bool force = false);
+
+  // Logs once per status code and counts the error; marks the session broken
+  // on transport errors.
+  void NoteFailure(const Status& st, const char* what);
+
+  // Whether `c` is the current session and still believed to be alive.
+  bool IsCurrent(const std::shared_ptr<client::Client>& c) const {
+    return c == client_ && !broken_;
+  }
+
+  // The daemon's chunk size, 0 when unknown or not queried.
+  uint64_t chunk_bytes() const { return chunk_bytes_; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  const OffloaderOptions options_;
+  const bool query_chunk_bytes_;
+  StatsBook* const stats_;
+
+  std::shared_ptr<client::Client> client_;
+  bool broken_ = false;
+  bool attempted_ = false;
+  Clock::time_point last_attempt_;
+  uint64_t chunk_bytes_ = 0;
+  std::set<int> logged_codes_;
+};
+
+}  // namespace memoffload::torch
+
+#endif  // MEMOFFLOAD_TORCH_SRC_SESSION_H_
