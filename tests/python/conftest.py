@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import pytest
 import torch
@@ -88,37 +88,33 @@ class Daemon:
         return mot.daemon_status(self.runtime_dir)
 
 
-def _start(tmp: Path, name: str, arena: str, chunk: str) -> Daemon:
-    rt = tmp / name
+def _serve(tmp: Path, arena: str, chunk: str) -> Iterator[Daemon]:
+    """Runs a daemon in tmp/rt for the fixture's lifetime, then forgets the
+    offloader attached to it and stops it."""
+    rt = tmp / "rt"
     rt.mkdir(mode=0o700)
-    return Daemon(rt, arena, chunk).start()
+    d = Daemon(rt, arena, chunk).start()
+    yield d
+    mot.forget_offloader(d.runtime_dir)
+    d.stop()
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A 256 MiB daemon shared by the tests of one module."""
-    d = _start(tmp_path_factory.mktemp("mo"), "rt", "256MiB", "64MiB")
-    yield d
-    mot.forget_offloader(d.runtime_dir)
-    d.stop()
+    yield from _serve(tmp_path_factory.mktemp("mo"), "256MiB", "64MiB")
 
 
 @pytest.fixture
 def own_daemon(tmp_path: Path) -> Iterator[Daemon]:
     """A daemon of the test's own, for tests that kill or restart it."""
-    d = _start(tmp_path, "rt", "256MiB", "64MiB")
-    yield d
-    mot.forget_offloader(d.runtime_dir)
-    d.stop()
+    yield from _serve(tmp_path, "256MiB", "64MiB")
 
 
 @pytest.fixture
 def tiny_daemon(tmp_path: Path) -> Iterator[Daemon]:
     """A 4 MiB arena: too small for big groups."""
-    d = _start(tmp_path, "rt", "4MiB", "4MiB")
-    yield d
-    mot.forget_offloader(d.runtime_dir)
-    d.stop()
+    yield from _serve(tmp_path, "4MiB", "4MiB")
 
 
 # ---- helpers shared by the test modules ----
@@ -137,6 +133,27 @@ def assert_same_grads(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert (pa.grad is None) == (pb.grad is None), name
         if pa.grad is not None:
             assert torch.equal(pa.grad, pb.grad), f"gradient of {name} differs"
+
+
+def step_both(
+    model: torch.nn.Module,
+    ref: torch.nn.Module,
+    batch: torch.Tensor,
+    loss_of: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = lambda m, b: m(b),
+) -> None:
+    """One step of `model` and of its reference copy `ref` on `batch` from
+    cleared gradients: the losses and the gradients must be equal."""
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = None
+    loss = loss_of(model, batch)
+    loss.backward()
+    loss_ref = loss_of(ref, batch)
+    loss_ref.backward()
+    if loss.is_cuda:
+        torch.cuda.synchronize()
+    assert torch.equal(loss, loss_ref)
+    assert_same_grads(model, ref)
 
 
 def assert_arena_empty(d: Daemon, off=None) -> None:

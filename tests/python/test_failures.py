@@ -8,20 +8,8 @@ import time
 import torch
 
 import memoffload.torch as mot
-from conftest import assert_arena_empty, assert_same_grads, clone_model
+from conftest import assert_arena_empty, clone_model, step_both
 from models import DecoderStack, tokens
-
-
-def step_both(model, ref, batch):
-    for m in (model, ref):
-        for p in m.parameters():
-            p.grad = None
-    loss = model(batch)
-    loss.backward()
-    loss_ref = ref(batch)
-    loss_ref.backward()
-    assert torch.equal(loss, loss_ref)
-    assert_same_grads(model, ref)
 
 
 def test_daemon_killed_mid_step(own_daemon):
@@ -85,16 +73,7 @@ def test_arena_too_small_for_a_group(tiny_daemon):
         list(layers), num_layers=4, min_tensor_bytes=0, runtime_dir=tiny_daemon.runtime_dir
     )
     for _ in range(2):
-        x = torch.randn(256, 64)
-        for m in (layers, ref):
-            for p in m.parameters():
-                p.grad = None
-        loss = layers(x).pow(2).mean()
-        loss.backward()
-        loss_ref = ref(x).pow(2).mean()
-        loss_ref.backward()
-        assert torch.equal(loss, loss_ref)
-        assert_same_grads(layers, ref)
+        step_both(layers, ref, torch.randn(256, 64), lambda m, x: m(x).pow(2).mean())
     s = handle.stats()
     handle.remove()
     assert s["skipped_bytes"] >= 2 * 256 * 6144 * 4

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memoffload.torch as mot
-from conftest import assert_arena_empty, assert_same_grads, clone_model
+from conftest import assert_arena_empty, clone_model, step_both
 from models import DecoderStack, tokens
 
 pytestmark = pytest.mark.gpu
@@ -24,17 +24,7 @@ def test_decoder_stack_exact_on_gpu(daemon):
     ref = clone_model(model)
     handle = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=daemon.runtime_dir)
     for _ in range(3):
-        t = tokens().cuda()
-        for m in (model, ref):
-            for p in m.parameters():
-                p.grad = None
-        loss = model(t)
-        loss.backward()
-        loss_ref = ref(t)
-        loss_ref.backward()
-        torch.cuda.synchronize()
-        assert torch.equal(loss, loss_ref)
-        assert_same_grads(model, ref)
+        step_both(model, ref, tokens().cuda())
     s = handle.stats()
     handle.remove()
     assert s["engine"] == "cuda"
