@@ -72,6 +72,22 @@ TEST(FuzzRegressions, ConfigWithNonAsciiIsRejectedBeforeParsing) {
   EXPECT_FALSE(LoadFile(comment.path()).ok());
 }
 
+// fuzz_config (asserts on): toml++ 3.3 asserts, and under NDEBUG with clang
+// assumes (__builtin_assume: undefined behaviour), that its parser state is
+// consistent; "[=]" or "x = [}" broke that (an abort in this test before the
+// fix). Both are now ordinary parse errors naming the file and line.
+TEST(FuzzRegressions, ConfigThatBreaksTomlAssumptionsIsAnError) {
+  for (const char* text :
+       {"[=]\n", "[ =]\n", "[[=]]\n", "[\x05serve/dir\"\n", "[access]\nallowed_gids = [}2000\n"}) {
+    ConfigFile file(text);
+    Result<daemon::DaemonConfig> c = LoadFile(file.path());
+    ASSERT_FALSE(c.ok()) << text;
+    EXPECT_EQ(c.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(c.status().message().find(file.path() + ":"), std::string::npos)
+        << c.status().message();
+  }
+}
+
 // Found while hardening the reader: a config path that never ends (a device)
 // or is a directory is an error, not a hang or an empty config.
 TEST(FuzzRegressions, ConfigFileMustBeABoundedReadableFile) {
