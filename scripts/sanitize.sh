@@ -93,14 +93,8 @@ if [[ $TSAN == 1 ]]; then
     -DCMAKE_C_FLAGS="-fsanitize=thread" -DCMAKE_CXX_FLAGS="-fsanitize=thread" \
     -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" >/dev/null &&
     nice cmake --build build-tsan -j "$JOBS" --target daemon_tests; then
-    # WaitersAreServedInArrivalOrder records the order after Reserve returns,
-    # outside the table's lock, so under TSan's scheduling it flakes (the
-    # table served them in order; the test's bookkeeping raced). Excluded
-    # here until the test records the order it checks; override with
-    # TSAN_GTEST_FILTER=''.
-    filter=${TSAN_GTEST_FILTER--SessionTableTest.WaitersAreServedInArrivalOrder}
     TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1" build-tsan/bin/daemon_tests \
-      --gtest_brief=1 --gtest_filter="${filter:-*}" || fail "daemon_tests under ThreadSanitizer"
+      --gtest_brief=1 || fail "daemon_tests under ThreadSanitizer"
   else
     fail "build of build-tsan"
   fi
