@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test suite. Exits non-zero
 # on any failure. Extra arguments go to ctest (e.g. -L unit, -R integration).
+# First scripts/sanitize.sh (ASan+UBSan, fuzzers, TSan; SANITIZE=0 skips it),
+# then every suite of the normal build through CTest, whose summary closes
+# the output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-deps.sh
 scripts/build.sh
 export MEMOFFLOAD_BIN_DIR="$PWD/build/bin"
 
+sanitize_status=0
+if [[ "${SANITIZE:-1}" != 0 && $# -eq 0 ]]; then
+  scripts/sanitize.sh || sanitize_status=1
+fi
+
 # Every suite (C++ unit and integration, Python torch tests, deploy checks,
 # metrics end-to-end) is registered with CTest, so its summary is the one to read.
 cd build
-exec ctest --output-on-failure --timeout 900 "$@"
+ctest_status=0
+ctest --output-on-failure --timeout 900 "$@" || ctest_status=1
+if ((sanitize_status != 0)); then
+  echo "test.sh: scripts/sanitize.sh failed (see its output above)" >&2
+fi
+exit $((ctest_status | sanitize_status))
