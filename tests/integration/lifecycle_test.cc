@@ -6,6 +6,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <thread>
@@ -146,6 +147,19 @@ TEST(Lifecycle, SecondDaemonOnSameDirIsRefused) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) != 0);
   // The first daemon is unharmed.
   EXPECT_GT(daemon->Status().capacity_bytes(), 0u);
+}
+
+TEST(Lifecycle, UnusableRuntimeDirIsOneLineNamingThePath) {
+  std::string out;
+  // RunCapture collects stdout; the daemon reports on stderr, so send it there.
+  const std::string dir = "/nonexistent-parent/memoffload";
+  int code = RunCapture({"/bin/sh", "-c",
+                         BinDir() + "/memoffloadd --runtime-dir " + dir +
+                             " --arena-size 4MiB --metrics-address none 2>&1"},
+                        &out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("cannot create runtime dir " + dir), std::string::npos) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
 }
 
 TEST(Lifecycle, BadFlagsExitNonZeroWithOneLine) {
