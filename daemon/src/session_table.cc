@@ -233,7 +233,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
         FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
         " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + ")");
   }
-  Result<std::vector<Extent>> extents = Status();
+  Result<std::vector<Extent>> extents = Internal("not allocated yet");
   if (tenant_mode_ == TenantMode::kNone) {
     extents = arena_->allocator().Allocate(rounded, single_extent);
   } else {

@@ -39,8 +39,10 @@ class ErrorsTest : public ::testing::Test {
         "unix:" + daemon_->runtime_dir() + "/memoffload.sock", grpc::InsecureChannelCredentials()));
   }
   void TearDown() override {
+    if (!client_) return;  // SetUp failed and said why
     // Whatever happened, the daemon still serves a full cycle.
     auto r = client_->Reserve(9999, 4096);
+
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     ASSERT_TRUE(client_->Commit(9999, 4096).ok());
     ASSERT_TRUE(client_->Prefetch(9999).ok());
