@@ -30,8 +30,7 @@ class ExtentAllocator {
  public:
   // chunk_sizes[i] is the usable size of chunk i; each must be a non-zero
   // multiple of page_bytes, which must be a power of two.
-  ExtentAllocator(const std::vector<uint64_t>& chunk_sizes,
-                  uint64_t page_bytes);
+  ExtentAllocator(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes);
   ~ExtentAllocator();
   ExtentAllocator(const ExtentAllocator&) = delete;
   ExtentAllocator& operator=(const ExtentAllocator&) = delete;
@@ -43,9 +42,8 @@ class ExtentAllocator {
   // names requested, free and largest-free bytes) and changes nothing.
   // `allowed_chunks`, when non-null, restricts placement to chunks whose
   // entry is true (size must equal chunk_count()).
-  Result<std::vector<Extent>> Allocate(
-      uint64_t bytes, bool single_extent = false,
-      const std::vector<bool>* allowed_chunks = nullptr);
+  Result<std::vector<Extent>> Allocate(uint64_t bytes, bool single_extent = false,
+                                       const std::vector<bool>* allowed_chunks = nullptr);
 
   // Returns an extent obtained from Allocate (or a page-aligned sub-range of
   // one, as produced by Trim). Freeing anything else is a bug; it is detected
@@ -54,8 +52,7 @@ class ExtentAllocator {
 
   // Keeps the first `keep_bytes` (rounded up to a page) of an allocation
   // given as `extents` and frees the rest; returns the kept extents.
-  Result<std::vector<Extent>> Trim(const std::vector<Extent>& extents,
-                                   uint64_t keep_bytes);
+  Result<std::vector<Extent>> Trim(const std::vector<Extent>& extents, uint64_t keep_bytes);
 
   uint64_t capacity_bytes() const;
   uint64_t free_bytes() const;
