@@ -85,6 +85,12 @@ struct Group {
   Status reserve_status;
   bool in_arena = false;  // committed
   std::vector<Extent> read_extents;
+  // Copy time measured on the worker (host side: for the CUDA engine, the
+  // time to issue the copies), reported to the daemon with Commit / Release.
+  double copy_out_seconds = 0;
+  uint64_t copy_in_bytes = 0;
+  double copy_in_seconds = 0;
+
   // Guards StoredStorage::{copied, offloaded, source, restored}.
   std::mutex mu;
 };

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <utility>
 #include <vector>
@@ -96,12 +97,15 @@ void GroupTransfer::CopyOut(Group& g, StoredStorage& s) {
   s.ready = 0;
   const uint8_t* src = static_cast<const uint8_t*>(s.source.data());
   bool first = true;
+  const auto start = std::chrono::steady_clock::now();
   Status st = ForEachPiece(*g.client, g.write_extents, s.offset, s.nbytes,
                            [&](uint8_t* dst, uint64_t done, uint64_t n) {
                              const ReadyToken token = first ? ready : 0;
                              first = false;
                              return s.engine->CopyOut(s.device, src + done, dst, n, token);
                            });
+  g.copy_out_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (first) s.engine->DropToken(ready);  // zero bytes: no piece consumed it
   if (!st.ok()) {
     session_->NoteFailure(st, "copy to the arena");
@@ -154,7 +158,8 @@ void GroupTransfer::Close(Group& g) {
     g.client.reset();
   }
   if (g.client) {
-    Result<client::CommitInfo> commit = g.client->Commit(g.daemon_id, used, {stored, 0});
+    Result<client::CommitInfo> commit =
+        g.client->Commit(g.daemon_id, used, {stored, g.copy_out_seconds});
     if (commit.ok()) {
       g.in_arena = true;
       std::lock_guard<std::mutex> lock(g.mu);
@@ -214,6 +219,7 @@ void GroupTransfer::Prefetch(Group& g) {
     storages = g.storages;
   }
   uint64_t bytes = 0;
+  const auto start = std::chrono::steady_clock::now();
   for (auto& s : storages) {
     if (!s->offloaded) continue;
     Result<c10::Storage> restored = RestoreStorage(g, *s);
@@ -225,6 +231,9 @@ void GroupTransfer::Prefetch(Group& g) {
     s->restored = *restored;
     bytes += s->nbytes;
   }
+  g.copy_in_bytes += bytes;
+  g.copy_in_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats_->Count([bytes](OffloaderStats& st) { st.prefetched_bytes += bytes; });
   g.prefetch_promise.set_value(Status::Ok());
 }
@@ -237,8 +246,9 @@ void GroupTransfer::Release(Group& g) {
     }
   }
   if (g.client) {
-    Status st = g.client->Release(g.daemon_id);
+    Status st = g.client->Release(g.daemon_id, {g.copy_in_bytes, g.copy_in_seconds});
     if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
+
     g.client.reset();
   }
   if (!g.prefetch_issued) g.prefetch_promise.set_value(Status::Ok());
