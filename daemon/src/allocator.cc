@@ -8,6 +8,11 @@
 // summarised by a two-level bitmap. Allocated nodes are indexed by their
 // start in a hash map, which makes validating a Free O(1) when the extent
 // begins where an allocated extent begins.
+//
+// Every free node is also listed in its chunk's own class lists (a second
+// pair of links) under a per-chunk two-level bitmap, so a search restricted
+// to some chunks (allowed_chunks) asks each allowed chunk in O(1) instead of
+// scanning the global lists for members in allowed chunks.
 #include "memoffload/daemon/allocator.h"
 
 #include <algorithm>
@@ -116,12 +121,20 @@ class ExtentAllocator::Impl {
     page_shift_ = Log2Floor(page_bytes);
     for (auto& row : heads_) std::fill(row, row + kSlCount, kNone);
     nodes_.reserve(chunk_sizes.size() * 8 + 1024);
+    chunk_classes_.reserve(chunk_sizes.size());
     for (uint32_t c = 0; c < chunk_sizes.size(); ++c) {
       const uint64_t pages = chunk_sizes[c] >> page_shift_;
       if (pages == 0 || chunk_sizes[c] % page_bytes != 0 || pages >= (uint64_t{1} << kKeyShift)) {
         Die("chunk sizes must be non-zero multiples of page_bytes");
       }
-      nodes_.push_back(Node{0, pages, c, kNone, kNone, kNone, kNone, true});
+      nodes_.push_back(Node{0, pages, c, kNone, kNone, kNone, kNone, kNone, kNone, true});
+      int fl, sl;
+      Mapping(pages, &fl, &sl);
+      ChunkClasses& cc = chunk_classes_.emplace_back();
+      cc.fl_count = fl + 1;
+      cc.sl_bitmap.assign(cc.fl_count, 0);
+      cc.heads.assign(static_cast<size_t>(cc.fl_count) * kSlCount, kNone);
+      cc.class_max.assign(static_cast<size_t>(cc.fl_count) * kSlCount, 0);
       chunk_pages_.push_back(pages);
       chunk_free_pages_.push_back(pages);
       capacity_pages_ += pages;
@@ -130,14 +143,19 @@ class ExtentAllocator::Impl {
     free_pages_ = capacity_pages_;
   }
 
+  // `allowed`: distinct chunk indices, or nullptr for every chunk.
   Result<std::vector<Extent>> Allocate(uint64_t bytes, bool single_extent,
-                                       const std::vector<bool>* allowed);
+                                       const std::vector<uint32_t>* allowed);
+  // Checks `allowed` (size, or range and duplicates) and turns it into a
+  // chunk list in allowed_list_; nullptr when it allows every chunk.
+  Result<const std::vector<uint32_t>*> ToList(const std::vector<bool>* allowed);
+  Result<const std::vector<uint32_t>*> ToList(const std::vector<uint32_t>& allowed);
   Status Free(const Extent& extent);
   Result<std::vector<Extent>> Trim(const std::vector<Extent>& extents, uint64_t keep_bytes);
   Status CheckInvariants() const;
 
   // Pages of the longest free extent (in allowed chunks when non-null).
-  uint64_t LongestFreePages(const std::vector<bool>* allowed) const {
+  uint64_t LongestFreePages(const std::vector<uint32_t>* allowed) const {
     const uint32_t i = Largest(allowed, /*longest=*/true);
     return i == kNone ? 0 : nodes_[i].length;
   }
@@ -159,14 +177,27 @@ class ExtentAllocator::Impl {
     uint32_t next_phys;
     uint32_t prev_free;  // class-list links, meaningful while is_free
     uint32_t next_free;
+    uint32_t prev_chunk_free;  // links in the chunk's own class list
+    uint32_t next_chunk_free;
     bool is_free;
   };
 
+  // One chunk's segregated free lists: classes (fl, sl) with fl < fl_count
+  // (no free extent of a chunk is longer than the chunk), flattened as
+  // fl * kSlCount + sl.
+  struct ChunkClasses {
+    int fl_count = 0;
+    uint64_t fl_bitmap = 0;
+    std::vector<uint32_t> sl_bitmap;
+    std::vector<uint32_t> heads;
+    std::vector<uint64_t> class_max;  // as class_max_, for this chunk
+  };
+
+  // The class of a restricted search's candidate: smaller is a better fit.
+  static int ClassRank(int fl, int sl) { return fl * kSlCount + sl; }
+
   static uint64_t Key(uint32_t chunk, uint64_t offset) {
     return (uint64_t{chunk} << kKeyShift) | offset;
-  }
-  static bool Allowed(const std::vector<bool>* allowed, uint32_t chunk) {
-    return allowed == nullptr || (*allowed)[chunk];
   }
   std::string Bytes(uint64_t pages) const { return std::to_string(ToBytes(pages)) + " bytes"; }
   std::string Describe(uint32_t chunk, uint64_t offset, uint64_t len) const {
@@ -196,6 +227,15 @@ class ExtentAllocator::Impl {
     class_max_[fl][sl] = std::max(class_max_[fl][sl], n.length);
     fl_bitmap_ |= uint64_t{1} << fl;
     sl_bitmap_[fl] |= 1u << sl;
+    ChunkClasses& cc = chunk_classes_[n.chunk];
+    const int k = ClassRank(fl, sl);
+    n.prev_chunk_free = kNone;
+    n.next_chunk_free = cc.heads[k];
+    if (n.next_chunk_free != kNone) nodes_[n.next_chunk_free].prev_chunk_free = i;
+    cc.heads[k] = i;
+    cc.class_max[k] = std::max(cc.class_max[k], n.length);
+    cc.fl_bitmap |= uint64_t{1} << fl;
+    cc.sl_bitmap[fl] |= 1u << sl;
   }
 
   // Unlinks free node i from its class list; is_free is the caller's.
@@ -206,12 +246,23 @@ class ExtentAllocator::Impl {
     if (n.next_free != kNone) nodes_[n.next_free].prev_free = n.prev_free;
     if (n.prev_free != kNone) {
       nodes_[n.prev_free].next_free = n.next_free;
+    } else {
+      heads_[fl][sl] = n.next_free;
+      if (n.next_free == kNone) {
+        sl_bitmap_[fl] &= ~(1u << sl);
+        if (sl_bitmap_[fl] == 0) fl_bitmap_ &= ~(uint64_t{1} << fl);
+      }
+    }
+    ChunkClasses& cc = chunk_classes_[n.chunk];
+    if (n.next_chunk_free != kNone) nodes_[n.next_chunk_free].prev_chunk_free = n.prev_chunk_free;
+    if (n.prev_chunk_free != kNone) {
+      nodes_[n.prev_chunk_free].next_chunk_free = n.next_chunk_free;
       return;
     }
-    heads_[fl][sl] = n.next_free;
-    if (n.next_free == kNone) {
-      sl_bitmap_[fl] &= ~(1u << sl);
-      if (sl_bitmap_[fl] == 0) fl_bitmap_ &= ~(uint64_t{1} << fl);
+    cc.heads[ClassRank(fl, sl)] = n.next_chunk_free;
+    if (n.next_chunk_free == kNone) {
+      cc.sl_bitmap[fl] &= ~(1u << sl);
+      if (cc.sl_bitmap[fl] == 0) cc.fl_bitmap &= ~(uint64_t{1} << fl);
     }
   }
 
@@ -235,22 +286,12 @@ class ExtentAllocator::Impl {
   // unrestricted search is O(1) (own class head, then the first non-empty
   // class above the request's, found by find-first-set); with `exact` it then
   // scans the own class, so kNone means nothing fits. A restricted search
-  // scans the classes from the own class up.
-  uint32_t FindFit(uint64_t pages, bool exact, const std::vector<bool>* allowed) {
+  // does the same in each allowed chunk's own lists and takes the smallest
+  // class found: O(allowed chunks), independent of the free extent count.
+  uint32_t FindFit(uint64_t pages, bool exact, const std::vector<uint32_t>* allowed) {
     int fl, sl;
     Mapping(pages, &fl, &sl);
-    if (allowed != nullptr) {
-      for (int f = fl, s0 = sl; f < kFlCount; ++f, s0 = 0) {
-        for (uint32_t map = sl_bitmap_[f] & (~0u << s0); map != 0; map &= map - 1) {
-          for (uint32_t i = heads_[f][__builtin_ctz(map)]; i != kNone; i = nodes_[i].next_free) {
-            if (nodes_[i].length >= pages && (*allowed)[nodes_[i].chunk]) {
-              return i;
-            }
-          }
-        }
-      }
-      return kNone;
-    }
+    if (allowed != nullptr) return FindFitRestricted(pages, fl, sl, exact, *allowed);
     const uint32_t head = heads_[fl][sl];
     if (head != kNone && nodes_[head].length >= pages) return head;
     // Every member of a class above the own one is long enough.
@@ -277,9 +318,84 @@ class ExtentAllocator::Impl {
     return kNone;
   }
 
+  // The first non-empty class of chunk cc at or above (fl, sl) as a
+  // ClassRank, or INT32_MAX.
+  static int FirstClassAtOrAbove(const ChunkClasses& cc, int fl, int sl) {
+    if (fl >= cc.fl_count) return INT32_MAX;
+    uint32_t map = cc.sl_bitmap[fl] & (~0u << sl);
+    int f = fl;
+    if (map == 0) {
+      const uint64_t fl_map = fl + 1 < 64 ? cc.fl_bitmap & (~uint64_t{0} << (fl + 1)) : 0;
+      if (fl_map == 0) return INT32_MAX;
+      f = __builtin_ctzll(fl_map);
+      map = cc.sl_bitmap[f];
+    }
+    return ClassRank(f, __builtin_ctz(map));
+  }
+
+  uint32_t FindFitRestricted(uint64_t pages, int fl, int sl, bool exact,
+                             const std::vector<uint32_t>& allowed) {
+    const int own = ClassRank(fl, sl);
+    int best_rank = INT32_MAX;
+    uint32_t best = kNone;
+    for (uint32_t c : allowed) {
+      if (chunk_free_pages_[c] < pages) continue;
+      const ChunkClasses& cc = chunk_classes_[c];
+      const int rank = FirstClassAtOrAbove(cc, fl, sl);
+      if (rank == own) {
+        // Own class: only the head is checked here (members vary in length).
+        const uint32_t head = cc.heads[own];
+        if (nodes_[head].length >= pages) return head;
+        const int above = sl + 1 < kSlCount ? FirstClassAtOrAbove(cc, fl, sl + 1)
+                                            : FirstClassAtOrAbove(cc, fl + 1, 0);
+        if (above < best_rank) best_rank = above, best = c;
+      } else if (rank < best_rank) {
+        best_rank = rank;
+        best = c;
+      }
+    }
+    if (best != kNone) return chunk_classes_[best].heads[best_rank];
+    if (!exact) return kNone;
+    for (uint32_t c : allowed) {
+      if (chunk_free_pages_[c] < pages) continue;
+      ChunkClasses& cc = chunk_classes_[c];
+      if (fl >= cc.fl_count || cc.class_max[own] < pages) continue;
+      uint64_t longest = 0;
+      for (uint32_t i = cc.heads[own]; i != kNone; i = nodes_[i].next_chunk_free) {
+        if (nodes_[i].length >= pages) return i;
+        longest = std::max(longest, nodes_[i].length);
+      }
+      cc.class_max[own] = longest;
+    }
+    return kNone;
+  }
+
+  // As Largest, over the allowed chunks' own lists.
+  uint32_t LargestRestricted(const std::vector<uint32_t>& allowed, bool longest) const {
+    int top = -1;
+    for (uint32_t c : allowed) {
+      const ChunkClasses& cc = chunk_classes_[c];
+      if (cc.fl_bitmap == 0) continue;
+      const int fl = Log2Floor(cc.fl_bitmap);
+      top = std::max(top, ClassRank(fl, 31 - __builtin_clz(cc.sl_bitmap[fl])));
+    }
+    if (top < 0) return kNone;
+    uint32_t best = kNone;
+    for (uint32_t c : allowed) {
+      const ChunkClasses& cc = chunk_classes_[c];
+      if (top / kSlCount >= cc.fl_count) continue;
+      for (uint32_t i = cc.heads[top]; i != kNone; i = nodes_[i].next_chunk_free) {
+        if (!longest) return i;
+        if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
+      }
+    }
+    return best;
+  }
+
   // A node of the highest non-empty class holding an allowed node: the
   // longest of that class with `longest`, else the first (O(1) unrestricted).
-  uint32_t Largest(const std::vector<bool>* allowed, bool longest) const {
+  uint32_t Largest(const std::vector<uint32_t>* allowed, bool longest) const {
+    if (allowed != nullptr) return LargestRestricted(*allowed, longest);
     for (uint64_t fl_map = fl_bitmap_; fl_map != 0;) {
       const int fl = Log2Floor(fl_map);
       fl_map &= ~(uint64_t{1} << fl);
@@ -288,7 +404,6 @@ class ExtentAllocator::Impl {
         map &= ~(1u << sl);
         uint32_t best = kNone;
         for (uint32_t i = heads_[fl][sl]; i != kNone; i = nodes_[i].next_free) {
-          if (!Allowed(allowed, nodes_[i].chunk)) continue;
           if (!longest) return i;
           if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
         }
@@ -356,27 +471,62 @@ class ExtentAllocator::Impl {
   // Upper bound of the longest free extent per class: raised on insert,
   // made exact by a failed scan.
   uint64_t class_max_[kFlCount][kSlCount] = {};
-  StartIndex index_;  // start key -> allocated node
+  std::vector<ChunkClasses> chunk_classes_;
+  std::vector<uint32_t> allowed_list_;  // scratch for ToList
+  std::vector<uint8_t> allowed_mark_;   // scratch for ToList: 1 = listed
+  StartIndex index_;                    // start key -> allocated node
 };
 
-Result<std::vector<Extent>> ExtentAllocator::Impl::Allocate(uint64_t bytes, bool single_extent,
-                                                            const std::vector<bool>* allowed) {
-  if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
-  if (allowed != nullptr && allowed->size() != chunk_pages_.size()) {
+Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
+    const std::vector<bool>* allowed) {
+  if (allowed == nullptr) return static_cast<const std::vector<uint32_t>*>(nullptr);
+  if (allowed->size() != chunk_pages_.size()) {
     return InvalidArgument("allowed_chunks has " + std::to_string(allowed->size()) +
                            " entries, expected " + std::to_string(chunk_pages_.size()));
   }
+  allowed_list_.clear();
+  for (uint32_t c = 0; c < chunk_pages_.size(); ++c) {
+    if ((*allowed)[c]) allowed_list_.push_back(c);
+  }
+  if (allowed_list_.size() == chunk_pages_.size()) {
+    return static_cast<const std::vector<uint32_t>*>(nullptr);
+  }
+  return static_cast<const std::vector<uint32_t>*>(&allowed_list_);
+}
+
+Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
+    const std::vector<uint32_t>& allowed) {
+  allowed_mark_.resize(chunk_pages_.size(), 0);
+  Status bad = Status::Ok();
+  size_t marked = 0;
+  for (; marked < allowed.size(); ++marked) {
+    const uint32_t c = allowed[marked];
+    if (c >= chunk_pages_.size()) {
+      bad = InvalidArgument("allowed chunk " + std::to_string(c) + " out of range: the arena has " +
+                            std::to_string(chunk_pages_.size()) + " chunks");
+      break;
+    }
+    if (allowed_mark_[c] != 0) {
+      bad = InvalidArgument("allowed chunk " + std::to_string(c) + " is listed twice");
+      break;
+    }
+    allowed_mark_[c] = 1;
+  }
+  for (size_t k = 0; k < marked; ++k) allowed_mark_[allowed[k]] = 0;
+  if (!bad.ok()) return bad;
+  if (allowed.size() == chunk_pages_.size()) {
+    return static_cast<const std::vector<uint32_t>*>(nullptr);
+  }
+  return &allowed;
+}
+
+Result<std::vector<Extent>> ExtentAllocator::Impl::Allocate(uint64_t bytes, bool single_extent,
+                                                            const std::vector<uint32_t>* allowed) {
+  if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
   uint64_t free_pages = free_pages_;
   if (allowed != nullptr) {
     free_pages = 0;
-    size_t allowed_count = 0;
-    for (size_t c = 0; c < chunk_pages_.size(); ++c) {
-      if ((*allowed)[c]) {
-        free_pages += chunk_free_pages_[c];
-        ++allowed_count;
-      }
-    }
-    if (allowed_count == chunk_pages_.size()) allowed = nullptr;
+    for (uint32_t c : *allowed) free_pages += chunk_free_pages_[c];
   }
   const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
   const uint32_t fit = pages <= free_pages ? FindFit(pages, /*exact=*/true, allowed) : kNone;
@@ -536,6 +686,36 @@ Status ExtentAllocator::Impl::CheckInvariants() const {
     return Internal("class lists hold " + std::to_string(listed) + " extents; the chunks hold " +
                     std::to_string(free_nodes) + " free extents");
   }
+  // Each chunk's own lists hold exactly that chunk's free nodes, likewise.
+  uint64_t chunk_listed = 0;
+  for (uint32_t c = 0; c < chunk_classes_.size(); ++c) {
+    const ChunkClasses& cc = chunk_classes_[c];
+    if (cc.fl_count < 64 && (cc.fl_bitmap >> cc.fl_count) != 0) {
+      return Internal("chunk " + std::to_string(c) + " has a class bit above its largest class");
+    }
+    for (int fl = 0; fl < cc.fl_count; ++fl) {
+      for (int sl = 0; sl < kSlCount; ++sl) {
+        const int k = ClassRank(fl, sl);
+        bool ok = ((cc.sl_bitmap[fl] >> sl & 1) != 0) == (cc.heads[k] != kNone) &&
+                  ((cc.fl_bitmap >> fl & 1) != 0) == (cc.sl_bitmap[fl] != 0);
+        for (uint32_t i = cc.heads[k], prev = kNone; ok && i != kNone;
+             prev = i, i = nodes_[i].next_chunk_free, ++chunk_listed) {
+          int f, s;
+          Mapping(nodes_[i].length, &f, &s);
+          ok = nodes_[i].is_free && nodes_[i].chunk == c && nodes_[i].prev_chunk_free == prev &&
+               f == fl && s == sl && nodes_[i].length <= cc.class_max[k];
+        }
+        if (!ok) {
+          return Internal("chunk " + std::to_string(c) + " size class (" + std::to_string(fl) +
+                          ", " + std::to_string(sl) + ") has a bad list or bitmap");
+        }
+      }
+    }
+  }
+  if (chunk_listed != free_nodes) {
+    return Internal("per-chunk class lists hold " + std::to_string(chunk_listed) +
+                    " extents; the chunks hold " + std::to_string(free_nodes) + " free extents");
+  }
   return Status::Ok();
 }
 
@@ -545,7 +725,15 @@ ExtentAllocator::~ExtentAllocator() = default;
 
 Result<std::vector<Extent>> ExtentAllocator::Allocate(uint64_t bytes, bool single_extent,
                                                       const std::vector<bool>* allowed_chunks) {
-  return impl_->Allocate(bytes, single_extent, allowed_chunks);
+  Result<const std::vector<uint32_t>*> list = impl_->ToList(allowed_chunks);
+  if (!list.ok()) return list.status();
+  return impl_->Allocate(bytes, single_extent, *list);
+}
+Result<std::vector<Extent>> ExtentAllocator::AllocateIn(
+    uint64_t bytes, bool single_extent, const std::vector<uint32_t>& allowed_chunks) {
+  Result<const std::vector<uint32_t>*> list = impl_->ToList(allowed_chunks);
+  if (!list.ok()) return list.status();
+  return impl_->Allocate(bytes, single_extent, *list);
 }
 Status ExtentAllocator::Free(const Extent& extent) { return impl_->Free(extent); }
 Result<std::vector<Extent>> ExtentAllocator::Trim(const std::vector<Extent>& extents,

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -106,7 +107,9 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
   void SetUp() override {
     rng_.seed(static_cast<uint64_t>(GetParam()) * 0x9E3779B97F4A7C15ull + 1);
     page_ = uint64_t{1} << Uniform(9, 16);
-    const int chunks = static_cast<int>(Uniform(1, 8));
+    // Every fourth seed has many chunks, so searches restricted to some of
+    // them (allowed_chunks) have many per-chunk lists to choose from.
+    const int chunks = static_cast<int>(GetParam() % 4 == 1 ? Uniform(9, 40) : Uniform(1, 8));
     // Every third seed uses chunks of nearly equal size, which share a size
     // class; the others mix mid-sized chunks with an occasional tiny one.
     const bool similar = GetParam() % 3 == 0;
@@ -121,6 +124,10 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
     std::vector<uint64_t> sizes;
     for (uint64_t p : chunk_pages_) sizes.push_back(p * page_);
     alloc_ = std::make_unique<ExtentAllocator>(sizes, page_);
+    // Tenant-style restrictions: fixed sets of chunks, as the daemon's
+    // tenant mode passes (chunk c belongs to tenant c % kTenants).
+    tenant_chunks_.assign(kTenants, std::vector<bool>(chunks, false));
+    for (int c = 0; c < chunks; ++c) tenant_chunks_[c % kTenants][c] = true;
     model_ = std::make_unique<Model>(chunk_pages_);
   }
 
@@ -130,9 +137,10 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
 
   // Mostly small requests; some medium, some near the largest free extent
   // (where a good fit has to search its own size class), some too large.
-  uint64_t RandomRequestBytes() {
+  // `allowed`: the chunks the request may use (nullptr: all).
+  uint64_t RandomRequestBytes(const std::vector<bool>* allowed) {
     const uint64_t roll = Uniform(0, 19);
-    const uint64_t largest = model_->LargestRun(nullptr);
+    const uint64_t largest = model_->LargestRun(allowed);
     uint64_t pages;
     if (roll < 11) {
       pages = Uniform(1, 8);
@@ -168,27 +176,50 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
   std::unique_ptr<ExtentAllocator> alloc_;
   std::unique_ptr<Model> model_;
   std::vector<std::vector<Extent>> live_;  // each entry: one allocation
+  static constexpr int kTenants = 3;
+  std::vector<std::vector<bool>> tenant_chunks_;
 };
 
 void ExtentAllocatorPropertyTest::DoAllocate() {
-  const uint64_t bytes = RandomRequestBytes();
-  const uint64_t pages = (bytes + page_ - 1) / page_;
-  const bool single = Uniform(0, 4) == 0;
+  // Half unrestricted, a quarter a tenant's chunks, a quarter random chunks.
   std::vector<bool> allowed(chunk_pages_.size(), true);
-  const bool restrict = Uniform(0, 4) == 0;
-  if (restrict) {
+  const uint64_t how = Uniform(0, 3);
+  const bool restrict = how >= 2;
+  if (how == 2) {
+    allowed = tenant_chunks_[Uniform(0, kTenants - 1)];
+  } else if (how == 3) {
     for (size_t c = 0; c < allowed.size(); ++c) allowed[c] = Uniform(0, 1) == 1;
   }
   const std::vector<bool>* allowed_ptr = restrict ? &allowed : nullptr;
+  const uint64_t bytes = RandomRequestBytes(allowed_ptr);
+  const uint64_t pages = (bytes + page_ - 1) / page_;
+  const bool single = Uniform(0, 4) == 0;
   const uint64_t free_pages = model_->FreePages(allowed_ptr);
   const uint64_t largest = model_->LargestRun(allowed_ptr);
   const bool expect_ok = single ? largest >= pages : free_pages >= pages;
-  auto r = alloc_->Allocate(bytes, single, allowed_ptr);
+  // Restricted requests go through Allocate (vector<bool>) or AllocateIn
+  // (a shuffled list of the same chunks) alike.
+  Result<std::vector<Extent>> r = InvalidArgument("not called");
+  if (restrict && Uniform(0, 1) == 1) {
+    std::vector<uint32_t> list;
+    for (uint32_t c = 0; c < allowed.size(); ++c) {
+      if (allowed[c]) list.push_back(c);
+    }
+    std::shuffle(list.begin(), list.end(), rng_);
+    r = alloc_->AllocateIn(bytes, single, list);
+  } else {
+    r = alloc_->Allocate(bytes, single, allowed_ptr);
+  }
   ASSERT_EQ(r.ok(), expect_ok) << "bytes " << bytes << " single " << single << " model free pages "
                                << free_pages << " largest " << largest << ": "
                                << r.status().ToString();
   if (!r.ok()) {
     ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+    // The message names the longest free extent where the caller may
+    // allocate, which checks the (restricted) largest-extent search.
+    const std::string want = "largest free extent " + std::to_string(largest * page_) + " bytes";
+    ASSERT_NE(r.status().message().find(want), std::string::npos)
+        << "want '" << want << "' in: " << r.status().message();
     return;
   }
   uint64_t total = 0;

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <vector>
 
 namespace memoffload::daemon {
@@ -201,6 +202,85 @@ TEST(ExtentAllocatorTest, AllowedChunksRestrictPlacement) {
   for (const Extent& e : *spread) EXPECT_NE(e.chunk, 2u);
   const std::vector<bool> wrong_size = {true};
   EXPECT_EQ(alloc.Allocate(1, false, &wrong_size).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_INVARIANTS(alloc);
+}
+
+TEST(ExtentAllocatorTest, RestrictedSearchTakesTheBestFitAcrossAllowedChunks) {
+  // Chunk 0: a 40-page hole; chunk 1: a 5-page hole; chunk 2 (not allowed):
+  // an exact 4-page hole. A 4-page request restricted to chunks 0 and 1
+  // must take chunk 1's 5-page hole (the smaller class), not split chunk 0.
+  ExtentAllocator alloc({Pages(41), Pages(6), Pages(5)}, kPage);
+  auto take = [&](uint32_t chunk, uint64_t pages) {
+    std::vector<bool> only(3, false);
+    only[chunk] = true;
+    auto r = alloc.Allocate(Pages(pages), true, &only);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? r->front() : Extent{};
+  };
+  take(0, 1);
+  const Extent forty = take(0, 40);
+  take(1, 1);
+  const Extent five = take(1, 5);
+  take(2, 1);
+  const Extent four = take(2, 4);
+  ASSERT_TRUE(alloc.Free(forty).ok());
+  ASSERT_TRUE(alloc.Free(five).ok());
+  ASSERT_TRUE(alloc.Free(four).ok());
+  const std::vector<bool> zero_and_one = {true, true, false};
+  auto r = alloc.Allocate(Pages(4), false, &zero_and_one);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_EQ(r->size(), 1u);
+  EXPECT_EQ(r->front(), (Extent{1, Pages(1), Pages(4)}));
+  EXPECT_INVARIANTS(alloc);
+}
+
+TEST(ExtentAllocatorTest, RestrictedSingleExtentScansItsOwnClassInEachChunk) {
+  // 131 and 128 pages share a size class. Chunk 1 holds both kinds of hole
+  // with the 128-page one heading its list; chunk 0 (not allowed) holds a
+  // 131-page hole. A 130-page single extent restricted to chunk 1 must find
+  // chunk 1's 131-page hole behind the head.
+  ExtentAllocator alloc({Pages(131), Pages(260)}, kPage);
+  const std::vector<bool> only_one = {false, true};
+  auto a = alloc.Allocate(Pages(131), true, &only_one);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(alloc.Allocate(Pages(1), true, &only_one).ok());  // separates the holes
+  auto b = alloc.Allocate(Pages(128), true, &only_one);
+  ASSERT_TRUE(b.ok());
+  ASSERT_EQ(alloc.chunk_free_bytes(1), 0u) << "chunk 1 is tiled by a, the 1 page and b";
+  ASSERT_TRUE(alloc.Free(a->front()).ok());
+  ASSERT_TRUE(alloc.Free(b->front()).ok());  // inserted last: heads the class list
+  auto r = alloc.Allocate(Pages(130), true, &only_one);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->front(), (Extent{1, a->front().offset, Pages(130)}));
+  // Nothing of 131 pages is left in chunk 1 now; the miss is reported.
+  auto miss = alloc.Allocate(Pages(129), true, &only_one);
+  ASSERT_FALSE(miss.ok());
+  EXPECT_NE(miss.status().message().find("largest free extent " + std::to_string(Pages(128))),
+            std::string::npos)
+      << miss.status().message();
+  EXPECT_INVARIANTS(alloc);
+}
+
+TEST(ExtentAllocatorTest, AllocateInTakesAChunkListAndRefusesBadOnes) {
+  ExtentAllocator alloc({Pages(8), Pages(8), Pages(8)}, kPage);
+  auto r = alloc.AllocateIn(Pages(10), false, {2, 0});
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  for (const Extent& e : *r) EXPECT_NE(e.chunk, 1u);
+  EXPECT_EQ(alloc.chunk_free_bytes(1), Pages(8));
+  auto none = alloc.AllocateIn(Pages(1), false, {});
+  EXPECT_EQ(none.status().code(), StatusCode::kResourceExhausted);
+  auto out_of_range = alloc.AllocateIn(Pages(1), false, {1, 3});
+  EXPECT_EQ(out_of_range.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(out_of_range.status().message().find("allowed chunk 3 out of range"), std::string::npos)
+      << out_of_range.status().message();
+  // A duplicate would count a chunk's free bytes twice.
+  auto twice = alloc.AllocateIn(Pages(12), false, {1, 1});
+  EXPECT_EQ(twice.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("allowed chunk 1 is listed twice"), std::string::npos)
+      << twice.status().message();
+  EXPECT_EQ(alloc.chunk_free_bytes(1), Pages(8));
+  // Refusals leave no trace: the same list without the duplicate works.
+  EXPECT_TRUE(alloc.AllocateIn(Pages(8), true, {1}).ok());
   EXPECT_INVARIANTS(alloc);
 }
 

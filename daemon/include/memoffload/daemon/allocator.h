@@ -8,7 +8,9 @@
 //
 // A request larger than the largest free extent is served as several extents
 // unless the caller asks for a single extent; it fails only when the total
-// free bytes (in chunks the caller may use) are not enough.
+// free bytes (in chunks the caller may use) are not enough. Searches
+// restricted to some chunks look at each allowed chunk's own size-class
+// lists: O(allowed chunks), not O(free extents).
 //
 // Not thread-safe: the owner (Arena) serialises calls.
 #ifndef MEMOFFLOAD_DAEMON_ALLOCATOR_H_
@@ -42,8 +44,16 @@ class ExtentAllocator {
   // names requested, free and largest-free bytes) and changes nothing.
   // `allowed_chunks`, when non-null, restricts placement to chunks whose
   // entry is true (size must equal chunk_count()).
+  // A restricted search costs O(allowed chunks), whatever the number of
+  // free extents (each chunk keeps its own size-class lists).
   Result<std::vector<Extent>> Allocate(uint64_t bytes, bool single_extent = false,
                                        const std::vector<bool>* allowed_chunks = nullptr);
+  // As Allocate restricted to the chunks listed in `allowed_chunks` (distinct
+  // indices < chunk_count(), else INVALID_ARGUMENT; empty allows none). Saves
+  // the O(chunk_count()) pass over a vector<bool> for callers that keep a
+  // list, e.g. the chunks a tenant owns.
+  Result<std::vector<Extent>> AllocateIn(uint64_t bytes, bool single_extent,
+                                         const std::vector<uint32_t>& allowed_chunks);
 
   // Returns an extent obtained from Allocate (or a page-aligned sub-range of
   // one, as produced by Trim). Freeing anything else is a bug; it is detected
