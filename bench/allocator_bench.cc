@@ -1,10 +1,13 @@
-// memoffload-bench allocator [--json] [--seed N]
+// memoffload-bench allocator [--json] [--seed N] [--samples N]
 //
 // Replays each trace of traces.h into an arena of the trace's capacity and
 // reports, for ExtentAllocator and for a model of PyTorch's pinned-memory
 // CachingHostAllocator measured in the same run, the utilisation at the
 // first failed reserve: live requested bytes / capacity. Also reports the
 // p50/p99 latency of one Allocate plus the Free of everything it returned.
+// Each trace runs unrestricted and restricted (8 tenants, each allocating
+// only in the chunks it owns, as the daemon's default tenant mode does), and
+// with single_extent for the single-extent utilisation.
 // Only bookkeeping runs; no memory is touched.
 #include <algorithm>
 #include <chrono>
@@ -91,15 +94,53 @@ Outcome ReplayPow2(const Trace& trace) {
   return out;
 }
 
+// How ReplayOurs places requests.
+struct Placement {
+  // Each trace tenant (rank) is a tenant of the daemon's default mode: it
+  // may use only the chunks it owns (Allocate with allowed_chunks) and, when
+  // a request does not fit, takes over a wholly free chunk it does not own
+  // (never-used chunks first) and retries, as SessionTable::TryReserve does.
+  // It passes its chunks as a list (AllocateIn).
+  bool restricted = false;
+  bool single_extent = false;
+};
+
 // Replays `trace` into a fresh ExtentAllocator up to the first failure, then
-// frees what is still live. Appends one alloc+free latency per served reserve.
-Outcome ReplayOurs(const Trace& trace, std::vector<uint64_t>* latencies_ns) {
-  ExtentAllocator alloc(
-      std::vector<uint64_t>(trace.capacity_bytes / trace.chunk_bytes, trace.chunk_bytes),
-      trace.page_bytes);
+// frees what is still live. Appends one alloc+free latency per served reserve
+// when `latencies_ns` is non-null; a restricted sample includes the retries
+// after taking over a chunk, not the takeover's own search.
+Outcome ReplayOurs(const Trace& trace, Placement placement, std::vector<uint64_t>* latencies_ns) {
+  const uint32_t chunks = static_cast<uint32_t>(trace.capacity_bytes / trace.chunk_bytes);
+  ExtentAllocator alloc(std::vector<uint64_t>(chunks, trace.chunk_bytes), trace.page_bytes);
   std::vector<std::vector<Extent>> extents(trace.reserve_count);
   std::vector<uint64_t> sizes(trace.reserve_count, 0);
   std::vector<uint64_t> alloc_ns(trace.reserve_count, 0);
+  // Restricted placement: owner of each chunk (-1 never used) and the list
+  // of chunks each tenant owns (passed to AllocateIn), kept up to date as
+  // chunks change hands.
+  std::vector<int> owner(chunks, -1);
+  std::vector<std::vector<uint32_t>> owned(kTraceTenants);
+  auto take_over = [&](uint32_t tenant) {
+    int64_t reused = -1;
+    for (uint32_t c = 0; c < chunks; ++c) {
+      if (owner[c] == static_cast<int>(tenant) || alloc.chunk_free_bytes(c) != trace.chunk_bytes) {
+        continue;
+      }
+      if (owner[c] < 0) {
+        reused = c;
+        break;
+      }
+      if (reused < 0) reused = c;
+    }
+    if (reused < 0) return false;
+    if (owner[reused] >= 0) {
+      std::vector<uint32_t>& list = owned[owner[reused]];
+      list.erase(std::find(list.begin(), list.end(), static_cast<uint32_t>(reused)));
+    }
+    owner[reused] = static_cast<int>(tenant);
+    owned[tenant].push_back(static_cast<uint32_t>(reused));
+    return true;
+  };
   uint64_t live_bytes = 0;
   Outcome out;
   auto release = [&](uint32_t id) {
@@ -108,7 +149,7 @@ Outcome ReplayOurs(const Trace& trace, std::vector<uint64_t>* latencies_ns) {
       if (!alloc.Free(e).ok()) std::abort();
     }
     const Clock::time_point end = Clock::now();
-    latencies_ns->push_back(alloc_ns[id] + (end - start).count());
+    if (latencies_ns != nullptr) latencies_ns->push_back(alloc_ns[id] + (end - start).count());
     live_bytes -= sizes[id];
     extents[id].clear();
   };
@@ -117,11 +158,18 @@ Outcome ReplayOurs(const Trace& trace, std::vector<uint64_t>* latencies_ns) {
       release(ev.id);
       continue;
     }
-    const Clock::time_point start = Clock::now();
-    auto r = alloc.Allocate(ev.bytes);
-    const Clock::time_point end = Clock::now();
+    uint64_t ns = 0;
+    Result<std::vector<Extent>> r = ResourceExhausted("not tried");
+    while (true) {
+      const Clock::time_point start = Clock::now();
+      r = placement.restricted
+              ? alloc.AllocateIn(ev.bytes, placement.single_extent, owned[ev.tenant])
+              : alloc.Allocate(ev.bytes, placement.single_extent);
+      ns += (Clock::now() - start).count();
+      if (r.ok() || !placement.restricted || !take_over(ev.tenant)) break;
+    }
     if (!r.ok()) break;
-    alloc_ns[ev.id] = (end - start).count();
+    alloc_ns[ev.id] = ns;
     extents[ev.id] = std::move(*r);
     sizes[ev.id] = ev.bytes;
     live_bytes += ev.bytes;
@@ -137,21 +185,28 @@ Outcome ReplayOurs(const Trace& trace, std::vector<uint64_t>* latencies_ns) {
 
 struct Report {
   std::string trace;
+  bool restricted = false;
   double capacity_gib = 0;
   Outcome ours;
+  Outcome single;  // ours with single_extent
   Outcome pow2;
   uint64_t p50_ns = 0;
   uint64_t p99_ns = 0;
 };
 
-Report Measure(const Trace& trace) {
+Report Measure(const Trace& trace, bool restricted, const Outcome& pow2,
+               size_t min_latency_samples) {
   Report report;
   report.trace = trace.name;
+  report.restricted = restricted;
   report.capacity_gib = static_cast<double>(trace.capacity_bytes) / (1 << 30);
-  report.pow2 = ReplayPow2(trace);
+  report.pow2 = pow2;
+  report.single = ReplayOurs(trace, Placement{restricted, true}, nullptr);
   std::vector<uint64_t> latencies;
-  report.ours = ReplayOurs(trace, &latencies);
-  while (latencies.size() < kMinLatencySamples) ReplayOurs(trace, &latencies);
+  report.ours = ReplayOurs(trace, Placement{restricted, false}, &latencies);
+  while (latencies.size() < min_latency_samples) {
+    ReplayOurs(trace, Placement{restricted, false}, &latencies);
+  }
   std::sort(latencies.begin(), latencies.end());
   report.p50_ns = latencies[latencies.size() / 2];
   report.p99_ns = latencies[latencies.size() * 99 / 100];
@@ -160,11 +215,47 @@ Report Measure(const Trace& trace) {
 
 void PrintUsage() {
   std::fprintf(stderr,
-               "usage: memoffload-bench allocator [--json] [--seed N]\n"
+               "usage: memoffload-bench allocator [--json] [--seed N] [--samples N]\n"
                "Replays activation traces (llama-7b, llama-70b-tp8, random) "
                "and reports the\narena utilisation at the first failed "
                "request for our allocator and for a\npower-of-two caching "
-               "model, plus alloc+free latency percentiles.\n");
+               "model, plus alloc+free latency percentiles (at least\n--samples "
+               "alloc+free pairs, default 200000). Each trace runs twice: "
+               "unrestricted,\nand restricted (8 tenants, each allocating only in "
+               "the chunks it owns).\n");
+}
+
+bool ParseCount(const char* flag, const char* text, uint64_t* out) {
+  char* end = nullptr;
+  *out = std::strtoull(text, &end, 10);
+  if (end == text || *end != '\0') {
+    std::fprintf(stderr, "allocator: %s wants a number, got '%s'\n", flag, text);
+    return false;
+  }
+  return true;
+}
+
+void Print(const Report& r, bool json) {
+  const double extents_per_request = static_cast<double>(r.ours.extents) / r.ours.requests;
+  if (json) {
+    std::printf(
+        "{\"bench\":\"allocator\",\"trace\":\"%s\",\"restricted\":%s,\"tenants\":%u,"
+        "\"utilization\":%.4f,\"pow2_utilization\":%.4f,\"single_extent_utilization\":%.4f,"
+        "\"alloc_free_p50_ns\":%llu,\"alloc_free_p99_ns\":%llu,\"requests\":%u,"
+        "\"extents_per_request\":%.4f}\n",
+        r.trace.c_str(), r.restricted ? "true" : "false", r.restricted ? kTraceTenants : 1,
+        r.ours.utilization, r.pow2.utilization, r.single.utilization,
+        static_cast<unsigned long long>(r.p50_ns), static_cast<unsigned long long>(r.p99_ns),
+        r.ours.requests, extents_per_request);
+  } else {
+    std::printf("%-14s %-10s %5.0fGiB %9u %8.4f %8.4f %8.4f %7.2fx %11.2f %8llu %8llu\n",
+                r.trace.c_str(), r.restricted ? "8 tenants" : "-", r.capacity_gib, r.ours.requests,
+                r.ours.utilization, r.single.utilization, r.pow2.utilization,
+                r.ours.utilization / r.pow2.utilization, extents_per_request,
+                static_cast<unsigned long long>(r.p50_ns),
+                static_cast<unsigned long long>(r.p99_ns));
+  }
+  std::fflush(stdout);
 }
 
 }  // namespace
@@ -172,16 +263,14 @@ void PrintUsage() {
 int RunAllocatorBench(int argc, char** argv) {
   bool json = false;
   uint64_t seed = 1;
+  uint64_t samples = kMinLatencySamples;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
       json = true;
     } else if (std::strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
-      char* end = nullptr;
-      seed = std::strtoull(argv[++i], &end, 10);
-      if (end == argv[i] || *end != '\0') {
-        std::fprintf(stderr, "allocator: --seed wants a number, got '%s'\n", argv[i]);
-        return 2;
-      }
+      if (!ParseCount("--seed", argv[++i], &seed)) return 2;
+    } else if (std::strcmp(argv[i], "--samples") == 0 && i + 1 < argc) {
+      if (!ParseCount("--samples", argv[++i], &samples)) return 2;
     } else if (std::strcmp(argv[i], "--help") == 0) {
       PrintUsage();
       return 0;
@@ -192,28 +281,13 @@ int RunAllocatorBench(int argc, char** argv) {
     }
   }
   if (!json) {
-    std::printf("%-14s %8s %9s %8s %8s %8s %10s %8s %8s\n", "trace", "capacity", "requests", "ours",
-                "pow2", "ratio", "extents/req", "p50 ns", "p99 ns");
+    std::printf("%-14s %-10s %8s %9s %8s %8s %8s %8s %10s %8s %8s\n", "trace", "tenants",
+                "capacity", "requests", "ours", "single", "pow2", "ratio", "extents/req", "p50 ns",
+                "p99 ns");
   }
   for (const Trace& trace : MakeAllTraces(seed)) {
-    const Report r = Measure(trace);
-    if (json) {
-      std::printf(
-          "{\"bench\":\"allocator\",\"trace\":\"%s\",\"utilization\":%.4f,"
-          "\"pow2_utilization\":%.4f,\"alloc_free_p50_ns\":%llu,"
-          "\"alloc_free_p99_ns\":%llu,\"requests\":%u}\n",
-          r.trace.c_str(), r.ours.utilization, r.pow2.utilization,
-          static_cast<unsigned long long>(r.p50_ns), static_cast<unsigned long long>(r.p99_ns),
-          r.ours.requests);
-    } else {
-      std::printf("%-14s %5.0fGiB %9u %8.4f %8.4f %7.2fx %11.2f %8llu %8llu\n", r.trace.c_str(),
-                  r.capacity_gib, r.ours.requests, r.ours.utilization, r.pow2.utilization,
-                  r.ours.utilization / r.pow2.utilization,
-                  static_cast<double>(r.ours.extents) / r.ours.requests,
-                  static_cast<unsigned long long>(r.p50_ns),
-                  static_cast<unsigned long long>(r.p99_ns));
-    }
-    std::fflush(stdout);
+    const Outcome pow2 = ReplayPow2(trace);
+    for (bool restricted : {false, true}) Print(Measure(trace, restricted, pow2, samples), json);
   }
   return 0;
 }

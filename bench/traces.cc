@@ -43,15 +43,16 @@ uint64_t RandomTokens(Rng& rng) {
 class TraceBuilder {
  public:
   explicit TraceBuilder(Trace* trace) : trace_(trace) {}
-  uint32_t Reserve(uint64_t bytes) {
+  uint32_t Reserve(uint64_t bytes, uint32_t tenant) {
     const uint32_t id = trace_->reserve_count++;
-    trace_->events.push_back({TraceEvent::Kind::kReserve, id, bytes});
+    trace_->events.push_back(
+        {TraceEvent::Kind::kReserve, id, bytes, static_cast<uint8_t>(tenant % kTraceTenants)});
     live_bytes_ += bytes;
     sizes_.push_back(bytes);
     return id;
   }
   void Release(uint32_t id) {
-    trace_->events.push_back({TraceEvent::Kind::kRelease, id, 0});
+    trace_->events.push_back({TraceEvent::Kind::kRelease, id, 0, 0});
     live_bytes_ -= sizes_[id];
   }
   bool Overfull() const { return live_bytes_ > trace_->capacity_bytes; }
@@ -88,7 +89,8 @@ Trace MakeLlamaTrace(const char* name, const ModelShape& shape, bool ranks_share
     std::vector<uint32_t> ids;
     for (uint64_t l = 0; l < shape.layers && !builder.Overfull(); ++l) {
       for (uint64_t r = 0; r < kRanks; ++r) {
-        ids.push_back(builder.Reserve(LayerActivationBytes(shape, tokens[r])));
+        ids.push_back(
+            builder.Reserve(LayerActivationBytes(shape, tokens[r]), static_cast<uint32_t>(r)));
       }
     }
     in_flight.push_back(std::move(ids));
@@ -142,7 +144,8 @@ Trace MakeRandomTrace(uint64_t seed) {
       live.pop_back();
     }
     const double log_bytes = log_min + rng.Unit() * (log_max - log_min);
-    live.push_back(builder.Reserve(static_cast<uint64_t>(std::llround(std::exp(log_bytes)))));
+    const uint64_t bytes = static_cast<uint64_t>(std::llround(std::exp(log_bytes)));
+    live.push_back(builder.Reserve(bytes, trace.reserve_count % kTraceTenants));
   }
   return trace;
 }

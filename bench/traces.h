@@ -20,7 +20,13 @@ struct TraceEvent {
   // reserve and every id is released at most once.
   uint32_t id = 0;
   uint64_t bytes = 0;  // requested size (reserve only)
+  // Who asks (reserve only): the rank on the llama traces, id % 8 on random.
+  // The restricted replay treats each as a tenant owning its own chunks.
+  uint8_t tenant = 0;
 };
+
+// Tenants (ranks) per trace.
+inline constexpr uint32_t kTraceTenants = 8;
 
 struct Trace {
   std::string name;
