@@ -6,8 +6,9 @@
 
 namespace memoffload {
 
-std::string DefaultRuntimeDir() {
-  const uid_t uid = geteuid();
+std::string DefaultRuntimeDir() { return DefaultRuntimeDirForUid(geteuid()); }
+
+std::string DefaultRuntimeDirForUid(uint32_t uid) {
   if (uid == 0) return "/run/memoffload";
   const char* xdg = std::getenv("XDG_RUNTIME_DIR");
   if (xdg != nullptr && xdg[0] != '\0') return std::string(xdg) + "/memoffload";

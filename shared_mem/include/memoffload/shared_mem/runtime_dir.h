@@ -3,6 +3,7 @@
 #ifndef MEMOFFLOAD_SHARED_MEM_RUNTIME_DIR_H_
 #define MEMOFFLOAD_SHARED_MEM_RUNTIME_DIR_H_
 
+#include <cstdint>
 #include <string>
 
 namespace memoffload {
@@ -14,6 +15,8 @@ inline constexpr const char kGrpcSocketName[] = "memoffload.sock";
 // The default runtime dir when nothing is configured: /run/memoffload for
 // root, else $XDG_RUNTIME_DIR/memoffload, else /tmp/memoffload-$UID.
 std::string DefaultRuntimeDir();
+// DefaultRuntimeDir() as it resolves for effective uid `uid` (for tests).
+std::string DefaultRuntimeDirForUid(uint32_t uid);
 
 // `explicit_dir` if non-empty, else $MEMOFFLOAD_RUNTIME_DIR if set and
 // non-empty, else DefaultRuntimeDir().
