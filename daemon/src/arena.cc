@@ -137,8 +137,12 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
   bool use_hugepages = options.hugepages;
   const uint64_t huge_bytes = DefaultHugePageBytes();
   if (use_hugepages && (huge_bytes == 0 || options.chunk_size_bytes % huge_bytes != 0)) {
-    report->hugepage_fallback = "chunk size " + FormatSize(options.chunk_size_bytes) +
-                                " is not a multiple of the hugepage size " + FormatSize(huge_bytes);
+    report->hugepage_fallback =
+        huge_bytes == 0
+            ? std::string("the kernel reports no hugepage size (Hugepagesize in /proc/meminfo)")
+            : "chunk size " + FormatSize(options.chunk_size_bytes) +
+                  " is not a multiple of the hugepage size " + FormatSize(huge_bytes) +
+                  "; set --chunk-size to a multiple of it";
     use_hugepages = false;
   }
   std::vector<uint64_t> sizes;
@@ -147,11 +151,18 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
     const uint32_t index = static_cast<uint32_t>(sizes.size());
     const std::string name = "memoffload-chunk-" + std::to_string(index);
     bool huge = use_hugepages && size % huge_bytes == 0;
+    if (use_hugepages && !huge) {
+      // Only the last chunk can be shorter than the chunk size.
+      report->hugepage_fallback = "the last chunk (chunk " + std::to_string(index) + ", " +
+                                  FormatSize(size) + ") is not a multiple of the hugepage size " +
+                                  FormatSize(huge_bytes) + "; make --arena-size a multiple of it";
+    }
     Result<Chunk> chunk = Chunk::Create(name, size, huge);
     if (!chunk.ok() && huge) {
-      report->hugepage_fallback = "HugePages_Free=" + std::to_string(FreeHugePages()) + " of " +
-                                  FormatSize(huge_bytes) + " at chunk " + std::to_string(index) +
-                                  "; " + HugepageAdvice(options.size_bytes, huge_bytes);
+      report->hugepage_fallback =
+          "not enough hugepages: HugePages_Free=" + std::to_string(FreeHugePages()) + " of " +
+          FormatSize(huge_bytes) + " at chunk " + std::to_string(index) + "; " +
+          HugepageAdvice(options.size_bytes, huge_bytes);
       use_hugepages = false;
       huge = false;
       chunk = Chunk::Create(name, size, false);
@@ -166,10 +177,9 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
     left -= size;
   }
   if (options.hugepages && !report->hugepage_fallback.empty()) {
-    MO_LOG_WARN(
-        "--hugepages: not enough hugepages, using normal pages for %zu of %zu chunks "
-        "(%s)",
-        sizes.size() - report->hugepage_chunks, sizes.size(), report->hugepage_fallback.c_str());
+    MO_LOG_WARN("--hugepages: using normal pages for %zu of %zu chunks: %s",
+                sizes.size() - report->hugepage_chunks, sizes.size(),
+                report->hugepage_fallback.c_str());
   }
   arena->capacity_bytes_ = options.size_bytes;
 

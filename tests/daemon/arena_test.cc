@@ -24,11 +24,50 @@ TEST(Arena, HugepagesFallBackToNormalPagesWhenNoneAreFree) {
   Result<std::unique_ptr<Arena>> arena = Arena::Build(o, &report);
   ASSERT_TRUE(arena.ok()) << arena.status().ToString();
   EXPECT_EQ(report.hugepage_chunks, 0u);
+  EXPECT_NE(report.hugepage_fallback.find("not enough hugepages: HugePages_Free="),
+            std::string::npos)
+      << report.hugepage_fallback;
   EXPECT_NE(report.hugepage_fallback.find("vm.nr_hugepages="), std::string::npos)
       << report.hugepage_fallback;
   ASSERT_EQ((*arena)->chunk_count(), 2u);
   (*arena)->chunk(1).data()[4 * kMiB - 1] = 7;  // the memory is there
   EXPECT_EQ((*arena)->capacity_bytes(), 8 * kMiB);
+}
+
+TEST(Arena, HugepageFallbackNamesAChunkSizeThatIsNotAHugepageMultiple) {
+  if (DefaultHugePageBytes() != 2 * kMiB) GTEST_SKIP() << "hugepage size is not 2 MiB";
+  ArenaOptions o = SmallArena();
+  o.size_bytes = 6 * kMiB;
+  o.chunk_size_bytes = 3 * kMiB;
+  o.hugepages = true;
+  ArenaBuildReport report;
+  Result<std::unique_ptr<Arena>> arena = Arena::Build(o, &report);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  EXPECT_EQ(report.hugepage_chunks, 0u);
+  EXPECT_NE(report.hugepage_fallback.find(
+                "chunk size 3.00 MiB is not a multiple of the hugepage size 2.00 MiB"),
+            std::string::npos)
+      << report.hugepage_fallback;
+  EXPECT_EQ(report.hugepage_fallback.find("not enough hugepages"), std::string::npos)
+      << report.hugepage_fallback;
+}
+
+TEST(Arena, HugepageFallbackNamesAPartialLastChunk) {
+  if (DefaultHugePageBytes() != 2 * kMiB) GTEST_SKIP() << "hugepage size is not 2 MiB";
+  // One chunk of 1 MiB: the chunk size is a hugepage multiple, the last
+  // (only) chunk is not, so it silently used normal pages before.
+  ArenaOptions o = SmallArena();
+  o.size_bytes = 1 * kMiB;
+  o.chunk_size_bytes = 2 * kMiB;
+  o.hugepages = true;
+  ArenaBuildReport report;
+  Result<std::unique_ptr<Arena>> arena = Arena::Build(o, &report);
+  ASSERT_TRUE(arena.ok()) << arena.status().ToString();
+  EXPECT_EQ(report.hugepage_chunks, 0u);
+  EXPECT_NE(report.hugepage_fallback.find("the last chunk (chunk 0, 1.00 MiB) is not a multiple "
+                                          "of the hugepage size 2.00 MiB"),
+            std::string::npos)
+      << report.hugepage_fallback;
 }
 
 TEST(Arena, BindsToAnExistingNumaNode) {

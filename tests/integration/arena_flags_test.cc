@@ -8,6 +8,7 @@
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
 #include "memoffload/shared_mem/chunk.h"
+#include "memoffload/shared_mem/units.h"
 
 namespace memoffload::testing {
 namespace {
@@ -34,9 +35,27 @@ TEST(ArenaFlags, HugepagesFallBackWithOneClearLineAndServe) {
   auto daemon = DaemonProcess::Start(o, &error);
   ASSERT_NE(daemon, nullptr) << error;
   const std::string log = daemon->Log();
-  EXPECT_NE(log.find("--hugepages: not enough hugepages, using normal pages"), std::string::npos)
+  EXPECT_NE(log.find("--hugepages: using normal pages for 4 of 4 chunks: not enough hugepages"),
+            std::string::npos)
       << log;
   EXPECT_NE(log.find("sysctl -w vm.nr_hugepages="), std::string::npos) << log;
+  ExpectServes(*daemon);
+}
+
+TEST(ArenaFlags, HugepagesWithAChunkSizeNotAHugepageMultipleSaysSo) {
+  if (DefaultHugePageBytes() != 2 * kMiB) GTEST_SKIP() << "hugepage size is not 2 MiB";
+  DaemonProcess::Options o;
+  o.chunk_size = "63MiB";  // 256 MiB = 4 chunks of 63 MiB + one of 4 MiB
+  o.extra_args = {"--hugepages"};
+  std::string error;
+  auto daemon = DaemonProcess::Start(o, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string log = daemon->Log();
+  EXPECT_NE(log.find("--hugepages: using normal pages for 5 of 5 chunks: chunk size 63.00 MiB is "
+                     "not a multiple of the hugepage size 2.00 MiB"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("not enough hugepages"), std::string::npos) << log;
   ExpectServes(*daemon);
 }
 
