@@ -1,13 +1,19 @@
 #include "daemon_process.h"
 
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -97,6 +103,15 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
     int log = open(d->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     dup2(log, STDERR_FILENO);
     dup2(log, STDOUT_FILENO);
+    if (options.memlock_limit_bytes != 0) {
+      const rlimit lim{options.memlock_limit_bytes, options.memlock_limit_bytes};
+      if (setrlimit(RLIMIT_MEMLOCK, &lim) != 0 ||
+          (prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0 && errno != EINVAL)) {
+        dprintf(STDERR_FILENO, "test: cannot lower RLIMIT_MEMLOCK or drop CAP_IPC_LOCK: %s\n",
+                std::strerror(errno));
+        _exit(126);
+      }
+    }
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);

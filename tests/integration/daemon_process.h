@@ -27,6 +27,10 @@ class DaemonProcess {
     // Let other uids reach the sockets (scratch dir 0755, sockets 0666), so
     // the daemon's access policy is what decides.
     bool open_permissions = false;
+    // When non-zero, the daemon runs with RLIMIT_MEMLOCK at this many bytes
+    // and without CAP_IPC_LOCK (dropped from the bounding set before exec),
+    // so even root cannot lock more: the mlock warning path.
+    uint64_t memlock_limit_bytes = 0;
   };
 
   // The scratch directory (parent of the runtime dir), for test files.
