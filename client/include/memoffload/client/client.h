@@ -36,8 +36,9 @@ struct AttachOptions {
   // missing). Default: on first use, Write, Read and Address map the pages of
   // the range they are given with MADV_POPULATE_READ, tracked per 2 MiB
   // block, so mapping a chunk costs microseconds whatever its size and a
-  // first write runs at ~0.8-0.9 of a memcpy into faulted memory instead of
-  // ~0.3 with one write fault per page (docs/arena.md). With populate, each
+  // first write runs at ~0.75-0.85 (median 0.77 measured) of a memcpy into
+  // faulted memory instead of ~0.3 with one write fault per page
+  // (docs/arena.md). With populate, each
   // chunk's page tables are filled when it is mapped (MAP_POPULATE, ~0.1 s
   // per GiB on the attach/first-Reserve path). populate_on_first_use = false
   // leaves pages to fault one by one on touch (for benchmarks).
