@@ -126,7 +126,7 @@ TEST(Lifecycle, SigtermDrainsUntilGroupsAreReleased) {
   ASSERT_TRUE(client.Prefetch(1).ok());
   ASSERT_TRUE(client.Release(1).ok());
   const auto released = Clock::now();
-  int status = WaitFor(daemon->pid(), 5000);
+  int status = daemon->Wait(5000);
   ASSERT_NE(status, -1) << daemon->Log();
   EXPECT_LT(Clock::now() - released, std::chrono::seconds(1));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
