@@ -217,7 +217,9 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
             std::string::npos);
   EXPECT_NE(
       metrics.find("memoffload_requests_total{code=\"FAILED_PRECONDITION\",method=\"Reserve\"} 1"),
-      std::string::npos);
+      std::string::npos);  // One tenant, nothing changed hands: exported, and zero.
+  EXPECT_NE(metrics.find("\nmemoffload_chunks_zeroed_total 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nmemoffload_chunk_zeroing_seconds_total 0\n"), std::string::npos);
 }
 
 }  // namespace

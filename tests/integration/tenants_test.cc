@@ -141,6 +141,11 @@ TEST(Tenants, OtherTenantGetsNeitherOurFdsNorOurBytes) {
   }
   EXPECT_EQ(second.got.size(), 4u) << out;
   EXPECT_TRUE(second.zeros) << out;
+  // Every chunk that changed tenant was zeroed, and counted (GetStatus and
+  // memoffload_chunks_zeroed_total read the same counter).
+  v1::GetStatusResponse status = daemon->Status();
+  EXPECT_GE(status.zeroed_chunks(), 3u);
+  EXPECT_GT(status.zeroing_seconds(), 0.0);
 }
 
 }  // namespace
