@@ -105,7 +105,7 @@ class Client::Impl {
   // How many extents the first `used` bytes touch.
   static size_t ExtentsTouched(const std::vector<Extent>& extents, uint64_t used) {
     size_t n = 0;
-    for (uint64_t pos = 0; n < extents.size() && pos < used; pos += extents[n].length) ++n;
+    for (uint64_t pos = 0; n < extents.size() && pos < used; ++n) pos += extents[n].length;
     return n;
   }
   AttachReply reply;  // immutable after attach
@@ -365,11 +365,9 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
     std::vector<Extent> extents;
     {
       std::lock_guard<std::mutex> lock(impl_->groups_mu);
+      // Kept until the Commit succeeds: a refused Commit may be retried.
       auto it = impl_->reserved.find(group_id);
-      if (it != impl_->reserved.end()) {
-        extents = std::move(it->second);
-        impl_->reserved.erase(it);
-      }
+      if (it != impl_->reserved.end()) extents = it->second;
     }
     Result<std::vector<uint32_t>> crcs = impl_->ExtentChecksums(extents, used_bytes);
     if (!crcs.ok()) {
@@ -383,6 +381,10 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
   v1::CommitResponse resp;
   Status st = FromGrpc(impl_->stub->Commit(&ctx, req, &resp), impl_->grpc_socket);
   if (!st.ok()) return st;
+  if (impl_->checksums) {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved.erase(group_id);
+  }
   return CommitInfo{resp.committed_bytes(), resp.returned_bytes()};
 }
 

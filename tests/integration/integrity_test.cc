@@ -117,5 +117,31 @@ TEST_F(Integrity, FlippedByteInThePartlyUsedLastExtentIsCaught) {
   EXPECT_TRUE(client_->Release(3).ok());
 }
 
+// A refused Commit (here: more used bytes than reserved) must not lose the
+// group's checksum bookkeeping: the retried Commit still sends checksums, so
+// a flipped byte is caught. (It used to drop them, and Prefetch then skipped
+// the check without a word.)
+TEST_F(Integrity, RetriedCommitStillChecksums) {
+  const uint64_t bytes = kMiB + 10;
+  std::vector<uint8_t> data(bytes, 0x3C);
+  auto r = client_->Reserve(4, bytes);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_TRUE(client_->Write(r->extents, 0, data.data(), data.size()).ok());
+  auto refused = client_->Commit(4, r->reserved_bytes + 1);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+  ASSERT_TRUE(client_->Commit(4, bytes).ok());
+  auto clean = client_->Prefetch(4);
+  ASSERT_TRUE(clean.ok()) << clean.status().ToString();
+  EXPECT_EQ(clean->extent_crc32c.size(), clean->extents.size());
+  uint8_t* p = client_->Address(clean->extents[0]);
+  ASSERT_NE(p, nullptr);
+  p[0] ^= 0xFF;
+  auto corrupt = client_->Prefetch(4);
+  ASSERT_FALSE(corrupt.ok()) << "a flipped byte passed the checksum";
+  EXPECT_EQ(corrupt.status().code(), StatusCode::kDataLoss) << corrupt.status().ToString();
+  EXPECT_TRUE(client_->Release(4).ok());
+}
+
 }  // namespace
 }  // namespace memoffload::testing
