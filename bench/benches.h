@@ -13,6 +13,7 @@ int RunLoadBench(int argc, char** argv);
 // The hidden `load-worker` subcommand: one client process of RunLoadBench.
 int RunLoadWorker(int argc, char** argv);
 int RunCrcBench(int argc, char** argv);
+int RunZeroingBench(int argc, char** argv);
 
 }  // namespace memoffload::bench
 

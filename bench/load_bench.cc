@@ -14,8 +14,11 @@
 // and Release (its client copy throughput metric).
 //
 // Reports per method: ops, ops/s, client-side latency p50/p90/p99, errors and
-// rejections, then a summary (one JSON object per line with --json). Exit 0
-// when no error and no verify failure happened, 1 otherwise, 2 on usage.
+// rejections, then a summary (one JSON object per line with --json). A
+// failed Release counts as an error even in the untimed final drain; a failed
+// copy into the arena is a `write_errors`, not a Commit error. Exit 0 when
+// no error, write error or verify failure happened (and, with --baseline,
+// the floor was measured without errors), 1 otherwise, 2 on usage.
 //
 // --baseline also measures the plain gRPC floor in the same run: a trivial
 // unary service (GetStatus answered at once, nothing else) served by this
@@ -201,7 +204,7 @@ int RunWorker(const LoadOptions& o) {
   if (read(STDIN_FILENO, &go, 1) != 1) return 1;  // the parent gave up
 
   MethodStats stats[kMethods];
-  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0;
+  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, write_errors = 0;
   std::vector<std::string> messages;
   auto note = [&](const char* what, const Status& st) {
     if (messages.size() < 5) messages.push_back(std::string(what) + ": " + st.ToString());
@@ -247,10 +250,12 @@ int RunWorker(const LoadOptions& o) {
     Status st = c.Release(h.group_id, copy);
     t1 = Clock::now();
     if (timed) stats[kRelease].Record(t1 - t0);
-    if (st.ok()) {
-      if (timed) ++stats[kRelease].ops;
-    } else if (timed) {
+    // Ops and latency only count within the timed window; a failed Release
+    // is an error wherever it happens (the final drain included).
+    if (!st.ok()) {
       count_error(kRelease, st);
+    } else if (timed) {
+      ++stats[kRelease].ops;
     }
   };
 
@@ -274,14 +279,17 @@ int RunWorker(const LoadOptions& o) {
     const auto w0 = Clock::now();
     Status st = c.Write(r->extents, 0, source.data() + SourceOffset(g), bytes);
     const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
-    if (!st.ok()) note("write", st);
+    if (!st.ok()) {
+      ++write_errors;  // the client's copy into the arena, not an RPC
+      note("write", st);
+    }
     t0 = Clock::now();
     Result<client::CommitInfo> ci = c.Commit(g, bytes, copy);
     stats[kCommit].Record(Clock::now() - t0);
     if (!ci.ok() || !st.ok()) {
       if (!ci.ok()) count_error(kCommit, ci.status());
-      if (!st.ok()) ++stats[kCommit].errors;
-      (void)c.Release(g);
+      if (ci.ok()) ++stats[kCommit].ops;
+      if (Status released = c.Release(g); !released.ok()) count_error(kRelease, released);
       continue;
     }
     ++stats[kCommit].ops;
@@ -294,9 +302,9 @@ int RunWorker(const LoadOptions& o) {
   while (!held.empty()) read_back(false);
 
   for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);
-  std::printf("S %lu %lu %lu %.6f\n", static_cast<unsigned long>(offloaded_bytes),
+  std::printf("S %lu %lu %lu %.6f %lu\n", static_cast<unsigned long>(offloaded_bytes),
               static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(cycles),
-              elapsed);
+              elapsed, static_cast<unsigned long>(write_errors));
   for (const std::string& m : messages) std::printf("E %s\n", m.c_str());
   std::printf("END\n");
   std::fflush(stdout);
@@ -378,6 +386,7 @@ std::string JsonEscape(const std::string& s) {
 struct PhaseTotals {
   MethodStats total[kMethods];
   uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, lost_workers = 0;
+  uint64_t write_errors = 0;
   double elapsed_max = 0;
   std::vector<std::string> messages;
 };
@@ -424,7 +433,7 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
     bool ended = false;
     while (std::fgets(line, sizeof line, workers[i].from_child) != nullptr) {
       int m = 0, b = 0;
-      unsigned long a1 = 0, a2 = 0, a3 = 0;
+      unsigned long a1 = 0, a2 = 0, a3 = 0, a4 = 0;
       double secs = 0;
       if (std::sscanf(line, "M %d %lu %lu %lu", &m, &a1, &a2, &a3) == 4 && m >= 0 && m < kMethods) {
         total[m].ops += a1;
@@ -433,10 +442,11 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
       } else if (std::sscanf(line, "H %d %d %lu", &m, &b, &a1) == 3 && m >= 0 && m < kMethods &&
                  b >= 0 && b < kBuckets) {
         total[m].histogram[b] += a1;
-      } else if (std::sscanf(line, "S %lu %lu %lu %lf", &a1, &a2, &a3, &secs) == 4) {
+      } else if (std::sscanf(line, "S %lu %lu %lu %lf %lu", &a1, &a2, &a3, &secs, &a4) == 5) {
         offloaded_bytes += a1;
         verify_failures += a2;
         cycles += a3;
+        t->write_errors += a4;
         elapsed_max = std::max(elapsed_max, secs);
       } else if (std::strncmp(line, "E ", 2) == 0) {
         std::string msg(line + 2);
@@ -475,12 +485,15 @@ int RunParent(const LoadOptions& o) {
   if (o.baseline && !have_floor) {
     std::fprintf(stderr, "memoffload-bench load: the gRPC floor measurement failed\n");
   }
+  // With --baseline, a floor that could not be measured or saw errors fails
+  // the run too: the comparison is the point.
+  const bool floor_ok = have_floor && floor.errors == 0;
   const MethodStats* total = t.total;
   const uint64_t offloaded_bytes = t.offloaded_bytes, verify_failures = t.verify_failures,
                  cycles = t.cycles, lost_workers = t.lost_workers;
   const std::vector<std::string>& messages = t.messages;
   const double seconds = t.elapsed_max > 0 ? t.elapsed_max : o.seconds;
-  uint64_t errors = verify_failures + lost_workers, rejected = 0, ops = 0;
+  uint64_t errors = verify_failures + lost_workers + t.write_errors, rejected = 0, ops = 0;
   for (int m = 0; m < kMethods; ++m) {
     const MethodStats& s = total[m];
     errors += s.errors;
@@ -542,12 +555,17 @@ int RunParent(const LoadOptions& o) {
         "{\"bench\":\"load\",\"summary\":true,\"clients\":%d,\"seconds\":%.3f,\"ops\":%lu,"
         "\"ops_per_second\":%.1f,\"cycles\":%lu,\"cycles_per_second\":%.1f,"
         "\"offloaded_bytes\":%lu,\"offload_bytes_per_second\":%.0f,\"errors\":%lu,"
-        "\"rejected\":%lu,\"verify_failures\":%lu,\"failed_workers\":%lu,\"messages\":[",
+        "\"rejected\":%lu,\"verify_failures\":%lu,\"write_errors\":%lu,\"failed_workers\":%lu,"
+        "\"floor_ok\":%s,\"messages\":[",
         o.clients, seconds, static_cast<unsigned long>(ops), static_cast<double>(ops) / seconds,
         static_cast<unsigned long>(cycles), static_cast<double>(cycles) / seconds,
         static_cast<unsigned long>(offloaded_bytes), bytes_per_second,
         static_cast<unsigned long>(errors), static_cast<unsigned long>(rejected),
-        static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(lost_workers));
+        static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(t.write_errors),
+        static_cast<unsigned long>(lost_workers),
+        !o.baseline ? "null"
+        : floor_ok  ? "true"
+                    : "false");
     for (size_t i = 0; i < messages.size(); ++i) {
       std::printf("%s\"%s\"", i ? "," : "", JsonEscape(messages[i]).c_str());
     }
@@ -555,17 +573,19 @@ int RunParent(const LoadOptions& o) {
   } else {
     std::printf(
         "total: %lu ops (%.0f ops/s), %lu cycles (%.0f/s), offloaded %s (%s/s), "
-        "%lu errors, %lu rejected, %lu verify failures, %lu failed workers\n",
+        "%lu errors, %lu rejected, %lu verify failures, %lu write errors, %lu failed workers\n",
         static_cast<unsigned long>(ops), static_cast<double>(ops) / seconds,
         static_cast<unsigned long>(cycles), static_cast<double>(cycles) / seconds,
         FormatSize(offloaded_bytes).c_str(),
         FormatSize(static_cast<uint64_t>(bytes_per_second)).c_str(),
         static_cast<unsigned long>(errors), static_cast<unsigned long>(rejected),
-        static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(lost_workers));
+        static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(t.write_errors),
+        static_cast<unsigned long>(lost_workers));
+    if (o.baseline && !floor_ok) std::printf("  the gRPC floor measurement failed or had errors\n");
     for (const std::string& m : messages) std::printf("  %s\n", m.c_str());
   }
   std::fflush(stdout);
-  return errors == 0 ? 0 : 1;
+  return errors == 0 && (!o.baseline || floor_ok) ? 0 : 1;
 }
 
 }  // namespace

@@ -81,18 +81,32 @@ class Client::Impl {
   std::mutex groups_mu;
   std::unordered_map<uint64_t, std::vector<Extent>> reserved;  // guarded by groups_mu
 
-  // CRC32C of the used bytes of each extent they touch, in order.
-  std::vector<uint32_t> ExtentChecksums(const std::vector<Extent>& extents, uint64_t used) const {
+  // CRC32C of the used bytes of each extent they touch, in order. Every
+  // extent must be mapped (a checksum of bytes we cannot see is no checksum).
+  Result<std::vector<uint32_t>> ExtentChecksums(const std::vector<Extent>& extents,
+                                                uint64_t used) const {
     std::vector<uint32_t> out;
     uint64_t pos = 0;
     for (const Extent& e : extents) {
       if (pos >= used) break;
       const uint64_t n = std::min(e.length, used - pos);
       const uint8_t* p = Locate(e);
-      out.push_back(p == nullptr ? 0 : Crc32c(p, n));
+      if (p == nullptr) {
+        return FailedPrecondition("cannot checksum extent (chunk " + std::to_string(e.chunk) +
+                                  ", offset " + std::to_string(e.offset) + ", length " +
+                                  std::to_string(e.length) +
+                                  "): its chunk is not mapped in this process");
+      }
+      out.push_back(Crc32c(p, n));
       pos += e.length;
     }
     return out;
+  }
+  // How many extents the first `used` bytes touch.
+  static size_t ExtentsTouched(const std::vector<Extent>& extents, uint64_t used) {
+    size_t n = 0;
+    for (uint64_t pos = 0; n < extents.size() && pos < used; ++n) pos += extents[n].length;
+    return n;
   }
   AttachReply reply;  // immutable after attach
   std::unique_ptr<v1::Offload::Stub> stub;
@@ -351,21 +365,26 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
     std::vector<Extent> extents;
     {
       std::lock_guard<std::mutex> lock(impl_->groups_mu);
+      // Kept until the Commit succeeds: a refused Commit may be retried.
       auto it = impl_->reserved.find(group_id);
-      if (it != impl_->reserved.end()) {
-        extents = std::move(it->second);
-        impl_->reserved.erase(it);
-      }
+      if (it != impl_->reserved.end()) extents = it->second;
     }
-    for (uint32_t crc : impl_->ExtentChecksums(extents, used_bytes)) {
-      req.add_extent_crc32c(crc);
+    Result<std::vector<uint32_t>> crcs = impl_->ExtentChecksums(extents, used_bytes);
+    if (!crcs.ok()) {
+      return Status(crcs.status().code(),
+                    "commit of group " + std::to_string(group_id) + ": " + crcs.status().message());
     }
+    for (uint32_t crc : *crcs) req.add_extent_crc32c(crc);
   }
   grpc::ClientContext ctx;
   SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CommitResponse resp;
   Status st = FromGrpc(impl_->stub->Commit(&ctx, req, &resp), impl_->grpc_socket);
   if (!st.ok()) return st;
+  if (impl_->checksums) {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved.erase(group_id);
+  }
   return CommitInfo{resp.committed_bytes(), resp.returned_bytes()};
 }
 
@@ -382,20 +401,35 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
                       resp.used_bytes(),
                       {resp.extent_crc32c().begin(), resp.extent_crc32c().end()}};
   MEMOFFLOAD_RETURN_IF_ERROR(impl_->EnsureMapped(Impl::ChunksOf(placement.extents)));
-  if (impl_->checksums && !placement.extent_crc32c.empty()) {
-    const std::vector<uint32_t> actual =
+  if (impl_->checksums) {
+    const std::string where = "group " + std::to_string(group_id) + " of session " +
+                              std::to_string(impl_->reply.session_id);
+    // A checksummed commit stores one CRC per extent the used bytes touch;
+    // any other count means the integrity of this group cannot be checked.
+    const size_t touched = Impl::ExtentsTouched(placement.extents, placement.used_bytes);
+    if (placement.extent_crc32c.size() != touched) {
+      return Status(StatusCode::kDataLoss,
+                    "cannot verify " + where + ": the daemon returned " +
+                        std::to_string(placement.extent_crc32c.size()) + " checksums for the " +
+                        std::to_string(touched) + " extents holding its " +
+                        std::to_string(placement.used_bytes) +
+                        " used bytes (expected one per extent; was it committed without "
+                        "checksums?)");
+    }
+    Result<std::vector<uint32_t>> actual =
         impl_->ExtentChecksums(placement.extents, placement.used_bytes);
-    for (size_t i = 0; i < actual.size() && i < placement.extent_crc32c.size(); ++i) {
-      if (actual[i] != placement.extent_crc32c[i]) {
+    if (!actual.ok())
+      return Status(StatusCode::kDataLoss, where + ": " + actual.status().message());
+    for (size_t i = 0; i < actual->size(); ++i) {
+      if ((*actual)[i] != placement.extent_crc32c[i]) {
         const Extent& e = placement.extents[i];
         char buf[96];
         std::snprintf(buf, sizeof(buf), "expected crc32c %08x, read %08x",
-                      placement.extent_crc32c[i], actual[i]);
-        return Status(StatusCode::kDataLoss,
-                      "checksum mismatch in group " + std::to_string(group_id) + " of session " +
-                          std::to_string(impl_->reply.session_id) + " at chunk " +
-                          std::to_string(e.chunk) + " offset " + std::to_string(e.offset) +
-                          " (extent " + std::to_string(i) + "): " + buf);
+                      placement.extent_crc32c[i], (*actual)[i]);
+        return Status(StatusCode::kDataLoss, "checksum mismatch in " + where + " at chunk " +
+                                                 std::to_string(e.chunk) + " offset " +
+                                                 std::to_string(e.offset) + " (extent " +
+                                                 std::to_string(i) + "): " + buf);
       }
     }
   }

@@ -49,6 +49,18 @@ void AddGauge(prometheus::MetricFamily* f, double value,
   f->metric.push_back(std::move(m));
 }
 
+// A counter kept by the session table, read at scrape time.
+prometheus::MetricFamily CounterOf(const std::string& name, const std::string& help, double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = prometheus::MetricType::Counter;
+  prometheus::ClientMetric m;
+  m.counter.value = value;
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
 }  // namespace
 
 // Reads the session table at scrape time.
@@ -106,6 +118,13 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
     auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
     AddGauge(&groups, static_cast<double>(s.groups));
     out.push_back(std::move(groups));
+    out.push_back(CounterOf("memoffload_chunks_zeroed_total",
+                            "Chunks zeroed because they changed tenant.",
+                            static_cast<double>(s.zeroed_chunks)));
+    out.push_back(CounterOf("memoffload_chunk_zeroing_seconds_total",
+                            "Time spent zeroing chunks that changed tenant (under the "
+                            "session table lock).",
+                            s.zeroing_seconds));
     auto uptime = GaugeFamily("memoffload_uptime_seconds", "Seconds since the daemon started.");
     AddGauge(&uptime,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());

@@ -1,6 +1,7 @@
 #include "daemon_process.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -100,7 +101,7 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
   argv.insert(argv.end(), options.extra_args.begin(), options.extra_args.end());
   d->pid_ = fork();
   if (d->pid_ == 0) {
-    int log = open(d->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int log = open(d->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
     dup2(log, STDERR_FILENO);
     dup2(log, STDOUT_FILENO);
     if (options.memlock_limit_bytes != 0) {
@@ -137,20 +138,66 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
 
 DaemonProcess::~DaemonProcess() {
   if (pid_ > 0) Stop(SIGTERM, 10000);
+  const std::string report = SanitizerReport(Log());
+  if (!report.empty()) {
+    ADD_FAILURE() << "memoffloadd (log " << log_path_ << ") reported:\n"
+                  << report << "\nfull log:\n"
+                  << Log();
+  }
   std::error_code ignored;
   std::filesystem::remove_all(scratch_dir_, ignored);
 }
 
+void DaemonProcess::Reaped(int status) {
+  pid_ = -1;
+  if (allow_abnormal_exit_) return;
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    std::string how =
+        WIFEXITED(status)     ? "exited with status " + std::to_string(WEXITSTATUS(status))
+        : WIFSIGNALED(status) ? "was killed by signal " + std::to_string(WTERMSIG(status))
+                              : "ended with wait status " + std::to_string(status);
+    ADD_FAILURE() << "memoffloadd " << how << " (expected a clean exit with 0); log:\n" << Log();
+  }
+}
+
 int DaemonProcess::Stop(int signo, int timeout_ms) {
   if (pid_ <= 0) return -1;
+  if (signo == SIGKILL) allow_abnormal_exit_ = true;  // killed on purpose
   kill(pid_, signo);
   int status = WaitFor(pid_, timeout_ms);
   if (status == -1) {
     kill(pid_, SIGKILL);
     WaitFor(pid_, 5000);
+    pid_ = -1;
+    if (!allow_abnormal_exit_) {
+      ADD_FAILURE() << "memoffloadd did not exit within " << timeout_ms << " ms of signal " << signo
+                    << " and was killed; log:\n"
+                    << Log();
+    }
+    return -1;
   }
-  pid_ = -1;
+  Reaped(status);
   return status;
+}
+
+int DaemonProcess::Wait(int timeout_ms) {
+  if (pid_ <= 0) return -1;
+  int status = WaitFor(pid_, timeout_ms);
+  if (status != -1) Reaped(status);
+  return status;
+}
+
+std::string SanitizerReport(const std::string& log) {
+  std::string out;
+  std::istringstream in(log);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.find("Sanitizer") != std::string::npos ||
+        line.find("runtime error:") != std::string::npos) {
+      out += line + "\n";
+    }
+  }
+  return out;
 }
 
 v1::GetStatusResponse DaemonProcess::Status() const {

@@ -39,11 +39,22 @@ class DaemonProcess {
   // Starts the daemon and waits until it answers GetStatus. Returns nullptr
   // and fills *error (with the daemon's log) when it does not come up.
   static std::unique_ptr<DaemonProcess> Start(const Options& options, std::string* error);
+  // Stops the daemon (SIGTERM) unless stopped already, then checks, as a
+  // test failure (ADD_FAILURE): that it exited normally with status 0 unless
+  // the test killed it on purpose (Stop(SIGKILL), AllowAbnormalExit), and
+  // that its log holds no sanitizer report (see SanitizerReport).
   ~DaemonProcess();
 
   // Sends `signo` and waits up to timeout_ms; returns the wait status, or -1
-  // on timeout (the daemon is then killed).
+  // on timeout (the daemon is then killed). Any signal but SIGKILL must make
+  // the daemon exit with 0; anything else is a test failure (ADD_FAILURE).
   int Stop(int signo, int timeout_ms);
+  // Waits up to timeout_ms for the daemon to exit on its own (e.g. after a
+  // SIGTERM sent by the test); returns the wait status or -1 on timeout (the
+  // daemon keeps running). Checks the exit status as Stop does.
+  int Wait(int timeout_ms);
+  // The daemon may exit with any status or signal (a test that expects it).
+  void AllowAbnormalExit() { allow_abnormal_exit_ = true; }
 
   v1::GetStatusResponse Status() const;  // empty message when unreachable
   std::string Log() const;               // stderr of the daemon so far
@@ -52,11 +63,19 @@ class DaemonProcess {
 
  private:
   DaemonProcess() = default;
+  // Records a reaped wait status and checks it (see Stop).
+  void Reaped(int status);
   pid_t pid_ = -1;
+  bool allow_abnormal_exit_ = false;
   std::string runtime_dir_;
   std::string log_path_;
   std::string scratch_dir_;
 };
+
+// The lines of a daemon or client log that report a sanitizer finding
+// (AddressSanitizer, LeakSanitizer, ThreadSanitizer, UBSan's "runtime
+// error:"), joined; empty when there are none.
+std::string SanitizerReport(const std::string& log);
 
 // Runs a program with arguments; returns its pid. stdout goes to the pipe
 // whose read end is stored in *stdout_fd when non-null (else inherited).

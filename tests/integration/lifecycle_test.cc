@@ -126,7 +126,7 @@ TEST(Lifecycle, SigtermDrainsUntilGroupsAreReleased) {
   ASSERT_TRUE(client.Prefetch(1).ok());
   ASSERT_TRUE(client.Release(1).ok());
   const auto released = Clock::now();
-  int status = WaitFor(daemon->pid(), 5000);
+  int status = daemon->Wait(5000);
   ASSERT_NE(status, -1) << daemon->Log();
   EXPECT_LT(Clock::now() - released, std::chrono::seconds(1));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
@@ -217,7 +217,9 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
             std::string::npos);
   EXPECT_NE(
       metrics.find("memoffload_requests_total{code=\"FAILED_PRECONDITION\",method=\"Reserve\"} 1"),
-      std::string::npos);
+      std::string::npos);  // One tenant, nothing changed hands: exported, and zero.
+  EXPECT_NE(metrics.find("\nmemoffload_chunks_zeroed_total 0\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("\nmemoffload_chunk_zeroing_seconds_total 0\n"), std::string::npos);
 }
 
 }  // namespace

@@ -13,6 +13,12 @@
 //   offload_worker tenant-probe RUNTIME_DIR UID BYTES
 //     Drops to UID, asks for every chunk's fd, reserves BYTES and checks they
 //     read as zeros. Prints "REFUSED <chunks> GOT <chunks> ZEROS <yes|no>".
+//   offload_worker forge-probe RUNTIME_DIR UID SESSION GROUP...
+//     Drops to UID, attaches over the raw broker protocol (to learn its own
+//     token) and sends Prefetch, Release and Commit for each GROUP of
+//     another tenant's SESSION twice: (a) with SESSION's id and its own token,
+//     (b) with its own session and token. Prints one line per request,
+//     "<method> <a|b> <group> <STATUS_CODE>".
 //   offload_worker soak RUNTIME_DIR SEED SECONDS
 //     Random reserve/write/commit/prefetch/read-and-verify/release cycles
 //     with CRC32C checksums for SECONDS. RESOURCE_EXHAUSTED is expected under
@@ -22,6 +28,9 @@
 //     Drops to UID (and its gid), attaches, reserves and releases one page;
 //     prints "OK" or "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
 #include <grp.h>
+#include <grpcpp/grpcpp.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -35,6 +44,10 @@
 #include <vector>
 
 #include "memoffload/client/client.h"
+#include "memoffload/shared_mem/attach_wire.h"
+#include "memoffload/shared_mem/fd_passing.h"
+#include "memoffload/shared_mem/runtime_dir.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
 
 using memoffload::client::AttachOptions;
 using memoffload::client::Client;
@@ -192,6 +205,90 @@ int TenantProbe(const std::string& dir, uid_t uid, uint64_t bytes) {
   return 0;
 }
 
+// Attaches over the broker socket by hand; returns the reply (with this
+// session's token) and keeps the connection (the session's lifeline) in *fd.
+memoffload::Result<memoffload::AttachReply> RawAttach(const std::string& dir, int* fd) {
+  using memoffload::Status;
+  *fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string path = memoffload::BrokerSocketPath(dir);
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (*fd < 0 || connect(*fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    return memoffload::ErrnoStatus("connect " + path, errno);
+  }
+  memoffload::Hello hello;
+  hello.job_id = "forger";
+  if (Status st = memoffload::SendFrame(*fd, memoffload::EncodeHello(hello)); !st.ok()) return st;
+  std::string payload;
+  std::vector<int> fds;
+  if (Status st = memoffload::RecvFrame(*fd, &payload, &fds); !st.ok()) return st;
+  memoffload::CloseFds(&fds);
+  auto reply = memoffload::DecodeAttachReply(payload);
+  if (!reply.ok()) return reply.status();
+  if (reply->code != memoffload::StatusCode::kOk) {
+    return Status(reply->code, "attach refused: " + reply->message);
+  }
+  for (uint32_t i = 0; i < reply->fd_frames; ++i) {
+    if (Status st = memoffload::RecvFrame(*fd, &payload, &fds); !st.ok()) return st;
+    memoffload::CloseFds(&fds);
+  }
+  return reply;
+}
+
+int ForgeProbe(const std::string& dir, uid_t uid, uint64_t victim_session,
+               const std::vector<uint64_t>& groups) {
+  namespace v1 = memoffload::v1;
+  if (!DropTo(uid)) return 1;
+  int lifeline = -1;
+  auto me = RawAttach(dir, &lifeline);
+  if (!me.ok()) return Die("raw attach", me.status());
+  auto stub = v1::Offload::NewStub(
+      grpc::CreateChannel("unix:" + me->grpc_socket, grpc::InsecureChannelCredentials()));
+  auto print = [](const char* method, const char* which, uint64_t group, const grpc::Status& st) {
+    std::printf("%s %s %lu %s\n", method, which, static_cast<unsigned long>(group),
+                memoffload::StatusCodeName(static_cast<memoffload::StatusCode>(st.error_code())));
+  };
+  for (uint64_t group : groups) {
+    // (a) the victim's session id with our own (valid, but not its) token;
+    // (b) our own session, naming the victim's group id.
+    const std::pair<const char*, uint64_t> cases[] = {{"a", victim_session}, {"b", me->session_id}};
+    for (const auto& [which, session] : cases) {
+      {
+        v1::PrefetchRequest req;
+        req.mutable_session()->set_session_id(session);
+        req.mutable_session()->set_session_token(me->session_token);
+        req.set_group_id(group);
+        v1::PrefetchResponse resp;
+        grpc::ClientContext ctx;
+        print("Prefetch", which, group, stub->Prefetch(&ctx, req, &resp));
+      }
+      {
+        v1::CommitRequest req;
+        req.mutable_session()->set_session_id(session);
+        req.mutable_session()->set_session_token(me->session_token);
+        req.set_group_id(group);
+        req.set_used_bytes(0);
+        v1::CommitResponse resp;
+        grpc::ClientContext ctx;
+        print("Commit", which, group, stub->Commit(&ctx, req, &resp));
+      }
+      {
+        v1::ReleaseRequest req;
+        req.mutable_session()->set_session_id(session);
+        req.mutable_session()->set_session_token(me->session_token);
+        req.set_group_id(group);
+        v1::ReleaseResponse resp;
+        grpc::ClientContext ctx;
+        print("Release", which, group, stub->Release(&ctx, req, &resp));
+      }
+    }
+  }
+  std::fflush(stdout);
+  close(lifeline);
+  return 0;
+}
+
 int Soak(const std::string& dir, uint64_t seed, int seconds) {
   AttachOptions options;
   options.runtime_dir = dir;
@@ -281,6 +378,12 @@ int main(int argc, char** argv) {
   }
   if (argc == 5 && std::strcmp(argv[1], "tenant-probe") == 0) {
     return TenantProbe(argv[2], static_cast<uid_t>(std::stoul(argv[3])), std::stoull(argv[4]));
+  }
+  if (argc >= 6 && std::strcmp(argv[1], "forge-probe") == 0) {
+    std::vector<uint64_t> groups;
+    for (int i = 5; i < argc; ++i) groups.push_back(std::stoull(argv[i]));
+    return ForgeProbe(argv[2], static_cast<uid_t>(std::stoul(argv[3])), std::stoull(argv[4]),
+                      groups);
   }
   if (argc == 4 && std::strcmp(argv[1], "attach-as") == 0) {
     return AttachAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])));

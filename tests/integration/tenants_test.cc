@@ -1,5 +1,6 @@
 // Tenant isolation against the real daemon: another uid cannot obtain this
-// tenant's chunk fds, and a chunk that changes tenant reads as zeros.
+// tenant's chunk fds nor reach its groups whatever ids it sends, and a chunk
+// that changes tenant reads as zeros.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -78,6 +79,44 @@ TEST(Tenants, OtherTenantGetsNeitherOurFdsNorOurBytes) {
   for (uint32_t c : first.got) EXPECT_EQ(a_chunks.count(c), 0u) << "chunk " << c << ": " << out;
   EXPECT_TRUE(first.zeros) << out;
 
+  // B names A's groups: with A's session id and B's own token
+  // (UNAUTHENTICATED), and from its own session (NOT_FOUND). Group 1 is
+  // committed, group 2 still reserved (a Commit that got through would
+  // change it).
+  auto reserved = (*a)->Reserve(2, 4096);
+  ASSERT_TRUE(reserved.ok()) << reserved.status().ToString();
+  const uint8_t mark = 0x5C;
+  ASSERT_TRUE((*a)->Write(reserved->extents, 0, &mark, 1).ok());
+  ASSERT_EQ(RunCapture({BinDir() + "/offload_worker", "forge-probe", daemon->runtime_dir(), "65534",
+                        std::to_string((*a)->session_id()), "1", "2"},
+                       &out),
+            0)
+      << out << daemon->Log();
+  int forged = 0;
+  {
+    std::istringstream lines(out);
+    std::string method, which, group, code;
+    while (lines >> method >> which >> group >> code) {
+      ++forged;
+      EXPECT_EQ(code, which == "a" ? "UNAUTHENTICATED" : "NOT_FOUND")
+          << method << " of A's group " << group << " (case " << which << ")";
+    }
+  }
+  EXPECT_EQ(forged, 12) << out;  // 3 methods x 2 cases x 2 groups
+  // A's groups are untouched: group 1 reads back, group 2 is still reserved.
+  auto p1 = (*a)->Prefetch(1);
+  ASSERT_TRUE(p1.ok()) << p1.status().ToString();
+  std::vector<uint8_t> back(pattern.size());
+  ASSERT_TRUE((*a)->Read(p1->extents, 0, back.data(), back.size()).ok());
+  EXPECT_TRUE(back == pattern) << "A's group 1 changed";
+  ASSERT_TRUE((*a)->Commit(2, 1).ok()) << "A's group 2 is no longer reserved";
+  auto p2 = (*a)->Prefetch(2);
+  ASSERT_TRUE(p2.ok());
+  uint8_t got = 0;
+  ASSERT_TRUE((*a)->Read(p2->extents, 0, &got, 1).ok());
+  EXPECT_EQ(got, mark);
+  ASSERT_TRUE((*a)->Release(2).ok());
+
   // A releases everything and goes away; B may now take over A's chunks,
   // and must see zeros, never A's bytes.
   ASSERT_TRUE((*a)->Release(1).ok());
@@ -102,6 +141,11 @@ TEST(Tenants, OtherTenantGetsNeitherOurFdsNorOurBytes) {
   }
   EXPECT_EQ(second.got.size(), 4u) << out;
   EXPECT_TRUE(second.zeros) << out;
+  // Every chunk that changed tenant was zeroed, and counted (GetStatus and
+  // memoffload_chunks_zeroed_total read the same counter).
+  v1::GetStatusResponse status = daemon->Status();
+  EXPECT_GE(status.zeroed_chunks(), 3u);
+  EXPECT_GT(status.zeroing_seconds(), 0.0);
 }
 
 }  // namespace
