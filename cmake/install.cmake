@@ -24,7 +24,9 @@ install(TARGETS memoffloadd RUNTIME DESTINATION ${CMAKE_INSTALL_SBINDIR})
 install(TARGETS memoffloadctl RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 
 # The unit names /usr/sbin/memoffloadd and /etc/memoffload; point it at the
-# install locations.
+# install locations. It is read at configure time: an edit re-runs CMake.
+set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS
+             "${_memoffload_root}/deploy/systemd/memoffloadd.service")
 file(READ "${_memoffload_root}/deploy/systemd/memoffloadd.service" _memoffload_unit)
 string(REPLACE "/usr/sbin/memoffloadd" "${CMAKE_INSTALL_FULL_SBINDIR}/memoffloadd"
        _memoffload_unit "${_memoffload_unit}")

@@ -1,5 +1,8 @@
 #include "config_settings.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -57,6 +60,27 @@ Status ParseIdList(const std::string& v, std::vector<uint32_t>* out) {
     out->push_back(static_cast<uint32_t>(id));
   }
   return Status::Ok();
+}
+
+// "IPv4:PORT" or "[IPv6]:PORT" with a numeric IP (the health listener binds
+// it directly, no name lookup) and a port in 0..65535 (0 picks a free one).
+Status ValidateIpPort(const std::string& v) {
+  const std::string expected = "'" + v + "' is not IP:PORT (e.g. 127.0.0.1:9478) or 'none'";
+  const size_t colon = v.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == v.size() || v.size() - colon > 6 ||
+      v.find_first_not_of("0123456789", colon + 1) != std::string::npos ||
+      std::stoul(v.substr(colon + 1)) > 65535) {
+    return InvalidArgument(expected);
+  }
+  std::string host = v.substr(0, colon);
+  unsigned char addr[sizeof(in6_addr)];
+  if (host.size() > 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+    if (inet_pton(AF_INET6, host.c_str(), addr) == 1) return Status::Ok();
+  } else if (inet_pton(AF_INET, host.c_str(), addr) == 1) {
+    return Status::Ok();
+  }
+  return InvalidArgument(expected);
 }
 
 std::string JoinIds(const std::vector<uint32_t>& ids) {
@@ -134,6 +158,21 @@ const std::vector<Setting>& Settings() {
        },
        [](const DaemonConfig& c) {
          return c.metrics_address.empty() ? std::string("none") : c.metrics_address;
+       }},
+      {"server", "health_address", Kind::kString,
+       "HTTP health listener IP:PORT for probes (/livez, /readyz, /healthz), e.g. "
+       "127.0.0.1:9478 or 0.0.0.0:9478 in a pod (default none: disabled)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v == "none" || v.empty()) {
+           c->health_address.clear();
+           return Status::Ok();
+         }
+         if (Status st = ValidateIpPort(v); !st.ok()) return st;
+         c->health_address = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) {
+         return c.health_address.empty() ? std::string("none") : c.health_address;
        }},
       {"server", "log_level", Kind::kString, "debug, info, warn or error (default info)",
        [](DaemonConfig* c, const std::string& v) {

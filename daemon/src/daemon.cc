@@ -18,6 +18,7 @@
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/broker.h"
+#include "memoffload/daemon/health.h"
 #include "memoffload/daemon/log.h"
 #include "memoffload/daemon/metrics.h"
 #include "memoffload/daemon/notifier.h"
@@ -206,6 +207,20 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
     unlink(admin_token_path.c_str());
     return st;
   }
+  // Probes are answered once io.run() starts, after READY=1.
+  HealthServer health(io, [&table] { return table.draining(); });
+  std::string health_bound;
+  if (!config.health_address.empty()) {
+    Result<std::string> bound = health.Start(config.health_address);
+    if (!bound.ok()) {
+      broker.StopAccepting();
+      server->Shutdown();
+      unlink(grpc_path.c_str());
+      unlink(admin_token_path.c_str());
+      return bound.status();
+    }
+    health_bound = *bound;
+  }
 
   MO_LOG_INFO("listening: runtime dir %s", config.runtime_dir.c_str());
   MO_LOG_INFO("  broker  %s", broker_options.socket_path.c_str());
@@ -213,9 +228,11 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   MO_LOG_INFO("  metrics %s", metrics_bound.empty()
                                   ? "disabled"
                                   : ("http://" + metrics_bound + "/metrics").c_str());
+  MO_LOG_INFO("  health  %s", health_bound.empty()
+                                  ? "disabled"
+                                  : ("http://" + health_bound + "/readyz, /livez").c_str());
   MO_LOG_INFO("clients: export MEMOFFLOAD_RUNTIME_DIR=%s", config.runtime_dir.c_str());
 
-  // systemd (Type=notify): the arena is built and every listener accepts.
   Notifier notifier;
   auto status_text = [&table] {
     const ArenaSnapshot s = table.Snapshot();
@@ -223,7 +240,6 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
            FormatSize(s.capacity_bytes) + " used, " + std::to_string(s.sessions) + " sessions" +
            (s.draining ? ", draining" : "");
   };
-  notifier.Ready(status_text());
   // WATCHDOG=1 and a fresh STATUS= from the event loop, every half watchdog
   // timeout (every 10 s without one); it keeps going while draining.
   asio::steady_timer notify_timer(io);
@@ -238,10 +254,10 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
       arm_notify_timer();
     });
   };
-  if (notifier.Enabled()) arm_notify_timer();
 
   auto stop = [&] {
     notify_timer.cancel();
+    health.Stop();
     broker.StopAccepting();
     broker.CloseAll();
     io.stop();
@@ -308,6 +324,11 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
         signals.async_wait(on_signal);
       };
   signals.async_wait(on_signal);
+
+  // systemd (Type=notify): the arena is built, every listener accepts and
+  // the signal handlers are installed, so a SIGTERM from now on drains.
+  notifier.Ready(status_text());
+  if (notifier.Enabled()) arm_notify_timer();
   io.run();
 
   // Sessions are closed; cancel whatever RPC is still in flight.

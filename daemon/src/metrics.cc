@@ -143,7 +143,10 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
 
 Metrics::Metrics(const SessionTable* table, MetricsInfo info)
     : registry_(std::make_shared<prometheus::Registry>()),
-      arena_collector_(std::make_shared<ArenaCollector>(table, std::move(info))),
+      arena_collector_(std::make_shared<ArenaCollector>(table, info)),
+      max_copy_bytes_(info.chunks > 0 && info.chunk_size_bytes > 0
+                          ? static_cast<uint64_t>(info.chunks) * info.chunk_size_bytes
+                          : (uint64_t{1} << 53)),
       table_(table) {
   requests_ = &prometheus::BuildCounter()
                    .Name("memoffload_requests_total")
@@ -194,10 +197,10 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
                           .Name("memoffload_attach_refusals_total")
                           .Help("Attach attempts refused, by reason.")
                           .Register(*registry_);
-  // The broker's reasons, so that they read 0 rather than missing.
-  for (const char* reason : {"peer_credentials", "access_denied", "hello_timeout", "bad_hello",
-                             "draining", "session_error"}) {
-    attach_refusals_->Add({{"reason", reason}});
+  // The broker's reasons, created once so that they read 0 rather than
+  // missing and a refusal costs no Family::Add.
+  for (size_t r = 0; r < kAttachRefusalReasons.size(); ++r) {
+    attach_refusals_by_reason_[r] = &attach_refusals_->Add({{"reason", kAttachRefusalReasons[r]}});
   }
   offload_bytes_ = &prometheus::BuildCounter()
                         .Name("memoffload_offload_bytes_total")
@@ -291,7 +294,15 @@ void Metrics::SessionClosed(CloseReason reason, uint64_t reclaimed_bytes) {
 }
 
 void Metrics::AttachRefused(const std::string& reason) {
-  attach_refusals_->Add({{"reason", reason}}).Increment();
+  for (size_t r = 0; r < kAttachRefusalReasons.size(); ++r) {
+    if (reason == kAttachRefusalReasons[r]) {
+      attach_refusals_by_reason_[r]->Increment();
+      return;
+    }
+  }
+  // Not one of the broker's reasons: a programming error; counted under
+  // session_error rather than growing the label set.
+  attach_refusals_by_reason_[kAttachRefusalReasons.size() - 1]->Increment();
 }
 
 Metrics::RankSeries* Metrics::RankSeriesOf(uint64_t session_id) {
@@ -304,7 +315,10 @@ Metrics::RankSeries* Metrics::RankSeriesOf(uint64_t session_id) {
   auto key = std::make_pair(job_id, rank);
   std::unique_ptr<RankSeries>& series = by_rank_[key];
   if (!series) {
-    const prometheus::Labels labels = {{"job_id", job_id}, {"rank", std::to_string(rank)}};
+    // The broker admits job ids of at most kMaxJobIdBytes printable bytes;
+    // cut here too, so that no label value is ever unbounded.
+    const prometheus::Labels labels = {{"job_id", job_id.substr(0, kMaxLabelValueBytes)},
+                                       {"rank", std::to_string(rank)}};
     series = std::make_unique<RankSeries>();
     series->offload_bytes = &rank_offload_bytes_->Add(labels);
     series->prefetch_bytes = &rank_prefetch_bytes_->Add(labels);
@@ -359,7 +373,12 @@ void Metrics::RecordResidency(double resident_seconds) {
 }
 
 void Metrics::RecordClientCopy(CopyDirection direction, uint64_t bytes, double seconds) {
-  if (bytes == 0 || !std::isfinite(seconds) || seconds <= 0) return;
+  // One group's copy: never more bytes than the arena holds, never longer
+  // than kMaxClientCopySeconds. Anything else is a client bug, not data.
+  if (bytes == 0 || bytes > max_copy_bytes_ || !std::isfinite(seconds) || seconds <= 0 ||
+      seconds > kMaxClientCopySeconds) {
+    return;
+  }
   const int d = static_cast<int>(direction);
   copy_bytes_[d]->Increment(static_cast<double>(bytes));
   copy_seconds_[d]->Increment(seconds);

@@ -60,6 +60,11 @@ TEST(Config, ErrorsNameTheKey) {
       {{"--help=yes"}, "takes no value"},
       {{"--prefault-threads=-2"}, "--prefault-threads"},
       {{"--metrics-address=9477"}, "HOST:PORT"},
+      {{"--health-address=9478"}, "IP:PORT"},
+      {{"--health-address=localhost:9478"}, "IP:PORT"},
+      {{"--health-address=127.0.0.1:65536"}, "IP:PORT"},
+      {{"--health-address=127.0.0.1:"}, "IP:PORT"},
+      {{"--health-address=[::1:9478"}, "IP:PORT"},
       {{"--log-level=loud"}, "debug, info, warn, error"},
       {{"--socket-mode=999"}, "octal"},
       {{"--allowed-uids=1000,bob"}, "numeric uid"},
@@ -181,13 +186,36 @@ TEST(Config, PrintedConfigParsesBackToTheSameValues) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].value, b[i].value) << a[i].key;
 }
 
+TEST(Config, HealthAddressFromEverySourceDefaultsToNone) {
+  Result<DaemonConfig> c = Parse({});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->health_address, "");
+  EXPECT_NE(FormatConfig(*c).find("health_address = \"none\"  # default"), std::string::npos)
+      << FormatConfig(*c);
+  c = Parse({"--health-address=0.0.0.0:9478"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->health_address, "0.0.0.0:9478");
+  EXPECT_NE(FormatConfig(*c).find("health_address = \"0.0.0.0:9478\"  # flag"), std::string::npos);
+  c = Parse({}, {"MEMOFFLOAD_HEALTH_ADDRESS=[::1]:0"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->health_address, "[::1]:0");
+  EXPECT_EQ(c->sources["server.health_address"], "env");
+  TempFile file("[server]\nhealth_address = \"127.0.0.1:9478\"\n");
+  c = Parse({"--config", file.path().c_str()});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->health_address, "127.0.0.1:9478");
+  c = Parse({"--config", file.path().c_str(), "--health-address=none"});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->health_address, "");
+}
+
 TEST(Config, HelpListsEveryFlagAndEnvName) {
   const std::string help = FlagsHelp();
   for (const char* s :
-       {"--runtime-dir", "--arena-size", "--chunk-size", "--metrics-address", "--prefault-threads",
-        "--hugepages", "--no-mlock", "--config", "--print-config", "--session-max-bytes",
-        "--job-max-bytes", "--node-reserve-bytes", "--drain-timeout", "MEMOFFLOAD_ARENA_SIZE",
-        "[quotas] max_wait"}) {
+       {"--runtime-dir", "--arena-size", "--chunk-size", "--metrics-address", "--health-address",
+        "--prefault-threads", "--hugepages", "--no-mlock", "--config", "--print-config",
+        "--session-max-bytes", "--job-max-bytes", "--node-reserve-bytes", "--drain-timeout",
+        "MEMOFFLOAD_ARENA_SIZE", "[quotas] max_wait"}) {
     EXPECT_NE(help.find(s), std::string::npos) << s;
   }
 }

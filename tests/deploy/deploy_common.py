@@ -32,7 +32,7 @@ def daemon_binary(required: bool = True) -> Path | None:
     path = bin_dir() / "memoffloadd"
     if not path.is_file():
         if required:
-            pytest.skip(f"{path} not built (set MEMOFFLOAD_BIN_DIR)")
+            pytest.fail(f"{path} not built (build first, or set MEMOFFLOAD_BIN_DIR)")
         return None
     return path
 

@@ -5,6 +5,7 @@ scripts/setup-deps.sh."""
 
 import re
 import shlex
+import tomllib
 import subprocess
 from pathlib import Path
 
@@ -19,10 +20,13 @@ MIB = 1024 * 1024
 # ---------------------------------------------------------------- Kubernetes
 
 
-def test_yamllint_passes_on_k8s_and_prometheus_yaml():
+def test_yamllint_passes_on_k8s_prometheus_and_grafana_provisioning_yaml():
     yamllint = dc.require_tool("yamllint")
+    provisioning = sorted((dc.REPO / "grafana" / "provisioning").rglob("*.yaml"))
+    assert len(provisioning) >= 2, provisioning
     result = subprocess.run(
-        [yamllint, "--strict", "--format", "parsable", str(dc.K8S), str(dc.PROMETHEUS)],
+        [yamllint, "--strict", "--format", "parsable", str(dc.K8S), str(dc.PROMETHEUS),
+         *map(str, provisioning)],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -72,10 +76,24 @@ def test_daemonset_socket_dir_is_the_daemon_default_on_the_host():
     assert env[dc.runtime_dir_env()] == run_dir
 
 
-def test_daemonset_probes_use_memoffloadctl_status():
-    _, _, _, c = _daemonset_parts()
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["exec"]["command"] == ["memoffloadctl", "status"], probe
+def test_daemonset_probes_use_the_health_port_of_the_configmap():
+    docs, _, _, c = _daemonset_parts()
+    health = dc.configmap_toml(docs)["server"].get("health_address", "none")
+    assert health != "none", "the ConfigMap must enable server.health_address for the probes"
+    host, _, port = health.rpartition(":")
+    # kubelet probes the pod IP: loopback would never answer.
+    assert host in ("0.0.0.0", "[::]"), health
+    ports = {p["name"]: p for p in c["ports"]}
+    assert ports["health"] == {"name": "health", "containerPort": int(port), "protocol": "TCP"}
+    paths = {"startupProbe": "/livez", "readinessProbe": "/readyz", "livenessProbe": "/livez"}
+    for probe, path in paths.items():
+        assert c[probe]["httpGet"]["port"] in ("health", int(port)), probe
+        assert c[probe]["httpGet"]["path"] == path, probe
+        assert "exec" not in c[probe] and "tcpSocket" not in c[probe], probe
+    # The paths are the daemon's (daemon/src/health.cc).
+    source = (dc.REPO / "daemon" / "src" / "health.cc").read_text()
+    for path in set(paths.values()):
+        assert f'"{path}"' in source, path
     # A pre-fault of a large arena must fit in the startup budget (15 min).
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 900
@@ -93,8 +111,9 @@ def test_daemonset_config_metrics_port_and_memory_agree_with_configmap():
     mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
     assert c["args"] == ["--config", f"{mount['mountPath']}/memoffloadd.toml"]
     port = dc.default_metrics_port()
-    (container_port,) = c["ports"]
-    assert container_port == {"name": "metrics", "containerPort": port, "protocol": "TCP"}
+    ports = {p["name"]: p for p in c["ports"]}
+    assert set(ports) == {"metrics", "health"}, ports
+    assert ports["metrics"] == {"name": "metrics", "containerPort": port, "protocol": "TCP"}
     # The memfd pages of the arena are charged to the daemon's container.
     arena = dc.parse_size_bytes(config["arena"]["size"])
     limit = dc.parse_size_bytes(c["resources"]["limits"]["memory"])
@@ -113,6 +132,31 @@ def test_configmap_serves_metrics_on_all_pod_interfaces_and_default_dirs():
     ds = dc.one(docs, "DaemonSet")
     gid = ds["spec"]["template"]["spec"]["securityContext"]["runAsGroup"]
     assert config["access"]["allowed_gids"] == [gid]
+
+
+def test_pod_user_and_group_ids_match_the_dockerfile_user():
+    """The image's user is 10001:10001 (USER, useradd/groupadd); the DaemonSet
+    keeps that group (socket ownership) and runs as that user or, for
+    CAP_IPC_LOCK (see the comment in daemonset.yaml), as uid 0 with only
+    IPC_LOCK added."""
+    runtime = _stages()["runtime"]
+    (user,) = [rest for word, rest in runtime if word == "USER"]
+    uid, gid = (int(x) for x in user.split(":"))
+    commands = " ".join(rest for word, rest in runtime if word == "RUN")
+    assert f"--uid {uid}" in commands and f"--gid {gid}" in commands, commands
+    docs, _, pod, c = _daemonset_parts()
+    security = pod["securityContext"]
+    assert security["runAsGroup"] == gid
+    assert security["runAsUser"] in (uid, 0)
+    if security["runAsUser"] == 0:
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert c["securityContext"]["runAsNonRoot"] is False
+    else:
+        assert c["securityContext"].get("runAsNonRoot", True) is True
+    trainers = [p for p in docs["Pod"] if p["__file__"].startswith("examples/")]
+    assert trainers
+    for trainer in trainers:
+        assert trainer["spec"]["securityContext"]["runAsGroup"] == gid, trainer["__file__"]
 
 
 def test_service_and_servicemonitor_select_the_daemon_pods():
@@ -222,8 +266,8 @@ def test_dockerfile_runtime_stage_has_no_build_packages_and_a_non_root_user():
 
 def test_dockerfile_runtime_packages_cover_the_built_binaries_libraries():
     binaries = [dc.bin_dir() / b for b in ("memoffloadd", "memoffloadctl")]
-    if not all(b.is_file() for b in binaries):
-        pytest.skip(f"binaries not built in {dc.bin_dir()}")
+    missing = [str(b) for b in binaries if not b.is_file()]
+    assert not missing, f"not built: {missing} (set MEMOFFLOAD_BIN_DIR)"
     # Direct dependencies (DT_NEEDED) only: apt pulls in what those need.
     libraries = set()
     for binary in binaries:
@@ -283,6 +327,24 @@ def test_prometheus_config_is_valid_and_scrapes_the_metrics_port():
     assert job["metrics_path"] == "/metrics"
 
 
+def test_readme_prometheus_config_is_valid_and_scrapes_the_default_address(tmp_path):
+    promtool = dc.require_tool("promtool")
+    readme = (dc.REPO / "README.md").read_text()
+    section = readme[readme.index("## Metrics"):]
+    section = section[:section.index("\n## ", 1)]
+    m = re.search(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF\n", section, re.S)
+    assert m, "README's Metrics section has no Prometheus config here-document"
+    config = tmp_path / "prometheus.yml"
+    config.write_text(m.group(2) + "\n")
+    result = subprocess.run([promtool, "check", "config", str(config)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (job,) = yaml.safe_load(config.read_text())["scrape_configs"]
+    assert job["job_name"] == "memoffload"
+    assert job["static_configs"][0]["targets"] == [dc.default_metrics_address()]
+    assert f"--config.file={m.group(1)}" in section
+
+
 # ---------------------------------------------------------------- configs
 
 
@@ -295,16 +357,9 @@ def test_example_config_matches_daemon_defaults_and_unit():
         assert dc.parse_duration_s(config["lifecycle"]["drain_timeout"]) == default_drain
 
 
-def _daemon_knows_config_files(binary: Path) -> bool:
-    help_text = subprocess.run([str(binary), "--help"], capture_output=True, text=True).stdout
-    return "--config" in help_text and "--print-config" in help_text
-
-
 @pytest.mark.parametrize("source", ["systemd example", "k8s configmap"])
 def test_config_files_are_accepted_by_the_daemon(source, tmp_path):
     binary = dc.daemon_binary()
-    if not _daemon_knows_config_files(binary):
-        pytest.skip("this memoffloadd has no --config/--print-config yet (issue 4)")
     if source == "systemd example":
         path = dc.EXAMPLE_CONFIG
     else:
@@ -314,3 +369,10 @@ def test_config_files_are_accepted_by_the_daemon(source, tmp_path):
     result = subprocess.run([str(binary), "--config", str(path), "--print-config"],
                             capture_output=True, text=True, env=env)
     assert result.returncode == 0, result.stderr
+    # Every key of the file is in effect, not ignored.
+    effective = tomllib.loads(result.stdout)
+    for section, values in tomllib.loads(path.read_text()).items():
+        for key, value in values.items():
+            assert key in effective[section], f"[{section}] {key}"
+            if isinstance(value, str) and section == "server":
+                assert effective[section][key] == value, f"[{section}] {key}"

@@ -4,6 +4,7 @@ owns, as systemd would start it under memoffloadd.service (Type=notify,
 NotifyAccess=main, WatchdogSec=)."""
 
 import os
+import re
 import select
 import signal
 import socket
@@ -84,6 +85,7 @@ class NotifiedDaemon:
         self.runtime_dir = tmp_path / "rt"
         self.runtime_dir.mkdir()
         self.metrics_port = _free_tcp_port()
+        self.health_port = _free_tcp_port()
         self.listener = NotifyListener(tmp_path / "notify.sock") if notify else None
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("MEMOFFLOAD_", "NOTIFY_", "WATCHDOG_", "LISTEN_"))}
@@ -100,7 +102,8 @@ class NotifiedDaemon:
         self.proc = subprocess.Popen(
             ["/bin/sh", "-c", pid_setup + 'exec "$@"', "sh", str(binary),
              "--runtime-dir", str(self.runtime_dir), "--arena-size", "64MiB",
-             "--metrics-address", f"127.0.0.1:{self.metrics_port}"],
+             "--metrics-address", f"127.0.0.1:{self.metrics_port}",
+             "--health-address", f"127.0.0.1:{self.health_port}"],
             env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def log_text(self) -> str:
@@ -139,20 +142,16 @@ def daemon_factory(tmp_path):
         d.close()
 
 
-def _daemon_has_sd_notify(binary: Path) -> bool:
-    return b"sd_notify" in binary.read_bytes()
-
-
-@pytest.fixture(autouse=True)
-def _needs_notifier():
+def test_daemon_binary_calls_sd_notify():
     binary = dc.daemon_binary()
-    if not _daemon_has_sd_notify(binary):
-        pytest.skip(f"{binary} does not call sd_notify yet (Notifier not wired into daemon.cc)")
+    assert b"sd_notify" in binary.read_bytes(), f"{binary} does not call sd_notify"
 
 
-def _wait_ready(daemon: NotifiedDaemon, timeout: float = 60):
-    """Reads messages until READY=1 and checks, at that moment, that every
-    listener already accepts connections."""
+def _wait_ready(daemon: NotifiedDaemon, timeout: float = 60, on_ready=None):
+    """Reads messages until READY=1. At that moment the daemon is stopped
+    (SIGSTOP) so that it cannot bind anything late, every listener must
+    already accept connections (the kernel queues them while it is stopped),
+    `on_ready(daemon)` runs, and the daemon continues (SIGCONT)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         message = daemon.listener.receive(deadline - time.monotonic())
@@ -160,9 +159,16 @@ def _wait_ready(daemon: NotifiedDaemon, timeout: float = 60):
             break
         _, _, fields = message
         if fields.get("READY") == "1":
-            assert _accepts(daemon.broker_socket), "READY=1 before broker.sock accepts"
-            assert _accepts(daemon.grpc_socket), "READY=1 before memoffload.sock accepts"
-            assert _tcp_accepts(daemon.metrics_port), "READY=1 before /metrics accepts"
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            try:
+                assert _accepts(daemon.broker_socket), "READY=1 before broker.sock accepts"
+                assert _accepts(daemon.grpc_socket), "READY=1 before memoffload.sock accepts"
+                assert _tcp_accepts(daemon.metrics_port), "READY=1 before /metrics accepts"
+                assert _tcp_accepts(daemon.health_port), "READY=1 before the health port accepts"
+                if on_ready:
+                    on_ready(daemon)
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
             return message
         assert daemon.proc.poll() is None, "daemon exited:\n" + daemon.log_text()
     pytest.fail(f"no READY=1 within {timeout} s:\n" + daemon.log_text())
@@ -197,6 +203,70 @@ def test_ready_watchdog_status_and_stopping(daemon_factory):
     # NotifyAccess=main: systemd only accepts messages from the main pid.
     senders = {pid for _, pid, _ in daemon.listener.messages}
     assert senders == {daemon.proc.pid}, senders
+
+
+def test_sigterm_right_after_ready_drains_and_sends_stopping(daemon_factory):
+    """A SIGTERM that arrives as soon as READY=1 is sent (queued while the
+    daemon is stopped) must drain: handled, STOPPING=1, exit 0."""
+    daemon = daemon_factory()
+    _wait_ready(daemon, on_ready=lambda d: os.kill(d.proc.pid, signal.SIGTERM))
+    try:
+        code = daemon.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("memoffloadd did not exit within 60 s of SIGTERM:\n" + daemon.log_text())
+    assert code == 0, f"exit {code} (a SIGTERM before the handler kills the daemon):\n" + \
+        daemon.log_text()
+    while daemon.listener.receive(0.2) is not None:
+        pass
+    assert any(f.get("STOPPING") == "1" for _, _, f in daemon.listener.messages), \
+        daemon.listener.messages
+    assert "received SIGTERM: draining" in daemon.log_text(), daemon.log_text()
+
+
+def test_signal_handlers_are_installed_before_ready(tmp_path):
+    """strace shows the order of the main thread's syscalls: the SIGTERM
+    handler must be in place before the sendmsg that carries READY=1."""
+    binary = dc.daemon_binary()
+    strace = dc.require_tool("strace")
+    listener = NotifyListener(tmp_path / "notify.sock")
+    runtime = tmp_path / "rt"
+    runtime.mkdir()
+    trace = tmp_path / "trace"
+    log_path = tmp_path / "daemon.log"
+    log = open(log_path, "w")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MEMOFFLOAD_", "NOTIFY_", "WATCHDOG_", "LISTEN_"))}
+    env["NOTIFY_SOCKET"] = str(listener.path)
+    proc = subprocess.Popen(
+        [strace, "-f", "-qq", "-s", "64", "-e", "trace=rt_sigaction,sendmsg", "-o", str(trace),
+         str(binary), "--runtime-dir", str(runtime), "--arena-size", "64MiB",
+         "--metrics-address", "none"],
+        env=env, stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(f.get("READY") == "1" for _, _, f in listener.messages):
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, "no READY=1 under strace in 60 s"
+            listener.receive(0.5)
+        # Signal the daemon (the pid of the READY=1 sender), not strace.
+        daemon_pid = next(pid for _, pid, f in listener.messages if f.get("READY") == "1")
+        os.kill(daemon_pid, signal.SIGTERM)
+        assert proc.wait(60) == 0, log_path.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        listener.close()
+        log.close()
+    lines = trace.read_text().splitlines()
+    ready = [i for i, line in enumerate(lines) if "sendmsg(" in line and "READY=1" in line]
+    handler = [i for i, line in enumerate(lines)
+               if re.search(r"rt_sigaction\(SIGTERM, \{sa_handler=0x", line)]
+    assert ready, "no sendmsg with READY=1 in the trace:\n" + "\n".join(lines[-20:])
+    assert handler, "no SIGTERM handler installed:\n" + "\n".join(lines[-20:])
+    assert handler[0] < ready[0], (
+        "READY=1 was sent before the SIGTERM handler was installed:\n"
+        + "\n".join(lines[min(ready[0], handler[0]):max(ready[0], handler[0]) + 1][:20]))
 
 
 def test_no_watchdog_pings_when_watchdog_pid_names_another_process(daemon_factory):

@@ -120,26 +120,29 @@ def test_daemon_stays_inside_the_units_sandbox(tmp_path):
     SystemCallFilter=, every socket family by RestrictAddressFamilies=, and
     that no mapping is writable and executable (MemoryDenyWriteExecute=)."""
     binary = dc.daemon_binary()
-    strace = shutil.which("strace")
-    if strace is None:
-        pytest.skip("strace not installed")
+    strace = dc.require_tool("strace")
     analyze = dc.require_tool("systemd-analyze")
     runtime = tmp_path / "rt"
     runtime.mkdir()
     trace = tmp_path / "trace"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    port, health_port = ports
     proc = subprocess.Popen(
         [strace, "-f", "-qq", "-o", str(trace), str(binary), "--runtime-dir", str(runtime),
-         "--arena-size", "64MiB", "--metrics-address", f"127.0.0.1:{port}"],
+         "--arena-size", "64MiB", "--metrics-address", f"127.0.0.1:{port}",
+         "--health-address", f"127.0.0.1:{health_port}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         broker, grpc = dc.socket_names()
         deadline = time.monotonic() + 60
         while not ((runtime / grpc).exists() and (runtime / broker).exists()):
             if proc.poll() is not None:
-                pytest.skip(f"daemon did not run under strace: {proc.stderr.read()[-300:]}")
+                pytest.fail(f"daemon exited under strace ({proc.returncode}): "
+                            f"{proc.stderr.read()[-600:]}")
             assert time.monotonic() < deadline, "daemon did not start under strace"
             time.sleep(0.1)
         ctl = dc.bin_dir() / "memoffloadctl"
@@ -149,6 +152,17 @@ def test_daemon_stays_inside_the_units_sandbox(tmp_path):
         with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
             c.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
             c.recv(65536)
+        # The health listener binds just after the sockets appear.
+        while True:
+            try:
+                c = socket.create_connection(("127.0.0.1", health_port), timeout=5)
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "health port never accepted under strace"
+                time.sleep(0.1)
+        with c:
+            c.sendall(b"GET /readyz HTTP/1.0\r\n\r\n")
+            assert c.recv(65536).startswith(b"HTTP/1.1 200 OK")
         # Signal the daemon (the first pid in the trace), not strace: strace
         # would detach and leave the daemon running.
         daemon_pid = int(trace.read_text().split(None, 1)[0])
@@ -172,10 +186,10 @@ def test_daemon_stays_inside_the_units_sandbox(tmp_path):
     assert not wx, wx[:5]
 
 
-def _install_tree(tmp_path: Path, prefix: str, name: str) -> Path:
+def _install_tree(tmp_path: Path, prefix: str, name: str, root: Path = dc.REPO) -> Path:
     """Configures a tiny project with stand-in memoffloadd/memoffloadctl
-    targets that include cmake/install.cmake, installs it into a DESTDIR and
-    returns the DESTDIR."""
+    targets that include `root`/cmake/install.cmake, installs it into a
+    DESTDIR and returns the DESTDIR."""
     cmake = dc.require_tool("cmake")
     src = tmp_path / f"{name}-src"
     src.mkdir()
@@ -185,7 +199,7 @@ def _install_tree(tmp_path: Path, prefix: str, name: str) -> Path:
         "project(memoffload VERSION 0.0.0 LANGUAGES C)\n"
         "add_executable(memoffloadd main.c)\n"
         "add_executable(memoffloadctl main.c)\n"
-        f'include("{dc.REPO}/cmake/install.cmake")\n')
+        f'include("{root}/cmake/install.cmake")\n')
     build = tmp_path / f"{name}-build"
     dest = tmp_path / f"{name}-dest"
     for command in ([cmake, "-S", str(src), "-B", str(build), f"-DCMAKE_INSTALL_PREFIX={prefix}"],
@@ -230,6 +244,33 @@ def test_install_keeps_an_existing_config(tmp_path):
     config.write_text("# operator's settings\n")
     install(tmp_path / "keep-build", dest)
     assert config.read_text() == "# operator's settings\n"
+
+
+def test_editing_the_unit_reconfigures_before_the_next_install(tmp_path):
+    """install.cmake reads the unit at configure time; an edited unit must not
+    leave the stale copy in the build tree (CMAKE_CONFIGURE_DEPENDS)."""
+    root = tmp_path / "root"
+    for part in ("cmake", "deploy/systemd", "grafana"):
+        shutil.copytree(dc.REPO / part, root / part)
+    (root / "docs").mkdir()
+    shutil.copy(dc.DEPLOY_DOC, root / "docs" / "deploy.md")
+    dest = _install_tree(tmp_path, "/usr", "edit", root)
+    unit = root / "deploy/systemd/memoffloadd.service"
+    unit.write_text(unit.read_text() + "# edited after configure\n")
+    # An edit within the configure's second would look as old as its outputs.
+    later = time.time() + 5
+    os.utime(unit, (later, later))
+    build = tmp_path / "edit-build"
+    result = subprocess.run([shutil.which("cmake"), "--build", str(build)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The regenerated unit is in the build tree now; cmake --install compares
+    # whole seconds, so age the installed copy to make it install again.
+    installed_unit = dest / "usr/lib/systemd/system/memoffloadd.service"
+    os.utime(installed_unit, (time.time() - 60, time.time() - 60))
+    install(build, dest)
+    installed = installed_unit.read_text()
+    assert installed.endswith("# edited after configure\n"), installed[-200:]
 
 
 def test_install_rewrites_unit_paths_for_another_prefix(tmp_path):

@@ -35,6 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "grafana" / "dashboards" / "memoffload.json"
 PROVISIONING = REPO / "grafana" / "provisioning"
 DOC = REPO / "docs" / "observability.md"
+METRICS_SOURCE = REPO / "daemon" / "src" / "metrics.cc"
 BIN_DIR = Path(os.environ.get("MEMOFFLOAD_BIN_DIR", REPO / "build" / "bin"))
 
 # Exported families no panel has to show, and why.
@@ -183,6 +184,30 @@ def exported_families(text: str) -> dict:
     return families
 
 
+def declared_families() -> dict:
+    """{family name: type} of every family daemon/src/metrics.cc defines, with or
+    without series: prometheus-cpp prints no # TYPE line for a family that has
+    no series yet (tests/daemon/metrics_test.cc checks that), so a scrape alone
+    misses e.g. the per-rank families on an idle daemon."""
+    text = METRICS_SOURCE.read_text()
+    families = {}
+    for kind, name in re.findall(r'Build(Counter|Gauge|Histogram|Summary)\(\)\s*'
+                                 r'\.Name\(\s*"([^"]+)"', text):
+        families[name] = kind.lower()
+    for name in re.findall(r'GaugeFamily\(\s*"([^"]+)"', text):
+        families[name] = "gauge"
+    return families
+
+
+def documented_families() -> dict:
+    """{family name: type} of the metric table in docs/observability.md."""
+    families = {}
+    for m in re.finditer(r"^\|\s*`([a-z_:][a-z0-9_:]*)`\s*\|\s*(\w+)\s*\|", DOC.read_text(),
+                         re.M):
+        families[m.group(1)] = m.group(2)
+    return families
+
+
 def load_dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
@@ -269,7 +294,9 @@ class PromtoolTest(DaemonTestCase):
 class DriftTest(DaemonTestCase):
     def test_panels_are_complete_and_use_exported_metrics_only(self):
         self.drive_traffic()
-        families = exported_families(self.daemon.metrics())
+        # What the daemon can export: every family metrics.cc defines (some
+        # have no series yet), and whatever this scrape shows.
+        families = {**declared_families(), **exported_families(self.daemon.metrics())}
         dashboard = load_dashboard()
         problems, used = [], set()
         variables = {v["name"] for v in dashboard["templating"]["list"]}
@@ -321,12 +348,34 @@ class DriftTest(DaemonTestCase):
         self.assertEqual(metric_names("up{job=\"x\"} == 1 and on (instance) c_total"),
                          {"up", "c_total"})
 
-    def test_every_exported_family_is_documented(self):
-        families = exported_families(self.daemon.metrics())
-        doc = DOC.read_text()
-        missing = [f for f in sorted(families)
-                   if f.startswith("memoffload_") and f"`{f}`" not in doc]
-        self.assertEqual(missing, [], f"not in the table of {DOC.relative_to(REPO)}")
+    def test_declared_families_are_what_the_daemon_exports(self):
+        """The source parse finds every family a scrape after traffic shows
+        (so it cannot go blind), with the same type."""
+        self.drive_traffic()
+        scraped = exported_families(self.daemon.metrics())
+        declared = declared_families()
+        ours = {f: t for f, t in scraped.items() if f not in UNUSED_ALLOWED}
+        unknown = sorted(set(ours) - set(declared))
+        self.assertEqual(unknown, [], f"exported but not found in {METRICS_SOURCE.name}")
+        wrong = {f: (t, declared[f]) for f, t in ours.items() if declared[f] != t}
+        self.assertEqual(wrong, {}, "scraped type vs declared type")
+        self.assertGreaterEqual(len(declared), 25, declared)
+
+    def test_documented_table_equals_the_exported_families(self):
+        """Both directions: no family without a row, no row without a family,
+        and the types agree."""
+        declared = {f: t for f, t in declared_families().items() if f.startswith("memoffload_")}
+        scraped = {f: t for f, t in exported_families(self.daemon.metrics()).items()
+                   if f.startswith("memoffload_")}
+        exported = {**declared, **scraped}
+        documented = documented_families()
+        where = DOC.relative_to(REPO)
+        self.assertEqual(sorted(set(exported) - set(documented)), [],
+                         f"exported but not in the table of {where}")
+        self.assertEqual(sorted(set(documented) - set(exported)), [],
+                         f"in the table of {where} but not exported")
+        wrong = {f: (documented[f], t) for f, t in exported.items() if documented[f] != t}
+        self.assertEqual(wrong, {}, f"type in {where} vs exported type")
 
     def test_provisioning_matches_the_documented_mounts(self):
         providers = yaml.safe_load((PROVISIONING / "dashboards" / "memoffload.yaml").read_text())

@@ -37,6 +37,7 @@ struct DaemonConfig {
   // [server]
   std::string runtime_dir;                               // resolved: never empty after Resolve
   std::string metrics_address = kDefaultMetricsAddress;  // "" disables
+  std::string health_address;                            // "" (default): no HTTP health listener
   std::string log_level = "info";
   uint32_t socket_mode = 0660;
   std::string socket_group;  // "" keeps the daemon's group

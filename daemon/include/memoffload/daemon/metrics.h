@@ -48,6 +48,15 @@ struct MetricsInfo {
   bool mlocked = false;
 };
 
+// The reasons the broker passes to Metrics::AttachRefused; the last one,
+// session_error, also counts any other string.
+inline constexpr std::array<const char*, 6> kAttachRefusalReasons = {
+    "peer_credentials", "access_denied", "hello_timeout", "bad_hello", "draining", "session_error"};
+// Longest job_id label value (the broker admits no longer job ids).
+inline constexpr size_t kMaxLabelValueBytes = 128;
+// RecordClientCopy ignores a copy reported to take longer than this.
+inline constexpr double kMaxClientCopySeconds = 3600;
+
 class Metrics {
  public:
   Metrics(const SessionTable* table, MetricsInfo info);
@@ -71,7 +80,8 @@ class Metrics {
   // A group left the arena; `resident_seconds` > 0 when it had been committed.
   void RecordResidency(double resident_seconds);
   // Copy statistics a client reported with Commit (kOffload) or Release
-  // (kPrefetch). Ignored unless bytes > 0 and seconds is finite and > 0.
+  // (kPrefetch). Ignored unless 0 < bytes <= the arena's capacity and
+  // seconds is finite and in (0, kMaxClientCopySeconds].
   enum class CopyDirection { kOffload, kPrefetch };
   void RecordClientCopy(CopyDirection direction, uint64_t bytes, double seconds);
 
@@ -106,6 +116,7 @@ class Metrics {
   std::array<prometheus::Counter*, kCloseReasonCount> sessions_closed_by_reason_{};
   std::array<prometheus::Counter*, kRejectReasonCount> rejections_{};
   prometheus::Family<prometheus::Counter>* attach_refusals_ = nullptr;
+  std::array<prometheus::Counter*, kAttachRefusalReasons.size()> attach_refusals_by_reason_{};
   std::array<prometheus::Counter*, kCloseReasonCount> reclaimed_bytes_{};
   std::array<prometheus::Counter*, kCloseReasonCount> sessions_reclaimed_{};
   prometheus::Counter* offload_bytes_ = nullptr;
@@ -116,6 +127,7 @@ class Metrics {
   std::array<prometheus::Counter*, 2> copy_bytes_{};    // [CopyDirection]
   std::array<prometheus::Counter*, 2> copy_seconds_{};  // [CopyDirection]
 
+  const uint64_t max_copy_bytes_;  // the arena's capacity (2^53 when unknown)
   const SessionTable* table_;
   std::mutex rank_mu_;  // guards by_session_, by_rank_ and the increments of their series
   std::unordered_map<uint64_t, RankSeries*> by_session_;  // guarded by rank_mu_

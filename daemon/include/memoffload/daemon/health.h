@@ -1,0 +1,75 @@
+// HealthServer: a tiny HTTP/1.x endpoint for Kubernetes (or any) probes,
+// served on the daemon's event loop (the io_context RunDaemon runs).
+//
+//   GET /livez    200 "ok" (or "draining"): the event loop runs. Stays 200
+//                 while draining: restarting a draining daemon drops sessions.
+//   GET /readyz   200 "ok" while serving; 503 "draining" while the daemon
+//                 drains (SIGTERM or memoffloadctl drain), so traffic stops.
+//   GET /healthz  the same as /readyz.
+// HEAD is answered like GET without a body. Other paths get 404, other
+// methods 405, anything malformed (or a request head over kMaxRequestBytes)
+// 400. Every connection gets one response and is closed. A connection is
+// closed kRequestTimeoutMs after accept, answered or not; past
+// kMaxConnections open connections, the oldest is closed to admit a new one.
+// A client can make the server answer 400 or nothing, never stop the daemon.
+//
+// Not thread-safe: call every method from the io_context's thread (or
+// before it runs). `draining` may be called there at any time.
+#ifndef MEMOFFLOAD_DAEMON_HEALTH_H_
+#define MEMOFFLOAD_DAEMON_HEALTH_H_
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::daemon {
+
+// The full HTTP response (status line, headers, body) to one request head
+// (the bytes up to and including the blank line), by the rules above.
+std::string HealthResponse(const std::string& request_head, bool draining);
+
+class HealthServer {
+ public:
+  static constexpr size_t kMaxRequestBytes = 2048;
+  static constexpr int kRequestTimeoutMs = 2000;
+  static constexpr size_t kMaxConnections = 32;
+
+  // `draining` tells whether the daemon drains right now.
+  HealthServer(boost::asio::io_context& io, std::function<bool()> draining);
+  ~HealthServer();
+  HealthServer(const HealthServer&) = delete;
+  HealthServer& operator=(const HealthServer&) = delete;
+
+  // Binds "IP:PORT" ("[IPv6]:PORT"; port 0 picks a free one), listens and
+  // starts accepting (answers flow once the io_context runs). Returns the
+  // bound "IP:PORT".
+  Result<std::string> Start(const std::string& address);
+  // Closes the listener and every open connection. Idempotent.
+  void Stop();
+
+  size_t connection_count() const { return connections_.size(); }
+
+ private:
+  class Connection;
+  void Accept();
+  void OnClosed(uint64_t id);
+
+  boost::asio::io_context& io_;
+  std::function<bool()> draining_;
+  boost::asio::ip::tcp::acceptor acceptor_;
+  boost::asio::steady_timer accept_retry_;
+  uint64_t next_id_ = 1;
+  std::map<uint64_t, std::shared_ptr<Connection>> connections_;
+  bool stopped_ = false;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_HEALTH_H_
