@@ -17,6 +17,7 @@ build/bin) in a temporary directory and stops it at the end.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -32,7 +33,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 import memoffload.torch as mot  # noqa: E402
-from memoffload.torch import _Counters, _make_pack, _unpack  # noqa: E402
+from memoffload.torch import _Counters, _make_pack, _ParamSkip, _unpack  # noqa: E402
 
 
 def start_daemon(tmp: str) -> subprocess.Popen:
@@ -57,7 +58,7 @@ def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) ->
     def ours() -> None:
         ctx = mot.offload_activations(runtime_dir=runtime_dir, slot=size_bytes)
         ctx.__enter__()
-        pack = _make_pack(off, ctx.key, 0, set(), _Counters())
+        pack = _make_pack(off, ctx.key, 0, _ParamSkip([]), _Counters())
         handles = [pack(t) for t in src]
         ctx.__exit__(None, None, None)
         ctx.prefetch()
@@ -90,40 +91,54 @@ def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) ->
     }
 
 
-def bench_step(runtime_dir: str, steps: int) -> dict:
+def bench_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict:
+    """Two copies of one model, one with offload_layers installed once (as a
+    training script does), timed in alternating steps after `warmup` steps
+    each (the first offloaded step learns the groups' sizes and blocks on
+    nothing else). Offloaded bytes and blocking RPCs are per-step deltas of
+    the timed steps only; each offloaded step's time includes a flush, so
+    Releases still queued at its end are not pushed into the next step."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 6)
+    plain_model = nn.TransformerEncoder(layer, 6)
+    off_model = copy.deepcopy(plain_model)
     x = torch.randn(8, 128, 128)
+    handle = mot.offload_layers(off_model.layers, min_tensor_bytes=64 << 10, runtime_dir=runtime_dir)
 
-    def step() -> float:
+    def step(model: nn.Module) -> float:
         t0 = time.perf_counter()
         model(x).pow(2).mean().backward()
+        if model is off_model:
+            handle.flush()
         return time.perf_counter() - t0
 
-    plain, offloaded = [], []
-    handle = None
-    step()
-    for i in range(2 * steps):
-        if i % 2 == 0:
-            plain.append(step())
-        else:
-            handle = mot.offload_layers(model.layers, min_tensor_bytes=64 << 10, runtime_dir=runtime_dir)
-            offloaded.append(step())
-            handle.remove()
-    assert handle is not None
+    for _ in range(warmup):
+        step(plain_model)
+        step(off_model)
+    plain, offloaded, moved, blocking = [], [], [], []
+    for _ in range(steps):
+        plain.append(step(plain_model))
+        before = handle.stats()
+        offloaded.append(step(off_model))
+        after = handle.stats()
+        moved.append(after["offloaded_bytes"] - before["offloaded_bytes"])
+        blocking.append(after["blocking_rpcs"] - before["blocking_rpcs"])
     s = handle.stats()
+    handle.remove()
     p = statistics.median(plain)
     o = statistics.median(offloaded)
     return {
         "bench": "step",
         "model": "TransformerEncoder 6x(d=128, ff=512), batch 8x128, CPU",
         "torch_threads": torch.get_num_threads(),
+        "timed_steps": steps,
         "plain_ms": round(p * 1e3, 1),
         "offload_ms": round(o * 1e3, 1),
         "ratio_vs_plain": round(o / p, 3),
-        "offloaded_mib_per_step": round(s["offloaded_bytes"] / steps / (1 << 20), 2),
-        "blocking_rpcs": s["blocking_rpcs"],
+        "offloaded_mib_per_step": round(statistics.median(moved) / (1 << 20), 2),
+        "blocking_rpcs_in_timed_steps": sum(blocking),
+        "skipped_bytes": s["skipped_bytes"],
+        "load_average_1m": round(os.getloadavg()[0], 2),
     }
 
 
@@ -142,6 +157,9 @@ def main() -> int:
         tmp = tempfile.TemporaryDirectory(prefix="mo-bench-")
         runtime_dir = tmp.name
         proc = start_daemon(runtime_dir)
+    print(json.dumps({"bench": "env", "torch": torch.__version__,
+                      "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}),
+          flush=True)
     try:
         for size in (4 << 10, 64 << 10, 1 << 20, 16 << 20):
             tensors = max(2, min(64, (32 << 20) // size))

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # What `scripts/run.sh --demo` runs: starts memoffloadd with embedded defaults
 # in a private runtime dir, trains a small Transformer on CPU with offload
-# through it (scripts/demo.py), then stops the daemon. Expects a built tree.
+# through it (scripts/demo.py), then stops the daemon. Expects a built tree:
+# $MEMOFFLOAD_BIN_DIR (default build/bin) and $MEMOFFLOAD_PYTHON (default
+# Debian's /usr/bin/python3, the interpreter the extension was built for).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bin=${MEMOFFLOAD_BIN_DIR:-build/bin}
+python=${MEMOFFLOAD_PYTHON:-/usr/bin/python3}
 dir=$(mktemp -d /tmp/memoffload-demo-XXXXXX)
 log="$dir/memoffloadd.log"
-build/bin/memoffloadd --runtime-dir "$dir/run" --metrics-address none >"$log" 2>&1 &
+"$bin/memoffloadd" --runtime-dir "$dir/run" --metrics-address none >"$log" 2>&1 &
 daemon=$!
 cleanup() {
   kill -INT "$daemon" 2>/dev/null || true
@@ -15,7 +19,7 @@ cleanup() {
 }
 trap cleanup EXIT
 for _ in $(seq 1 300); do
-  if build/bin/memoffloadctl --runtime-dir "$dir/run" status >/dev/null 2>&1; then break; fi
+  if "$bin/memoffloadctl" --runtime-dir "$dir/run" status >/dev/null 2>&1; then break; fi
   if ! kill -0 "$daemon" 2>/dev/null; then
     echo "demo: memoffloadd failed to start:" >&2
     cat "$log" >&2
@@ -24,4 +28,4 @@ for _ in $(seq 1 300); do
   sleep 0.1
 done
 grep -E "arena ready|listening" "$log" | sed 's/^/  /'
-PYTHONPATH="$PWD/client/python" /usr/bin/python3 scripts/demo.py --runtime-dir "$dir/run" "$@"
+PYTHONPATH="$PWD/client/python" "$python" scripts/demo.py --runtime-dir "$dir/run" "$@"

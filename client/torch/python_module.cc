@@ -111,8 +111,11 @@ PYBIND11_MODULE(_C, m) {
           py::arg("key"), py::arg("slot") = -1)
       .def(
           "add",
-          // Returns the entry index, or -1 when the tensor cannot be offloaded
-          // (the caller keeps it as it is).
+          // Returns the entry index, or -1 for a tensor that is not strided
+          // (the caller keeps it as it is). A tensor no engine can move (a
+          // CUDA tensor without the CUDA engine, a failed event) gets an entry
+          // that keeps it in memory and counts it in skipped_bytes: never an
+          // exception in the middle of a forward.
           [](GroupOffloader& o, uint64_t key, const at::Tensor& t, uintptr_t stream) -> int64_t {
             Result<int64_t> r = o.Add(key, t, stream);
             if (!r.ok() && r.status().code() == StatusCode::kInvalidArgument) return -1;
@@ -127,14 +130,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("key"))
       .def(
           "get",
-          [](GroupOffloader& o, uint64_t key, int64_t entry) {
+          [](GroupOffloader& o, uint64_t key, int64_t entry, uintptr_t stream) {
             Result<at::Tensor> r = [&] {
               py::gil_scoped_release release;
-              return o.Get(key, entry);
+              return o.Get(key, entry, stream);
             }();
             return Take(std::move(r));
           },
-          py::arg("key"), py::arg("entry"))
+          py::arg("key"), py::arg("entry"), py::arg("stream") = 0)
       .def(
           "drop_entry",
           [](GroupOffloader& o, uint64_t key, int64_t entry) { Check(o.DropEntry(key, entry)); },
@@ -149,14 +152,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("key"), py::arg("tensors"), py::arg("stream") = 0, py::arg("slot") = -1)
       .def(
           "get_group",
-          [](GroupOffloader& o, uint64_t key) {
+          [](GroupOffloader& o, uint64_t key, uintptr_t stream) {
             Result<std::vector<at::Tensor>> r = [&] {
               py::gil_scoped_release release;
-              return o.GetGroup(key);
+              return o.GetGroup(key, stream);
             }();
             return Take(std::move(r));
           },
-          py::arg("key"))
+          py::arg("key"), py::arg("stream") = 0)
       .def("flush", &GroupOffloader::Flush, py::call_guard<py::gil_scoped_release>())
       .def("stats", [](const GroupOffloader& o) { return StatsDict(o.stats()); });
 

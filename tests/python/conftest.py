@@ -32,6 +32,23 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
 
 
+# Exit code of a run that selected only gpu tests on a machine without a CUDA
+# device: CTest's SKIP_RETURN_CODE for python_torch_gpu_tests, so the whole
+# entry shows as skipped ("Not Run") instead of passing with nothing run.
+NO_GPU_EXIT_CODE = 77
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.getoption("markexpr") != "gpu" or torch.cuda.is_available():
+        return
+    reason = (
+        f"no CUDA device (torch {torch.__version__}: torch.cuda.is_available() is False): "
+        f"{len(session.items)} gpu test(s) not run"
+    )
+    print(f"\nSKIPPED: {reason}")
+    pytest.exit(reason, returncode=NO_GPU_EXIT_CODE)
+
+
 class Daemon:
     """One memoffloadd process; stop() at the end, kill() to simulate a crash."""
 
@@ -128,11 +145,23 @@ def grads(model: torch.nn.Module) -> List[Optional[torch.Tensor]]:
     return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as raw bytes (NaN-safe, -0.0 != 0.0)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
 def assert_same_grads(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+    """Every parameter's gradient bit for bit."""
+    pairs = list(zip(a.named_parameters(), b.parameters()))
+    assert len(pairs) == len(list(b.parameters()))
+    for (name, pa), pb in pairs:
         assert (pa.grad is None) == (pb.grad is None), name
         if pa.grad is not None:
-            assert torch.equal(pa.grad, pb.grad), f"gradient of {name} differs"
+            assert bit_equal(pa.grad, pb.grad), f"gradient of {name} differs"
 
 
 def step_both(
@@ -152,7 +181,7 @@ def step_both(
     loss_ref.backward()
     if loss.is_cuda:
         torch.cuda.synchronize()
-    assert torch.equal(loss, loss_ref)
+    assert bit_equal(loss, loss_ref)
     assert_same_grads(model, ref)
 
 

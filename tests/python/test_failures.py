@@ -95,3 +95,56 @@ def test_no_daemon_at_all(tmp_path):
     mot.forget_offloader(runtime_dir)
     assert s["offloaded_bytes"] == 0 and s["skipped_bytes"] > 0
     assert not s["connected"]
+
+
+def test_failure_logged_once_but_counted(tmp_path, capfd):
+    """Two steps without a daemon, a reconnect attempt between them: one line
+    on stderr, every failure counted."""
+    runtime_dir = str(tmp_path / "nobody-home")
+    torch.manual_seed(3)
+    model = DecoderStack(layers=3)
+    ref = clone_model(model)
+    capfd.readouterr()
+    handle = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=runtime_dir)
+    step_both(model, ref, tokens())
+    first = handle.stats()
+    time.sleep(1.1)  # past the reconnect interval: the next step tries again
+    step_both(model, ref, tokens())
+    handle.flush()
+    s = handle.stats()
+    handle.remove()
+    mot.forget_offloader(runtime_dir)
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("memoffload:")]
+    assert len(lines) == 1, err
+    assert "attach failed" in lines[0] and "UNAVAILABLE" in lines[0], lines
+    assert s["rpc_errors"] > first["rpc_errors"] >= 1  # the second attempt failed too
+    assert s["skipped_bytes"] > first["skipped_bytes"] > 0
+
+
+def test_tensor_without_copy_engine_is_kept_and_counted(daemon, capfd):
+    """A tensor on a device no engine handles (here: meta; on a machine
+    without the CUDA engine: CUDA tensors) stays where it is, counted in
+    skipped_bytes, logged once; it never raises inside a forward."""
+    off = mot.get_offloader(daemon.runtime_dir)
+    before = off.stats()
+    capfd.readouterr()
+    for key in (6_000_001, 6_000_002):
+        # min_tensor_bytes: not the 0-dim scalars `* 2` and `* 1` save.
+        with mot.offload_activations(min_tensor_bytes=1024, runtime_dir=daemon.runtime_dir) as ctx:
+            x = torch.empty(64, 64, device="meta", requires_grad=True)
+            h = x * 2
+            y = h * h  # saves h twice: one storage
+            c = torch.randn(64, 64, requires_grad=True) * 1  # a CPU one goes through
+            z = c * c
+        z.sum().backward()
+        del y, h, x, z, c, ctx
+    off.flush()
+    s = off.stats()
+    err = capfd.readouterr().err
+    assert s["skipped_bytes"] - before["skipped_bytes"] == 2 * 64 * 64 * 4
+    assert s["offloaded_bytes"] - before["offloaded_bytes"] == 2 * 64 * 64 * 4
+    assert "no copy engine for device meta" in s["last_skip_reason"]
+    lines = [line for line in err.splitlines() if "no copy engine" in line]
+    assert len(lines) == 1, err
+    assert_arena_empty(daemon)

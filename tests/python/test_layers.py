@@ -8,23 +8,44 @@ import torch.utils.checkpoint as cp
 from torch import nn
 
 import memoffload.torch as mot
-from conftest import assert_arena_empty, assert_same_grads, clone_model
+from conftest import assert_arena_empty, assert_same_grads, bit_equal, clone_model
 from models import DecoderBlock, DecoderStack, tokens, transformer_encoder
+
+
+def assert_committed_matches(daemon, offloaded: int, groups: int) -> None:
+    """Between forward and backward the daemon holds what stats() says was
+    offloaded in that forward: committed, nothing reserved or being read.
+    Each group's bytes are placed at 256-byte offsets and the daemon rounds a
+    group to its page size, hence the slack."""
+    s = daemon.status()
+    assert s["reserved_bytes"] == 0 and s["read_bytes"] == 0, s
+    assert offloaded <= s["committed_bytes"] <= offloaded + groups * 64 * 1024, (offloaded, s)
+    assert s["groups"] == groups, s
 
 
 def train_compare(model, ref, batches, loss_fn, handle, daemon):
     """Trains `model` (offloaded) and `ref` (plain) on the same batches with SGD
-    and checks loss and gradients bit for bit after every step."""
+    and checks loss and gradients bit for bit after every step, and through
+    the daemon's GetStatus that each step's bytes went through the arena."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
     for batch in batches:
         opt.zero_grad()
         opt_ref.zero_grad()
+        before = handle.stats()
         loss = loss_fn(model, batch)
+        handle.flush()
+        mid = handle.stats()
+        offloaded = mid["offloaded_bytes"] - before["offloaded_bytes"]
+        assert_committed_matches(daemon, offloaded, mid["groups_offloaded"] - before["groups_offloaded"])
         loss.backward()
+        handle.flush()
+        after = handle.stats()
+        assert after["prefetched_bytes"] - before["prefetched_bytes"] == offloaded
+        assert after["skipped_bytes"] == before["skipped_bytes"], after["last_skip_reason"]
         loss_ref = loss_fn(ref, batch)
         loss_ref.backward()
-        assert torch.equal(loss, loss_ref)
+        assert bit_equal(loss, loss_ref)
         assert_same_grads(model, ref)
         opt.step()
         opt_ref.step()
@@ -183,14 +204,22 @@ def test_double_backward(daemon):
     model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
     ref = clone_model(model)
     handle = mot.offload_layers(list(model), min_tensor_bytes=0, runtime_dir=daemon.runtime_dir)
+    before = handle.stats()
     x = torch.randn(16, 32)
     for m in (model, ref):
         loss = m(x).pow(2).sum()
         g = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
         sum(gi.pow(2).sum() for gi in g).backward()
+    handle.flush()
+    s = handle.stats()
     handle.remove()
     assert_same_grads(model, ref)
-    assert handle.stats()["offloaded_bytes"] > 0
+    offloaded = s["offloaded_bytes"] - before["offloaded_bytes"]
+    assert offloaded > 0
+    assert s["groups_offloaded"] - before["groups_offloaded"] == 3  # all but the last layer
+    # The first backward read every group back; the second (create_graph)
+    # reached into the same saved tensors again.
+    assert s["prefetched_bytes"] - before["prefetched_bytes"] >= offloaded
     assert_arena_empty(daemon)
 
 
@@ -229,15 +258,20 @@ def test_hf_callback_without_transformers(daemon):
     model = DecoderStack(layers=3)
     ref = clone_model(model)
     cb = mot.MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir)
+    logs0 = {}
     cb.on_train_begin(None, None, None, model=model)
     assert cb.handle is not None
+    cb.on_log(None, None, None, logs=logs0)
     t = tokens()
     model(t).backward()
     ref(t).backward()
+    cb.handle.flush()
     logs = {}
     cb.on_log(None, None, None, logs=logs)
     cb.on_train_end(None, None, None)
-    assert logs["memoffload/offloaded_bytes"] > 0
+    offloaded = logs["memoffload/offloaded_bytes"] - logs0["memoffload/offloaded_bytes"]
+    assert offloaded > 0
+    assert logs["memoffload/prefetched_bytes"] - logs0["memoffload/prefetched_bytes"] == offloaded
     assert "forward" not in model.layers[0].__dict__
     assert_same_grads(model, ref)
     assert_arena_empty(daemon)
@@ -251,3 +285,41 @@ def test_no_grad_forward_offloads_nothing(daemon):
         model(tokens())
     handle.remove()
     assert handle.stats()["groups"] == before["groups"]
+
+
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_prefetch_window_brings_groups_back_ahead(daemon, window):
+    """When backward reaches the last layer, its group and `window` groups
+    before it are on their way back, and no other."""
+    torch.manual_seed(10)
+    model = DecoderStack(layers=4)
+    handle = mot.offload_layers(
+        model.layers, num_layers=4, prefetch_window=window, min_tensor_bytes=0,
+        runtime_dir=daemon.runtime_dir,
+    )
+    seen = {}
+
+    def probe(grad):
+        handle.flush()  # every prefetch issued so far has run
+        seen["prefetched"] = handle.stats()["prefetched_bytes"]
+        seen["read"] = daemon.status()["read_bytes"]
+
+    def add_probe(module, args, out):
+        out.register_hook(probe)  # after the handle's hook on the same output
+
+    hook = model.layers[3].register_forward_hook(add_probe)
+    before = handle.stats()
+    loss = model(tokens())
+    handle.flush()
+    offloaded = handle.stats()["offloaded_bytes"] - before["offloaded_bytes"]
+    loss.backward()
+    hook.remove()
+    handle.flush()
+    s = handle.stats()
+    handle.remove()
+    per_group = offloaded // 4  # four layers of the same shapes
+    assert per_group * 4 == offloaded
+    assert seen["prefetched"] - before["prefetched_bytes"] == (window + 1) * per_group
+    assert seen["read"] >= (window + 1) * per_group
+    assert s["prefetched_bytes"] - before["prefetched_bytes"] == offloaded
+    assert_arena_empty(daemon)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 import memoffload.torch as mot
-from conftest import assert_arena_empty
+import contextlib
+
+from conftest import assert_arena_empty, bit_equal
 
 
 class SaveAndCheck(torch.autograd.Function):
@@ -28,7 +30,7 @@ class SaveAndCheck(torch.autograd.Function):
         for t, (value, dtype, shape, stride, offset) in zip(got, ctx.expect):
             assert t.dtype == dtype and t.shape == shape
             assert t.stride() == stride and t.storage_offset() == offset
-            assert torch.equal(t, value)
+            assert bit_equal(t, value)
         return (grad * 2,) + (None,) * len(got)
 
 
@@ -69,10 +71,56 @@ def test_dtypes(daemon, dtype):
         t = torch.randint(-(2**40), 2**40, (33, 17))
     else:
         t = torch.randn(33, 17).to(dtype)
-    before = mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"]
-    run_saving(daemon, t, t[5:, 3:].t())
-    assert mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"] > before
+    before = mot.get_offloader(daemon.runtime_dir).stats()
+    run_saving(daemon, t, t[5:, 3:].t())  # values compared bit for bit in backward
+    got = SaveAndCheck.seen
+    assert got[0].storage()._cdata == got[1].storage()._cdata != t.storage()._cdata
+    s = mot.get_offloader(daemon.runtime_dir).stats()
+    assert s["offloaded_bytes"] - before["offloaded_bytes"] == t.numel() * t.element_size()
+    assert s["prefetched_bytes"] - before["prefetched_bytes"] == t.numel() * t.element_size()
+    del got
     SaveAndCheck.seen = None
+    assert_arena_empty(daemon)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtype_gradients_exact(daemon, dtype):
+    """Gradients through ops that save tensors of each float dtype, with and
+    without offload, bit for bit (float16 on CPU: only elementwise mul)."""
+    torch.manual_seed(3)
+    x0 = torch.randn(48, 48).to(dtype)
+    w0 = torch.randn(48, 48).to(dtype)
+
+    def run(offload: bool):
+        x = x0.clone().requires_grad_()
+        w = w0.clone().requires_grad_()
+        block = (
+            mot.offload_activations(runtime_dir=daemon.runtime_dir)
+            if offload
+            else contextlib.nullcontext()
+        )
+        with block:
+            h = x * 1.5
+            g = h * h.t()  # saves h and its transpose: one storage
+            out = (g * w) * g  # saves g (twice) and w (a leaf: kept)
+            if dtype != torch.float16:  # no matmul for half on CPU
+                out = out @ h
+        loss = out.float().sum()
+        loss.backward()
+        return loss, x.grad, w.grad
+
+    off = mot.get_offloader(daemon.runtime_dir)
+    before = off.stats()
+    loss, gx, gw = run(True)
+    off.flush()
+    s = off.stats()
+    loss_ref, gx_ref, gw_ref = run(False)
+    assert bit_equal(loss, loss_ref)
+    assert bit_equal(gx, gx_ref) and bit_equal(gw, gw_ref)
+    offloaded = s["offloaded_bytes"] - before["offloaded_bytes"]
+    assert offloaded >= 2 * 48 * 48 * x0.element_size()  # h and g at least
+    assert s["prefetched_bytes"] - before["prefetched_bytes"] == offloaded
+    assert s["deduplicated"] > before["deduplicated"]
     assert_arena_empty(daemon)
 
 
@@ -91,7 +139,7 @@ def test_bfloat16_mlp_exact(daemon):
     loss.backward()
     ref(x).float().pow(2).mean().backward()
     for a, b in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(a.grad, b.grad)
+        assert bit_equal(a.grad, b.grad)
     del loss
     assert_arena_empty(daemon)
 

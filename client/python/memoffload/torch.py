@@ -99,32 +99,69 @@ def daemon_status(runtime_dir: Optional[str] = None) -> Dict[str, Any]:
     return _C.daemon_status(runtime_dir or "")
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    if hasattr(t, "untyped_storage"):
-        return t.untyped_storage().data_ptr()
-    return t.storage().data_ptr()
+def _storage_key(t: torch.Tensor) -> int:
+    """The identity of ``t``'s storage: the address of its StorageImpl, shared
+    by every view of it (never its data pointer, which a transpose shares with
+    other storages' tensors over time and which FSDP swaps in place)."""
+    if hasattr(t, "untyped_storage"):  # torch >= 2.0
+        return t.untyped_storage()._cdata
+    return t.storage()._cdata
 
 
 def _module_storages(modules: Iterable[nn.Module]) -> Set[int]:
-    ptrs: Set[int] = set()
+    """Storage identities of the modules' parameters and buffers as they are
+    now (FSDP swaps a parameter's storage around each forward)."""
+    keys: Set[int] = set()
     for m in modules:
         for p in itertools.chain(m.parameters(), m.buffers()):
-            ptr = _storage_ptr(p)
-            if ptr:
-                ptrs.add(ptr)
-    return ptrs
+            keys.add(_storage_key(p))
+    return keys
+
+
+class _ParamSkip:
+    """Decides which saved tensors are parameters or buffers of ``modules``.
+
+    The storage set is taken at the group's first pack call, not before the
+    forward: FSDP1 gathers a unit's full weights into a fresh storage inside
+    its forward (and frees it in place after), FSDP2 in a pre-forward hook;
+    either way the parameters' storages are final once the wrapped forward
+    runs. Views of a parameter (FSDP1's unsharded weights are views of the
+    FlatParameter, ``weight.t()`` of a weight) are recognised by their base
+    too, which also covers nested units that unshard later in the group.
+    """
+
+    __slots__ = ("_modules", "_keys")
+
+    def __init__(self, modules: Iterable[nn.Module]) -> None:
+        self._modules = list(modules)
+        self._keys: Optional[Set[int]] = None
+
+    def __call__(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return True
+        base = t._base
+        if base is not None and (
+            isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
+        ):
+            return True
+        if self._keys is None:
+            self._keys = _module_storages(self._modules)
+        return bool(self._keys) and _storage_key(t) in self._keys
 
 
 class _Packed:
     """What autograd keeps for an offloaded saved tensor. When autograd drops
     it, the entry is dropped; the group goes when its last entry does."""
 
-    __slots__ = ("off", "key", "entry", "__weakref__")
+    __slots__ = ("off", "key", "entry", "device", "__weakref__")
 
-    def __init__(self, off: "_C.GroupOffloader", key: int, entry: int) -> None:
+    def __init__(
+        self, off: "_C.GroupOffloader", key: int, entry: int, device: Optional[torch.device]
+    ) -> None:
         self.off = off
         self.key = key
         self.entry = entry
+        self.device = device  # CUDA tensors: the device whose stream will use it
 
     def __del__(self) -> None:
         try:
@@ -135,9 +172,14 @@ class _Packed:
 
 def _unpack(packed: Any) -> torch.Tensor:
     if isinstance(packed, _Packed):
-        t = packed.off.get(packed.key, packed.entry)
+        if packed.device is None:
+            return packed.off.get(packed.key, packed.entry)
+        # The consumer stream waits (on the GPU) for the copy back; the block
+        # is not reused before that stream is done with it.
+        stream = torch.cuda.current_stream(packed.device)
+        t = packed.off.get(packed.key, packed.entry, stream.cuda_stream)
         if t.is_cuda:
-            t.record_stream(torch.cuda.current_stream(t.device))
+            t.record_stream(stream)
         return t
     return packed
 
@@ -154,7 +196,7 @@ def _make_pack(
     off: "_C.GroupOffloader",
     key: int,
     min_tensor_bytes: int,
-    skip: Set[int],
+    is_param: Callable[[torch.Tensor], bool],
     counters: _Counters,
 ) -> Callable[[torch.Tensor], Any]:
     def pack(t: torch.Tensor) -> Any:
@@ -164,18 +206,15 @@ def _make_pack(
         if nbytes < min_tensor_bytes:
             counters.small_bytes += nbytes
             return t
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
-            counters.param_bytes += nbytes
-            return t
-        ptr = _storage_ptr(t)
-        if ptr and ptr in skip:
+        if is_param(t):
             counters.param_bytes += nbytes
             return t
         stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+        # -1: the offloader cannot take this tensor; it counted it as skipped.
         entry = off.add(key, t, stream)
         if entry < 0:
             return t
-        return _Packed(off, key, entry)
+        return _Packed(off, key, entry, t.device if t.is_cuda else None)
 
     return pack
 
@@ -232,7 +271,7 @@ class OffloadHandle:
                 key = next(_keys)
                 self._off.begin_group(key, self._slot_base + index)
                 pack = _make_pack(
-                    self._off, key, self._min_bytes, _module_storages([layer]), self._counters
+                    self._off, key, self._min_bytes, _ParamSkip([layer]), self._counters
                 )
                 try:
                     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
@@ -325,7 +364,7 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
     ) -> None:
         self._off = get_offloader(runtime_dir)
         self._min_bytes = int(min_tensor_bytes)
-        self._skip = _module_storages(skip_modules)
+        self._skip_modules = list(skip_modules)
         self._slot = slot
         self._counters = _Counters()
         self.key: Optional[int] = None
@@ -334,7 +373,9 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
     def __enter__(self) -> "offload_activations":
         self.key = next(_keys)
         self._off.begin_group(self.key, self._slot)
-        pack = _make_pack(self._off, self.key, self._min_bytes, self._skip, self._counters)
+        pack = _make_pack(
+            self._off, self.key, self._min_bytes, _ParamSkip(self._skip_modules), self._counters
+        )
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         self._hooks.__enter__()
         return self

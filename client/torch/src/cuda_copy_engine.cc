@@ -6,7 +6,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <set>
 
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/cuda_driver.h"
@@ -93,24 +92,74 @@ class CudaCopyEngine final : public CopyEngine {
       st = cu_->Check(cu_->cuMemcpyHtoDAsync(reinterpret_cast<CuDevicePtr>(dst), src, n, s),
                       "cuMemcpyHtoDAsync");
     }
-    if (st.ok()) st = cu_->Check(cu_->cuStreamSynchronize(s), "cuStreamSynchronize");
+    // Destroying a recorded event is safe: the driver keeps what the wait
+    // needs until it completes.
     cu_->cuEventDestroy(allocated);
     return st;
   }
 
-  void PrepareHostRange(uint8_t* base, size_t n) override {
+  Result<ReadyToken> FinishCopyIn(c10::Device device) override {
+    if (device.is_cpu()) return ReadyToken{0};
+    Result<DeviceStreams*> streams = Streams(device);
+    if (!streams.ok()) return streams.status();
+    CuEvent done = nullptr;
+    MEMOFFLOAD_RETURN_IF_ERROR(
+        cu_->Check(cu_->cuEventCreate(&done, kCuEventDisableTiming), "cuEventCreate"));
+    Status st = cu_->Check(cu_->cuEventRecord(done, (*streams)->h2d), "cuEventRecord");
+    if (!st.ok()) {
+      // Nothing to wait on: make the copies complete before returning.
+      cu_->cuEventDestroy(done);
+      Status sync = cu_->Check(cu_->cuStreamSynchronize((*streams)->h2d), "cuStreamSynchronize");
+      if (!sync.ok()) return sync;
+      return ReadyToken{0};
+    }
+    return reinterpret_cast<ReadyToken>(done);
+  }
+
+  Status WaitOnStream(ReadyToken token, uintptr_t stream) override {
+    if (token == 0) return Status::Ok();
+    return cu_->Check(cu_->cuStreamWaitEvent(reinterpret_cast<CuStream>(stream),
+                                             reinterpret_cast<CuEvent>(token), 0),
+                      "cuStreamWaitEvent");
+  }
+
+  void SyncAndDropToken(ReadyToken token) override {
+    if (token == 0) return;
+    cu_->cuEventSynchronize(reinterpret_cast<CuEvent>(token));
+    DropToken(token);
+  }
+
+  void PrepareHostRange(const void* owner, uint8_t* base, size_t n) override {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!registered_.insert(base).second) return;
-    CuContext any = nullptr;
-    if (!streams_.empty()) any = streams_.begin()->second.context;
-    if (any != nullptr) cu_->cuCtxSetCurrent(any);
+    // Keyed by address while `owner` keeps the range mapped: ForgetHostRanges
+    // removes the entry before the unmap, so a new mapping that lands on the
+    // same address is registered again.
+    if (!registered_.emplace(base, Registration{owner, false}).second) return;
+    SetAnyContextLocked();
     const CuResult r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
-    if (r != kCudaSuccess && r != kCudaErrorHostMemoryAlreadyRegistered && !warned_register_) {
+    if (r == kCudaSuccess) {
+      registered_[base].by_us = true;
+    } else if (r != kCudaErrorHostMemoryAlreadyRegistered && !warned_register_) {
       warned_register_ = true;
       std::fprintf(stderr,
                    "memoffload: registering an arena chunk with CUDA failed (%s); copies use "
                    "pageable memory and are slower\n",
                    cu_->Check(r, "cuMemHostRegister").message().c_str());
+    }
+  }
+
+  void ForgetHostRanges(const void* owner) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = registered_.begin(); it != registered_.end();) {
+      if (it->second.owner != owner) {
+        ++it;
+        continue;
+      }
+      if (it->second.by_us) {
+        SetAnyContextLocked();
+        cu_->cuMemHostUnregister(it->first);
+      }
+      it = registered_.erase(it);
     }
   }
 
@@ -139,11 +188,22 @@ class CudaCopyEngine final : public CopyEngine {
     return &it->second;
   }
 
+  // Registration calls need a current context; any device's primary context
+  // will do (the registration is portable).
+  void SetAnyContextLocked() {
+    if (!streams_.empty()) cu_->cuCtxSetCurrent(streams_.begin()->second.context);
+  }
+
+  struct Registration {
+    const void* owner = nullptr;  // the session whose mapping it is
+    bool by_us = false;           // cuMemHostRegister succeeded: unregister
+  };
+
   const CudaDriver* cu_;
   std::mutex mu_;
-  std::map<int, DeviceStreams> streams_;  // GUARDED_BY(mu_); never erased
-  std::set<uint8_t*> registered_;         // GUARDED_BY(mu_)
-  bool warned_register_ = false;          // GUARDED_BY(mu_)
+  std::map<int, DeviceStreams> streams_;         // GUARDED_BY(mu_); never erased
+  std::map<uint8_t*, Registration> registered_;  // GUARDED_BY(mu_)
+  bool warned_register_ = false;                 // GUARDED_BY(mu_)
 };
 
 }  // namespace

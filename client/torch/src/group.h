@@ -4,7 +4,7 @@
 // Lock discipline: fields marked "training side" are guarded by the
 // offloader's mutex; fields marked "worker side" are written only by the
 // worker and read by Get only after `prefetched` is ready; Group::mu guards
-// StoredStorage::{copied, offloaded, source, restored}.
+// StoredStorage::{copied, offloaded, source, restored, restored_ready}.
 #ifndef MEMOFFLOAD_TORCH_SRC_GROUP_H_
 #define MEMOFFLOAD_TORCH_SRC_GROUP_H_
 
@@ -36,15 +36,26 @@ inline uint64_t AlignUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 struct StoredStorage {
   c10::Device device{c10::kCPU};
   uint64_t nbytes = 0;
-  uint64_t offset = 0;   // in the group's byte stream
-  ReadyToken ready = 0;  // consumed by the copy (worker) or at release
-  CopyEngine* engine = nullptr;
+  uint64_t offset = 0;           // in the group's byte stream
+  ReadyToken ready = 0;          // consumed by the copy (worker) or at release
+  CopyEngine* engine = nullptr;  // null when `keep`
+  // Kept in memory from the start (no copy engine for its device, or the
+  // engine could not mark it ready): never copied, counted as skipped.
+  bool keep = false;
+  // The storage's data address when it was added: a copy finds out whether
+  // the storage was freed or reallocated in place since (FSDP frees its
+  // gathered weights with resize_(0) at the end of a forward).
+  const void* data_at_add = nullptr;
   bool copy_queued = false;  // training side: a copy task was posted at Add
   // Written by the worker; read by Get under Group::mu.
   bool copied = false;     // bytes are in the reservation (not yet committed)
   bool offloaded = false;  // committed; `source` dropped
   c10::Storage source;     // held until offloaded, or for good when skipped
   c10::Storage restored;   // prefetched copy; dropped after each backward round
+  // The engine's token for the copy into `restored` (CUDA: an event on the
+  // H2D stream; 0 when complete). Get makes the consumer stream wait on it;
+  // Release waits for it before the arena range goes back to the daemon.
+  ReadyToken restored_ready = 0;
 };
 
 // One added tensor: a view (sizes, strides, offset, dtype) of a stored storage.
@@ -91,7 +102,7 @@ struct Group {
   uint64_t copy_in_bytes = 0;
   double copy_in_seconds = 0;
 
-  // Guards StoredStorage::{copied, offloaded, source, restored}.
+  // Guards StoredStorage::{copied, offloaded, source, restored, restored_ready}.
   std::mutex mu;
 };
 

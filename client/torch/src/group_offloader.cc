@@ -3,9 +3,12 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cstdio>
 #include <future>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
 #include <unordered_map>
 
 #include "group.h"
@@ -38,7 +41,7 @@ class GroupOffloader::Impl {
   explicit Impl(const OffloaderOptions& options)
       : host_engine_(MakeHostCopyEngine()),
         cuda_engine_(MaybeCudaEngine(options)),
-        session_(options, /*query_chunk_bytes=*/cuda_engine_ != nullptr, &stats_),
+        session_(options, /*pinning_engine=*/cuda_engine_.get(), &stats_),
         transfer_(&session_, &stats_, cuda_engine_.get(), &mu_) {
     stats_.Count([this](OffloaderStats& s) { s.engine = cuda_engine_ ? "cuda" : "host"; });
   }
@@ -90,10 +93,7 @@ class GroupOffloader::Impl {
 
   Result<int64_t> Add(uint64_t key, const at::Tensor& tensor, uintptr_t stream) {
     MEMOFFLOAD_RETURN_IF_ERROR(CheckPackable(tensor));
-    CopyEngine* engine = EngineFor(tensor.device());
-    if (engine == nullptr) {
-      return InvalidArgument("no copy engine for device " + tensor.device().str());
-    }
+    CopyEngine* engine = EngineFor(tensor.device());  // null: kept in memory
     std::shared_ptr<Group> g;
     Packed packed;
     {
@@ -112,6 +112,9 @@ class GroupOffloader::Impl {
       ++s.tensors;
       if (dedup) ++s.deduplicated;
     });
+    // Counted in skipped_bytes when the group closes, like any storage that
+    // did not make it into the arena.
+    if (!packed.kept.ok()) NoteKept(packed.kept);
     if (std::shared_ptr<StoredStorage> s = packed.copy_now) {
       worker_.Post([this, g, s] { transfer_.CopyOut(*g, *s); });
     }
@@ -143,7 +146,7 @@ class GroupOffloader::Impl {
     return Status::Ok();
   }
 
-  Result<at::Tensor> Get(uint64_t key, int64_t index) {
+  Result<at::Tensor> Get(uint64_t key, int64_t index, uintptr_t stream) {
     std::shared_ptr<Group> g;
     std::shared_ptr<StoredStorage> s;
     Entry e;
@@ -197,11 +200,20 @@ class GroupOffloader::Impl {
       } else {
         // A second backward over the same graph: the round's copy was
         // dropped, the arena still holds the data until the group dies.
-        Result<c10::Storage> again = RestoreStorage(*g, *s);
+        ReadyToken copied = 0;
+        Result<c10::Storage> again = RestoreStorage(*g, *s, &copied);
         if (!again.ok()) return again.status();
         s->restored = *again;
+        s->engine->SyncAndDropToken(s->restored_ready);
+        s->restored_ready = copied;
         storage = *again;
         stats_.Count([](OffloaderStats& st) { ++st.rereads; });
+      }
+      if (storage.unsafeGetStorageImpl() == s->restored.unsafeGetStorageImpl() &&
+          s->restored_ready != 0) {
+        // CUDA: the consumer stream waits for the H2D copy, the training
+        // thread does not.
+        MEMOFFLOAD_RETURN_IF_ERROR(s->engine->WaitOnStream(s->restored_ready, stream));
       }
     }
     Result<at::Tensor> out = Unpack(e, storage);
@@ -250,7 +262,7 @@ class GroupOffloader::Impl {
     return Status::Ok();
   }
 
-  Result<std::vector<at::Tensor>> GetGroup(uint64_t key) {
+  Result<std::vector<at::Tensor>> GetGroup(uint64_t key, uintptr_t stream) {
     int64_t n = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -260,7 +272,7 @@ class GroupOffloader::Impl {
     }
     std::vector<at::Tensor> out;
     for (int64_t i = 0; i < n; ++i) {
-      Result<at::Tensor> t = Get(key, i);
+      Result<at::Tensor> t = Get(key, i, stream);
       if (!t.ok()) return t.status();
       out.push_back(*t);
     }
@@ -276,6 +288,24 @@ class GroupOffloader::Impl {
     if (device.is_cpu()) return host_engine_.get();
     if (cuda_engine_ && cuda_engine_->Handles(device)) return cuda_engine_.get();
     return nullptr;
+  }
+
+  // A storage stays in memory because of `why`: the reason is kept in the
+  // stats and logged once per message.
+  void NoteKept(const Status& why) {
+    const std::string reason = "kept in memory: " + why.ToString();
+    stats_.Count([&reason](OffloaderStats& s) { s.last_skip_reason = reason; });
+    bool first = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      first = logged_kept_.insert(why.message()).second;
+    }
+    if (first) {
+      std::fprintf(stderr,
+                   "memoffload: a saved tensor stays where it is (%s); training goes on "
+                   "(logged once)\n",
+                   why.ToString().c_str());
+    }
   }
 
   void IssuePrefetchLocked(const std::shared_ptr<Group>& g) {
@@ -316,6 +346,7 @@ class GroupOffloader::Impl {
   std::map<uint64_t, std::shared_ptr<Group>> groups_;    // GUARDED_BY(mu_)
   std::unordered_map<int64_t, uint64_t> learned_bytes_;  // GUARDED_BY(mu_)
   uint64_t next_daemon_id_ = 0;                          // GUARDED_BY(mu_)
+  std::set<std::string> logged_kept_;                    // GUARDED_BY(mu_)
 
   // Worker-only.
   Session session_;
@@ -341,8 +372,8 @@ Result<int64_t> GroupOffloader::Add(uint64_t key, const at::Tensor& tensor, uint
 }
 Status GroupOffloader::CloseGroup(uint64_t key) { return impl_->CloseGroup(key); }
 Status GroupOffloader::PrefetchGroup(uint64_t key) { return impl_->PrefetchGroup(key); }
-Result<at::Tensor> GroupOffloader::Get(uint64_t key, int64_t entry) {
-  return impl_->Get(key, entry);
+Result<at::Tensor> GroupOffloader::Get(uint64_t key, int64_t entry, uintptr_t stream) {
+  return impl_->Get(key, entry, stream);
 }
 Status GroupOffloader::DropEntry(uint64_t key, int64_t entry) {
   return impl_->DropEntry(key, entry);
@@ -363,8 +394,8 @@ Status GroupOffloader::OffloadGroup(uint64_t key, const std::vector<at::Tensor>&
   return impl_->CloseGroup(key);
 }
 
-Result<std::vector<at::Tensor>> GroupOffloader::GetGroup(uint64_t key) {
-  return impl_->GetGroup(key);
+Result<std::vector<at::Tensor>> GroupOffloader::GetGroup(uint64_t key, uintptr_t stream) {
+  return impl_->GetGroup(key, stream);
 }
 void GroupOffloader::Flush() { impl_->Flush(); }
 OffloaderStats GroupOffloader::stats() const { return impl_->stats(); }

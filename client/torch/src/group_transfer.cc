@@ -45,7 +45,8 @@ Status ForEachPiece(const Client& c, const std::vector<Extent>& extents, uint64_
 
 }  // namespace
 
-Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s) {
+Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, ReadyToken* copied) {
+  *copied = 0;
   c10::Storage out;
   try {
     out = at::empty({static_cast<int64_t>(s.nbytes)},
@@ -55,10 +56,18 @@ Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s) {
     return Internal(std::string("allocating a restored storage failed: ") + ex.what());
   }
   uint8_t* dst = static_cast<uint8_t*>(out.data());
-  MEMOFFLOAD_RETURN_IF_ERROR(ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
-                                          [&](uint8_t* src, uint64_t done, uint64_t n) {
-                                            return s.engine->CopyIn(s.device, src, dst + done, n);
-                                          }));
+  Status st = ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
+                           [&](uint8_t* src, uint64_t done, uint64_t n) {
+                             return s.engine->CopyIn(s.device, src, dst + done, n);
+                           });
+  // Even after a failed piece: the token covers what was queued.
+  Result<ReadyToken> token = s.engine->FinishCopyIn(s.device);
+  if (!token.ok()) return token.status();
+  if (!st.ok()) {
+    s.engine->SyncAndDropToken(*token);
+    return st;
+  }
+  *copied = *token;
   return out;
 }
 
@@ -86,13 +95,27 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   if (cuda_engine_ && chunk_bytes > 0) {
     for (const Extent& e : g.write_extents) {
       uint8_t* base = c->Address(Extent{e.chunk, 0, chunk_bytes});
-      if (base != nullptr) cuda_engine_->PrepareHostRange(base, chunk_bytes);
+      if (base != nullptr) cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
     }
   }
 }
 
 void GroupTransfer::CopyOut(Group& g, StoredStorage& s) {
+  if (s.keep) return;
   if (!g.client || s.offset + s.nbytes > g.reserved_bytes) return;  // handled at Close
+  if (s.source.nbytes() < s.nbytes || s.source.data() != s.data_at_add) {
+    // Freed or reallocated in place since it was saved (FSDP frees its
+    // gathered weights with resize_(0) and gathers them again into the same
+    // storage before backward): copying would read freed memory. Keep the
+    // storage itself; whoever resized it owns its content. Best effort: the
+    // Python hooks skip parameters before they get here.
+    s.keep = true;
+    const std::string reason =
+        "kept in memory: a saved storage of " + std::to_string(s.nbytes) +
+        " bytes was resized or freed in place after it was saved (a parameter?)";
+    stats_->Count([&reason](OffloaderStats& st) { st.last_skip_reason = reason; });
+    return;
+  }
   const ReadyToken ready = s.ready;
   s.ready = 0;
   const uint8_t* src = static_cast<const uint8_t*>(s.source.data());
@@ -222,13 +245,16 @@ void GroupTransfer::Prefetch(Group& g) {
   const auto start = std::chrono::steady_clock::now();
   for (auto& s : storages) {
     if (!s->offloaded) continue;
-    Result<c10::Storage> restored = RestoreStorage(g, *s);
+    ReadyToken copied = 0;
+    Result<c10::Storage> restored = RestoreStorage(g, *s, &copied);
     if (!restored.ok()) {
       g.prefetch_promise.set_value(restored.status());
       return;
     }
     std::lock_guard<std::mutex> lock(g.mu);
     s->restored = *restored;
+    s->engine->SyncAndDropToken(s->restored_ready);  // a previous round's, done long ago
+    s->restored_ready = copied;
     bytes += s->nbytes;
   }
   g.copy_in_bytes += bytes;
@@ -243,6 +269,13 @@ void GroupTransfer::Release(Group& g) {
     if (s->ready != 0) {
       s->engine->DropToken(s->ready);
       s->ready = 0;
+    }
+    // The copy back may still be reading the arena range the Release below
+    // gives back: wait for it.
+    std::lock_guard<std::mutex> lock(g.mu);
+    if (s->restored_ready != 0) {
+      s->engine->SyncAndDropToken(s->restored_ready);
+      s->restored_ready = 0;
     }
   }
   if (g.client) {

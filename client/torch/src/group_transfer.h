@@ -23,9 +23,10 @@
 namespace memoffload::torch {
 
 // Copies an offloaded storage back from the arena (g.read_extents) into fresh
-// memory on its device. Also used on a training thread for a second backward,
-// once the group's prefetch is complete.
-Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s);
+// memory on its device; *copied receives the engine's token for the copy
+// (see StoredStorage::restored_ready). Also used on a training thread for a
+// second backward, once the group's prefetch is complete.
+Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, ReadyToken* copied);
 
 class GroupTransfer {
  public:

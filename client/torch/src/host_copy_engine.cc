@@ -20,7 +20,11 @@ class HostCopyEngine final : public CopyEngine {
     if (n != 0) std::memcpy(dst, src, n);
     return Status::Ok();
   }
-  void PrepareHostRange(uint8_t*, size_t) override {}
+  Result<ReadyToken> FinishCopyIn(c10::Device) override { return ReadyToken{0}; }
+  Status WaitOnStream(ReadyToken, uintptr_t) override { return Status::Ok(); }
+  void SyncAndDropToken(ReadyToken) override {}
+  void PrepareHostRange(const void*, uint8_t*, size_t) override {}
+  void ForgetHostRanges(const void*) override {}
 };
 
 }  // namespace

@@ -15,8 +15,8 @@ bool IsTransport(StatusCode code) {
          code == StatusCode::kCancelled;
 }
 
-Session::Session(const OffloaderOptions& options, bool query_chunk_bytes, StatsBook* stats)
-    : options_(options), query_chunk_bytes_(query_chunk_bytes), stats_(stats) {}
+Session::Session(const OffloaderOptions& options, CopyEngine* pinning_engine, StatsBook* stats)
+    : options_(options), pinning_engine_(pinning_engine), stats_(stats) {}
 
 std::shared_ptr<Client> Session::Ensure(bool force) {
   if (client_ && !broken_) return client_;
@@ -39,10 +39,16 @@ std::shared_ptr<Client> Session::Ensure(bool force) {
     return nullptr;
   }
   const bool reconnect = client_ != nullptr;
-  client_ = std::shared_ptr<Client>(std::move(attached).value());
+  // The last holder of a client (this session or a group still reading
+  // from the old chunks) unmaps them: drop their CUDA registrations first.
+  CopyEngine* engine = pinning_engine_;
+  client_ = std::shared_ptr<Client>(std::move(attached).value().release(), [engine](Client* c) {
+    if (engine != nullptr) engine->ForgetHostRanges(c);
+    delete c;
+  });
   broken_ = false;
   chunk_bytes_ = 0;
-  if (query_chunk_bytes_) {
+  if (pinning_engine_ != nullptr) {
     Result<std::unique_ptr<client::AdminClient>> admin =
         client::AdminClient::Connect(client_->runtime_dir(), options_.rpc_timeout_ms);
     if (admin.ok()) {

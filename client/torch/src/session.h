@@ -14,6 +14,7 @@
 
 #include "memoffload/client/client.h"
 #include "memoffload/shared_mem/status.h"
+#include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/group_offloader.h"
 #include "stats_book.h"
 
@@ -25,9 +26,11 @@ bool IsTransport(StatusCode code);
 
 class Session {
  public:
-  // `query_chunk_bytes`: ask the daemon its chunk size at each attach (the
-  // CUDA engine pins whole chunks). `stats` must outlive the session.
-  Session(const OffloaderOptions& options, bool query_chunk_bytes, StatsBook* stats);
+  // `pinning_engine` (may be null: the CUDA engine) registers whole chunks:
+  // the daemon's chunk size is asked at each attach, and each client's
+  // registrations are dropped (ForgetHostRanges) before its chunks are
+  // unmapped. `pinning_engine` and `stats` must outlive every client.
+  Session(const OffloaderOptions& options, CopyEngine* pinning_engine, StatsBook* stats);
 
   // The current session, attaching a new one when there is none (at most
   // once per reconnect interval unless `force`). nullptr: no daemon.
@@ -49,7 +52,7 @@ class Session {
   using Clock = std::chrono::steady_clock;
 
   const OffloaderOptions options_;
-  const bool query_chunk_bytes_;
+  CopyEngine* const pinning_engine_;
   StatsBook* const stats_;
 
   std::shared_ptr<client::Client> client_;

@@ -37,19 +37,32 @@ Result<Packed> PackLocked(Group& g, const at::Tensor& tensor, CopyEngine* engine
     storage_index = found->second;
     packed.dedup = true;
   } else {
-    Result<ReadyToken> ready = engine->MarkReady(tensor.device(), stream);
-    if (!ready.ok()) return ready.status();
     auto s = std::make_shared<StoredStorage>();
     s->device = tensor.device();
     s->nbytes = storage.nbytes();
-    s->offset = AlignUp(g.bump, kAlignBytes);
-    s->ready = *ready;
-    s->engine = engine;
     s->source = storage;
-    g.bump = s->offset + s->nbytes;
-    if (g.planned_bytes > 0 && g.bump <= g.planned_bytes) {
-      s->copy_queued = true;
-      packed.copy_now = s;
+    s->data_at_add = storage.data();
+    if (engine == nullptr) {
+      packed.kept = Unavailable("no copy engine for device " + tensor.device().str());
+    } else {
+      Result<ReadyToken> ready = engine->MarkReady(tensor.device(), stream);
+      if (ready.ok()) {
+        s->ready = *ready;
+        s->engine = engine;
+      } else {
+        packed.kept = ready.status();
+      }
+    }
+    if (!packed.kept.ok()) {
+      // Takes no room in the group's byte stream.
+      s->keep = true;
+    } else {
+      s->offset = AlignUp(g.bump, kAlignBytes);
+      g.bump = s->offset + s->nbytes;
+      if (g.planned_bytes > 0 && g.bump <= g.planned_bytes) {
+        s->copy_queued = true;
+        packed.copy_now = s;
+      }
     }
     storage_index = static_cast<int32_t>(g.storages.size());
     g.storages.push_back(s);

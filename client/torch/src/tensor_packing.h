@@ -28,11 +28,15 @@ struct Packed {
   // Set when the storage is new and fits the group's planned reservation:
   // its copy can be posted to the worker now.
   std::shared_ptr<StoredStorage> copy_now;
+  // Not OK when the new storage stays in memory (StoredStorage::keep): why.
+  Status kept;
 };
 
 // Adds `tensor` to the open group `g` as a new entry, placing its storage in
 // the group's byte stream unless the group already holds it. `engine` marks
-// the storage ready on `stream`. Caller holds the offloader's mutex.
+// the storage ready on `stream`; when `engine` is null or cannot mark it, the
+// storage is kept in memory (the entry still restores the tensor) and
+// Packed::kept says why. Caller holds the offloader's mutex.
 Result<Packed> PackLocked(Group& g, const at::Tensor& tensor, CopyEngine* engine, uintptr_t stream);
 
 // FAILED_PRECONDITION, with PyTorch's in-place message, when the entry's

@@ -6,10 +6,12 @@
 // with events against the trainer's stream). The GroupOffloader picks the
 // engine by the storage's device.
 //
-// Threads: MarkReady runs on the training thread (it captures the point of the
-// trainer's stream after which a storage's content is final). Everything else
-// runs on the offloader's worker thread, and returns only when the copy is
-// complete, so the caller may drop the source as soon as it returns.
+// Threads: MarkReady and WaitOnStream run on the training thread (they order
+// the engine's streams against the trainer's). CopyOut runs on the
+// offloader's worker thread and returns only when the copy is complete, so
+// the caller may drop the source as soon as it returns. CopyIn only queues
+// the copy back; FinishCopyIn's token tells when it is done, the consumer's
+// stream waits on it, and the arena range is released only after it.
 #ifndef MEMOFFLOAD_TORCH_COPY_ENGINE_H_
 #define MEMOFFLOAD_TORCH_COPY_ENGINE_H_
 
@@ -45,14 +47,35 @@ class CopyEngine {
   // `ready`.
   virtual Status CopyOut(c10::Device device, const void* src, uint8_t* dst, size_t n,
                          ReadyToken ready) = 0;
-  // Worker: copies `n` bytes from host `src` into `dst` (memory of `device`,
-  // freshly allocated by the worker). Returns when the bytes are in `dst`.
+  // Worker (or a training thread, for a second backward): queues a copy of
+  // `n` bytes from host `src` into `dst` (memory of `device`, freshly
+  // allocated by the caller on the device's default stream). The CUDA engine
+  // copies on its H2D stream after the work queued so far on the default
+  // stream; the bytes are in `dst` once the token of the next FinishCopyIn
+  // is reached. The host engine copies before returning.
   virtual Status CopyIn(c10::Device device, const uint8_t* src, void* dst, size_t n) = 0;
+  // The point after every CopyIn queued so far for `device` (the CUDA
+  // engine: an event recorded on its H2D stream); 0 when they are complete
+  // already. The token must be passed to exactly one SyncAndDropToken or
+  // DropToken.
+  virtual Result<ReadyToken> FinishCopyIn(c10::Device device) = 0;
+  // Training thread: work queued from now on on `stream` (a cudaStream_t as
+  // integer; 0: legacy default) waits for `token`, without blocking the
+  // thread. Does not consume the token.
+  virtual Status WaitOnStream(ReadyToken token, uintptr_t stream) = 0;
+  // Blocks until `token` is reached, then drops it (before the host memory a
+  // copy reads is given back to the daemon).
+  virtual void SyncAndDropToken(ReadyToken token) = 0;
 
-  // Worker: the host range [base, base + n) (one arena chunk) is about to be
-  // used for copies. The CUDA engine registers it with the driver once per
-  // process; a failure only makes copies slower, so it is logged, not returned.
-  virtual void PrepareHostRange(uint8_t* base, size_t n) = 0;
+  // Worker: the host range [base, base + n) (one arena chunk, mapped by the
+  // session `owner`) is about to be used for copies. The CUDA engine
+  // registers it with the driver once per mapping; a failure only makes
+  // copies slower, so it is logged, not returned.
+  virtual void PrepareHostRange(const void* owner, uint8_t* base, size_t n) = 0;
+  // The mappings of `owner` are about to be unmapped: unregisters every range
+  // registered for it, so that a later mapping at the same address (a new
+  // session after a reconnect) is registered afresh. Any thread.
+  virtual void ForgetHostRanges(const void* owner) = 0;
 };
 
 // memcpy for CPU storages. Never fails to create.

@@ -60,7 +60,9 @@ struct OffloaderOptions {
 struct OffloaderStats {
   uint64_t offloaded_bytes = 0;   // written into the arena and committed
   uint64_t prefetched_bytes = 0;  // read back from the arena
-  uint64_t skipped_bytes = 0;     // kept in memory: no space, no daemon, error
+  // Kept in memory: no space, no daemon, an error, no copy engine for the
+  // tensor's device, or a storage resized in place before its copy.
+  uint64_t skipped_bytes = 0;
   uint64_t groups = 0;            // groups begun
   uint64_t groups_offloaded = 0;  // groups committed to the arena
   uint64_t groups_skipped = 0;    // groups (partly) kept in memory
@@ -91,13 +93,20 @@ class GroupOffloader {
   Status BeginGroup(uint64_t key, int64_t slot);
   // Adds a tensor to an open group and returns its entry index. `stream`: the
   // cudaStream_t (as integer) that produced a CUDA tensor; 0: legacy default.
+  // A tensor no copy engine can move (a CUDA tensor without the CUDA engine,
+  // or its stream could not be marked) is still added but kept where it is,
+  // counted in skipped_bytes, the reason logged once. INVALID_ARGUMENT for
+  // an undefined or non-strided tensor.
   Result<int64_t> Add(uint64_t key, const at::Tensor& tensor, uintptr_t stream = 0);
   Status CloseGroup(uint64_t key);
   // Starts bringing the group back (asynchronous). Unknown keys are ignored.
   Status PrefetchGroup(uint64_t key);
   // The tensor of `entry`, waiting for the group's prefetch if needed.
-  // `stream` (CUDA): the stream that will use it.
-  Result<at::Tensor> Get(uint64_t key, int64_t entry);
+  // `stream` (CUDA, a cudaStream_t as integer; 0: legacy default): the stream
+  // that will use it. That stream waits (an event, not the calling thread)
+  // for the copy back; the caller records the tensor on it
+  // (record_stream) if it may be freed on another.
+  Result<at::Tensor> Get(uint64_t key, int64_t entry, uintptr_t stream = 0);
   // The entry will not be asked for again; the group is released when its
   // last entry is dropped.
   Status DropEntry(uint64_t key, int64_t entry);
@@ -109,8 +118,8 @@ class GroupOffloader {
   // BeginGroup (e.g. the layer index) enables reservation ahead of the copies.
   Status OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors, uintptr_t stream = 0,
                       int64_t slot = -1);
-  // Every entry of the group in Add order.
-  Result<std::vector<at::Tensor>> GetGroup(uint64_t key);
+  // Every entry of the group in Add order; `stream` as in Get.
+  Result<std::vector<at::Tensor>> GetGroup(uint64_t key, uintptr_t stream = 0);
 
   // Waits until the worker has run everything queued so far.
   void Flush();
