@@ -85,11 +85,13 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
   row("  committed", FormatSize(s->committed_bytes()));
   row("  read", FormatSize(s->read_bytes()));
   row("free", FormatSize(s->free_bytes()));
+  row("node reserve", FormatSize(s->node_reserve_bytes()));
   row("largest free extent", FormatSize(s->largest_free_extent_bytes()));
   row("chunks", std::to_string(s->chunks()) + " x " + FormatSize(s->chunk_size_bytes()));
   row("mlocked", s->mlocked() ? "yes" : "no");
   row("sessions", std::to_string(s->sessions()));
   row("groups", std::to_string(s->groups()));
+  row("waiting reserves", std::to_string(s->waiting_reserves()));
   row("draining", s->draining() ? "yes" : "no");
   row("uptime", std::to_string(static_cast<uint64_t>(s->uptime_seconds())) + " s");
   return kExitOk;

@@ -64,6 +64,13 @@ Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
   std::ifstream in(token_path);
   std::string token;
   if (!in || !std::getline(in, token)) {
+    // A clean stop deletes the token: tell "not running" from "not allowed".
+    Result<v1::GetStatusResponse> probe = GetStatus();
+    if (!probe.ok() && (probe.status().code() == StatusCode::kUnavailable ||
+                        probe.status().code() == StatusCode::kDeadlineExceeded)) {
+      return Unavailable(probe.status().message() + " (no readable admin token at " + token_path +
+                         " either)");
+    }
     return PermissionDenied("cannot read the admin token " + token_path +
                             " (run as root or as the daemon's user)");
   }

@@ -313,6 +313,11 @@ Status ResolveAndValidate(DaemonConfig* c) {
         "quotas.node_reserve_bytes: " + FormatSize(c->policy.node_reserve_bytes) +
         " leaves nothing of the " + FormatSize(c->arena_size_bytes) + " arena");
   }
+  if (c->policy.max_wait_ms > kMaxWaitLimitMs) {
+    return InvalidArgument("quotas.max_wait: " + std::to_string(c->policy.max_wait_ms) +
+                           "ms is more than the maximum of " + std::to_string(kMaxWaitLimitMs) +
+                           "ms (1h); a waiting reserve holds a daemon thread while it waits");
+  }
   if (c->prefault_threads == 0) {
     c->prefault_threads = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));
   }

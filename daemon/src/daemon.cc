@@ -107,13 +107,20 @@ Result<std::string> WriteAdminToken(const std::string& dir) {
   return token;
 }
 
+// Settings a SIGHUP applies to the running daemon: the access policy and the
+// quotas (access.tenant is fixed at start: chunks already belong to tenants).
+bool IsLiveSetting(const std::string& key) {
+  if (key == "access.tenant") return false;
+  return key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0;
+}
+
 void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {
   const auto old_entries = ConfigEntries(before);
   const auto new_entries = ConfigEntries(after);
   for (size_t i = 0; i < old_entries.size() && i < new_entries.size(); ++i) {
     if (old_entries[i].value == new_entries[i].value) continue;
     const std::string& key = new_entries[i].key;
-    const bool live = key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0;
+    const bool live = IsLiveSetting(key);
     MO_LOG_INFO("config %s: %s -> %s%s", key.c_str(), old_entries[i].value.c_str(),
                 new_entries[i].value.c_str(), live ? "" : " (takes effect at restart)");
   }
@@ -295,11 +302,27 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
           if (!fresh.ok()) {
             MO_LOG_ERROR("config reload rejected, keeping the previous configuration: %s",
                          fresh.status().message().c_str());
+          } else if (fresh->policy.node_reserve_bytes >= arena->capacity_bytes()) {
+            // The file is validated against the arena size it names; the
+            // reserve must fit the arena that is actually running.
+            MO_LOG_ERROR(
+                "config reload rejected, keeping the previous configuration: "
+                "quotas.node_reserve_bytes %s (%llu bytes) leaves nothing of the running "
+                "%s (%llu bytes) arena; it must be smaller than the running arena (arena.size "
+                "changes take effect at restart)",
+                FormatSize(fresh->policy.node_reserve_bytes).c_str(),
+                static_cast<unsigned long long>(fresh->policy.node_reserve_bytes),
+                FormatSize(arena->capacity_bytes()).c_str(),
+                static_cast<unsigned long long>(arena->capacity_bytes()));
           } else {
             LogConfigChanges(config, *fresh);
             // Only access and quotas change live; the rest waits for a restart.
             config.policy = fresh->policy;
-            config.sources = fresh->sources;
+            // Sources of the applied settings only: the others keep the
+            // value (and so the source) they started with.
+            for (const auto& [key, source] : fresh->sources) {
+              if (IsLiveSetting(key)) config.sources[key] = source;
+            }
             table.SetPolicy(config.policy);
             broker.SetPolicy(config.policy);
             service.SetConfig(config);
@@ -312,7 +335,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
           MO_LOG_INFO("received SIGTERM: draining (%u sessions, %s held; deadline %lu ms)",
                       s.sessions, FormatSize(s.capacity_bytes - s.free_bytes).c_str(),
                       static_cast<unsigned long>(config.drain_timeout_ms));
-          table.SetDraining(true);
+          table.BeginShutdown();
           drain_deadline = Clock::now() + std::chrono::milliseconds(config.drain_timeout_ms);
           check_drained();
         } else {

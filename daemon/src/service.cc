@@ -83,7 +83,10 @@ grpc::Status OffloadService::Reserve(grpc::ServerContext* ctx, const v1::Reserve
     RejectReason reject = RejectReason::kNone;
     Result<ReserveResult> r = table_->Reserve(
         req->session().session_id(), req->session().session_token(), req->group_id(),
-        req->size_bytes(), req->single_extent(), wait_until, &reject);
+        req->size_bytes(), req->single_extent(), wait_until, &reject,
+        // A waiter whose caller went away must not be granted later (its
+        // group would be held with nobody to release it).
+        [ctx] { return ctx->IsCancelled(); });
     metrics_->RecordRejection(reject);
     if (r.ok()) {
       CopyExtents(r->extents, resp->mutable_extents());
@@ -233,7 +236,9 @@ grpc::Status OffloadService::Drain(grpc::ServerContext*, const v1::DrainRequest*
                   PermissionDenied("admin token does not match; read it from " + info_.runtime_dir +
                                    "/admin.token (root or the daemon's user only)"));
   }
-  table_->SetDraining(req->drain());
+  if (Status st = table_->SetDraining(req->drain()); !st.ok()) {
+    return Finish(Method::kDrain, start, st);
+  }
   const ArenaSnapshot s = table_->Snapshot();
   resp->set_draining(s.draining);
   resp->set_sessions(s.sessions);

@@ -50,12 +50,20 @@ const char* RejectReasonName(RejectReason reason) {
       return "too_many_waiters";
     case RejectReason::kDraining:
       return "draining";
+    case RejectReason::kCancelled:
+      return "cancelled";
   }
   return "unknown";
 }
 
 namespace {
 constexpr size_t kMaxWaiters = 1024;
+// How often a waiting reserve checks whether its caller cancelled.
+constexpr auto kCancelPollInterval = std::chrono::milliseconds(20);
+
+std::string JobKey(uid_t uid, const std::string& job_id) {
+  return std::to_string(uid) + ":" + job_id;
+}
 }  // namespace
 
 SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode)
@@ -70,15 +78,34 @@ void SessionTable::SetPolicy(const Policy& policy) {
   space_freed_.notify_all();
 }
 
-void SessionTable::SetDraining(bool draining) {
+Status SessionTable::SetDraining(bool draining) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!draining && shutting_down_) {
+    return FailedPrecondition(
+        "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
+        "sessions release or the drain deadline passes");
+  }
   draining_ = draining;
+  space_freed_.notify_all();
+  return Status::Ok();
+}
+
+void SessionTable::BeginShutdown() {
+  std::lock_guard<std::mutex> lock(mu_);
+  shutting_down_ = true;
+  draining_ = true;
   space_freed_.notify_all();
 }
 
 bool SessionTable::draining() const {
   std::lock_guard<std::mutex> lock(mu_);
   return draining_;
+}
+
+uint64_t SessionTable::UsableBytes() const {
+  const uint64_t capacity = arena_->capacity_bytes();
+  // A reserve at or above the arena leaves nothing (never wraps around).
+  return policy_.node_reserve_bytes >= capacity ? 0 : capacity - policy_.node_reserve_bytes;
 }
 
 uint64_t SessionTable::SessionLimit(const Session& session) const {
@@ -88,9 +115,11 @@ uint64_t SessionTable::SessionLimit(const Session& session) const {
   return limit;
 }
 
+SessionTable::Job& SessionTable::JobOf(const Session& session) { return jobs_[session.job_key]; }
+
 uint64_t SessionTable::JobLimit(const Session& session) const {
   uint64_t limit = policy_.job_max_bytes;
-  auto it = jobs_.find(session.hello.job_id);
+  auto it = jobs_.find(session.job_key);
   if (it != jobs_.end() && it->second.requested_limit != 0 &&
       (limit == 0 || it->second.requested_limit < limit)) {
     limit = it->second.requested_limit;
@@ -102,6 +131,9 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   Result<std::string> token = NewSessionToken();
   if (!token.ok()) return token.status();
   std::lock_guard<std::mutex> lock(mu_);
+  if (shutting_down_) {
+    return Unavailable("memoffloadd is shutting down (SIGTERM): new sessions are refused");
+  }
   if (draining_) {
     return Unavailable(
         "memoffloadd is draining: new sessions are refused until 'memoffloadctl "
@@ -116,16 +148,18 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
       s.tenant = "uid:" + std::to_string(peer.uid);
       break;
     case TenantMode::kJob:
-      s.tenant = "job:" + hello.job_id;
+      // The uid keeps another user who names the same job id out of its chunks.
+      s.tenant = "job:" + std::to_string(peer.uid) + ":" + hello.job_id;
       break;
     case TenantMode::kNone:
       break;
   }
 
+  s.job_key = JobKey(peer.uid, hello.job_id);
   s.grant.limit_bytes = SessionLimit(s);
   s.peer = peer;
   s.opened_at = Clock::now();
-  Job& job = jobs_[hello.job_id];
+  Job& job = jobs_[s.job_key];
   ++job.sessions;
   if (hello.job_max_bytes != 0 &&
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
@@ -149,7 +183,7 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     reclaimed += group.held_bytes;
     --groups_;
   }
-  auto job = jobs_.find(it->second.hello.job_id);
+  auto job = jobs_.find(it->second.job_key);
   if (job != jobs_.end()) {
     job->second.held_bytes -= reclaimed;
     if (--job->second.sessions == 0) jobs_.erase(job);
@@ -201,10 +235,7 @@ void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
   }
 }
 
-Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
-                                               uint64_t rounded, bool single_extent,
-                                               RejectReason* reject) {
-  Session& s = *session;
+Status SessionTable::CheckQuotas(const Session& s, uint64_t rounded, RejectReason* reject) const {
   const uint64_t session_limit = SessionLimit(s);
   if (session_limit != 0 && s.held_bytes + rounded > session_limit) {
     *reject = RejectReason::kSessionLimit;
@@ -214,17 +245,76 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
                              " more would exceed it by " +
                              FormatSize(s.held_bytes + rounded - session_limit));
   }
-  Job& job = jobs_[s.hello.job_id];
+  auto job = jobs_.find(s.job_key);
+  const uint64_t job_held = job == jobs_.end() ? 0 : job->second.held_bytes;
   const uint64_t job_limit = JobLimit(s);
-  if (job_limit != 0 && job.held_bytes + rounded > job_limit) {
+  if (job_limit != 0 && job_held + rounded > job_limit) {
     *reject = RejectReason::kJobLimit;
-    return ResourceExhausted("job limit: job '" + s.hello.job_id + "' holds " +
-                             FormatSize(job.held_bytes) + " of its " + FormatSize(job_limit) +
-                             " limit; " + FormatSize(rounded) + " more would exceed it by " +
-                             FormatSize(job.held_bytes + rounded - job_limit));
+    return ResourceExhausted(
+        "job limit: job '" + s.hello.job_id + "' holds " + FormatSize(job_held) + " of its " +
+        FormatSize(job_limit) + " limit; " + FormatSize(rounded) + " more would exceed it by " +
+        FormatSize(job_held + rounded - job_limit) + " (uid " + std::to_string(s.peer.uid) + ")");
   }
+  return Status::Ok();
+}
+
+Status SessionTable::CheckFitsAtAll(const Session& s, uint64_t rounded,
+                                    RejectReason* reject) const {
+  const uint64_t session_limit = SessionLimit(s);
+  if (session_limit != 0 && rounded > session_limit) {
+    *reject = RejectReason::kSessionLimit;
+    return ResourceExhausted(
+        "session limit: " + FormatSize(rounded) + " is more than the whole of its " +
+        FormatSize(session_limit) + " limit (by " + FormatSize(rounded - session_limit) +
+        "); it can never fit in session " + std::to_string(s.grant.session_id));
+  }
+  const uint64_t job_limit = JobLimit(s);
+  if (job_limit != 0 && rounded > job_limit) {
+    *reject = RejectReason::kJobLimit;
+    return ResourceExhausted("job limit: " + FormatSize(rounded) + " is more than the whole " +
+                             FormatSize(job_limit) + " limit of job '" + s.hello.job_id + "' (by " +
+                             FormatSize(rounded - job_limit) + "); it can never fit");
+  }
+  return Status::Ok();
+}
+
+void SessionTable::CapacityWaitersAhead(uint64_t ticket, uint64_t* bytes, size_t* count) const {
+  *bytes = 0;
+  *count = 0;
+  for (const Waiter& w : waiters_) {
+    if (w.ticket == ticket) break;
+    auto it = sessions_.find(w.session_id);
+    if (it == sessions_.end()) continue;  // leaves on its next wake-up
+    RejectReason ignored;
+    if (!CheckQuotas(it->second, w.rounded, &ignored).ok()) continue;  // held by its own quota
+    *bytes += w.rounded;
+    ++*count;
+  }
+}
+
+Status SessionTable::QueuedBehind(uint64_t rounded, uint64_t ahead_bytes,
+                                  size_t ahead_count) const {
+  const uint64_t usable = UsableBytes();
+  const uint64_t used = arena_->allocator().used_bytes();
+  const uint64_t available = usable > used ? usable - used : 0;
+  const uint64_t needed = ahead_bytes + rounded;
+  return ResourceExhausted(
+      "arena full: " + FormatSize(rounded) + " requested behind " + std::to_string(ahead_count) +
+      " earlier waiting reserve" + (ahead_count == 1 ? "" : "s") + " needing " +
+      FormatSize(ahead_bytes) + " (served first, in arrival order); " + FormatSize(available) +
+      " available (" + FormatSize(used) + " in use of " + FormatSize(usable) +
+      " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + "), short by " +
+      FormatSize(needed > available ? needed - available : 0));
+}
+
+Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
+                                               uint64_t rounded, bool single_extent,
+                                               RejectReason* reject) {
+  Session& s = *session;
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckQuotas(s, rounded, reject));
+  Job& job = JobOf(s);
   const ExtentAllocator& alloc = arena_->allocator();
-  const uint64_t usable = alloc.capacity_bytes() - policy_.node_reserve_bytes;
+  const uint64_t usable = UsableBytes();
   if (alloc.used_bytes() + rounded > usable) {
     *reject = RejectReason::kArenaFull;
     return ResourceExhausted(
@@ -273,7 +363,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
 Result<ReserveResult> SessionTable::Reserve(
     uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
     bool single_extent, std::optional<std::chrono::steady_clock::time_point> wait_until,
-    RejectReason* reject) {
+    RejectReason* reject, const std::function<bool()>& cancelled) {
   RejectReason ignored_reason;
   if (reject == nullptr) reject = &ignored_reason;
   *reject = RejectReason::kNone;
@@ -286,20 +376,36 @@ Result<ReserveResult> SessionTable::Reserve(
                               "); Release it before reserving it again");
   }
   if (size_bytes == 0) return InvalidArgument("size_bytes must be positive");
+  auto draining_status = [this](const std::string& what) {
+    return Unavailable(shutting_down_
+                           ? "memoffloadd is shutting down (SIGTERM): " + what
+                           : "memoffloadd is draining: " + what + " until 'memoffloadctl undrain'");
+  };
   if (draining_) {
     *reject = RejectReason::kDraining;
-    return Unavailable("memoffloadd is draining: new reservations are refused");
+    return draining_status("new reservations are refused");
   }
-  const uint64_t usable = arena_->capacity_bytes() - policy_.node_reserve_bytes;
+  const uint64_t usable = UsableBytes();
   if (size_bytes > usable) {
     *reject = RejectReason::kTooLarge;
     return ResourceExhausted("group of " + FormatSize(size_bytes) +
                              " is larger than the whole usable arena (" + FormatSize(usable) +
-                             " of " + FormatSize(arena_->capacity_bytes()) + ")");
+                             " of " + FormatSize(arena_->capacity_bytes()) + "; node reserve " +
+                             FormatSize(policy_.node_reserve_bytes) + ")");
   }
   const uint64_t page = arena_->page_bytes();
   const uint64_t rounded = (size_bytes + page - 1) / page * page;
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckFitsAtAll(**session, rounded, reject));
   if (!wait_until.has_value()) {
+    // Not ahead of waiters who queued for capacity (they would starve).
+    MEMOFFLOAD_RETURN_IF_ERROR(CheckQuotas(**session, rounded, reject));
+    uint64_t ahead_bytes = 0;
+    size_t ahead_count = 0;
+    CapacityWaitersAhead(0, &ahead_bytes, &ahead_count);
+    if (ahead_count != 0) {
+      *reject = RejectReason::kArenaFull;
+      return QueuedBehind(rounded, ahead_bytes, ahead_count);
+    }
     return TryReserve(*session, group_id, rounded, single_extent, reject);
   }
 
@@ -308,43 +414,65 @@ Result<ReserveResult> SessionTable::Reserve(
     return ResourceExhausted("too many waiting reserves (" + std::to_string(kMaxWaiters) + ")");
   }
   const uint64_t ticket = next_ticket_++;
-  waiters_.push_back(ticket);
+  waiters_.push_back({ticket, session_id, rounded});
   const auto waited_from = Clock::now();
   auto leave = [&] {
-    waiters_.erase(std::find(waiters_.begin(), waiters_.end(), ticket));
+    waiters_.erase(std::find_if(waiters_.begin(), waiters_.end(),
+                                [ticket](const Waiter& w) { return w.ticket == ticket; }));
     space_freed_.notify_all();
+  };
+  auto waited_ms = [&] {
+    return std::to_string(static_cast<int64_t>(
+        std::chrono::duration<double, std::milli>(Clock::now() - waited_from).count()));
   };
   Status last;
   while (true) {
     if (draining_) {
       leave();
       *reject = RejectReason::kDraining;
-      return Unavailable("memoffloadd started draining while this reserve waited");
+      return draining_status("this waiting reserve was refused after " + waited_ms() + " ms");
     }
     Result<Session*> current = Authenticate(session_id, token);
     if (!current.ok()) {
       leave();
       return current.status();
     }
-    if (waiters_.front() == ticket) {
-      Result<ReserveResult> r = TryReserve(*current, group_id, rounded, single_extent, reject);
-      if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) {
-        leave();
-        if (r.ok()) *reject = RejectReason::kNone;
-        return r;
-      }
-      last = r.status();
-    } else {
-      last = ResourceExhausted("queued behind earlier waiting reserves");
-    }
-    if (space_freed_.wait_until(lock, *wait_until) == std::cv_status::timeout &&
-        Clock::now() >= *wait_until) {
+    if (cancelled && cancelled()) {
       leave();
-      const double waited_ms =
-          std::chrono::duration<double, std::milli>(Clock::now() - waited_from).count();
+      *reject = RejectReason::kCancelled;
+      return Status(StatusCode::kCancelled, "the caller cancelled this reserve after it waited " +
+                                                waited_ms() + " ms; nothing was reserved");
+    }
+    // A SIGHUP may have lowered a limit below the request.
+    if (Status st = CheckFitsAtAll(**current, rounded, reject); !st.ok()) {
+      leave();
+      return st;
+    }
+    if (Status quota = CheckQuotas(**current, rounded, reject); !quota.ok()) {
+      last = quota;  // held by its own quota: waits without blocking others
+    } else {
+      uint64_t ahead_bytes = 0;
+      size_t ahead_count = 0;
+      CapacityWaitersAhead(ticket, &ahead_bytes, &ahead_count);
+      if (ahead_count != 0) {
+        last = QueuedBehind(rounded, ahead_bytes, ahead_count);
+      } else {
+        Result<ReserveResult> r = TryReserve(*current, group_id, rounded, single_extent, reject);
+        if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) {
+          leave();
+          if (r.ok()) *reject = RejectReason::kNone;
+          return r;
+        }
+        last = r.status();
+      }
+    }
+    auto wake = *wait_until;
+    if (cancelled) wake = std::min(wake, Clock::now() + kCancelPollInterval);
+    space_freed_.wait_until(lock, wake);
+    if (Clock::now() >= *wait_until) {
+      leave();
       *reject = RejectReason::kWaitTimeout;
-      return ResourceExhausted("waited " + std::to_string(static_cast<int64_t>(waited_ms)) +
-                               " ms for " + FormatSize(rounded) +
+      return ResourceExhausted("waited " + waited_ms() + " ms for " + FormatSize(rounded) +
                                " until the deadline; last refusal: " + last.message());
     }
   }
@@ -390,7 +518,7 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   reserved_bytes_ -= g.held_bytes;
   committed_bytes_ += kept_bytes;
   (*session)->held_bytes -= returned;
-  jobs_[(*session)->hello.job_id].held_bytes -= returned;
+  JobOf(**session).held_bytes -= returned;
   if (returned != 0) space_freed_.notify_all();
   g.extents = std::move(kept).value();
   g.held_bytes = kept_bytes;
@@ -442,7 +570,7 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   AddStateBytes(g.state, -static_cast<int64_t>(g.held_bytes));
   FreeExtents(g.extents);
   s.held_bytes -= g.held_bytes;
-  jobs_[s.hello.job_id].held_bytes -= g.held_bytes;
+  JobOf(s).held_bytes -= g.held_bytes;
   --groups_;
   s.groups.erase(it);
   space_freed_.notify_all();
@@ -463,6 +591,7 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.groups = groups_;
   a.waiting_reserves = static_cast<uint32_t>(waiters_.size());
   a.draining = draining_;
+  a.shutting_down = shutting_down_;
   for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
   a.zeroed_chunks = zeroed_chunks_;
   a.zeroing_seconds = zeroing_seconds_;

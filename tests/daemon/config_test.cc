@@ -162,6 +162,8 @@ TEST(Config, RejectsImpossibleSizes) {
       {{"--arena-size=100TiB"}, "exceeds this machine's RAM"},
       {{"--arena-size=1GiB", "--chunk-size=4KiB"}, "at most 65536"},
       {{"--arena-size=64MiB", "--node-reserve-bytes=64MiB"}, "leaves nothing"},
+      {{"--max-wait=3600001ms"},
+       "quotas.max_wait: 3600001ms is more than the maximum of 3600000ms (1h)"},
   };
   for (const Case& c : cases) {
     Result<DaemonConfig> r = Parse(c.args);

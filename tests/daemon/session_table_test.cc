@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -27,13 +29,13 @@ class SessionTableTest : public ::testing::Test {
   void TearDown() override { EXPECT_TRUE(table_->CheckInvariants().ok()); }
 
   SessionGrant Open(uint64_t max_bytes = 0, const std::string& job = "job",
-                    uint64_t job_max_bytes = 0) {
+                    uint64_t job_max_bytes = 0, uid_t uid = 1000) {
     Hello hello;
     hello.job_id = job;
     hello.rank = 3;
     hello.max_bytes = max_bytes;
     hello.job_max_bytes = job_max_bytes;
-    auto g = table_->Open(hello, PeerCredentials{1234, 1000, 1000});
+    auto g = table_->Open(hello, PeerCredentials{1234, uid, uid});
     EXPECT_TRUE(g.ok());
     return *g;
   }
@@ -269,7 +271,7 @@ TEST_F(SessionTableTest, WaitersAreServedInArrivalOrder) {
 TEST_F(SessionTableTest, DrainRefusesNewWorkButLetsGroupsFinish) {
   SessionGrant s = Open();
   ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, kMiB, false).ok());
-  table_->SetDraining(true);
+  EXPECT_TRUE(table_->SetDraining(true).ok());
   RejectReason reason = RejectReason::kNone;
   auto r = table_->Reserve(s.session_id, s.token, 2, 4096, false, std::nullopt, &reason);
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
@@ -279,7 +281,7 @@ TEST_F(SessionTableTest, DrainRefusesNewWorkButLetsGroupsFinish) {
   EXPECT_TRUE(table_->Commit(s.session_id, s.token, 1, kMiB).ok());
   EXPECT_TRUE(table_->Prefetch(s.session_id, s.token, 1).ok());
   EXPECT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
-  table_->SetDraining(false);
+  EXPECT_TRUE(table_->SetDraining(false).ok());
   EXPECT_TRUE(table_->Reserve(s.session_id, s.token, 2, 4096, false).ok());
 }
 
@@ -288,12 +290,229 @@ TEST_F(SessionTableTest, DrainWakesWaitersWithUnavailable) {
   ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
   std::thread drainer([&] {
     while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
-    table_->SetDraining(true);
+    EXPECT_TRUE(table_->SetDraining(true).ok());
   });
   auto r = table_->Reserve(s.session_id, s.token, 2, kMiB, false,
                            std::chrono::steady_clock::now() + std::chrono::seconds(10));
   drainer.join();
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+}
+
+TEST_F(SessionTableTest, NodeReserveAboveTheArenaLeavesNothingInsteadOfWrapping) {
+  // A reserve larger than the running arena (a reload validated against
+  // another arena size) must not wrap capacity - reserve around.
+  Policy policy;
+  policy.node_reserve_bytes = 8 * kMiB;
+  table_->SetPolicy(policy);
+  SessionGrant s = Open();
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 1, 4096, false, std::nullopt, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
+  EXPECT_EQ(reason, RejectReason::kTooLarge);
+  EXPECT_NE(r.status().message().find("usable arena (0 B of 4.00 MiB; node reserve 8.00 MiB)"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
+}
+
+TEST_F(SessionTableTest, RequestsThatCanNeverFitFailAtOnceEvenWhenWaiting) {
+  Policy policy;
+  policy.job_max_bytes = 2 * kMiB;
+  table_->SetPolicy(policy);
+  SessionGrant s = Open(kMiB);
+  SessionGrant t = Open();
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::seconds(5);
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 1, 2 * kMiB, false, deadline, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kSessionLimit);
+  EXPECT_NE(
+      r.status().message().find(
+          "session limit: 2.00 MiB is more than the whole of its 1.00 MiB limit (by 1.00 MiB)"),
+      std::string::npos)
+      << r.status().message();
+  r = table_->Reserve(t.session_id, t.token, 1, 3 * kMiB, false, deadline, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kJobLimit);
+  EXPECT_NE(
+      r.status().message().find(
+          "job limit: 3.00 MiB is more than the whole 2.00 MiB limit of job 'job' (by 1.00 MiB)"),
+      std::string::npos)
+      << r.status().message();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+}
+
+TEST_F(SessionTableTest, WaiterHeldByItsOwnQuotaDoesNotBlockOthers) {
+  SessionGrant limited = Open(kMiB);
+  SessionGrant other = Open();
+  ASSERT_TRUE(table_->Reserve(limited.session_id, limited.token, 1, kMiB, false).ok());
+  // `limited` waits for its own quota (1 MiB more than its 1 MiB limit allows).
+  std::thread waiter([&] {
+    RejectReason reason = RejectReason::kNone;
+    auto r =
+        table_->Reserve(limited.session_id, limited.token, 2, kMiB, false,
+                        std::chrono::steady_clock::now() + std::chrono::milliseconds(600), &reason);
+    EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_EQ(reason, RejectReason::kWaitTimeout);
+    // The timeout names the limit hit and by how much.
+    EXPECT_NE(r.status().message().find("session limit"), std::string::npos)
+        << r.status().message();
+    EXPECT_NE(r.status().message().find("exceed it by 1.00 MiB"), std::string::npos)
+        << r.status().message();
+  });
+  while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
+  // Plenty of arena is free: neither a waiting nor a plain reserve of
+  // another session queues behind it.
+  const auto start = std::chrono::steady_clock::now();
+  auto r = table_->Reserve(other.session_id, other.token, 1, kMiB, false,
+                           start + std::chrono::seconds(5));
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(table_->Reserve(other.session_id, other.token, 2, kMiB, false).ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(300));
+  waiter.join();
+}
+
+TEST_F(SessionTableTest, PlainReserveDoesNotJumpAheadOfCapacityWaiters) {
+  SessionGrant s = Open();
+  SessionGrant t = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 3 * kMiB, false).ok());
+  std::thread waiter([&] {
+    EXPECT_TRUE(table_
+                    ->Reserve(s.session_id, s.token, 2, 2 * kMiB, false,
+                              std::chrono::steady_clock::now() + std::chrono::seconds(10))
+                    .ok());
+  });
+  while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
+  // 1 MiB is free, but the 2 MiB waiter came first.
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(t.session_id, t.token, 1, kMiB, false, std::nullopt, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kArenaFull);
+  EXPECT_NE(r.status().message().find("behind 1 earlier waiting reserve needing 2.00 MiB"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("short by 2.00 MiB"), std::string::npos)
+      << r.status().message();
+  ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
+  waiter.join();
+  EXPECT_TRUE(table_->Reserve(t.session_id, t.token, 1, kMiB, false).ok());
+}
+
+TEST_F(SessionTableTest, QueuedWaiterTimeoutNamesTheArenaAndTheShortfall) {
+  SessionGrant s = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
+  std::thread first([&] {
+    (void)table_->Reserve(s.session_id, s.token, 2, 2 * kMiB, false,
+                          std::chrono::steady_clock::now() + std::chrono::seconds(1));
+  });
+  while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
+  RejectReason reason = RejectReason::kNone;
+  auto r =
+      table_->Reserve(s.session_id, s.token, 3, kMiB, false,
+                      std::chrono::steady_clock::now() + std::chrono::milliseconds(150), &reason);
+  first.join();
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kWaitTimeout);
+  const std::string& m = r.status().message();
+  EXPECT_EQ(m.find("queued behind earlier waiting reserves"), std::string::npos) << m;
+  EXPECT_NE(m.find("until the deadline; last refusal: arena full: 1.00 MiB requested behind 1 "
+                   "earlier waiting reserve needing 2.00 MiB"),
+            std::string::npos)
+      << m;
+  EXPECT_NE(m.find("0 B available (4.00 MiB in use of 4.00 MiB usable; node reserve 0 B), short "
+                   "by 3.00 MiB"),
+            std::string::npos)
+      << m;
+}
+
+TEST_F(SessionTableTest, CancelledWaiterLeavesAndIsNeverGranted) {
+  SessionGrant s = Open();
+  SessionGrant t = Open();
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
+  std::atomic<bool> cancel{false};
+  std::thread canceller([&] {
+    while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    cancel = true;
+  });
+  const auto start = std::chrono::steady_clock::now();
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(t.session_id, t.token, 1, kMiB, false, start + std::chrono::seconds(10),
+                           &reason, [&] { return cancel.load(); });
+  canceller.join();
+  EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status().ToString();
+  EXPECT_EQ(reason, RejectReason::kCancelled);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+  // Space frees up later: nothing lands in the cancelled caller's session.
+  ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(table_->Snapshot().groups, 0u);
+  EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
+  EXPECT_EQ(table_->Release(t.session_id, t.token, 1).status().code(), StatusCode::kNotFound);
+}
+
+TEST_F(SessionTableTest, ShutdownDrainRefusesUndrainAndSaysShuttingDown) {
+  SessionGrant s = Open();
+  table_->BeginShutdown();
+  Status undrain = table_->SetDraining(false);
+  EXPECT_EQ(undrain.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(undrain.message().find("shutting down"), std::string::npos) << undrain.message();
+  EXPECT_TRUE(table_->draining());
+  EXPECT_TRUE(table_->Snapshot().shutting_down);
+  Hello hello;
+  Status open = table_->Open(hello, {}).status();
+  EXPECT_EQ(open.code(), StatusCode::kUnavailable);
+  EXPECT_NE(open.message().find("shutting down"), std::string::npos) << open.message();
+  EXPECT_EQ(open.message().find("undrain"), std::string::npos) << open.message();
+  Status reserve = table_->Reserve(s.session_id, s.token, 1, 4096, false).status();
+  EXPECT_EQ(reserve.code(), StatusCode::kUnavailable);
+  EXPECT_NE(reserve.message().find("shutting down"), std::string::npos) << reserve.message();
+  EXPECT_EQ(reserve.message().find("undrain"), std::string::npos) << reserve.message();
+}
+
+TEST_F(SessionTableTest, JobsOfDifferentUidsWithTheSameIdAreSeparate) {
+  Policy policy;
+  policy.job_max_bytes = 2 * kMiB;
+  table_->SetPolicy(policy);
+  SessionGrant mine = Open(0, "train", 0, 1000);
+  // Another user names the same job id and asks for a tiny job limit.
+  SessionGrant theirs = Open(0, "train", 4096, 2000);
+  EXPECT_TRUE(table_->Reserve(mine.session_id, mine.token, 1, 2 * kMiB, false).ok());
+  // Their 4 KiB ask does not lower my job's limit, and my bytes do not use
+  // their job's quota.
+  EXPECT_TRUE(table_->Reserve(theirs.session_id, theirs.token, 1, 4096, false).ok());
+  auto over = table_->Reserve(theirs.session_id, theirs.token, 2, 4096, false);
+  ASSERT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("job limit: job 'train' holds 4.00 KiB of its 4.00 KiB"),
+            std::string::npos)
+      << over.status().message();
+  EXPECT_NE(over.status().message().find("(uid 2000)"), std::string::npos)
+      << over.status().message();
+  ASSERT_TRUE(table_->Release(mine.session_id, mine.token, 1).ok());
+  EXPECT_TRUE(table_->Reserve(mine.session_id, mine.token, 1, 2 * kMiB, false).ok());
+}
+
+TEST_F(SessionTableTest, JobTenantsIncludeTheUid) {
+  table_ = std::make_unique<SessionTable>(arena_.get(), Policy{}, TenantMode::kJob);
+  SessionGrant mine = Open(0, "train", 0, 1000);
+  SessionGrant mate = Open(0, "train", 0, 1000);
+  SessionGrant theirs = Open(0, "train", 0, 2000);
+  auto r = table_->Reserve(mine.session_id, mine.token, 1, 4096, false);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const uint32_t chunk = r->extents[0].chunk;
+  // Same uid, same job: shares the chunk.
+  EXPECT_TRUE(table_->GrantChunks(mate.session_id, {chunk}).ok());
+  // Another uid naming the same job id does not get its fd.
+  auto attach = table_->AttachChunks(theirs.session_id);
+  ASSERT_TRUE(attach.ok());
+  EXPECT_EQ(std::count(attach->begin(), attach->end(), chunk), 0);
+  EXPECT_EQ(table_->GrantChunks(theirs.session_id, {chunk}).code(), StatusCode::kPermissionDenied);
+  auto other = table_->Reserve(theirs.session_id, theirs.token, 1, 4096, false);
+  ASSERT_TRUE(other.ok());
+  EXPECT_NE(other->extents[0].chunk, chunk);
 }
 
 TEST(ConstantTimeEquals, Basics) {

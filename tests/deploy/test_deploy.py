@@ -376,3 +376,32 @@ def test_config_files_are_accepted_by_the_daemon(source, tmp_path):
             assert key in effective[section], f"[{section}] {key}"
             if isinstance(value, str) and section == "server":
                 assert effective[section][key] == value, f"[{section}] {key}"
+
+
+def _setting_keys(toml_text: str, commented: bool) -> set[str]:
+    """section.key of every setting line; with commented, '# key = ...' too."""
+    keys, section = set(), None
+    pattern = re.compile(r"^(?:#\s*)?([a-z_]+)\s*=" if commented else r"^([a-z_]+)\s*=")
+    for line in toml_text.splitlines():
+        header = re.match(r"^(?:#\s*)?\[([a-z_]+)\]\s*$", line.strip())
+        if header:
+            section = header.group(1)
+            continue
+        m = pattern.match(line.strip())
+        if m and section:
+            keys.add(f"{section}.{m.group(1)}")
+    return keys
+
+
+def test_example_config_documents_every_setting():
+    """Every setting --print-config knows appears in the example, in its section."""
+    binary = dc.daemon_binary()
+    env = {"PATH": "/usr/bin:/bin"}
+    printed = subprocess.run([str(binary), "--print-config"], capture_output=True, text=True,
+                             env=env)
+    assert printed.returncode == 0, printed.stderr
+    known = _setting_keys(printed.stdout, commented=False)
+    assert len(known) > 10, printed.stdout
+    example = _setting_keys(dc.EXAMPLE_CONFIG.read_text(), commented=True)
+    assert sorted(known - example) == [], f"settings missing from {dc.EXAMPLE_CONFIG}"
+    assert sorted(example - known) == [], f"unknown settings in {dc.EXAMPLE_CONFIG}"

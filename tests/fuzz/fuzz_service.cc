@@ -131,12 +131,18 @@ class Harness {
     s->open = true;
     CheckOk(table_->AttachChunks(s->grant.session_id).status(), "AttachChunks");
     // The job's requested limit: smallest asked while the job had sessions.
-    JobOpened(hello);
+    JobOpened(*s);
   }
 
-  void JobOpened(const Hello& hello) {
-    uint64_t& asked = job_requested_[hello.job_id];
-    if (JobSessions(hello.job_id) == 1) asked = 0;  // a fresh job entry
+  // A job is a job id within one uid (another uid naming it is another job).
+  static std::string JobKey(const ModelSession& s) {
+    return std::to_string(s.uid) + ":" + s.hello.job_id;
+  }
+
+  void JobOpened(const ModelSession& session) {
+    const Hello& hello = session.hello;
+    uint64_t& asked = job_requested_[JobKey(session)];
+    if (JobSessions(JobKey(session)) == 1) asked = 0;  // a fresh job entry
     if (hello.job_max_bytes != 0 && (asked == 0 || hello.job_max_bytes < asked)) {
       asked = hello.job_max_bytes;
     }
@@ -144,7 +150,7 @@ class Harness {
 
   int JobSessions(const std::string& job) const {
     int n = 0;
-    for (const ModelSession& s : sessions_) n += s.open && s.hello.job_id == job;
+    for (const ModelSession& s : sessions_) n += s.open && JobKey(s) == job;
     return n;
   }
 
@@ -394,7 +400,7 @@ class Harness {
       case daemon::TenantMode::kUid:
         return std::to_string(s.uid);
       case daemon::TenantMode::kJob:
-        return s.hello.job_id;
+        return std::to_string(s.uid) + ":" + s.hello.job_id;
       case daemon::TenantMode::kNone:
         break;
     }
@@ -455,12 +461,16 @@ class Harness {
   uint64_t JobHeld(const std::string& job) const {
     uint64_t sum = 0;
     for (const ModelSession& s : sessions_) {
-      if (s.open && s.hello.job_id == job) sum += s.Held();
+      if (s.open && JobKey(s) == job) sum += s.Held();
     }
     return sum;
   }
 
-  uint64_t TotalHeld() const { return JobHeld("job-a") + JobHeld("job-b"); }
+  uint64_t TotalHeld() const {
+    uint64_t sum = 0;
+    for (const ModelSession& s : sessions_) sum += s.open ? s.Held() : 0;
+    return sum;
+  }
 
   void CheckExtents(const v1::ReserveResponse& resp, uint64_t expect_bytes) {
     uint64_t sum = 0;
@@ -516,8 +526,8 @@ class Harness {
       const uint64_t session_limit = MinLimit(policy_.session_max_bytes, s->hello.max_bytes);
       Check(session_limit == 0 || s->Held() + rounded <= session_limit,
             "Reserve exceeded the session limit");
-      const uint64_t job_limit = MinLimit(policy_.job_max_bytes, job_requested_[s->hello.job_id]);
-      Check(job_limit == 0 || JobHeld(s->hello.job_id) + rounded <= job_limit,
+      const uint64_t job_limit = MinLimit(policy_.job_max_bytes, job_requested_[JobKey(*s)]);
+      Check(job_limit == 0 || JobHeld(JobKey(*s)) + rounded <= job_limit,
             "Reserve exceeded the job limit");
       Check(TotalHeld() + rounded <= usable, "Reserve ate into the node reserve");
       Check(!req.single_extent() || resp.extents_size() == 1,

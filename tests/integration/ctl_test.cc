@@ -2,6 +2,11 @@
 // undrain, config, and exit codes scripts rely on.
 #include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <iterator>
+#include <sstream>
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
@@ -116,6 +121,68 @@ TEST_F(CtlTest, ExitCodes) {
   EXPECT_EQ(Ctl({"drain"}, &out), 4);
   ASSERT_EQ(rename(hidden.c_str(), token.c_str()), 0);
   EXPECT_FALSE(daemon_->Status().draining());
+}
+
+// Runs memoffloadctl with stderr folded into the captured output.
+int CtlWithStderr(const std::string& runtime_dir, const std::string& command, std::string* out) {
+  return RunCapture({"/bin/sh", "-c",
+                     "exec '" + BinDir() + "/memoffloadctl' --runtime-dir '" + runtime_dir + "' " +
+                         command + " 2>&1"},
+                    out);
+}
+
+TEST_F(CtlTest, StoppedDaemonIsUnreachableNotPermissionDenied) {
+  const std::string dir = daemon_->runtime_dir();
+  const std::string socket = dir + "/memoffload.sock";
+  ASSERT_EQ(daemon_->Stop(SIGTERM, 10000), 0);
+  // A clean stop removed the admin token along with the sockets.
+  ASSERT_NE(access((dir + "/admin.token").c_str(), F_OK), 0);
+  std::string out;
+  for (const std::string command : {"drain", "undrain", "status", "sessions", "config"}) {
+    EXPECT_EQ(CtlWithStderr(dir, command, &out), 3) << command << ": " << out;
+    EXPECT_NE(out.find("unix:" + socket), std::string::npos) << command << ": " << out;
+  }
+  EXPECT_EQ(CtlWithStderr("/nonexistent/dir", "status", &out), 3) << out;
+  EXPECT_NE(out.find("unix:/nonexistent/dir/memoffload.sock"), std::string::npos) << out;
+}
+
+TEST_F(CtlTest, SessionsTableShowsRankPidUidAndAge) {
+  client::AttachOptions options;
+  options.runtime_dir = daemon_->runtime_dir();
+  options.job_id = "table-job";
+  options.rank = 7;
+  auto c = client::Client::Attach(options);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Reserve(1, 2 << 20).ok());
+  std::string out;
+  ASSERT_EQ(Ctl({"sessions"}, &out), 0) << out;
+  std::istringstream lines(out);
+  std::string header, row;
+  ASSERT_TRUE(std::getline(lines, header));
+  ASSERT_TRUE(std::getline(lines, row));
+  std::istringstream h(header);
+  std::vector<std::string> columns{std::istream_iterator<std::string>(h), {}};
+  EXPECT_EQ(columns, (std::vector<std::string>{"SESSION", "JOB", "RANK", "PID", "UID", "HELD",
+                                               "GROUPS", "AGE"}))
+      << header;
+  std::istringstream r(row);
+  std::vector<std::string> cells{std::istream_iterator<std::string>(r), {}};
+  // HELD is "2.00 MiB": two cells.
+  ASSERT_EQ(cells.size(), 9u) << row;
+  EXPECT_EQ(cells[1], "table-job");
+  EXPECT_EQ(cells[2], "7");
+  EXPECT_EQ(cells[3], std::to_string(getpid()));
+  EXPECT_EQ(cells[4], std::to_string(getuid()));
+  EXPECT_EQ(cells[5] + " " + cells[6], "2.00 MiB");
+  EXPECT_EQ(cells[7], "1");
+  EXPECT_EQ(cells[8].back(), 's') << row;
+}
+
+TEST_F(CtlTest, StatusShowsWaitingReservesAndNodeReserve) {
+  std::string out;
+  ASSERT_EQ(Ctl({"status"}, &out), 0) << out;
+  EXPECT_NE(out.find("waiting reserves     0"), std::string::npos) << out;
+  EXPECT_NE(out.find("node reserve         0 B"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -87,12 +87,11 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
   d->scratch_dir_ = scratch;
   d->runtime_dir_ = d->scratch_dir_ + "/run";
   d->log_path_ = d->scratch_dir_ + "/daemon.log";
-  std::vector<std::string> argv = {BinDir() + "/memoffloadd",
-                                   "--runtime-dir=" + d->runtime_dir_,
-                                   "--arena-size=" + options.arena_size,
-                                   "--chunk-size=" + options.chunk_size,
+  std::vector<std::string> argv = {BinDir() + "/memoffloadd", "--runtime-dir=" + d->runtime_dir_,
                                    "--metrics-address=" + options.metrics_address,
                                    "--drain-timeout=" + options.drain_timeout};
+  if (!options.arena_size.empty()) argv.push_back("--arena-size=" + options.arena_size);
+  if (!options.chunk_size.empty()) argv.push_back("--chunk-size=" + options.chunk_size);
 
   if (options.open_permissions) {
     chmod(d->scratch_dir_.c_str(), 0755);

@@ -19,6 +19,7 @@ std::string BinDir();
 class DaemonProcess {
  public:
   struct Options {
+    // Empty: no flag (the config file or the default decides).
     std::string arena_size = "256MiB";
     std::string chunk_size = "64MiB";
     std::string metrics_address = "none";

@@ -1,14 +1,17 @@
 // Session lifeline, shutdown, and start-up refusals of the real daemon.
+#include <grp.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "daemon_process.h"
@@ -116,12 +119,29 @@ TEST(Lifecycle, SigtermDrainsUntilGroupsAreReleased) {
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
   // Still serving the group it holds, but refusing new work.
   EXPECT_TRUE(daemon->Status().draining());
+  // The refusals say why, without suggesting an undrain that cannot help.
   Result<client::Reservation> refused = client.Reserve(2, 4096);
   EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(refused.status().message().find("draining"), std::string::npos);
+  EXPECT_NE(refused.status().message().find("shutting down"), std::string::npos)
+      << refused.status().message();
+  EXPECT_EQ(refused.status().message().find("undrain"), std::string::npos)
+      << refused.status().message();
   auto late = client::Client::Attach(options);
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
-  EXPECT_NE(late.status().message().find("draining"), std::string::npos);
+  EXPECT_NE(late.status().message().find("shutting down"), std::string::npos)
+      << late.status().message();
+  EXPECT_EQ(late.status().message().find("undrain"), std::string::npos) << late.status().message();
+  // An operator's undrain cannot cancel the SIGTERM drain.
+  std::string out;
+  EXPECT_EQ(RunCapture({"/bin/sh", "-c",
+                        "exec '" + BinDir() + "/memoffloadctl' --runtime-dir '" +
+                            daemon->runtime_dir() + "' undrain 2>&1"},
+                       &out),
+            1)
+      << out;
+  EXPECT_NE(out.find("shutting down"), std::string::npos) << out;
+  EXPECT_TRUE(daemon->Status().draining());
+  EXPECT_EQ(client.Reserve(2, 4096).status().code(), StatusCode::kUnavailable);
   ASSERT_TRUE(client.Commit(1, 1 << 20).ok());
   ASSERT_TRUE(client.Prefetch(1).ok());
   ASSERT_TRUE(client.Release(1).ok());
@@ -131,6 +151,59 @@ TEST(Lifecycle, SigtermDrainsUntilGroupsAreReleased) {
   EXPECT_LT(Clock::now() - released, std::chrono::seconds(1));
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   EXPECT_NE(daemon->Log().find("drained: no groups held"), std::string::npos) << daemon->Log();
+}
+
+TEST(Lifecycle, SigtermDrainDeadlineWithGroupsHeldStillExitsZero) {
+  std::string error;
+  DaemonProcess::Options opts;
+  opts.drain_timeout = "1s";
+  auto daemon = DaemonProcess::Start(opts, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  client::AttachOptions options;
+  options.runtime_dir = daemon->runtime_dir();
+  auto c = client::Client::Attach(options);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE((*c)->Reserve(1, 1 << 20).ok());  // held through the whole drain
+  const auto start = Clock::now();
+  kill(daemon->pid(), SIGTERM);
+  int status = WaitFor(daemon->pid(), 10000);
+  const auto took = Clock::now() - start;
+  ASSERT_NE(status, -1) << daemon->Log();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << daemon->Log();
+  EXPECT_GE(took, std::chrono::milliseconds(900));
+  EXPECT_LT(took, std::chrono::milliseconds(2500));
+  EXPECT_NE(daemon->Log().find("drain deadline passed with 1.00 MiB still held by 1 sessions"),
+            std::string::npos)
+      << daemon->Log();
+}
+
+TEST(Lifecycle, SocketsAreMode0660AndOwnedByTheSocketGroup) {
+  // "daemon" (gid 1 on Debian) is a group root may hand the sockets to.
+  const group* daemon_group = getgrnam("daemon");
+  ASSERT_NE(daemon_group, nullptr) << "this test needs the 'daemon' group";
+  const gid_t gid = daemon_group->gr_gid;
+  ASSERT_NE(gid, getegid());  // else the chown would prove nothing
+  std::string error;
+  DaemonProcess::Options opts;
+  opts.extra_args = {"--socket-group=daemon"};
+  auto daemon = DaemonProcess::Start(opts, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  for (const char* name : {"/broker.sock", "/memoffload.sock"}) {
+    struct stat st;
+    ASSERT_EQ(stat((daemon->runtime_dir() + name).c_str(), &st), 0) << name;
+    EXPECT_TRUE(S_ISSOCK(st.st_mode)) << name;
+    EXPECT_EQ(st.st_mode & 07777, 0660u) << name << std::oct << " mode " << (st.st_mode & 07777);
+    EXPECT_EQ(st.st_gid, gid) << name;
+  }
+  // Without socket_group the daemon's own group keeps them, same mode.
+  auto plain = DaemonProcess::Start({}, &error);
+  ASSERT_NE(plain, nullptr) << error;
+  for (const char* name : {"/broker.sock", "/memoffload.sock"}) {
+    struct stat st;
+    ASSERT_EQ(stat((plain->runtime_dir() + name).c_str(), &st), 0) << name;
+    EXPECT_EQ(st.st_mode & 07777, 0660u) << name;
+    EXPECT_EQ(st.st_gid, getegid()) << name;
+  }
 }
 
 TEST(Lifecycle, SecondDaemonOnSameDirIsRefused) {
@@ -160,6 +233,38 @@ TEST(Lifecycle, UnusableRuntimeDirIsOneLineNamingThePath) {
   EXPECT_EQ(code, 1) << out;
   EXPECT_NE(out.find("cannot create runtime dir " + dir), std::string::npos) << out;
   EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
+}
+
+TEST(Lifecycle, UnwritableRuntimeDirIsOneLineNamingThePath) {
+  // As root every existing directory is writable (access(2) ignores the
+  // mode), so the unusable dir is one whose parent is a regular file.
+  char scratch[] = "/tmp/memoffload-rundir-XXXXXX";
+  ASSERT_NE(mkdtemp(scratch), nullptr);
+  const std::string file = std::string(scratch) + "/file";
+  { std::ofstream(file) << "not a directory\n"; }
+  const std::string dir = file + "/dir";
+  std::string out;
+  int code = RunCapture({"/bin/sh", "-c",
+                         BinDir() + "/memoffloadd --runtime-dir " + dir +
+                             " --arena-size 4MiB --metrics-address none 2>&1"},
+                        &out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find(dir), std::string::npos) << out;
+  EXPECT_EQ(std::count(out.begin(), out.end(), '\n'), 1) << out;
+  if (geteuid() != 0) {
+    // Not root: an existing directory without write permission.
+    const std::string locked = std::string(scratch) + "/locked";
+    ASSERT_EQ(mkdir(locked.c_str(), 0500), 0);
+    code = RunCapture({"/bin/sh", "-c",
+                       BinDir() + "/memoffloadd --runtime-dir " + locked +
+                           " --arena-size 4MiB --metrics-address none 2>&1"},
+                      &out);
+    EXPECT_EQ(code, 1) << out;
+    EXPECT_NE(out.find("runtime dir " + locked + " is not writable"), std::string::npos) << out;
+    rmdir(locked.c_str());
+  }
+  unlink(file.c_str());
+  rmdir(scratch);
 }
 
 TEST(Lifecycle, BadFlagsExitNonZeroWithOneLine) {
@@ -220,6 +325,36 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
       std::string::npos);  // One tenant, nothing changed hands: exported, and zero.
   EXPECT_NE(metrics.find("\nmemoffload_chunks_zeroed_total 0\n"), std::string::npos) << metrics;
   EXPECT_NE(metrics.find("\nmemoffload_chunk_zeroing_seconds_total 0\n"), std::string::npos);
+}
+
+// The value of the first sample line starting with `series` (-1 if none).
+double Sample(const std::string& metrics, const std::string& series) {
+  size_t at = metrics.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(metrics.substr(at + series.size() + 2));
+}
+
+TEST(Lifecycle, RefusedAttachIsCountedByReason) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.metrics_address = "127.0.0.1:0";
+  options.open_permissions = true;
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string addr = daemon->Status().metrics_address();
+  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  const std::string series = "memoffload_attach_refusals_total{reason=\"access_denied\"}";
+  const double before = Sample(HttpGet(port, "/metrics"), series);
+  EXPECT_EQ(before, 0) << HttpGet(port, "/metrics");
+  for (int i = 0; i < 2; ++i) {
+    std::string out;
+    EXPECT_EQ(
+        RunCapture({BinDir() + "/offload_worker", "attach-as", daemon->runtime_dir(), "65534"},
+                   &out),
+        1)
+        << out;
+  }
+  EXPECT_EQ(Sample(HttpGet(port, "/metrics"), series), before + 2);
 }
 
 }  // namespace

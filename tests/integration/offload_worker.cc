@@ -27,6 +27,10 @@
 //   offload_worker attach-as RUNTIME_DIR UID
 //     Drops to UID (and its gid), attaches, reserves and releases one page;
 //     prints "OK" or "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
+//   offload_worker job-as RUNTIME_DIR UID JOB BYTES JOB_MAX_BYTES
+//     Drops to UID, attaches as job JOB asking for a JOB_MAX_BYTES job limit
+//     (0: the default), asks for every chunk's fd and reserves BYTES. Prints
+//     "RESERVED <bytes> REFUSED <chunks> GOT <chunks>" or "ERR <CODE> <message>".
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
@@ -367,6 +371,36 @@ int AttachAs(const std::string& dir, uid_t uid) {
   return 0;
 }
 
+int JobAs(const std::string& dir, uid_t uid, const std::string& job, uint64_t bytes,
+          uint64_t job_max_bytes) {
+  if (!DropTo(uid)) return 1;
+  AttachOptions options;
+  options.runtime_dir = dir;
+  options.job_id = job;
+  options.job_max_bytes = job_max_bytes;
+  auto c = Client::Attach(options);
+  auto fail = [](const memoffload::Status& st) {
+    std::printf("ERR %s %s\n", memoffload::StatusCodeName(st.code()), st.message().c_str());
+    return 1;
+  };
+  if (!c.ok()) return fail(c.status());
+  std::string refused, got;
+  for (uint32_t chunk = 0; chunk < (*c)->chunk_count(); ++chunk) {
+    memoffload::Status st = (*c)->MapChunks({chunk});
+    if (st.code() == memoffload::StatusCode::kPermissionDenied) {
+      refused += (refused.empty() ? "" : ",") + std::to_string(chunk);
+    } else if (!st.ok()) {
+      return fail(st);
+    }
+  }
+  auto r = (*c)->Reserve(1, bytes);
+  if (!r.ok()) return fail(r.status());
+  for (const auto& e : r->extents) got += (got.empty() ? "" : ",") + std::to_string(e.chunk);
+  std::printf("RESERVED %lu REFUSED %s GOT %s\n", static_cast<unsigned long>(r->reserved_bytes),
+              refused.empty() ? "-" : refused.c_str(), got.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -384,6 +418,10 @@ int main(int argc, char** argv) {
     for (int i = 5; i < argc; ++i) groups.push_back(std::stoull(argv[i]));
     return ForgeProbe(argv[2], static_cast<uid_t>(std::stoul(argv[3])), std::stoull(argv[4]),
                       groups);
+  }
+  if (argc == 7 && std::strcmp(argv[1], "job-as") == 0) {
+    return JobAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])), argv[4], std::stoull(argv[5]),
+                 std::stoull(argv[6]));
   }
   if (argc == 4 && std::strcmp(argv[1], "attach-as") == 0) {
     return AttachAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])));

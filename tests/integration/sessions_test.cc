@@ -98,6 +98,66 @@ TEST(Quotas, SessionAndJobLimitsAndNodeReserveNameTheLimit) {
   EXPECT_EQ(daemon->Status().node_reserve_bytes(), 64 * kMiB);
 }
 
+TEST(Quotas, SameJobIdUnderAnotherUidIsAnotherJob) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534", "--job-max-bytes=64MiB"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto mine = Attach(*daemon, "shared");
+  ASSERT_TRUE(mine);
+  ASSERT_TRUE(mine->Reserve(1, 64 * kMiB).ok());  // my job's whole quota
+  // Another uid naming the same job id has its own 64 MiB.
+  std::string out;
+  int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(), "65534",
+                         "shared", std::to_string(32 * kMiB), "0"},
+                        &out);
+  EXPECT_EQ(code, 0) << out << daemon->Log();
+  EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
+  // Its small ask does not lower my job's limit: a hello asking for 4 KiB
+  // that another uid sends while I hold 64 MiB is its own job's affair.
+  code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(), "65534",
+                     "shared", "8192", "4096"},
+                    &out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(out.find("job limit: 8.00 KiB is more than the whole 4.00 KiB limit of job 'shared'"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(mine->Reserve(2, kMiB).status().code(), StatusCode::kResourceExhausted);
+  ASSERT_TRUE(mine->Release(1).ok());
+  EXPECT_TRUE(mine->Reserve(1, 64 * kMiB).ok());
+}
+
+TEST(Tenants, JobTenantsOfDifferentUidsDoNotShareChunks) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534", "--tenant=job"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto mine = Attach(*daemon, "shared");
+  ASSERT_TRUE(mine);
+  auto r = mine->Reserve(1, kMiB);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  const std::string my_chunk = std::to_string(r->extents[0].chunk);
+  std::string out;
+  int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(), "65534",
+                         "shared", std::to_string(kMiB), "0"},
+                        &out);
+  ASSERT_EQ(code, 0) << out << daemon->Log();
+  unsigned long reserved = 0;
+  char refused[256] = {0}, got[256] = {0};
+  ASSERT_EQ(
+      std::sscanf(out.c_str(), "RESERVED %lu REFUSED %255s GOT %255s", &reserved, refused, got), 3)
+      << out;
+  // The other uid's "shared" is another tenant: my chunk's fd is refused and
+  // its bytes land elsewhere.
+  EXPECT_NE(("," + std::string(refused) + ",").find("," + my_chunk + ","), std::string::npos)
+      << out;
+  EXPECT_EQ(("," + std::string(got) + ",").find("," + my_chunk + ","), std::string::npos) << out;
+}
+
 TEST(Quotas, WaitingReserveIsServedWhenAnotherSessionReleases) {
   std::string error;
   auto daemon = DaemonProcess::Start({}, &error);
@@ -192,6 +252,16 @@ std::string ConfigValue(const DaemonProcess& d, const std::string& key) {
   return "";
 }
 
+std::string ConfigSource(const DaemonProcess& d, const std::string& key) {
+  auto admin = client::AdminClient::Connect(d.runtime_dir());
+  auto config = (*admin)->GetConfig();
+  if (!config.ok()) return "";
+  for (const auto& e : config->entries()) {
+    if (e.key() == key) return e.source();
+  }
+  return "";
+}
+
 TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
   std::string error;
   DaemonProcess::Options options;
@@ -206,7 +276,11 @@ TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
   EXPECT_EQ(c->Reserve(1, 2 * kMiB).status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "1048576");
 
-  WriteFile(path, "[quotas]\nsession_max_bytes = \"4MiB\"\n");
+  // Settings that need a restart are logged as such and keep their value and
+  // source; access.tenant is one of them.
+  WriteFile(path,
+            "[server]\nlog_level = \"warn\"\n[access]\ntenant = \"job\"\n"
+            "[quotas]\nsession_max_bytes = \"4MiB\"\n");
   kill(daemon->pid(), SIGHUP);
   const auto start = Clock::now();
   while (ConfigValue(*daemon, "quotas.session_max_bytes") != "4194304" &&
@@ -214,6 +288,17 @@ TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "4194304");
+  EXPECT_EQ(ConfigSource(*daemon, "quotas.session_max_bytes"), "file");
+  EXPECT_EQ(ConfigValue(*daemon, "server.log_level"), "info");
+  EXPECT_EQ(ConfigSource(*daemon, "server.log_level"), "default");
+  EXPECT_EQ(ConfigValue(*daemon, "access.tenant"), "uid");
+  EXPECT_EQ(ConfigSource(*daemon, "access.tenant"), "default");
+  EXPECT_NE(daemon->Log().find("config access.tenant: uid -> job (takes effect at restart)"),
+            std::string::npos)
+      << daemon->Log();
+  EXPECT_NE(daemon->Log().find("config server.log_level: info -> warn (takes effect at restart)"),
+            std::string::npos)
+      << daemon->Log();
   // The new limit applies to the existing session too.
   EXPECT_TRUE(c->Reserve(1, 2 * kMiB).ok());
   auto fresh = Attach(*daemon);
@@ -234,6 +319,54 @@ TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
       << daemon->Log();
   EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "4194304");
   EXPECT_EQ(daemon->Status().sessions(), 2u);  // no session dropped
+  unlink(path.c_str());
+  rmdir(dir);
+}
+
+// Waits up to 5 s for `text` in the daemon's log.
+bool WaitForLog(const DaemonProcess& d, const std::string& text) {
+  const auto start = Clock::now();
+  while (d.Log().find(text) == std::string::npos) {
+    if (Clock::now() - start > std::chrono::seconds(5)) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
+TEST(Reload, NodeReserveIsCheckedAgainstTheRunningArena) {
+  std::string error;
+  DaemonProcess::Options options;
+  char dir[] = "/tmp/memoffload-reload-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string path = std::string(dir) + "/memoffloadd.toml";
+  WriteFile(path,
+            "[arena]\nsize = \"256MiB\"\nchunk_size = \"64MiB\"\n"
+            "[quotas]\nnode_reserve_bytes = \"64MiB\"\n");
+  options.arena_size = "";  // from the file, so a reload may name another size
+  options.chunk_size = "";
+  options.extra_args = {"--config=" + path};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  ASSERT_EQ(daemon->Status().capacity_bytes(), 256 * kMiB);
+  ASSERT_EQ(daemon->Status().node_reserve_bytes(), 64 * kMiB);
+
+  // Valid for the 1 GiB arena the file names, but the running arena is
+  // 256 MiB: the reserve would leave nothing (and wrapped the usable size).
+  WriteFile(path,
+            "[arena]\nsize = \"1GiB\"\nchunk_size = \"64MiB\"\n"
+            "[quotas]\nnode_reserve_bytes = \"512MiB\"\n");
+  kill(daemon->pid(), SIGHUP);
+  ASSERT_TRUE(WaitForLog(*daemon, "config reload rejected")) << daemon->Log();
+  EXPECT_NE(daemon->Log().find("quotas.node_reserve_bytes 512.00 MiB (536870912 bytes) leaves "
+                               "nothing of the running 256.00 MiB (268435456 bytes) arena"),
+            std::string::npos)
+      << daemon->Log();
+  EXPECT_EQ(daemon->Status().node_reserve_bytes(), 64 * kMiB);
+  EXPECT_EQ(ConfigValue(*daemon, "quotas.node_reserve_bytes"), "67108864");
+  // The old reserve still holds: 192 MiB usable.
+  auto c = Attach(*daemon);
+  EXPECT_EQ(c->Reserve(1, 200 * kMiB).status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(c->Reserve(1, 192 * kMiB).ok());
   unlink(path.c_str());
   rmdir(dir);
 }

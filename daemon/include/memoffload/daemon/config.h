@@ -23,6 +23,9 @@ namespace memoffload::daemon {
 
 inline constexpr const char kDefaultMetricsAddress[] = "127.0.0.1:9477";
 
+// Upper bound of quotas.max_wait (1 hour).
+inline constexpr uint64_t kMaxWaitLimitMs = 3600 * 1000;
+
 // Settings SIGHUP may change without a restart (access policy and quotas).
 struct Policy {
   std::vector<uint32_t> allowed_uids;  // besides the daemon's uid and root

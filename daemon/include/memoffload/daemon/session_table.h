@@ -18,6 +18,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -58,8 +59,9 @@ enum class RejectReason {
   kWaitTimeout,  // waited until the deadline
   kTooManyWaiters,
   kDraining,
+  kCancelled,  // the caller cancelled (or its deadline passed) while waiting
 };
-inline constexpr int kRejectReasonCount = 8;
+inline constexpr int kRejectReasonCount = 9;
 const char* RejectReasonName(RejectReason reason);
 
 struct SessionGrant {
@@ -102,6 +104,7 @@ struct ArenaSnapshot {
   uint64_t groups = 0;
   uint32_t waiting_reserves = 0;
   bool draining = false;
+  bool shutting_down = false;  // draining for SIGTERM: undrain is refused
   uint32_t owned_chunks = 0;   // chunks currently assigned to a tenant
   uint64_t zeroed_chunks = 0;  // chunks zeroed on a change of tenant, total
   double zeroing_seconds = 0;  // time spent zeroing them, total
@@ -113,7 +116,7 @@ struct ArenaSnapshot {
 // is zeroed before the new tenant gets it.
 enum class TenantMode {
   kUid,   // tenant = the peer's uid (default)
-  kJob,   // tenant = the hello's job id
+  kJob,   // tenant = the peer's uid and the hello's job id ("job:<uid>:<job_id>")
   kNone,  // one tenant: every session gets every chunk (trusted nodes)
 };
 Result<TenantMode> ParseTenantMode(const std::string& text);
@@ -154,17 +157,26 @@ class SessionTable {
   // (UNAUTHENTICATED), then the group and its state.
   //
   // Reserve checks, in order: the usable arena (capacity - node reserve),
-  // the session limit, the job limit, free space. Without wait_until a
-  // request that does not fit fails at once with RESOURCE_EXHAUSTED naming
-  // the limit and the shortfall. With wait_until it queues behind earlier
-  // waiting reserves (strict arrival order among waiters) until it fits or the
-  // time passes. While draining, Reserve is UNAVAILABLE. *reject (if non-null)
-  // is set to why a request was refused.
+  // the session limit, the job limit, free space. A request larger than the
+  // usable arena, its session limit or its job limit can never fit and fails
+  // at once, waiting or not. Otherwise, without wait_until, a request that
+  // does not fit fails at once with RESOURCE_EXHAUSTED naming the limit and
+  // the shortfall.
+  //
+  // With wait_until it waits until it fits or the time passes. Waiters are
+  // served in arrival order for arena capacity: a waiter whose own session
+  // or job quota allows it is "waiting for capacity", and no later request
+  // (waiting or not) is placed while an earlier one waits for capacity, so
+  // a stream of small requests cannot starve a large one. A waiter held back
+  // by its own quota waits without blocking anyone. `cancelled`, when set, is
+  // polled while waiting; once it returns true the waiter leaves with
+  // CANCELLED and nothing is reserved. While draining, Reserve is
+  // UNAVAILABLE. *reject (if non-null) is set to why a request was refused.
   Result<ReserveResult> Reserve(
       uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
       bool single_extent,
       std::optional<std::chrono::steady_clock::time_point> wait_until = std::nullopt,
-      RejectReason* reject = nullptr);
+      RejectReason* reject = nullptr, const std::function<bool()>& cancelled = nullptr);
 
   // extent_crc32c, when non-empty, must hold one checksum per kept extent; it
   // is stored and handed back by Prefetch (the daemon never reads the data).
@@ -178,8 +190,12 @@ class SessionTable {
   // Wakes waiting reserves.
   void SetPolicy(const Policy& policy);
   // Drain: new Reserves are UNAVAILABLE (waiting ones fail), existing groups
-  // may still be committed, prefetched and released.
-  void SetDraining(bool draining);
+  // may still be committed, prefetched and released. Undrain is
+  // FAILED_PRECONDITION once BeginShutdown was called.
+  Status SetDraining(bool draining);
+  // Drain for exit (SIGTERM): like SetDraining(true), for good; refusals say
+  // the daemon is shutting down.
+  void BeginShutdown();
   bool draining() const;
 
   ArenaSnapshot Snapshot() const;
@@ -201,6 +217,8 @@ class SessionTable {
 
     Clock::time_point committed_at;
   };
+  // A job is the hello's job id within one uid: another user naming the same
+  // job id is another job (its own quota, its own requested limit).
   struct Job {
     uint64_t held_bytes = 0;
     uint32_t sessions = 0;
@@ -210,6 +228,7 @@ class SessionTable {
     SessionGrant grant;
     Hello hello;
     std::string tenant;
+    std::string job_key;  // "<uid>:<job_id>", the key of jobs_
 
     PeerCredentials peer;
     Clock::time_point opened_at;
@@ -223,21 +242,41 @@ class SessionTable {
   // One attempt to place the group now. Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
                                    bool single_extent, RejectReason* reject);
+  // Whether the session's and its job's quotas allow `rounded` more bytes
+  // now; RESOURCE_EXHAUSTED naming the limit and the excess if not.
+  Status CheckQuotas(const Session& session, uint64_t rounded, RejectReason* reject) const;
+  // RESOURCE_EXHAUSTED when `rounded` exceeds a limit outright (can never fit).
+  Status CheckFitsAtAll(const Session& session, uint64_t rounded, RejectReason* reject) const;
+  // Bytes and count of the waiters queued before `ticket` (all waiters when
+  // ticket is 0) that wait for arena capacity, i.e. their quotas allow them.
+  void CapacityWaitersAhead(uint64_t ticket, uint64_t* bytes, size_t* count) const;
+  // RESOURCE_EXHAUSTED for a request queued behind capacity waiters, naming
+  // the arena and the shortfall. Requires mu_.
+  Status QueuedBehind(uint64_t rounded, uint64_t ahead_bytes, size_t ahead_count) const;
+  // capacity - node reserve, or 0 when the reserve covers the arena.
+  uint64_t UsableBytes() const;  // requires mu_
   // The session limit in force: min(policy, what its hello asked for).
   uint64_t SessionLimit(const Session& session) const;  // requires mu_
   // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
   uint64_t JobLimit(const Session& session) const;       // requires mu_
+  Job& JobOf(const Session& session);                    // requires mu_
   void AddStateBytes(GroupState state, int64_t delta);   // requires mu_
   void FreeExtents(const std::vector<Extent>& extents);  // requires mu_
 
   Arena* const arena_;
   mutable std::mutex mu_;
-  std::condition_variable space_freed_;        // signalled when bytes return or state changes
-  Policy policy_;                              // guarded by mu_
-  bool draining_ = false;                      // guarded by mu_
-  uint64_t next_ticket_ = 1;                   // guarded by mu_
-  std::deque<uint64_t> waiters_;               // guarded by mu_; arrival order
-  std::unordered_map<std::string, Job> jobs_;  // guarded by mu_
+  std::condition_variable space_freed_;  // signalled when bytes return or state changes
+  Policy policy_;                        // guarded by mu_
+  bool draining_ = false;                // guarded by mu_
+  bool shutting_down_ = false;           // guarded by mu_
+  uint64_t next_ticket_ = 1;             // guarded by mu_
+  struct Waiter {
+    uint64_t ticket = 0;
+    uint64_t session_id = 0;
+    uint64_t rounded = 0;
+  };
+  std::deque<Waiter> waiters_;                 // guarded by mu_; arrival order
+  std::unordered_map<std::string, Job> jobs_;  // guarded by mu_; by Session::job_key
 
   struct ChunkOwner {
     std::string tenant;             // "" while never used
