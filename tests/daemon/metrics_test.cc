@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "memoffload/shared_mem/units.h"
+#include "test_arena.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -19,14 +20,8 @@ namespace {
 class MetricsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ArenaOptions options;
-    options.size_bytes = 4 * kMiB;
-    options.chunk_size_bytes = kMiB;
-    options.mlock = false;
-    ArenaBuildReport report;
-    auto arena = Arena::Build(options, &report);
-    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
-    arena_ = std::move(arena).value();
+    arena_ = MakeTestArena();
+    ASSERT_NE(arena_, nullptr);
     table_ = std::make_unique<SessionTable>(arena_.get(), Policy{});
     metrics_ = std::make_unique<Metrics>(table_.get(), MetricsInfo{"test", 4, kMiB, false});
   }

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "memoffload/shared_mem/units.h"
+#include "test_arena.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -16,14 +17,8 @@ namespace {
 class SessionTableTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    ArenaOptions options;
-    options.size_bytes = 4 * kMiB;
-    options.chunk_size_bytes = kMiB;
-    options.mlock = false;
-    ArenaBuildReport report;
-    auto arena = Arena::Build(options, &report);
-    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
-    arena_ = std::move(arena).value();
+    arena_ = MakeTestArena();
+    ASSERT_NE(arena_, nullptr);
     table_ = std::make_unique<SessionTable>(arena_.get(), Policy{});
   }
   void TearDown() override { EXPECT_TRUE(table_->CheckInvariants().ok()); }

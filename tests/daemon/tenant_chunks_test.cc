@@ -10,6 +10,7 @@
 
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/units.h"
+#include "test_arena.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -18,14 +19,8 @@ class TenantChunks : public ::testing::Test {
  protected:
   // A 4 MiB arena of four 1 MiB chunks.
   void Make(TenantMode mode) {
-    ArenaOptions options;
-    options.size_bytes = 4 * kMiB;
-    options.chunk_size_bytes = kMiB;
-    options.mlock = false;
-    ArenaBuildReport report;
-    auto arena = Arena::Build(options, &report);
-    ASSERT_TRUE(arena.ok()) << arena.status().ToString();
-    arena_ = std::move(arena).value();
+    arena_ = MakeTestArena();
+    ASSERT_NE(arena_, nullptr);
     table_ = std::make_unique<SessionTable>(arena_.get(), Policy{}, mode);
   }
   void TearDown() override {
@@ -113,7 +108,12 @@ TEST_F(TenantChunks, JobModeSeparatesJobsOfOneUid) {
   ASSERT_EQ(a_chunks.size(), 1u);
   EXPECT_EQ(table_->GrantChunks(b.session_id, {*a_chunks.begin()}).code(),
             StatusCode::kPermissionDenied);
-  SessionGrant a2 = Open(2000, "job-a");  // same job from another uid: same tenant
+  // The tenant is job:<uid>:<job_id>: the same job id from another uid is
+  // another tenant, the same job from the same uid shares the chunks.
+  SessionGrant other_uid = Open(2000, "job-a");
+  EXPECT_EQ(table_->GrantChunks(other_uid.session_id, {*a_chunks.begin()}).code(),
+            StatusCode::kPermissionDenied);
+  SessionGrant a2 = Open(1000, "job-a");
   EXPECT_TRUE(table_->GrantChunks(a2.session_id, {*a_chunks.begin()}).ok());
 }
 

@@ -160,7 +160,7 @@ TEST_F(HealthTest, SigtermDrainIsNotReadyThenTheListenerCloses) {
   ASSERT_TRUE((*c)->Commit(1, 1 << 20).ok());
   ASSERT_TRUE((*c)->Prefetch(1).ok());
   ASSERT_TRUE((*c)->Release(1).ok());
-  const int status = WaitFor(daemon_->pid(), 5000);
+  const int status = daemon_->Wait(5000);
   ASSERT_NE(status, -1) << daemon_->Log();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << daemon_->Log();
   EXPECT_EQ(Connect(port_), -1) << "the health port still accepts after the daemon stopped";

@@ -166,7 +166,7 @@ TEST(Lifecycle, SigtermDrainDeadlineWithGroupsHeldStillExitsZero) {
   ASSERT_TRUE((*c)->Reserve(1, 1 << 20).ok());  // held through the whole drain
   const auto start = Clock::now();
   kill(daemon->pid(), SIGTERM);
-  int status = WaitFor(daemon->pid(), 10000);
+  int status = daemon->Wait(10000);
   const auto took = Clock::now() - start;
   ASSERT_NE(status, -1) << daemon->Log();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << daemon->Log();

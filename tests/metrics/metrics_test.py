@@ -196,6 +196,8 @@ def declared_families() -> dict:
         families[name] = kind.lower()
     for name in re.findall(r'GaugeFamily\(\s*"([^"]+)"', text):
         families[name] = "gauge"
+    for name in re.findall(r'CounterOf\(\s*"([^"]+)"', text):
+        families[name] = "counter"
     return families
 
 
