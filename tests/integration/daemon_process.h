@@ -86,6 +86,8 @@ int WaitFor(pid_t pid, int timeout_ms);
 // Runs a program to completion (up to timeout_ms); returns its exit code (or
 // -1 on timeout or signal) and its stdout in *out.
 int RunCapture(const std::vector<std::string>& argv, std::string* out, int timeout_ms = 20000);
+// A TCP socket connected to 127.0.0.1:port (the caller closes it), or -1.
+int ConnectLoopback(int port);
 
 }  // namespace memoffload::testing
 

@@ -36,20 +36,6 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-// A connected socket to 127.0.0.1:port, or -1.
-int Connect(int port) {
-  int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
 // Everything the server sends until it closes (or timeout_ms passes).
 std::string ReadAll(int fd, int timeout_ms = 5000) {
   std::string out;
@@ -67,7 +53,7 @@ std::string ReadAll(int fd, int timeout_ms = 5000) {
 
 // Sends `request` raw and returns the whole response ("" when refused).
 std::string Send(int port, const std::string& request) {
-  const int fd = Connect(port);
+  const int fd = ConnectLoopback(port);
   if (fd < 0) return "";
   if (!request.empty() && write(fd, request.data(), request.size()) < 0) {
     close(fd);
@@ -163,7 +149,7 @@ TEST_F(HealthTest, SigtermDrainIsNotReadyThenTheListenerCloses) {
   const int status = daemon_->Wait(5000);
   ASSERT_NE(status, -1) << daemon_->Log();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << daemon_->Log();
-  EXPECT_EQ(Connect(port_), -1) << "the health port still accepts after the daemon stopped";
+  EXPECT_EQ(ConnectLoopback(port_), -1) << "the health port still accepts after the daemon stopped";
 }
 
 TEST_F(HealthTest, MalformedRequestsGet400AndTheDaemonKeepsServing) {
@@ -194,7 +180,7 @@ TEST_F(HealthTest, MalformedRequestsGet400AndTheDaemonKeepsServing) {
 TEST_F(HealthTest, StalledAndFloodingClientsCannotHangTheDaemon) {
   StartDaemon();
   // Half a request, then silence: closed after the request timeout (2 s).
-  const int stalled = Connect(port_);
+  const int stalled = ConnectLoopback(port_);
   ASSERT_GE(stalled, 0);
   ASSERT_EQ(write(stalled, "GET /rea", 8), 8);
   const auto start = Clock::now();
@@ -205,7 +191,7 @@ TEST_F(HealthTest, StalledAndFloodingClientsCannotHangTheDaemon) {
   // More idle connections than the server keeps: probes, the broker and
   // gRPC are still answered at once.
   std::vector<int> idle;
-  for (int i = 0; i < 100; ++i) idle.push_back(Connect(port_));
+  for (int i = 0; i < 100; ++i) idle.push_back(ConnectLoopback(port_));
   ExpectServing();
   EXPECT_GT(daemon_->Status().capacity_bytes(), 0u);
   client::AttachOptions options;
@@ -213,7 +199,7 @@ TEST_F(HealthTest, StalledAndFloodingClientsCannotHangTheDaemon) {
   EXPECT_TRUE(client::Client::Attach(options).ok());
   // A client that vanishes mid-request.
   for (int i = 0; i < 20; ++i) {
-    const int fd = Connect(port_);
+    const int fd = ConnectLoopback(port_);
     ASSERT_GE(fd, 0);
     ASSERT_EQ(write(fd, "GET /readyz HTT", 15), 15);
     close(fd);
