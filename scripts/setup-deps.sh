@@ -6,12 +6,13 @@ set -euo pipefail
 
 # Build and runtime libraries of the daemon, client and tools.
 DEPS_BUILD=(
-  build-essential cmake pkg-config git
+  build-essential cmake pkg-config git ccache ninja-build
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libboost-dev libsystemd-dev libtomlplusplus-dev
 )
-# Torch integration (LibTorch extension and the Python package).
-DEPS_TORCH=(libtorch-dev python3-torch python3-dev python3-pytest pybind11-dev)
+# Headers for the Python extension. Torch itself, pytest and transformers come
+# from PyPI into the project's virtual environment (scripts/venv.sh).
+DEPS_TORCH=(python3-dev pybind11-dev)
 # Tests and benchmarks.
 DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
   yamllint systemd strace python3-yaml
