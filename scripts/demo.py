@@ -16,12 +16,10 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client", "python"))
+import torch
+from torch import nn
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import memoffload.torch as mot  # noqa: E402
+import memoffload.torch as mot  # installed by scripts/venv.sh (pip install ./client/python)
 
 
 def mib(n: int) -> str:

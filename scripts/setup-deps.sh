@@ -6,7 +6,7 @@ set -euo pipefail
 
 # Build and runtime libraries of the daemon, client and tools.
 DEPS_BUILD=(
-  build-essential cmake pkg-config git ccache ninja-build
+  build-essential cmake pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   prometheus-cpp-dev libboost-dev libsystemd-dev libtomlplusplus-dev
 )
@@ -14,7 +14,7 @@ DEPS_BUILD=(
 # from PyPI into the project's virtual environment (scripts/venv.sh).
 DEPS_TORCH=(python3-dev pybind11-dev)
 # Tests and benchmarks.
-DEPS_TEST=(googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
+DEPS_TEST=(ccache ninja-build googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
   yamllint systemd strace python3-yaml
   clang-14 libclang-rt-14-dev)
 

@@ -9,7 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "memoffload/v1/memoffload.pb.h"
+// Declared only: the torch tests include this header next to torch's own
+// protobuf headers, so the generated ones are included where Status() is used.
+namespace memoffload::v1 {
+class GetStatusResponse;
+}  // namespace memoffload::v1
 
 namespace memoffload::testing {
 

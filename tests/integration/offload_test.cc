@@ -3,6 +3,7 @@
 #include <sys/wait.h>
 
 #include "daemon_process.h"
+#include "memoffload/v1/memoffload.pb.h"
 
 namespace memoffload::testing {
 namespace {
