@@ -26,6 +26,11 @@ JOBS=${JOBS:-2}
 export CC=${CC:-clang-14} CXX=${CXX:-clang++-14}
 GENERATOR=()
 if command -v ninja >/dev/null; then GENERATOR=(-G Ninja); fi
+# ccache keeps a second run (a fresh clone on the same machine) cheap.
+if command -v ccache >/dev/null; then
+  export CCACHE_BASEDIR=$ROOT
+  GENERATOR+=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+fi
 
 status=0
 fail() {

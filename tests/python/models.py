@@ -30,7 +30,7 @@ class DecoderBlock(nn.Module):
         k = k.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         v = v.view(b, t, self.heads, d // self.heads).transpose(1, 2)
         scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
         scores = scores.masked_fill(mask, float("-inf"))
         att = scores.softmax(dim=-1) @ v
         x = x + self.proj(att.transpose(1, 2).reshape(b, t, d))
