@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
+#include <future>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -76,6 +79,22 @@ TEST(TorchWorker, AThrowingTaskIsDroppedAndLaterTasksStillRun) {
   w.Post([&after] { after = true; });
   w.Flush();
   EXPECT_TRUE(after);
+  EXPECT_EQ(w.thrown(), 1u);
+}
+
+// A task that owes a promise and throws must not leave its waiter hanging:
+// its on_throw delivers an answer (what the offloader's Prefetch does).
+TEST(TorchWorker, AThrowingTaskThatOwesAPromiseDeliversItThroughOnThrow) {
+  Worker w;
+  std::promise<std::string> owed;
+  std::future<std::string> answer = owed.get_future();
+  w.Post([] { throw std::runtime_error("prefetch exploded"); },
+         [&owed](const char* what) { owed.set_value(what); });
+  ASSERT_EQ(answer.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_EQ(answer.get(), "prefetch exploded");
+  w.Post([] { throw 42; }, [](const char* what) { EXPECT_STREQ(what, "unknown exception"); });
+  w.Flush();
+  EXPECT_EQ(w.thrown(), 2u);
 }
 
 }  // namespace

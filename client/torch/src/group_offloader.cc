@@ -311,7 +311,17 @@ class GroupOffloader::Impl {
   void IssuePrefetchLocked(const std::shared_ptr<Group>& g) {
     if (g->prefetch_issued) return;
     g->prefetch_issued = true;
-    worker_.Post([this, g] { transfer_.Prefetch(*g); });
+    // Prefetch owes the group's prefetch promise: if it throws, the unpack
+    // waiting on it gets an error instead of hanging.
+    worker_.Post([this, g] { transfer_.Prefetch(*g); },
+                 [g](const char* what) {
+                   try {
+                     g->prefetch_promise.set_value(
+                         Status(StatusCode::kInternal, std::string("prefetch failed: ") + what));
+                   } catch (const std::future_error&) {
+                     // Already set before the throw: the waiter has its answer.
+                   }
+                 });
   }
 
   void MarkUnpacked(const std::shared_ptr<Group>& g, int64_t index) {

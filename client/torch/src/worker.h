@@ -4,8 +4,12 @@
 #ifndef MEMOFFLOAD_TORCH_SRC_WORKER_H_
 #define MEMOFFLOAD_TORCH_SRC_WORKER_H_
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
+#include <cstdio>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
@@ -28,14 +32,23 @@ class Worker {
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
 
-  // Tasks must not throw; the worker catches and drops anything that does.
-  void Post(std::function<void()> task) {
+  // Called with what a task threw. A task that owes someone a result (a
+  // promise) posts with an on_throw that delivers it, so a throwing task
+  // never leaves a waiter hanging.
+  using OnThrow = std::function<void(const char* what)>;
+
+  // Tasks should not throw. One that does is counted (thrown()), logged once
+  // on stderr, and its on_throw runs on the worker thread.
+  void Post(std::function<void()> task, OnThrow on_throw = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      tasks_.push_back(std::move(task));
+      tasks_.push_back(Task{std::move(task), std::move(on_throw)});
     }
     cv_.notify_one();
   }
+
+  // Tasks that threw so far.
+  uint64_t thrown() const { return thrown_.load(std::memory_order_relaxed); }
 
   // Returns once every task posted before the call has run.
   void Flush() {
@@ -46,9 +59,14 @@ class Worker {
   }
 
  private:
+  struct Task {
+    std::function<void()> run;
+    OnThrow on_throw;
+  };
+
   void Run() {
     for (;;) {
-      std::function<void()> task;
+      Task task;
       {
         std::unique_lock<std::mutex> lock(mu_);
         cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
@@ -57,17 +75,29 @@ class Worker {
         tasks_.pop_front();
       }
       try {
-        task();
+        task.run();
+      } catch (const std::exception& e) {
+        Thrown(task, e.what());
       } catch (...) {
+        Thrown(task, "unknown exception");
       }
     }
   }
 
+  void Thrown(const Task& task, const char* what) {
+    if (thrown_.fetch_add(1, std::memory_order_relaxed) == 0) {
+      std::fprintf(stderr, "memoffload: a worker task threw (%s); this is a bug (logged once)\n",
+                   what);
+    }
+    if (task.on_throw) task.on_throw(what);
+  }
+
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> tasks_;  // GUARDED_BY(mu_)
-  bool stopping_ = false;                    // GUARDED_BY(mu_)
-  std::thread thread_;                       // last: starts after the members above
+  std::atomic<uint64_t> thrown_{0};
+  std::deque<Task> tasks_;  // GUARDED_BY(mu_)
+  bool stopping_ = false;   // GUARDED_BY(mu_)
+  std::thread thread_;      // last: starts after the members above
 };
 
 }  // namespace memoffload::torch
