@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -51,6 +52,26 @@ std::vector<Extent> FromProto(const google::protobuf::RepeatedPtrField<v1::Exten
   out.reserve(in.size());
   for (const v1::Extent& e : in) out.push_back({e.chunk(), e.offset(), e.length()});
   return out;
+}
+
+// One line on stderr when this process first attaches, and when the daemon
+// it attaches to is another instance than last time (it restarted).
+void LogInstance(uint64_t instance_id, uint64_t session_id) {
+  static std::atomic<uint64_t> last{0};
+  const uint64_t before = last.exchange(instance_id);
+  if (before == instance_id) return;
+  if (before == 0) {
+    std::fprintf(stderr, "memoffload: session %llu on memoffloadd instance %016llx\n",
+                 static_cast<unsigned long long>(session_id),
+                 static_cast<unsigned long long>(instance_id));
+  } else {
+    std::fprintf(stderr,
+                 "memoffload: session %llu on memoffloadd instance %016llx (was %016llx: the "
+                 "daemon restarted)\n",
+                 static_cast<unsigned long long>(session_id),
+                 static_cast<unsigned long long>(instance_id),
+                 static_cast<unsigned long long>(before));
+  }
 }
 
 }  // namespace
@@ -118,16 +139,28 @@ class Client::Impl {
   std::vector<Chunk> chunks;                       // guarded by map_mu
   std::unique_ptr<std::atomic<uint8_t*>[]> bases;  // indexed by chunk
 
-  // Maps received fds (taking ownership of all of them). Requires map_mu.
-  Status MapReceived(const std::vector<uint32_t>& indexes, std::vector<int>* fds) {
+  // Generation of each mapped chunk's backing (0: not mapped). Guarded by map_mu.
+  std::vector<uint64_t> generations;
+
+  // Maps received fds (taking ownership of all of them). Requires map_mu. A
+  // chunk this session already maps keeps its mapping only when the daemon
+  // names the same generation: a backing handed to a live session is never
+  // replaced, so another generation is a daemon bug (INTERNAL).
+  Status MapReceived(const std::vector<uint32_t>& indexes,
+                     const std::vector<uint64_t>& generations_received, std::vector<int>* fds) {
     Status result;
     for (size_t i = 0; i < fds->size(); ++i) {
       const int fd = (*fds)[i];
       const uint32_t index = i < indexes.size() ? indexes[i] : UINT32_MAX;
+      const uint64_t generation = i < generations_received.size() ? generations_received[i] : 0;
       if (!result.ok() || index >= reply.chunks.size() || chunks[index].valid()) {
         close(fd);
         if (result.ok() && index >= reply.chunks.size()) {
           result = Internal("daemon sent chunk index " + std::to_string(index) + " out of range");
+        } else if (result.ok() && generations[index] != generation) {
+          result = Internal("daemon sent chunk " + std::to_string(index) + " generation " +
+                            std::to_string(generation) + " while this session maps generation " +
+                            std::to_string(generations[index]));
         }
         continue;
       }
@@ -137,6 +170,7 @@ class Client::Impl {
         continue;
       }
       chunks[index] = std::move(chunk).value();
+      generations[index] = generation;
       bases[index].store(chunks[index].data(), std::memory_order_release);
     }
     fds->clear();
@@ -192,7 +226,7 @@ class Client::Impl {
       return Internal("chunk reply lists " + std::to_string(chunk_reply->chunk_indexes.size()) +
                       " chunks but carries " + std::to_string(fds.size()) + " fds");
     }
-    return MapReceived(chunk_reply->chunk_indexes, &fds);
+    return MapReceived(chunk_reply->chunk_indexes, chunk_reply->generations, &fds);
   }
 
   static std::vector<uint32_t> ChunksOf(const std::vector<Extent>& extents) {
@@ -298,6 +332,8 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   impl->populate = options.populate;
   impl->checksums = options.checksums;
   impl->chunks.resize(impl->reply.chunks.size());
+  impl->generations.assign(impl->reply.chunks.size(), 0);
+  LogInstance(impl->reply.instance_id, impl->reply.session_id);
   impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
   impl->first_block.reserve(impl->reply.chunks.size());
   uint64_t blocks = 0;
@@ -319,7 +355,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
       CloseFds(&fds);
       return Internal("attach: malformed chunk fd batch from the daemon");
     }
-    MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, &fds));
+    MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, batch->generations, &fds));
   }
   impl->grpc_socket = impl->reply.grpc_socket;
   impl->stub = v1::Offload::NewStub(MakeChannel(impl->grpc_socket));
@@ -478,6 +514,11 @@ Status Client::MapChunks(const std::vector<uint32_t>& chunks) {
   return impl_->EnsureMapped(chunks);
 }
 uint64_t Client::session_id() const { return impl_->reply.session_id; }
+uint64_t Client::instance_id() const { return impl_->reply.instance_id; }
+uint64_t Client::chunk_generation(uint32_t chunk) const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  return chunk < impl_->generations.size() ? impl_->generations[chunk] : 0;
+}
 uint64_t Client::page_bytes() const { return impl_->reply.page_bytes; }
 uint64_t Client::session_limit_bytes() const { return impl_->reply.session_limit_bytes; }
 uint32_t Client::chunk_count() const { return static_cast<uint32_t>(impl_->reply.chunks.size()); }

@@ -117,6 +117,11 @@ class Client {
   Status MapChunks(const std::vector<uint32_t>& chunks);
 
   uint64_t session_id() const;
+  // The daemon instance this session is on (random per daemon start).
+  uint64_t instance_id() const;
+  // Generation of the backing this process maps for `chunk`, 0 if unmapped.
+  // A chunk that changes tenant gets a new backing (a new generation).
+  uint64_t chunk_generation(uint32_t chunk) const;
   uint64_t page_bytes() const;
   uint64_t session_limit_bytes() const;
   uint32_t chunk_count() const;
