@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configures (once) and builds memoffload into build/ (Release by default).
-# Usage: scripts/build.sh [extra cmake -D options]; BUILD_DIR overrides build/.
+# Usage: scripts/build.sh [extra cmake -D options]; BUILD_DIR overrides build/,
+# BUILD_TARGETS="a b" builds only those targets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${BUILD_DIR:-build}
@@ -17,4 +18,6 @@ if [[ ! -f "$BUILD_DIR/CMakeCache.txt" || $# -gt 0 ]]; then
   cmake -S . -B "$BUILD_DIR" "${generator[@]}" "${launcher[@]}" \
     -DCMAKE_BUILD_TYPE="${BUILD_TYPE:-Release}" "$@" >/dev/null
 fi
-cmake --build "$BUILD_DIR" -j "$jobs"
+targets=()
+if [[ -n "${BUILD_TARGETS:-}" ]]; then read -ra targets <<<"--target $BUILD_TARGETS"; fi
+cmake --build "$BUILD_DIR" -j "$jobs" "${targets[@]}"

@@ -3,11 +3,11 @@
 # in a private runtime dir, trains a small Transformer on CPU with offload
 # through it (scripts/demo.py), then stops the daemon. Expects a built tree:
 # $MEMOFFLOAD_BIN_DIR (default build/bin) and $MEMOFFLOAD_PYTHON (default
-# Debian's /usr/bin/python3, the interpreter the extension was built for).
+# .venv/bin/python, where scripts/venv.sh installed torch and memoffload).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin=${MEMOFFLOAD_BIN_DIR:-build/bin}
-python=${MEMOFFLOAD_PYTHON:-/usr/bin/python3}
+python=${MEMOFFLOAD_PYTHON:-.venv/bin/python}
 dir=$(mktemp -d /tmp/memoffload-demo-XXXXXX)
 log="$dir/memoffloadd.log"
 "$bin/memoffloadd" --runtime-dir "$dir/run" --metrics-address none >"$log" 2>&1 &
@@ -28,4 +28,4 @@ for _ in $(seq 1 300); do
   sleep 0.1
 done
 grep -E "arena ready|listening" "$log" | sed 's/^/  /'
-PYTHONPATH="$PWD/client/python" "$python" scripts/demo.py --runtime-dir "$dir/run" "$@"
+"$python" scripts/demo.py --runtime-dir "$dir/run" "$@"

@@ -7,11 +7,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-deps.sh
-scripts/build.sh >/dev/null
+BUILD_TARGETS="memoffloadd memoffloadctl" scripts/build.sh >/dev/null
 echo "run.sh: built build/bin/memoffloadd"
 
 if [[ "${1:-}" == "--demo" ]]; then
   shift
+  # The trainer side: .venv with torch and the memoffload package (pip).
+  MEMOFFLOAD_PYTHON=$(scripts/venv.sh | tail -n 1)
+  export MEMOFFLOAD_PYTHON
   exec scripts/demo.sh "$@"
 fi
 exec build/bin/memoffloadd "$@"

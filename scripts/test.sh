@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test suite. Exits non-zero
 # on any failure. Extra arguments go to ctest (e.g. -L unit, -R integration).
+# The Python suites run in the project's virtual environment (.venv, made by
+# scripts/venv.sh: torch 2.13.0 CPU, pytest, transformers, and this client
+# installed with pip, as a user installs it).
 # First scripts/sanitize.sh (ASan+UBSan, fuzzers, TSan; SANITIZE=0 skips it),
 # then every suite of the normal build through CTest, whose summary closes
 # the output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup-deps.sh
-scripts/build.sh
+python=$(scripts/venv.sh | tail -n 1)
+scripts/build.sh -DMEMOFFLOAD_BUILD_TORCH=ON -DMEMOFFLOAD_PYTHON="$python"
 export MEMOFFLOAD_BIN_DIR="$PWD/build/bin"
 
 sanitize_status=0

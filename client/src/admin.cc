@@ -1,4 +1,5 @@
 #include "memoffload/client/admin.h"
+#include "memoffload/client/daemon_status.h"
 
 #include <fstream>
 
@@ -86,5 +87,32 @@ Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
 }
 
 const std::string& AdminClient::socket_path() const { return impl_->socket_path; }
+
+}  // namespace memoffload::client
+
+namespace memoffload::client {
+
+Result<DaemonStatus> QueryDaemonStatus(const std::string& runtime_dir, int timeout_ms) {
+  Result<std::unique_ptr<AdminClient>> admin = AdminClient::Connect(runtime_dir, timeout_ms);
+  if (!admin.ok()) return admin.status();
+  Result<v1::GetStatusResponse> r = (*admin)->GetStatus();
+  if (!r.ok()) return r.status();
+  DaemonStatus s;
+  s.version = r->version();
+  s.runtime_dir = r->runtime_dir();
+  s.capacity_bytes = r->capacity_bytes();
+  s.used_bytes = r->used_bytes();
+  s.free_bytes = r->free_bytes();
+  s.reserved_bytes = r->reserved_bytes();
+  s.committed_bytes = r->committed_bytes();
+  s.read_bytes = r->read_bytes();
+  s.largest_free_extent_bytes = r->largest_free_extent_bytes();
+  s.chunks = r->chunks();
+  s.chunk_size_bytes = r->chunk_size_bytes();
+  s.sessions = r->sessions();
+  s.groups = r->groups();
+  s.draining = r->draining();
+  return s;
+}
 
 }  // namespace memoffload::client

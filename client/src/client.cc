@@ -586,6 +586,9 @@ uint64_t Client::chunk_generation(uint32_t chunk) const {
 uint64_t Client::page_bytes() const { return impl_->reply.page_bytes; }
 uint64_t Client::session_limit_bytes() const { return impl_->reply.session_limit_bytes; }
 uint32_t Client::chunk_count() const { return static_cast<uint32_t>(impl_->reply.chunks.size()); }
+uint64_t Client::chunk_size_bytes(uint32_t chunk) const {
+  return chunk < impl_->reply.chunks.size() ? impl_->reply.chunks[chunk].size_bytes : 0;
+}
 const std::string& Client::runtime_dir() const { return impl_->runtime_dir; }
 
 }  // namespace memoffload::client

@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "memoffload/client/admin.h"
+#include "memoffload/client/daemon_status.h"
 #include "memoffload/torch/group_offloader.h"
 
 namespace py = pybind11;
@@ -58,27 +58,26 @@ py::dict StatsDict(const OffloaderStats& s) {
 }
 
 py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
-  memoffload::v1::GetStatusResponse r;
+  memoffload::client::DaemonStatus r;
   {
     py::gil_scoped_release release;
-    auto admin = Take(memoffload::client::AdminClient::Connect(runtime_dir, timeout_ms));
-    r = Take(admin->GetStatus());
+    r = Take(memoffload::client::QueryDaemonStatus(runtime_dir, timeout_ms));
   }
   py::dict d;
-  d["version"] = r.version();
-  d["runtime_dir"] = r.runtime_dir();
-  d["capacity_bytes"] = r.capacity_bytes();
-  d["used_bytes"] = r.used_bytes();
-  d["free_bytes"] = r.free_bytes();
-  d["reserved_bytes"] = r.reserved_bytes();
-  d["committed_bytes"] = r.committed_bytes();
-  d["read_bytes"] = r.read_bytes();
-  d["largest_free_extent_bytes"] = r.largest_free_extent_bytes();
-  d["chunks"] = r.chunks();
-  d["chunk_size_bytes"] = r.chunk_size_bytes();
-  d["sessions"] = r.sessions();
-  d["groups"] = r.groups();
-  d["draining"] = r.draining();
+  d["version"] = r.version;
+  d["runtime_dir"] = r.runtime_dir;
+  d["capacity_bytes"] = r.capacity_bytes;
+  d["used_bytes"] = r.used_bytes;
+  d["free_bytes"] = r.free_bytes;
+  d["reserved_bytes"] = r.reserved_bytes;
+  d["committed_bytes"] = r.committed_bytes;
+  d["read_bytes"] = r.read_bytes;
+  d["largest_free_extent_bytes"] = r.largest_free_extent_bytes;
+  d["chunks"] = r.chunks;
+  d["chunk_size_bytes"] = r.chunk_size_bytes;
+  d["sessions"] = r.sessions;
+  d["groups"] = r.groups;
+  d["draining"] = r.draining;
   return d;
 }
 
@@ -86,6 +85,9 @@ py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "memoffload native part: group offloader over the memoffloadd arena";
+  // The torch this extension was compiled against (memoffload.torch checks
+  // it against the torch it runs with).
+  m.attr("built_torch_version") = MEMOFFLOAD_BUILT_TORCH_VERSION;
 
   py::class_<GroupOffloader, std::shared_ptr<GroupOffloader>>(m, "GroupOffloader")
       .def(py::init([](const std::string& runtime_dir, const std::string& job_id, int rank,

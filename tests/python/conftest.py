@@ -19,7 +19,6 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "client" / "python"))
 
 import memoffload.torch as mot  # noqa: E402
 

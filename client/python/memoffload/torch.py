@@ -34,7 +34,37 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
-from . import _C
+_MIN_TORCH = (2, 1)
+_TESTED_TORCH = "2.13.0"
+
+
+def _torch_release(version: str) -> tuple:
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+if _torch_release(torch.__version__) < _MIN_TORCH:
+    raise ImportError(
+        f"memoffload needs torch >= {_MIN_TORCH[0]}.{_MIN_TORCH[1]} ({_TESTED_TORCH} is tested); "
+        f"found torch {torch.__version__} at {os.path.dirname(torch.__file__)}"
+    )
+try:
+    from . import _C
+except ImportError as exc:  # built against another torch, or not built at all
+    raise ImportError(
+        f"memoffload's native part (memoffload._C) does not load with torch {torch.__version__}: "
+        f"{exc}. Reinstall it against this torch: "
+        "pip install --no-build-isolation --force-reinstall <memoffload>/client/python"
+    ) from exc
+if _C.built_torch_version != torch.__version__.split("+")[0]:
+    raise ImportError(
+        f"memoffload._C was built against torch {_C.built_torch_version}, but torch "
+        f"{torch.__version__} is imported: reinstall it against this torch "
+        "(pip install --no-build-isolation --force-reinstall <memoffload>/client/python)"
+    )
 
 __all__ = [
     "OffloadHandle",

@@ -55,7 +55,7 @@ Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, Read
   } catch (const std::exception& ex) {
     return Internal(std::string("allocating a restored storage failed: ") + ex.what());
   }
-  uint8_t* dst = static_cast<uint8_t*>(out.data());
+  uint8_t* dst = static_cast<uint8_t*>(out.mutable_data());
   Status st = ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
                            [&](uint8_t* src, uint64_t done, uint64_t n) {
                              return s.engine->CopyIn(s.device, src, dst + done, n);
@@ -91,10 +91,12 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   g.client = c;
   g.write_extents = r->extents;
   g.reserved_bytes = r->reserved_bytes;
-  const uint64_t chunk_bytes = session_->chunk_bytes();
-  if (cuda_engine_ && chunk_bytes > 0) {
+  if (cuda_engine_) {
+    // Each chunk at its own size from the attach reply (the last one may be
+    // smaller), so every chunk a group lands in gets registered.
     for (const Extent& e : g.write_extents) {
-      uint8_t* base = c->Address(Extent{e.chunk, 0, chunk_bytes});
+      const uint64_t chunk_bytes = c->chunk_size_bytes(e.chunk);
+      uint8_t* base = chunk_bytes > 0 ? c->Address(Extent{e.chunk, 0, chunk_bytes}) : nullptr;
       if (base != nullptr) cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
     }
   }

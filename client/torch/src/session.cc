@@ -4,7 +4,6 @@
 #include <string>
 #include <utility>
 
-#include "memoffload/client/admin.h"
 
 namespace memoffload::torch {
 
@@ -47,15 +46,6 @@ std::shared_ptr<Client> Session::Ensure(bool force) {
     delete c;
   });
   broken_ = false;
-  chunk_bytes_ = 0;
-  if (pinning_engine_ != nullptr) {
-    Result<std::unique_ptr<client::AdminClient>> admin =
-        client::AdminClient::Connect(client_->runtime_dir(), options_.rpc_timeout_ms);
-    if (admin.ok()) {
-      Result<v1::GetStatusResponse> status = (*admin)->GetStatus();
-      if (status.ok()) chunk_bytes_ = status->chunk_size_bytes();
-    }
-  }
   stats_->Count([reconnect](OffloaderStats& s) {
     s.connected = true;
     if (reconnect) ++s.reconnects;

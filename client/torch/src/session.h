@@ -45,8 +45,6 @@ class Session {
     return c == client_ && !broken_;
   }
 
-  // The daemon's chunk size, 0 when unknown or not queried.
-  uint64_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -59,7 +57,6 @@ class Session {
   bool broken_ = false;
   bool attempted_ = false;
   Clock::time_point last_attempt_;
-  uint64_t chunk_bytes_ = 0;
   std::set<int> logged_codes_;
 };
 

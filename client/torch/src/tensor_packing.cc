@@ -1,6 +1,7 @@
 #include "tensor_packing.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <exception>
 #include <sstream>

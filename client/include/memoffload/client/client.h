@@ -134,6 +134,9 @@ class Client {
   uint64_t page_bytes() const;
   uint64_t session_limit_bytes() const;
   uint32_t chunk_count() const;
+  // Size of `chunk` as the attach reply gave it (the last chunk may be
+  // smaller than the others); 0 for an unknown chunk.
+  uint64_t chunk_size_bytes(uint32_t chunk) const;
   const std::string& runtime_dir() const;
 
  private:
