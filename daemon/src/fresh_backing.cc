@@ -150,13 +150,15 @@ FreshBackingStats FreshBacking::ScanNow() {
 void FreshBacking::Scan() {
   std::lock_guard<std::mutex> scan_lock(scan_mu_);
   std::unordered_set<ino_t> wanted;
+  std::vector<std::shared_ptr<Chunk>> drop;
   {
     std::lock_guard<std::mutex> lock(mu_);
     // The daemon's own references go first: a backing is stale only when
     // someone else keeps it.
-    to_drop_.clear();
+    drop.swap(to_drop_);
     for (const Retired& r : retired_) wanted.insert(r.inode);
   }
+  drop.clear();  // munmap + close without mu_ (Take waits for it under the table lock)
   if (wanted.empty()) return;
   const std::unordered_set<ino_t> held = HeldInodes(wanted);
   std::lock_guard<std::mutex> lock(mu_);
