@@ -25,7 +25,7 @@ const Subcommand kSubcommands[] = {
      memoffload::bench::RunLoadBench},
     {"crc", "CRC32C integrity check cost vs memcpy of the same bytes",
      memoffload::bench::RunCrcBench},
-    {"zeroing", "zeroing a chunk on a change of tenant vs memset of the same size",
+    {"zeroing", "a chunk changing tenant (fresh backing) vs memset of the same size",
      memoffload::bench::RunZeroingBench},
 
 };

@@ -89,6 +89,14 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
   row("largest free extent", FormatSize(s->largest_free_extent_bytes()));
   row("chunks", std::to_string(s->chunks()) + " x " + FormatSize(s->chunk_size_bytes()));
   row("mlocked", s->mlocked() ? "yes" : "no");
+  row("stale backings", std::to_string(s->stale_backings()) + " (" + FormatSize(s->stale_bytes()) +
+                            " still kept by processes of a previous tenant, outside capacity)");
+  row("fresh backings", std::to_string(s->replaced_backings()) + " replaced, " +
+                            std::to_string(s->spare_backings()) + " spare ready");
+  char instance[32];
+  std::snprintf(instance, sizeof(instance), "%016llx",
+                static_cast<unsigned long long>(s->instance_id()));
+  row("instance", instance);
   row("sessions", std::to_string(s->sessions()));
   row("groups", std::to_string(s->groups()));
   row("waiting reserves", std::to_string(s->waiting_reserves()));

@@ -1,5 +1,6 @@
 #include "memoffload/client/client.h"
 
+#include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -53,6 +55,26 @@ std::vector<Extent> FromProto(const google::protobuf::RepeatedPtrField<v1::Exten
   return out;
 }
 
+// One line on stderr when this process first attaches, and when the daemon
+// it attaches to is another instance than last time (it restarted).
+void LogInstance(uint64_t instance_id, uint64_t session_id) {
+  static std::atomic<uint64_t> last{0};
+  const uint64_t before = last.exchange(instance_id);
+  if (before == instance_id) return;
+  if (before == 0) {
+    std::fprintf(stderr, "memoffload: session %llu on memoffloadd instance %016llx\n",
+                 static_cast<unsigned long long>(session_id),
+                 static_cast<unsigned long long>(instance_id));
+  } else {
+    std::fprintf(stderr,
+                 "memoffload: session %llu on memoffloadd instance %016llx (was %016llx: the "
+                 "daemon restarted)\n",
+                 static_cast<unsigned long long>(session_id),
+                 static_cast<unsigned long long>(instance_id),
+                 static_cast<unsigned long long>(before));
+  }
+}
+
 }  // namespace
 
 class Client::Impl {
@@ -63,7 +85,7 @@ class Client::Impl {
 
   std::string runtime_dir;
   std::string grpc_socket;
-  int lifeline_fd = -1;  // after attach, used only under map_mu
+  int lifeline_fd = -1;  // after attach, read and written only under map_mu (polled anywhere)
   int rpc_timeout_ms = 30000;
   bool populate = false;
 
@@ -77,9 +99,49 @@ class Client::Impl {
   std::unique_ptr<std::atomic<uint8_t>[]> block_state;
   std::vector<uint64_t> first_block;  // index into block_state, per chunk
   bool checksums = false;
-  // With checksums: the extents of each reserved group, until Commit.
+  // The extents of each reserved group, until Commit; then the placement of
+  // each committed group, until Release. Kept so that, once the daemon that
+  // held this session is gone, a committed group is still read from this
+  // process's own mapping (see Prefetch).
   std::mutex groups_mu;
   std::unordered_map<uint64_t, std::vector<Extent>> reserved;  // guarded by groups_mu
+  std::unordered_map<uint64_t, Placement> committed;           // guarded by groups_mu
+
+  // Whether the daemon closed this session's broker connection. The daemon
+  // ends a session exactly when it closes its connection (or exits), so a
+  // closed lifeline is the only sure sign that the session is gone; once
+  // seen it stays so.
+  std::atomic<bool> lost{false};
+  bool LifelineClosed() {
+    if (lost.load()) return true;
+    pollfd p{lifeline_fd, POLLRDHUP, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
+    return lost.load();
+  }
+  // A failed call of a session that is gone is UNAVAILABLE, whatever the
+  // daemon answered (a restarted daemon says NOT_FOUND or UNAUTHENTICATED for
+  // a session it never knew): the caller attaches again.
+  Status SessionGoneOr(const Status& st) {
+    if (st.ok() || !LifelineClosed()) return st;
+    return Unavailable("memoffloadd ended session " + std::to_string(reply.session_id) +
+                       " (the daemon restarted or dropped its broker connection): attach again; "
+                       "the daemon said: " +
+                       st.ToString());
+  }
+  // Whether the daemon instance that held this session is gone (a new
+  // instance answers, or none). Only then are this process's old mappings
+  // its own: a live instance may have handed the space to another session.
+  std::atomic<bool> instance_gone{false};
+  bool InstanceGone() {
+    if (instance_gone.load()) return true;
+    v1::GetStatusRequest req;
+    v1::GetStatusResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, std::min(rpc_timeout_ms, 2000));
+    const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
+    if (!st.ok() || resp.instance_id() != reply.instance_id) instance_gone = true;
+    return instance_gone.load();
+  }
 
   // CRC32C of the used bytes of each extent they touch, in order. Every
   // extent must be mapped (a checksum of bytes we cannot see is no checksum).
@@ -118,16 +180,28 @@ class Client::Impl {
   std::vector<Chunk> chunks;                       // guarded by map_mu
   std::unique_ptr<std::atomic<uint8_t*>[]> bases;  // indexed by chunk
 
-  // Maps received fds (taking ownership of all of them). Requires map_mu.
-  Status MapReceived(const std::vector<uint32_t>& indexes, std::vector<int>* fds) {
+  // Generation of each mapped chunk's backing (0: not mapped). Guarded by map_mu.
+  std::vector<uint64_t> generations;
+
+  // Maps received fds (taking ownership of all of them). Requires map_mu. A
+  // chunk this session already maps keeps its mapping only when the daemon
+  // names the same generation: a backing handed to a live session is never
+  // replaced, so another generation is a daemon bug (INTERNAL).
+  Status MapReceived(const std::vector<uint32_t>& indexes,
+                     const std::vector<uint64_t>& generations_received, std::vector<int>* fds) {
     Status result;
     for (size_t i = 0; i < fds->size(); ++i) {
       const int fd = (*fds)[i];
       const uint32_t index = i < indexes.size() ? indexes[i] : UINT32_MAX;
+      const uint64_t generation = i < generations_received.size() ? generations_received[i] : 0;
       if (!result.ok() || index >= reply.chunks.size() || chunks[index].valid()) {
         close(fd);
         if (result.ok() && index >= reply.chunks.size()) {
           result = Internal("daemon sent chunk index " + std::to_string(index) + " out of range");
+        } else if (result.ok() && generations[index] != generation) {
+          result = Internal("daemon sent chunk " + std::to_string(index) + " generation " +
+                            std::to_string(generation) + " while this session maps generation " +
+                            std::to_string(generations[index]));
         }
         continue;
       }
@@ -137,6 +211,7 @@ class Client::Impl {
         continue;
       }
       chunks[index] = std::move(chunk).value();
+      generations[index] = generation;
       bases[index].store(chunks[index].data(), std::memory_order_release);
     }
     fds->clear();
@@ -192,7 +267,7 @@ class Client::Impl {
       return Internal("chunk reply lists " + std::to_string(chunk_reply->chunk_indexes.size()) +
                       " chunks but carries " + std::to_string(fds.size()) + " fds");
     }
-    return MapReceived(chunk_reply->chunk_indexes, &fds);
+    return MapReceived(chunk_reply->chunk_indexes, chunk_reply->generations, &fds);
   }
 
   static std::vector<uint32_t> ChunksOf(const std::vector<Extent>& extents) {
@@ -298,6 +373,8 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   impl->populate = options.populate;
   impl->checksums = options.checksums;
   impl->chunks.resize(impl->reply.chunks.size());
+  impl->generations.assign(impl->reply.chunks.size(), 0);
+  LogInstance(impl->reply.instance_id, impl->reply.session_id);
   impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
   impl->first_block.reserve(impl->reply.chunks.size());
   uint64_t blocks = 0;
@@ -319,7 +396,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
       CloseFds(&fds);
       return Internal("attach: malformed chunk fd batch from the daemon");
     }
-    MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, &fds));
+    MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, batch->generations, &fds));
   }
   impl->grpc_socket = impl->reply.grpc_socket;
   impl->stub = v1::Offload::NewStub(MakeChannel(impl->grpc_socket));
@@ -340,16 +417,17 @@ Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
 
   v1::ReserveResponse resp;
   Status st = FromGrpc(impl_->stub->Reserve(&ctx, req, &resp), impl_->grpc_socket);
-  if (!st.ok()) return st;
+  if (!st.ok()) return impl_->SessionGoneOr(st);
   Reservation reservation{FromProto(resp.extents()), resp.reserved_bytes()};
   if (Status mapped = impl_->EnsureMapped(Impl::ChunksOf(reservation.extents)); !mapped.ok()) {
     Status ignored = Release(group_id);
     (void)ignored;
     return mapped;
   }
-  if (impl_->checksums) {
+  {
     std::lock_guard<std::mutex> lock(impl_->groups_mu);
     impl_->reserved[group_id] = reservation.extents;
+    impl_->committed.erase(group_id);
   }
   return reservation;
 }
@@ -361,14 +439,14 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
   req.set_used_bytes(used_bytes);
   req.mutable_copy()->set_bytes(copy.bytes);
   req.mutable_copy()->set_seconds(copy.seconds);
+  std::vector<Extent> extents;
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    // Kept until the Commit succeeds: a refused Commit may be retried.
+    auto it = impl_->reserved.find(group_id);
+    if (it != impl_->reserved.end()) extents = it->second;
+  }
   if (impl_->checksums) {
-    std::vector<Extent> extents;
-    {
-      std::lock_guard<std::mutex> lock(impl_->groups_mu);
-      // Kept until the Commit succeeds: a refused Commit may be retried.
-      auto it = impl_->reserved.find(group_id);
-      if (it != impl_->reserved.end()) extents = it->second;
-    }
     Result<std::vector<uint32_t>> crcs = impl_->ExtentChecksums(extents, used_bytes);
     if (!crcs.ok()) {
       return Status(crcs.status().code(),
@@ -380,10 +458,12 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
   SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CommitResponse resp;
   Status st = FromGrpc(impl_->stub->Commit(&ctx, req, &resp), impl_->grpc_socket);
-  if (!st.ok()) return st;
-  if (impl_->checksums) {
+  if (!st.ok()) return impl_->SessionGoneOr(st);
+  {
     std::lock_guard<std::mutex> lock(impl_->groups_mu);
     impl_->reserved.erase(group_id);
+    impl_->committed[group_id] = Placement{
+        std::move(extents), used_bytes, {req.extent_crc32c().begin(), req.extent_crc32c().end()}};
   }
   return CommitInfo{resp.committed_bytes(), resp.returned_bytes()};
 }
@@ -396,11 +476,23 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
   SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::PrefetchResponse resp;
   Status st = FromGrpc(impl_->stub->Prefetch(&ctx, req, &resp), impl_->grpc_socket);
-  if (!st.ok()) return st;
-  Placement placement{FromProto(resp.extents()),
-                      resp.used_bytes(),
-                      {resp.extent_crc32c().begin(), resp.extent_crc32c().end()}};
-  MEMOFFLOAD_RETURN_IF_ERROR(impl_->EnsureMapped(Impl::ChunksOf(placement.extents)));
+  Placement placement;
+  if (st.ok()) {
+    placement = Placement{FromProto(resp.extents()),
+                          resp.used_bytes(),
+                          {resp.extent_crc32c().begin(), resp.extent_crc32c().end()}};
+    MEMOFFLOAD_RETURN_IF_ERROR(impl_->EnsureMapped(Impl::ChunksOf(placement.extents)));
+  } else {
+    // The daemon that held this session is gone: a group committed in it is
+    // still in this process's mapping, which nobody else can reach now (a
+    // restarted daemon has new memfds), so it is read from there.
+    st = impl_->SessionGoneOr(st);
+    if (!impl_->lost.load() || !impl_->InstanceGone()) return st;
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    auto it = impl_->committed.find(group_id);
+    if (it == impl_->committed.end()) return st;
+    placement = it->second;
+  }
   if (impl_->checksums) {
     const std::string where = "group " + std::to_string(group_id) + " of session " +
                               std::to_string(impl_->reply.session_id);
@@ -437,7 +529,7 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
 }
 
 Status Client::Release(uint64_t group_id, const CopyStats& copy) {
-  if (impl_->checksums) {
+  {
     std::lock_guard<std::mutex> lock(impl_->groups_mu);
     impl_->reserved.erase(group_id);
   }
@@ -449,7 +541,14 @@ Status Client::Release(uint64_t group_id, const CopyStats& copy) {
   grpc::ClientContext ctx;
   SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::ReleaseResponse resp;
-  return FromGrpc(impl_->stub->Release(&ctx, req, &resp), impl_->grpc_socket);
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->committed.erase(group_id);
+  }
+  Status st = FromGrpc(impl_->stub->Release(&ctx, req, &resp), impl_->grpc_socket);
+  // A session that is gone holds nothing: its groups went with it.
+  if (!st.ok() && impl_->LifelineClosed()) return Status::Ok();
+  return st;
 }
 
 Status Client::Write(const std::vector<Extent>& extents, uint64_t offset, const void* src,
@@ -478,6 +577,12 @@ Status Client::MapChunks(const std::vector<uint32_t>& chunks) {
   return impl_->EnsureMapped(chunks);
 }
 uint64_t Client::session_id() const { return impl_->reply.session_id; }
+uint64_t Client::instance_id() const { return impl_->reply.instance_id; }
+bool Client::session_lost() const { return impl_->LifelineClosed(); }
+uint64_t Client::chunk_generation(uint32_t chunk) const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  return chunk < impl_->generations.size() ? impl_->generations[chunk] : 0;
+}
 uint64_t Client::page_bytes() const { return impl_->reply.page_bytes; }
 uint64_t Client::session_limit_bytes() const { return impl_->reply.session_limit_bytes; }
 uint32_t Client::chunk_count() const { return static_cast<uint32_t>(impl_->reply.chunks.size()); }

@@ -173,6 +173,7 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
     }
     if (huge) ++report->hugepage_chunks;
     arena->chunks_.push_back(std::move(chunk).value());
+    arena->chunk_bytes_.push_back(size);
     sizes.push_back(size);
     left -= size;
   }
@@ -228,10 +229,22 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
     }
   }
   arena->allocator_ = std::make_unique<ExtentAllocator>(sizes, arena->page_bytes_);
+  for (Chunk& c : arena->chunks_) {
+    arena->backings_.push_back(std::make_shared<Chunk>(std::move(c)));
+    arena->generations_.push_back(1);
+  }
+  arena->chunks_.clear();
   report->mlocked = arena->mlocked_;
   report->build_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return arena;
+}
+
+std::shared_ptr<Chunk> Arena::ReplaceBacking(uint32_t index, std::shared_ptr<Chunk> fresh) {
+  std::shared_ptr<Chunk> old = std::move(backings_[index]);
+  backings_[index] = std::move(fresh);
+  ++generations_[index];
+  return old;
 }
 
 }  // namespace memoffload::daemon

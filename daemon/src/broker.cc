@@ -115,9 +115,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       return Finish();
     }
     broker_->metrics_->SessionOpened();
-    MO_LOG_INFO("session %lu attached: pid %d uid %u job '%s' rank %d local_rank %d",
-                static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid,
-                hello_.job_id.c_str(), hello_.rank, hello_.local_rank);
+    MO_LOG_INFO(
+        "session %lu attached: pid %d uid %u job '%s' rank %d local_rank %d (instance %016lx)",
+        static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid, hello_.job_id.c_str(),
+        hello_.rank, hello_.local_rank, static_cast<unsigned long>(broker_->options_.instance_id));
     WatchLifeline();
     WatchProcess();
   }
@@ -144,7 +145,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   Status SendGrant(const SessionGrant& grant) {
     const Arena& arena = *broker_->arena_;
-    Result<std::vector<uint32_t>> granted = broker_->table_->AttachChunks(grant.session_id);
+    Result<std::vector<ChunkGrant>> granted = broker_->table_->AttachChunks(grant.session_id);
     if (!granted.ok()) return granted.status();
     AttachReply reply;
     reply.session_id = grant.session_id;
@@ -152,8 +153,9 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     reply.grpc_socket = broker_->options_.grpc_socket_path;
     reply.page_bytes = arena.page_bytes();
     reply.session_limit_bytes = grant.limit_bytes;
+    reply.instance_id = broker_->options_.instance_id;
     for (uint32_t i = 0; i < arena.chunk_count(); ++i) {
-      reply.chunks.push_back({i, arena.chunk(i).size_bytes()});
+      reply.chunks.push_back({i, arena.chunk_bytes(i)});
     }
     reply.fd_frames =
         static_cast<uint32_t>((granted->size() + kMaxFdsPerFrame - 1) / kMaxFdsPerFrame);
@@ -163,8 +165,9 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       ChunkFdBatch batch;
       std::vector<int> fds;
       for (size_t i = first; i < granted->size() && i < first + kMaxFdsPerFrame; ++i) {
-        batch.chunk_indexes.push_back((*granted)[i]);
-        fds.push_back(arena.chunk((*granted)[i]).fd());
+        batch.chunk_indexes.push_back((*granted)[i].index);
+        batch.generations.push_back((*granted)[i].generation);
+        fds.push_back((*granted)[i].backing->fd());
       }
       MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(fd, EncodeChunkFdBatch(batch), fds));
     }
@@ -201,10 +204,17 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     if (st.ok() && request->chunk_indexes.size() > kMaxFdsPerFrame) {
       st = InvalidArgument("at most " + std::to_string(kMaxFdsPerFrame) + " chunks per request");
     }
-    if (st.ok()) st = broker_->table_->GrantChunks(session_id_, request->chunk_indexes);
+    Result<std::vector<ChunkGrant>> grants = InvalidArgument("no chunks");
     if (st.ok()) {
-      reply.chunk_indexes = request->chunk_indexes;
-      for (uint32_t c : reply.chunk_indexes) fds.push_back(broker_->arena_->chunk(c).fd());
+      grants = broker_->table_->GrantChunks(session_id_, request->chunk_indexes);
+      st = grants.status();
+    }
+    if (st.ok()) {
+      for (const ChunkGrant& g : *grants) {
+        reply.chunk_indexes.push_back(g.index);
+        reply.generations.push_back(g.generation);
+        fds.push_back(g.backing->fd());
+      }
     } else {
       reply.code = st.code();
       reply.message = st.message();

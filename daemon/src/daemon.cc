@@ -15,6 +15,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
 #include <cstring>
+#include <random>
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/broker.h"
@@ -130,6 +131,16 @@ void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {
 
 const char* DaemonVersion() { return MEMOFFLOAD_VERSION; }
 
+namespace {
+// Random per start, never 0: tells clients and logs a restart from a reclaim.
+uint64_t RandomInstanceId() {
+  std::random_device rd;
+  uint64_t id = 0;
+  while (id == 0) id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return id;
+}
+}  // namespace
+
 Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const* argv) {
   DaemonConfig config = initial_config;
   MEMOFFLOAD_RETURN_IF_ERROR(PrepareRuntimeDir(config.runtime_dir));
@@ -162,7 +173,16 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
 
   Result<TenantMode> tenant_mode = ParseTenantMode(config.tenant);
   if (!tenant_mode.ok()) return tenant_mode.status();
-  SessionTable table(arena.get(), config.policy, *tenant_mode);
+  FreshBackingOptions fresh_options;
+  fresh_options.chunk_size_bytes = arena->chunk_size_bytes();
+  fresh_options.spares = *tenant_mode == TenantMode::kNone ? 0 : 1;
+  fresh_options.hugepages = config.hugepages && report.hugepage_chunks > 0;
+  fresh_options.mlock = arena->mlocked();
+  fresh_options.numa_node = config.numa_node;
+  FreshBacking fresh_backing(fresh_options);
+  SessionTable table(arena.get(), config.policy, *tenant_mode, &fresh_backing);
+  const uint64_t instance_id = RandomInstanceId();
+  MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
 
   MetricsInfo metrics_info{DaemonVersion(), arena->chunk_count(), arena->chunk_size_bytes(),
                            arena->mlocked()};
@@ -180,9 +200,9 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
 
   const std::string grpc_path = GrpcSocketPath(config.runtime_dir);
   unlink(grpc_path.c_str());
-  OffloadService service(arena.get(), &table, &metrics,
-                         {DaemonVersion(), config.runtime_dir, metrics_bound, *admin_token},
-                         config);
+  OffloadService service(
+      arena.get(), &table, &metrics,
+      {DaemonVersion(), config.runtime_dir, metrics_bound, *admin_token, instance_id}, config);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -207,6 +227,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   broker_options.socket_mode = config.socket_mode;
   broker_options.socket_gid = *socket_gid;
   broker_options.hello_timeout_ms = static_cast<int>(config.hello_timeout_ms);
+  broker_options.instance_id = instance_id;
   Broker broker(io, arena.get(), &table, &metrics, broker_options, config.policy);
   if (Status st = broker.Start(); !st.ok()) {
     server->Shutdown();

@@ -118,13 +118,22 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
     auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
     AddGauge(&groups, static_cast<double>(s.groups));
     out.push_back(std::move(groups));
-    out.push_back(CounterOf("memoffload_chunks_zeroed_total",
-                            "Chunks zeroed because they changed tenant.",
-                            static_cast<double>(s.zeroed_chunks)));
-    out.push_back(CounterOf("memoffload_chunk_zeroing_seconds_total",
-                            "Time spent zeroing chunks that changed tenant (under the "
-                            "session table lock).",
-                            s.zeroing_seconds));
+    out.push_back(CounterOf("memoffload_chunk_backings_replaced_total",
+                            "Chunks given a new memfd because they changed tenant.",
+                            static_cast<double>(s.replaced_backings)));
+    out.push_back(CounterOf("memoffload_chunk_backings_unfaulted_total",
+                            "Of those, backings handed out before they were pre-faulted "
+                            "(no spare was ready).",
+                            static_cast<double>(s.unfaulted_backings)));
+    auto spares = GaugeFamily("memoffload_spare_backings",
+                              "Pre-faulted memfds ready for the next change of tenant.");
+    AddGauge(&spares, static_cast<double>(s.spare_backings));
+    out.push_back(std::move(spares));
+    auto stale = GaugeFamily("memoffload_stale_backing_bytes",
+                             "Bytes of old chunk memfds that processes of a previous tenant "
+                             "still map or hold (outside the arena's capacity).");
+    AddGauge(&stale, static_cast<double>(s.stale_bytes));
+    out.push_back(std::move(stale));
     auto uptime = GaugeFamily("memoffload_uptime_seconds", "Seconds since the daemon started.");
     AddGauge(&uptime,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());

@@ -182,8 +182,11 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_waiting_reserves(s.waiting_reserves);
   resp->set_node_reserve_bytes(s.node_reserve_bytes);
   resp->set_owned_chunks(s.owned_chunks);
-  resp->set_zeroed_chunks(s.zeroed_chunks);
-  resp->set_zeroing_seconds(s.zeroing_seconds);
+  resp->set_instance_id(info_.instance_id);
+  resp->set_replaced_backings(s.replaced_backings);
+  resp->set_spare_backings(s.spare_backings);
+  resp->set_stale_backings(s.stale_backings);
+  resp->set_stale_bytes(s.stale_bytes);
 
   resp->set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   return Finish(Method::kGetStatus, start, Status::Ok());

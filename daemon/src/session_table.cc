@@ -66,11 +66,13 @@ std::string JobKey(uid_t uid, const std::string& job_id) {
 }
 }  // namespace
 
-SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode)
+SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode,
+                           FreshBacking* fresh_backing)
     : arena_(arena),
       policy_(policy),
       tenant_mode_(tenant_mode),
-      chunk_owners_(arena->chunk_count()) {}
+      chunk_owners_(arena->chunk_count()),
+      fresh_backing_(fresh_backing) {}
 
 void SessionTable::SetPolicy(const Policy& policy) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -335,7 +337,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
       if (extents.ok()) break;
       const int64_t c = Claimable(s.tenant);
       if (c < 0) break;
-      Claim(static_cast<uint32_t>(c), s.tenant);
+      if (!Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
       allowed[c] = true;
     }
   }
@@ -593,8 +595,14 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.draining = draining_;
   a.shutting_down = shutting_down_;
   for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
-  a.zeroed_chunks = zeroed_chunks_;
-  a.zeroing_seconds = zeroing_seconds_;
+  a.replaced_backings = replaced_backings_;
+  if (fresh_backing_ != nullptr) {
+    const FreshBackingStats f = fresh_backing_->Stats();
+    a.unfaulted_backings = f.taken_unfaulted;
+    a.spare_backings = f.spares;
+    a.stale_backings = f.stale_backings;
+    a.stale_bytes = f.stale_bytes;
+  }
   return a;
 }
 

@@ -1,13 +1,12 @@
 // The tenant side of SessionTable: which chunks a tenant owns, handing their
-// fds out, and taking over (and zeroing) empty chunks of another tenant.
+// fds out, and taking over empty chunks of another tenant (with a new memfd:
+// fresh backing).
 #include <algorithm>
-#include <cstring>
 
+#include "memoffload/daemon/log.h"
 #include "memoffload/daemon/session_table.h"
 
 namespace memoffload::daemon {
-
-using Clock = std::chrono::steady_clock;
 
 Result<TenantMode> ParseTenantMode(const std::string& text) {
   if (text == "uid") return TenantMode::kUid;
@@ -29,40 +28,66 @@ int64_t SessionTable::Claimable(const std::string& tenant) const {
       if (it != sessions_.end() && it->second.tenant != tenant) foreign_holder = true;
     }
     if (foreign_holder) continue;
-    if (owner.tenant.empty()) return c;  // never used: no zeroing needed
+    if (owner.tenant.empty()) return c;  // never used: no new backing needed
     if (reused < 0) reused = c;
   }
   return reused;
 }
 
-void SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
+Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
   ChunkOwner& owner = chunk_owners_[chunk];
   if (!owner.tenant.empty() && owner.tenant != tenant) {
-    const auto start = Clock::now();
-    const Chunk& c = arena_->chunk(chunk);
-    std::memset(c.data(), 0, c.size_bytes());
-    zeroing_seconds_ += std::chrono::duration<double>(Clock::now() - start).count();
-    ++zeroed_chunks_;
+    // Fds and mappings cannot be revoked: zeroing pages an old holder still
+    // maps would hand it the new tenant's bytes. A new memfd instead.
+    const uint64_t size = arena_->chunk_bytes(chunk);
+    Result<std::shared_ptr<Chunk>> fresh = Internal("no backing");
+    if (fresh_backing_ != nullptr) {
+      fresh = fresh_backing_->Take(size);
+    } else {
+      Result<Chunk> created = Chunk::Create("memoffload-backing", size, false);
+      if (created.ok()) {
+        fresh = std::make_shared<Chunk>(std::move(created).value());
+      } else {
+        fresh = created.status();
+      }
+    }
+    if (!fresh.ok()) {
+      MO_LOG_WARN("chunk %u cannot change tenant: no new memfd: %s", chunk,
+                  fresh.status().ToString().c_str());
+      return fresh.status();
+    }
+    std::shared_ptr<Chunk> old = arena_->ReplaceBacking(chunk, std::move(fresh).value());
+    if (fresh_backing_ != nullptr) fresh_backing_->Retire(std::move(old));
+    ++replaced_backings_;
+    owner.holders.clear();  // only dead sessions could be left
   }
   owner.tenant = tenant;
+  return Status::Ok();
 }
 
-Result<std::vector<uint32_t>> SessionTable::AttachChunks(uint64_t session_id) {
+namespace {
+ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
+  return {chunk, arena.generation(chunk), arena.backing(chunk)};
+}
+}  // namespace
+
+Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
-  std::vector<uint32_t> chunks;
+  std::vector<ChunkGrant> chunks;
   for (uint32_t c = 0; c < chunk_owners_.size(); ++c) {
     ChunkOwner& owner = chunk_owners_[c];
     if (tenant_mode_ == TenantMode::kNone || owner.tenant == it->second.tenant) {
-      chunks.push_back(c);
+      chunks.push_back(GrantOf(*arena_, c));
       owner.holders.push_back(session_id);
     }
   }
   return chunks;
 }
 
-Status SessionTable::GrantChunks(uint64_t session_id, const std::vector<uint32_t>& chunks) {
+Result<std::vector<ChunkGrant>> SessionTable::GrantChunks(uint64_t session_id,
+                                                          const std::vector<uint32_t>& chunks) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
@@ -76,13 +101,15 @@ Status SessionTable::GrantChunks(uint64_t session_id, const std::vector<uint32_t
                               it->second.tenant);
     }
   }
+  std::vector<ChunkGrant> grants;
   for (uint32_t c : chunks) {
     auto& holders = chunk_owners_[c].holders;
     if (std::find(holders.begin(), holders.end(), session_id) == holders.end()) {
       holders.push_back(session_id);
     }
+    grants.push_back(GrantOf(*arena_, c));
   }
-  return Status::Ok();
+  return grants;
 }
 
 }  // namespace memoffload::daemon

@@ -158,6 +158,7 @@ std::string EncodeAttachReply(const AttachReply& reply) {
     w.U64(c.size_bytes);
   }
   w.U32(reply.fd_frames);
+  w.U64(reply.instance_id);
   return w.Take();
 }
 
@@ -178,7 +179,7 @@ Result<AttachReply> DecodeAttachReply(const std::string& bytes) {
   for (ChunkInfo& c : a.chunks) {
     if (!r.U32(&c.index) || !r.U64(&c.size_bytes)) return Reader::Truncated();
   }
-  if (!r.U32(&a.fd_frames)) return Reader::Truncated();
+  if (!r.U32(&a.fd_frames) || !r.U64(&a.instance_id)) return Reader::Truncated();
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
   return a;
 }
@@ -186,7 +187,10 @@ Result<AttachReply> DecodeAttachReply(const std::string& bytes) {
 std::string EncodeChunkFdBatch(const ChunkFdBatch& batch) {
   Writer w(MessageType::kChunkFdBatch, kAttachProtocolVersion);
   w.U32(static_cast<uint32_t>(batch.chunk_indexes.size()));
-  for (uint32_t i : batch.chunk_indexes) w.U32(i);
+  for (size_t i = 0; i < batch.chunk_indexes.size(); ++i) {
+    w.U32(batch.chunk_indexes[i]);
+    w.U64(i < batch.generations.size() ? batch.generations[i] : 0);
+  }
   return w.Take();
 }
 
@@ -198,8 +202,9 @@ Result<ChunkFdBatch> DecodeChunkFdBatch(const std::string& bytes) {
   uint32_t n = 0;
   if (!r.U32(&n) || n > kMaxChunks) return Reader::Truncated();
   b.chunk_indexes.resize(n);
-  for (uint32_t& i : b.chunk_indexes) {
-    if (!r.U32(&i)) return Reader::Truncated();
+  b.generations.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!r.U32(&b.chunk_indexes[i]) || !r.U64(&b.generations[i])) return Reader::Truncated();
   }
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
   return b;
@@ -245,6 +250,9 @@ std::string EncodeChunkReply(const ChunkReply& reply) {
   w.U32(static_cast<uint32_t>(reply.code));
   w.Str(reply.message);
   WriteIndexes(&w, reply.chunk_indexes);
+  for (size_t i = 0; i < reply.chunk_indexes.size(); ++i) {
+    w.U64(i < reply.generations.size() ? reply.generations[i] : 0);
+  }
   return w.Take();
 }
 
@@ -257,6 +265,10 @@ Result<ChunkReply> DecodeChunkReply(const std::string& bytes) {
   if (!r.U32(&code) || code > static_cast<uint32_t>(StatusCode::kUnauthenticated) ||
       !r.Str(&reply.message, kMaxStringBytes) || !ReadIndexes(&r, &reply.chunk_indexes)) {
     return Reader::Truncated();
+  }
+  reply.generations.resize(reply.chunk_indexes.size());
+  for (uint64_t& g : reply.generations) {
+    if (!r.U64(&g)) return Reader::Truncated();
   }
   reply.code = static_cast<StatusCode>(code);
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());

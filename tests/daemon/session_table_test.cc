@@ -503,8 +503,11 @@ TEST_F(SessionTableTest, JobTenantsIncludeTheUid) {
   // Another uid naming the same job id does not get its fd.
   auto attach = table_->AttachChunks(theirs.session_id);
   ASSERT_TRUE(attach.ok());
-  EXPECT_EQ(std::count(attach->begin(), attach->end(), chunk), 0);
-  EXPECT_EQ(table_->GrantChunks(theirs.session_id, {chunk}).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(std::count_if(attach->begin(), attach->end(),
+                          [&](const ChunkGrant& g) { return g.index == chunk; }),
+            0);
+  EXPECT_EQ(table_->GrantChunks(theirs.session_id, {chunk}).status().code(),
+            StatusCode::kPermissionDenied);
   auto other = table_->Reserve(theirs.session_id, theirs.token, 1, 4096, false);
   ASSERT_TRUE(other.ok());
   EXPECT_NE(other->extents[0].chunk, chunk);

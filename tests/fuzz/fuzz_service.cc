@@ -421,7 +421,7 @@ class Harness {
       const size_t n = in_->ConsumeIntegralInRange<size_t>(0, 5);
       for (size_t i = 0; i < n; ++i) chunks.push_back(in_->ConsumeIntegralInRange<uint32_t>(0, 5));
     }
-    const Status st = table_->GrantChunks(s->grant.session_id, chunks);
+    const Status st = table_->GrantChunks(s->grant.session_id, chunks).status();
     if (!s->open) {
       Check(st.code() == StatusCode::kNotFound, "GrantChunks for a closed session");
       return;
@@ -448,7 +448,7 @@ class Harness {
     for (const auto& [gid, g] : s->groups) {
       for (const Extent& e : g.extents) own.push_back(e.chunk);
     }
-    CheckOk(table_->GrantChunks(s->grant.session_id, own),
+    CheckOk(table_->GrantChunks(s->grant.session_id, own).status(),
             "GrantChunks of the session's own chunks");
   }
 

@@ -87,7 +87,7 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
     return nullptr;
   }
   d->scratch_dir_ = scratch;
-  d->runtime_dir_ = d->scratch_dir_ + "/run";
+  d->runtime_dir_ = options.runtime_dir.empty() ? d->scratch_dir_ + "/run" : options.runtime_dir;
   d->log_path_ = d->scratch_dir_ + "/daemon.log";
   std::vector<std::string> argv = {BinDir() + "/memoffloadd", "--runtime-dir=" + d->runtime_dir_,
                                    "--metrics-address=" + options.metrics_address,

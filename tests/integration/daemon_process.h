@@ -29,6 +29,9 @@ class DaemonProcess {
     std::string metrics_address = "none";
     std::string drain_timeout = "3s";
     std::vector<std::string> extra_args;
+    // Empty: a fresh runtime dir under the scratch dir. Else this one (e.g.
+    // the dir of a killed daemon, to restart "the" daemon).
+    std::string runtime_dir;
     // Let other uids reach the sockets (scratch dir 0755, sockets 0666), so
     // the daemon's access policy is what decides.
     bool open_permissions = false;

@@ -317,8 +317,9 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
   EXPECT_NE(
       metrics.find("memoffload_requests_total{code=\"FAILED_PRECONDITION\",method=\"Reserve\"} 1"),
       std::string::npos);  // One tenant, nothing changed hands: exported, and zero.
-  EXPECT_NE(metrics.find("\nmemoffload_chunks_zeroed_total 0\n"), std::string::npos) << metrics;
-  EXPECT_NE(metrics.find("\nmemoffload_chunk_zeroing_seconds_total 0\n"), std::string::npos);
+  EXPECT_NE(metrics.find("\nmemoffload_chunk_backings_replaced_total 0\n"), std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("\nmemoffload_stale_backing_bytes 0\n"), std::string::npos);
 }
 
 // The value of the first sample line starting with `series` (-1 if none).

@@ -148,3 +148,78 @@ def test_tensor_without_copy_engine_is_kept_and_counted(daemon, capfd):
     lines = [line for line in err.splitlines() if "no copy engine" in line]
     assert len(lines) == 1, err
     assert_arena_empty(daemon)
+
+
+def _restart(d) -> None:
+    """The daemon dies and a new instance starts on the same runtime dir,
+    while the trainer makes no call."""
+    d.kill()
+    d.start()
+
+
+def test_daemon_restarted_between_steps(own_daemon):
+    """Restart between two steps: the next step's first call finds its
+    session gone (UNAVAILABLE), the client attaches again, and offload goes
+    on in the same run; `connected` and `reconnects` say so."""
+    torch.manual_seed(0)
+    model = DecoderStack(layers=4)
+    ref = clone_model(model)
+    handle = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=own_daemon.runtime_dir)
+    step_both(model, ref, tokens())
+    step_both(model, ref, tokens())
+    handle.flush()
+    before = handle.stats()
+    assert before["connected"]
+    _restart(own_daemon)
+    time.sleep(1.1)  # the reconnect interval
+    for _ in range(3):
+        step_both(model, ref, tokens())  # never raises, gradients exact
+    handle.flush()
+    s = handle.stats()
+    assert s["reconnects"] == before["reconnects"] + 1, s
+    assert s["connected"], s
+    # Offloaded again on the new instance (not everything skipped).
+    assert own_daemon.status()["sessions"] >= 1
+    after_reconnect = handle.stats()
+    step_both(model, ref, tokens())
+    handle.flush()
+    assert handle.stats()["offloaded_bytes"] > after_reconnect["offloaded_bytes"]
+    handle.remove()
+    assert_arena_empty(own_daemon)
+
+
+def test_daemon_restarted_between_forward_and_backward(own_daemon):
+    """Restart after forward, before backward: backward reads the committed
+    groups from the process's own mapping; gradients are bit-identical and
+    the next steps offload to the new instance."""
+    torch.manual_seed(0)
+    model = DecoderStack(layers=4)
+    ref = clone_model(model)
+    handle = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=own_daemon.runtime_dir)
+    step_both(model, ref, tokens())  # sizes learned
+    for m in (model, ref):
+        for p in m.parameters():
+            p.grad = None
+    batch = tokens()
+    loss = model(batch)
+    handle.flush()  # every group committed in the arena
+    before = handle.stats()
+    _restart(own_daemon)
+    loss.backward()  # must not raise
+    loss_ref = ref(batch)
+    loss_ref.backward()
+    assert torch.equal(loss.detach().view(-1).view(torch.uint8), loss_ref.detach().view(-1).view(torch.uint8))
+    for (name, pa), pb in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(pa.grad.view(-1).view(torch.uint8), pb.grad.view(-1).view(torch.uint8)), name
+    s = handle.stats()
+    assert s["prefetched_bytes"] > before["prefetched_bytes"], s  # read back from the mapping
+    time.sleep(1.1)  # the reconnect interval
+    for _ in range(2):
+        step_both(model, ref, tokens())
+    handle.flush()
+    s = handle.stats()
+    assert s["reconnects"] == before["reconnects"] + 1, s
+    assert s["connected"], s
+    assert s["offloaded_bytes"] > before["offloaded_bytes"], s
+    handle.remove()
+    assert_arena_empty(own_daemon)

@@ -29,6 +29,7 @@ TEST(AttachWire, ReplyAndBatchRoundTrip) {
   r.page_bytes = 4096;
   r.chunks = {{0, 1 << 30}, {1, 1 << 20}};
   r.fd_frames = 1;
+  r.instance_id = 0x0123456789abcdefull;
   Result<AttachReply> d = DecodeAttachReply(EncodeAttachReply(r));
   ASSERT_TRUE(d.ok()) << d.status().ToString();
   EXPECT_EQ(d->session_id, 42u);
@@ -36,11 +37,21 @@ TEST(AttachWire, ReplyAndBatchRoundTrip) {
   ASSERT_EQ(d->chunks.size(), 2u);
   EXPECT_EQ(d->chunks[1].size_bytes, 1u << 20);
   EXPECT_EQ(d->fd_frames, 1u);
+  EXPECT_EQ(d->instance_id, r.instance_id);
 
-  ChunkFdBatch b{{3, 4, 5}};
+  ChunkFdBatch b{{3, 4, 5}, {1, 7, 1ull << 40}};
   Result<ChunkFdBatch> db = DecodeChunkFdBatch(EncodeChunkFdBatch(b));
   ASSERT_TRUE(db.ok());
   EXPECT_EQ(db->chunk_indexes, b.chunk_indexes);
+  EXPECT_EQ(db->generations, b.generations);
+
+  ChunkReply c;
+  c.chunk_indexes = {2, 9};
+  c.generations = {3, 4};
+  Result<ChunkReply> dc = DecodeChunkReply(EncodeChunkReply(c));
+  ASSERT_TRUE(dc.ok());
+  EXPECT_EQ(dc->chunk_indexes, c.chunk_indexes);
+  EXPECT_EQ(dc->generations, c.generations);
 }
 
 TEST(AttachWire, RefusalCarriesCodeAndMessage) {

@@ -117,6 +117,20 @@ class Client {
   Status MapChunks(const std::vector<uint32_t>& chunks);
 
   uint64_t session_id() const;
+  // The daemon instance this session is on (random per daemon start).
+  uint64_t instance_id() const;
+  // True once the daemon ended this session (it restarted, or dropped the
+  // broker connection). Every call of a lost session that the daemon refuses
+  // is UNAVAILABLE: attach a new Client. Release of a lost session's group is
+  // OK (the daemon reclaimed it). Prefetch of a group committed in a lost
+  // session is served from this process's own mapping when the daemon
+  // instance that held it is gone (a restart: its memfds are then reachable
+  // by no one else), with its checksums verified when it was committed with
+  // them; the Placement's extents stay readable while this Client lives.
+  bool session_lost() const;
+  // Generation of the backing this process maps for `chunk`, 0 if unmapped.
+  // A chunk that changes tenant gets a new backing (a new generation).
+  uint64_t chunk_generation(uint32_t chunk) const;
   uint64_t page_bytes() const;
   uint64_t session_limit_bytes() const;
   uint32_t chunk_count() const;

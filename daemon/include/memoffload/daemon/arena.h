@@ -4,9 +4,12 @@
 // else normal pages), bound to a NUMA node when asked, marked locked on fault
 // (mlock2 MLOCK_ONFAULT, when permitted) and pre-faulted in parallel, so each
 // page is allocated, zeroed and locked in one pass; nothing is allocated or
-// faulted afterwards. The
-// arena owns the chunks for the daemon's lifetime. The allocator is not
-// thread-safe: its single user (SessionTable) holds its own lock around it.
+// faulted afterwards. The arena owns the chunk slots (index, size) for the
+// daemon's lifetime; the memfd behind a slot (its backing) is replaced when
+// the chunk changes tenant (SessionTable::Claim), and each backing of a slot
+// has its own generation (1 at start). The allocator and the backings are not
+// thread-safe: their single user (SessionTable) holds its own lock around
+// them. chunk_bytes() never changes and needs no lock.
 #ifndef MEMOFFLOAD_DAEMON_ARENA_H_
 #define MEMOFFLOAD_DAEMON_ARENA_H_
 
@@ -47,8 +50,16 @@ class Arena {
   static Result<std::unique_ptr<Arena>> Build(const ArenaOptions& options,
                                               ArenaBuildReport* report);
 
-  uint32_t chunk_count() const { return static_cast<uint32_t>(chunks_.size()); }
-  const Chunk& chunk(uint32_t index) const { return chunks_[index]; }
+  uint32_t chunk_count() const { return static_cast<uint32_t>(chunk_bytes_.size()); }
+  uint64_t chunk_bytes(uint32_t index) const { return chunk_bytes_[index]; }
+  // The current backing of a chunk and its generation. Under the
+  // SessionTable's lock (or while no chunk changes tenant, e.g. in tests).
+  const Chunk& chunk(uint32_t index) const { return *backings_[index]; }
+  std::shared_ptr<const Chunk> backing(uint32_t index) const { return backings_[index]; }
+  uint64_t generation(uint32_t index) const { return generations_[index]; }
+  // Puts `fresh` (same size) behind chunk `index`, bumps its generation and
+  // returns the old backing. Under the SessionTable's lock.
+  std::shared_ptr<Chunk> ReplaceBacking(uint32_t index, std::shared_ptr<Chunk> fresh);
   uint64_t capacity_bytes() const { return capacity_bytes_; }
   uint64_t chunk_size_bytes() const { return chunk_size_bytes_; }
   uint64_t page_bytes() const { return page_bytes_; }
@@ -59,7 +70,10 @@ class Arena {
 
  private:
   Arena() = default;
-  std::vector<Chunk> chunks_;
+  std::vector<Chunk> chunks_;  // while building only
+  std::vector<std::shared_ptr<Chunk>> backings_;
+  std::vector<uint64_t> generations_;
+  std::vector<uint64_t> chunk_bytes_;
   std::unique_ptr<ExtentAllocator> allocator_;
   uint64_t capacity_bytes_ = 0;
   uint64_t chunk_size_bytes_ = 0;

@@ -35,6 +35,7 @@ struct BrokerOptions {
   uint32_t socket_mode = 0660;
   gid_t socket_gid = static_cast<gid_t>(-1);  // -1: keep the daemon's group
   int hello_timeout_ms = 10000;               // a client that sends nothing is dropped
+  uint64_t instance_id = 0;                   // random per daemon start, in every attach reply
 };
 
 class Broker {

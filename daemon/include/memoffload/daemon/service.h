@@ -23,6 +23,7 @@ struct ServiceInfo {
   std::string runtime_dir;
   std::string metrics_address;  // bound address, "" when disabled
   std::string admin_token;      // required by Drain
+  uint64_t instance_id = 0;     // random per start
 };
 
 class OffloadService final : public memoffload::v1::Offload::Service {

@@ -27,6 +27,7 @@
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
+#include "memoffload/daemon/fresh_backing.h"
 #include "memoffload/daemon/session_token.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/status.h"
@@ -104,16 +105,29 @@ struct ArenaSnapshot {
   uint64_t groups = 0;
   uint32_t waiting_reserves = 0;
   bool draining = false;
-  bool shutting_down = false;  // draining for SIGTERM: undrain is refused
-  uint32_t owned_chunks = 0;   // chunks currently assigned to a tenant
-  uint64_t zeroed_chunks = 0;  // chunks zeroed on a change of tenant, total
-  double zeroing_seconds = 0;  // time spent zeroing them, total
+  bool shutting_down = false;       // draining for SIGTERM: undrain is refused
+  uint32_t owned_chunks = 0;        // chunks currently assigned to a tenant
+  uint64_t replaced_backings = 0;   // chunks given a new memfd on a change of tenant, total
+  uint64_t unfaulted_backings = 0;  // of which no pre-faulted spare was ready
+  uint32_t spare_backings = 0;      // pre-faulted memfds ready now
+  uint32_t stale_backings = 0;      // retired memfds some process still keeps
+  uint64_t stale_bytes = 0;         // their size (outside the arena's capacity)
+};
+
+// One chunk fd handed to a session: the chunk, the generation of its backing
+// and the backing itself (kept alive while its fd is being sent).
+struct ChunkGrant {
+  uint32_t index = 0;
+  uint64_t generation = 0;
+  std::shared_ptr<const Chunk> backing;
 };
 
 // Who may share a chunk. Chunks belong to one tenant at a time; a session is
 // handed the fds of its tenant's chunks only, and a chunk changes tenant only
-// when it is empty and no live session of its old tenant has it mapped; it
-// is zeroed before the new tenant gets it.
+// when it is empty and no live session of its old tenant has it mapped. A
+// chunk that changes tenant gets a new memfd (fresh backing, FreshBacking):
+// whatever a process of the old tenant kept (a mapping, an fd passed on)
+// reaches the old pages only, never the new tenant's.
 enum class TenantMode {
   kUid,   // tenant = the peer's uid (default)
   kJob,   // tenant = the peer's uid and the hello's job id ("job:<uid>:<job_id>")
@@ -135,7 +149,11 @@ struct SessionSnapshot {
 
 class SessionTable {
  public:
-  SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode = TenantMode::kUid);
+  // fresh_backing (not owned; may be null in tests: new backings are then
+  // created unfaulted and old ones dropped inline) supplies new memfds for
+  // chunks that change tenant.
+  SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode = TenantMode::kUid,
+               FreshBacking* fresh_backing = nullptr);
   SessionTable(const SessionTable&) = delete;
   SessionTable& operator=(const SessionTable&) = delete;
 
@@ -144,10 +162,12 @@ class SessionTable {
 
   // Chunks whose fds a new session gets at attach: those its tenant owns
   // (every chunk with TenantMode::kNone). Records the session as a holder.
-  Result<std::vector<uint32_t>> AttachChunks(uint64_t session_id);
+  Result<std::vector<ChunkGrant>> AttachChunks(uint64_t session_id);
   // A session asks for more chunk fds (its reservations landed there). Each
   // must belong to its tenant: PERMISSION_DENIED otherwise, nothing granted.
-  Status GrantChunks(uint64_t session_id, const std::vector<uint32_t>& chunks);
+  // A backing handed to a live session is never replaced while it lives.
+  Result<std::vector<ChunkGrant>> GrantChunks(uint64_t session_id,
+                                              const std::vector<uint32_t>& chunks);
 
   // Ends a session and returns everything it holds to the free pool.
   // Returns the bytes reclaimed; NOT_FOUND if the session is already gone.
@@ -282,15 +302,16 @@ class SessionTable {
     std::string tenant;             // "" while never used
     std::vector<uint64_t> holders;  // sessions that were handed the fd
   };
-  // Marks `chunk` as the tenant's, zeroing it when it held another tenant's
-  // data. Requires mu_.
-  void Claim(uint32_t chunk, const std::string& tenant);
+  // Marks `chunk` as the tenant's, giving it a new memfd when it belonged to
+  // another tenant (never faults pages: see FreshBacking). Fails, changing
+  // nothing, only when no memfd can be created. Requires mu_.
+  Status Claim(uint32_t chunk, const std::string& tenant);
   // A chunk the tenant may take over now, or -1. Requires mu_.
   int64_t Claimable(const std::string& tenant) const;
   const TenantMode tenant_mode_;
   std::vector<ChunkOwner> chunk_owners_;  // guarded by mu_; one per chunk
-  uint64_t zeroed_chunks_ = 0;            // guarded by mu_
-  double zeroing_seconds_ = 0;            // guarded by mu_
+  FreshBacking* const fresh_backing_;
+  uint64_t replaced_backings_ = 0;  // guarded by mu_
 
   uint64_t next_session_id_ = 1;                    // guarded by mu_
   std::unordered_map<uint64_t, Session> sessions_;  // guarded by mu_

@@ -23,7 +23,9 @@
 namespace memoffload {
 
 inline constexpr uint32_t kAttachMagic = 0x4c464f4d;  // "MOFL"
-inline constexpr uint16_t kAttachProtocolVersion = 1;
+// Version 2: chunk fds carry the generation of their backing, and the
+// attach reply the daemon's instance id.
+inline constexpr uint16_t kAttachProtocolVersion = 2;
 inline constexpr size_t kMaxJobIdBytes = 128;
 
 struct Hello {
@@ -51,10 +53,20 @@ struct AttachReply {
   uint64_t session_limit_bytes = 0;
   std::vector<ChunkInfo> chunks;
   uint32_t fd_frames = 0;  // ChunkFdBatch frames that follow
+  // Random at each daemon start: a client that attaches again can tell a
+  // restarted daemon (new instance id) from a reclaimed session (same one).
+  uint64_t instance_id = 0;
 };
+
+// A chunk's backing (its memfd) is replaced when the chunk changes tenant;
+// each backing of a chunk has its own generation within one daemon instance.
+// A mapping is the current one for a chunk only when (instance_id, chunk,
+// generation) all match: a client never uses a mapping of another generation
+// for a new grant.
 
 struct ChunkFdBatch {
   std::vector<uint32_t> chunk_indexes;  // one per fd, in order
+  std::vector<uint64_t> generations;    // one per fd: generation of its backing
 };
 
 // After attach, a client asks for the fds of chunks its reservations landed
@@ -68,6 +80,7 @@ struct ChunkReply {
   StatusCode code = StatusCode::kOk;
   std::string message;
   std::vector<uint32_t> chunk_indexes;  // one per fd, in order
+  std::vector<uint64_t> generations;    // one per fd: generation of its backing
 };
 
 std::string EncodeHello(const Hello& hello);
