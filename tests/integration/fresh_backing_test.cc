@@ -18,6 +18,7 @@
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
+#include "memoffload/v1/memoffload.pb.h"
 
 namespace memoffload::testing {
 namespace {
