@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <array>
 #include <boost/asio/posix/stream_descriptor.hpp>
+#include <boost/asio/post.hpp>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -108,7 +109,13 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     payload_.clear();
     payload_.shrink_to_fit();
     on_frame_ = std::move(done);
-    WaitReadable();
+    // Bytes of the next frame may be queued already (the last read stopped at
+    // a frame's end, and the reactor is edge-triggered): try first, through
+    // the event loop so that a busy peer neither recurses nor starves others.
+    auto self = shared_from_this();
+    asio::post(broker_->io_, [self] {
+      if (!self->closed_) self->ReadAvailable();
+    });
   }
 
   void WaitReadable() {
