@@ -140,6 +140,10 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
     return broker_fd.status();
   }
   asio::io_context io;
+  // Installed before the arena is built: the sockets accept (into their
+  // backlog) from now on, and a SIGTERM or SIGINT that arrives during the
+  // pre-fault is handled once the event loop runs, as a clean stop.
+  asio::signal_set signals(io, SIGINT, SIGTERM, SIGHUP);
   // Listening fds move into their owners right away, so early returns close them.
   GrpcListener grpc_listener(io, config.policy, config.max_connections,
                              config.max_connections_per_uid);
@@ -316,7 +320,6 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
     });
   };
 
-  asio::signal_set signals(io, SIGINT, SIGTERM, SIGHUP);
   std::function<void(const boost::system::error_code&, int)> on_signal =
       [&](const boost::system::error_code& ec, int signo) {
         if (ec) return;
