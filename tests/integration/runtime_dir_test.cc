@@ -43,9 +43,13 @@ class Scratch {
 };
 
 // Runs memoffloadd to its exit; returns the exit code and stderr+stdout.
-int RunDaemonToExit(const std::string& args, std::string* out, int timeout_ms = 20000) {
-  return RunCapture({"/bin/sh", "-c", BinDir() + "/memoffloadd " + args + " 2>&1"}, out,
-                    timeout_ms);
+int RunDaemonToExit(const std::string& args, std::string* out, int timeout_ms = 10000) {
+  // timeout(1): a daemon that wrongly starts must not hang the test, which
+  // reads its output to the end.
+  return RunCapture({"/bin/sh", "-c",
+                     "exec timeout -s KILL " + std::to_string(timeout_ms / 1000) + " " + BinDir() +
+                         "/memoffloadd " + args + " 2>&1"},
+                    out, timeout_ms + 5000);
 }
 
 ino_t Inode(const std::string& path) {
@@ -128,7 +132,7 @@ TEST(RuntimeDir, ExitingDaemonLeavesItsSuccessorsSocketsAlone) {
                              "--metrics-address=none"},
                             nullptr);
       // A refused start exits at once; a started one keeps running.
-      const int status = WaitFor(attempt, 300);
+      const int status = WaitFor(attempt, 2000);
       if (status == -1) {
         new_daemon = attempt;
         break;
