@@ -257,8 +257,7 @@ Result<std::unique_ptr<prometheus::Exposer>> Metrics::Listen(const std::string& 
     // the request head, so a half-sent request cannot hold a thread).
     exposer = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
         "listening_ports", address, "num_threads", std::to_string(kHttpThreads),
-        "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs), "linger_timeout_ms", "0",
-        "enable_keep_alive", "no"});
+        "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs), "enable_keep_alive", "no"});
   } catch (const std::exception& e) {
     return Unavailable("cannot listen for metrics on " + address + ": " + e.what() +
                        " (another process may use the port; pick another server.metrics_address, "

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <string>
 #include <thread>
@@ -325,6 +326,7 @@ TEST(HostilePeers, LengthPrefixAloneAllocatesNothing) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   ASSERT_TRUE(AttachAndReserve(daemon->runtime_dir()));
   const long after = RssKiB(daemon->pid());
+  std::printf("RSS before %ld KiB, after 200 length prefixes %ld KiB\n", before, after);
   for (int fd : idle) close(fd);
   // 200 x 64 KiB would be 12.5 MiB.
   EXPECT_LT(after - before, 4096) << "RSS " << before << " KiB -> " << after << " KiB";
@@ -352,6 +354,8 @@ TEST(HostilePeers, HalfSentMetricsRequestsDoNotHoldUpScrapes) {
   const std::string scrape = HttpGet(port, "/metrics", 15000);
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   for (int fd : stalled) close(fd);
+  RecordProperty("scrape_seconds", std::to_string(seconds));
+  std::printf("scrape behind 8 half-sent requests: %.3f s\n", seconds);
   EXPECT_NE(scrape.find("memoffload_arena_capacity_bytes"), std::string::npos) << scrape;
   EXPECT_LT(seconds, 5.0);
 }

@@ -65,10 +65,11 @@ class Metrics {
 
   // Binds the HTTP listener ("host:port"; port 0 picks a free one) and sets
   // *bound to the bound "host:port". Scrapes find no series until Serve.
-  // Bounded against slow clients: kHttpThreads threads, and a request that
-  // is not complete within kHttpRequestTimeoutMs is dropped, so half-sent
-  // requests delay a scrape by at most that long.
-  static constexpr int kHttpThreads = 4;
+  // Bounded against slow clients: kHttpThreads threads (civetweb serves one
+  // connection per thread), and a request that is not complete within
+  // kHttpRequestTimeoutMs is dropped, so k half-sent requests delay a scrape
+  // by about ceil(k / kHttpThreads) times that timeout.
+  static constexpr int kHttpThreads = 8;
   static constexpr int kHttpRequestTimeoutMs = 2000;
   static Result<std::unique_ptr<prometheus::Exposer>> Listen(const std::string& address,
                                                              std::string* bound);
