@@ -85,13 +85,13 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::strin
     }
     return ErrnoStatus("locking " + lock_path, error);
   }
-  // Ours now: the lock file is removed with the dir only (see the header).
-  if (claim->created_dir_) claim->Own(lock_path);
   const std::string pid = std::to_string(getpid()) + "\n";
   if (ftruncate(claim->lock_fd_, 0) != 0 ||
       pwrite(claim->lock_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
     MO_LOG_WARN("cannot write the pid into %s: %s", lock_path.c_str(), std::strerror(errno));
   }
+  // Ours now: the lock file is removed with the dir only (see the header).
+  if (claim->created_dir_) claim->Own(lock_path);
   return claim;
 }
 
@@ -115,7 +115,6 @@ Result<int> RuntimeDirClaim::ListenUnix(const std::string& path, uint32_t mode, 
     close(fd);
     return Unavailable("cannot bind " + path + ": " + std::strerror(error));
   }
-  Own(path);
   Status st = Status::Ok();
   if (chmod(path.c_str(), mode) != 0) {
     st = ErrnoStatus("chmod " + path, errno);
@@ -127,15 +126,17 @@ Result<int> RuntimeDirClaim::ListenUnix(const std::string& path, uint32_t mode, 
   }
   if (!st.ok()) {
     close(fd);
+    unlink(path.c_str());  // created a moment ago, under the lock
     return st;
   }
+  Own(path);  // after chmod/chown: they change ctime, part of the identity
   return fd;
 }
 
 void RuntimeDirClaim::Own(const std::string& path) {
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) return;
-  owned_.push_back({path, st.st_dev, st.st_ino});
+  owned_.push_back({path, st.st_dev, st.st_ino, st.st_ctim});
 }
 
 void RuntimeDirClaim::RemoveOwned() {
@@ -143,7 +144,12 @@ void RuntimeDirClaim::RemoveOwned() {
   for (auto it = owned_.rbegin(); it != owned_.rend(); ++it) {
     struct stat st;
     if (lstat(it->path.c_str(), &st) != 0) continue;
-    if (st.st_dev != it->dev || st.st_ino != it->ino) continue;  // another's now
+    // Another's now. Inode numbers are reused at once (tmpfs), so the change
+    // time counts too; a file whose metadata someone changed is left alone.
+    if (st.st_dev != it->dev || st.st_ino != it->ino || st.st_ctim.tv_sec != it->ctime.tv_sec ||
+        st.st_ctim.tv_nsec != it->ctime.tv_nsec) {
+      continue;
+    }
     unlink(it->path.c_str());
   }
   owned_.clear();

@@ -6,8 +6,9 @@
 // lock: flock on <dir>/memoffloadd.lock, which holds the owner's pid. A
 // second daemon on the same dir fails at once and names the holder's pid.
 //
-// Every file this instance creates in the dir is recorded (by inode) and
-// removed when the claim ends, and only if it is still the same file: an
+// Every file this instance creates in the dir is recorded (device, inode and
+// change time, once the file is complete) and removed when the claim ends,
+// and only if it is still the same file: an
 // exiting daemon never removes what a later one created. A dir that Claim()
 // created is removed too when it is empty by then, so a failed start leaves
 // nothing behind.
@@ -15,6 +16,7 @@
 #define MEMOFFLOAD_DAEMON_RUNTIME_DIR_CLAIM_H_
 
 #include <sys/types.h>
+#include <time.h>
 
 #include <memory>
 #include <string>
@@ -40,7 +42,8 @@ class RuntimeDirClaim {
   // says no live daemon uses it), sets its mode and group (gid -1 keeps the
   // daemon's) and listens. Returns the listening fd (the caller owns it).
   Result<int> ListenUnix(const std::string& path, uint32_t mode, gid_t gid);
-  // Records a file this instance just created at `path`.
+  // Records a file this instance just created and finished (mode, owner and
+  // contents set) at `path`.
   void Own(const std::string& path);
   // Removes the recorded files now (they are forgotten).
   void RemoveOwned();
@@ -50,6 +53,7 @@ class RuntimeDirClaim {
     std::string path;
     dev_t dev;
     ino_t ino;
+    timespec ctime;
   };
   RuntimeDirClaim() = default;
 
