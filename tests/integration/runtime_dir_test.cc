@@ -117,14 +117,33 @@ TEST(RuntimeDir, ExitingDaemonLeavesItsSuccessorsSocketsAlone) {
   const std::string dir = scratch.path() + "/run";
   for (int round = 0; round < 5; ++round) {
     pid_t old_daemon = Spawn({BinDir() + "/memoffloadd", "--runtime-dir=" + dir,
-                              "--arena-size=8MiB", "--metrics-address=none"},
+                              "--arena-size=8MiB", "--metrics-address=none", "--drain-timeout=1s"},
                              nullptr);
     const auto up = Clock::now() + std::chrono::seconds(10);
     while (Clock::now() < up && !std::filesystem::exists(dir + "/broker.sock")) {
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     ASSERT_TRUE(std::filesystem::exists(dir + "/broker.sock"));
-    kill(old_daemon, SIGTERM);
+    // Keep the old daemon busy while it stops: one client holds the whole
+    // arena, another waits for space in a Reserve that is in flight when the
+    // SIGINT comes (gRPC shutdown then waits for it before the old daemon
+    // removes its files).
+    client::AttachOptions attach;
+    attach.runtime_dir = dir;
+    auto holder = client::Client::Attach(attach);
+    ASSERT_TRUE(holder.ok()) << holder.status().ToString();
+    ASSERT_TRUE((*holder)->Reserve(1, 8 << 20).ok());
+    auto waiter = client::Client::Attach(attach);
+    ASSERT_TRUE(waiter.ok());
+    std::thread waiting([&] {
+      client::ReserveOptions wait;
+      wait.wait_for_space = true;
+      wait.wait_timeout_ms = 5000;
+      // Refused or cancelled when the daemon stops, never granted.
+      EXPECT_FALSE((*waiter)->Reserve(1, 4 << 20, wait).ok());
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the Reserve is in flight
+    kill(old_daemon, round % 2 == 0 ? SIGINT : SIGTERM);
     pid_t new_daemon = -1;
     const auto deadline = Clock::now() + std::chrono::seconds(10);
     while (Clock::now() < deadline) {
@@ -138,6 +157,7 @@ TEST(RuntimeDir, ExitingDaemonLeavesItsSuccessorsSocketsAlone) {
         break;
       }
     }
+    waiting.join();
     ASSERT_GT(new_daemon, 0);
     ASSERT_NE(WaitFor(old_daemon, 10000), -1);
     // The old daemon is gone; the new one's sockets are there and serve.
