@@ -151,21 +151,11 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   {
     boost::system::error_code ec;
     broker_acceptor.assign(asio::local::stream_protocol(), *broker_fd, ec);
-    if (ec) {
-      close(*broker_fd);
-      close(*grpc_fd);
-      return Internal("cannot adopt the broker socket: " + ec.message());
-    }
+    if (ec) close(*broker_fd);
+    Status adopted = grpc_listener.Adopt(*grpc_fd);
+    if (ec) return Internal("cannot watch the broker socket: " + ec.message());
+    MEMOFFLOAD_RETURN_IF_ERROR(adopted);
   }
-  const int grpc_listen_fd = *grpc_fd;
-  struct CloseUnlessAdopted {
-    int* fd;
-    ~CloseUnlessAdopted() {
-      if (*fd >= 0) close(*fd);
-    }
-  };
-  int pending_grpc_fd = grpc_listen_fd;
-  CloseUnlessAdopted grpc_fd_guard{&pending_grpc_fd};
 
   SessionTable* table_for_probes = nullptr;
   HealthServer health(io, [&table_for_probes, &grpc_listener] {
@@ -237,8 +227,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (server == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path);
-  pending_grpc_fd = -1;
-  grpc_listener.Start(grpc_listen_fd, server.get());
+  grpc_listener.Start(server.get());
 
   BrokerOptions broker_options;
   broker_options.socket_path = broker_path;

@@ -34,16 +34,19 @@ GrpcListener::GrpcListener(asio::io_context& io, Policy policy, size_t max_total
 
 GrpcListener::~GrpcListener() { Stop(); }
 
-void GrpcListener::Start(int listen_fd, grpc::Server* server) {
-  server_ = server;
+Status GrpcListener::Adopt(int listen_fd) {
   error_code ec;
   acceptor_.assign(asio::local::stream_protocol(), listen_fd, ec);
   if (!ec) acceptor_.non_blocking(true, ec);
   if (ec) {
-    problem_ = "cannot watch the gRPC socket: " + ec.message();
-    MO_LOG_ERROR("%s", problem_.c_str());
-    return;
+    if (!acceptor_.is_open()) close(listen_fd);
+    return Internal("cannot watch the gRPC socket: " + ec.message());
   }
+  return Status::Ok();
+}
+
+void GrpcListener::Start(grpc::Server* server) {
+  server_ = server;
   WaitForConnection();
 }
 

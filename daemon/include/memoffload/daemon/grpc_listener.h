@@ -44,9 +44,12 @@ class GrpcListener {
   GrpcListener(const GrpcListener&) = delete;
   GrpcListener& operator=(const GrpcListener&) = delete;
 
-  // Adopts `listen_fd` (a listening Unix stream socket) and starts handing
-  // accepted connections to `server`, which must outlive Stop().
-  void Start(int listen_fd, grpc::Server* server);
+  // Takes ownership of `listen_fd` (a listening Unix stream socket; closed
+  // with the listener). Connections wait in its backlog until Start.
+  Status Adopt(int listen_fd);
+  // Starts handing accepted connections to `server`, which must outlive
+  // Stop().
+  void Start(grpc::Server* server);
   // Closes the listening socket; handed connections stay with gRPC.
   void Stop();
   // Replaces the access policy for future connections (SIGHUP).
