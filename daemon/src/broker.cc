@@ -1,5 +1,6 @@
 #include "memoffload/daemon/broker.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -36,8 +37,10 @@ std::string FrameHeader(size_t len) {
   return header;
 }
 
-// One frame on its way out. The fds are the arena's chunk fds (the arena
-// outlives every connection); they travel with the frame's first byte.
+// One frame on its way out. The fds travel with the frame's first byte.
+// They are the arena's chunk fds, borrowed while the reply goes out at once;
+// a reply that has to wait for the peer owns duplicates instead (a chunk's
+// fd may be replaced meanwhile), closed once sent or dropped.
 struct OutFrame {
   std::string bytes;  // length prefix + payload
   std::vector<int> fds;
@@ -97,7 +100,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   }
 
   // Marks the connection closed for handlers still queued (CloseAll).
-  void MarkClosed() { closed_ = true; }
+  void MarkClosed() {
+    closed_ = true;
+    DropAllFds();
+  }
 
  private:
   // Reads one frame into payload_, allocating only as its bytes arrive, then
@@ -337,6 +343,11 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       if (n < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          if (!OwnPendingFds()) {
+            MO_LOG_WARN_LIMITED("broker: pid %d: cannot keep chunk fds for a pending reply: %s",
+                                peer_.pid, std::strerror(errno));
+            return Finish();
+          }
           auto self = shared_from_this();
           socket_.async_wait(Socket::wait_write, [self](error_code ec) {
             if (self->closed_) return;
@@ -347,6 +358,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         }
         return Finish();  // the peer is gone
       }
+      if (out_offset_ == 0) DropFds(&frame);  // they went with this first byte
       out_offset_ += static_cast<size_t>(n);
       if (out_offset_ == frame.bytes.size()) {
         ++out_frame_;
@@ -357,8 +369,48 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     out_.clear();
     out_.shrink_to_fit();
     out_frame_ = 0;
+    fds_owned_ = false;
     std::function<void()> done = std::move(on_sent_);
     if (done) done();
+  }
+
+  // Replaces the borrowed fds of frames not yet started by duplicates.
+  bool OwnPendingFds() {
+    if (fds_owned_) return true;
+    for (size_t i = out_frame_; i < out_.size(); ++i) {
+      for (int& fd : out_[i].fds) {
+        const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (dup < 0) {
+          // Borrowed and owned fds are mixed now: forget the borrowed ones.
+          const int error = errno;
+          for (size_t j = out_frame_; j <= i; ++j) {
+            for (int& owned : out_[j].fds) {
+              if (&owned == &fd) break;
+              close(owned);
+            }
+            out_[j].fds.clear();
+          }
+          for (size_t j = i + 1; j < out_.size(); ++j) out_[j].fds.clear();
+          errno = error;
+          return false;
+        }
+        fd = dup;
+      }
+    }
+    fds_owned_ = true;
+    return true;
+  }
+
+  // Closes (when owned) and forgets a frame's fds.
+  void DropFds(OutFrame* frame) {
+    if (fds_owned_) {
+      for (int fd : frame->fds) close(fd);
+    }
+    frame->fds.clear();
+  }
+
+  void DropAllFds() {
+    for (size_t i = out_frame_; i < out_.size(); ++i) DropFds(&out_[i]);
   }
 
   // The connection is over: reclaim and forget it.
@@ -366,6 +418,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     if (closed_) return;
     closed_ = true;
     CloseSession(CloseReason::kLifelineClosed);
+    DropAllFds();
     Shutdown();
     broker_->OnClosed(id_, peer_.uid);  // may drop the last owner but `self`
   }
@@ -391,6 +444,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   size_t out_frame_ = 0;
   size_t out_offset_ = 0;
   std::function<void()> on_sent_;
+  bool fds_owned_ = false;  // out_'s fds are duplicates to close
 };
 
 Broker::Broker(asio::io_context& io, const Arena* arena, SessionTable* table, Metrics* metrics,
