@@ -1,16 +1,19 @@
 #include "memoffload/daemon/broker.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <boost/asio/posix/stream_descriptor.hpp>
-#include <boost/asio/read.hpp>
-#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/post.hpp>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <functional>
 
 #include "memoffload/daemon/log.h"
 #include "memoffload/shared_mem/attach_wire.h"
@@ -22,42 +25,63 @@ namespace asio = boost::asio;
 using boost::system::error_code;
 using Socket = asio::local::stream_protocol::socket;
 
+namespace {
+
+constexpr uint32_t kMaxClientFrameBytes = 64 * 1024;
+constexpr std::chrono::milliseconds kFirstBackoff{10};
+constexpr std::chrono::milliseconds kMaxBackoff{1000};
+
+std::string FrameHeader(size_t len) {
+  std::string header(4, '\0');
+  for (int i = 0; i < 4; ++i) header[i] = static_cast<char>((len >> (8 * i)) & 0xff);
+  return header;
+}
+
+// One frame on its way out. The fds travel with the frame's first byte.
+// They are the arena's chunk fds, borrowed while the reply goes out at once;
+// a reply that has to wait for the peer owns duplicates instead (a chunk's
+// fd may be replaced meanwhile), closed once sent or dropped.
+struct OutFrame {
+  std::string bytes;  // length prefix + payload
+  std::vector<int> fds;
+};
+
+}  // namespace
+
 // One attached (or attaching) client. Lives in Broker::connections_ until its
-// socket closes.
+// socket closes. It reads one frame at a time (as bytes arrive), and reads
+// the next only once the reply to the last one is written.
 class Broker::Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(Broker* broker, uint64_t id, Socket socket)
+  Connection(Broker* broker, uint64_t id, Socket socket, PeerCredentials peer)
       : broker_(broker),
         id_(id),
         socket_(std::move(socket)),
-        timer_(broker->io_),
-        pidfd_(broker->io_) {}
+        hello_timer_(broker->io_),
+        write_timer_(broker->io_),
+        pidfd_(broker->io_),
+        peer_(peer) {}
+
+  uid_t uid() const { return peer_.uid; }
 
   void Start() {
-    ucred cred{};
-    socklen_t len = sizeof(cred);
-    if (getsockopt(socket_.native_handle(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      Refuse("peer_credentials", Internal("cannot read SO_PEERCRED of the peer"));
-      return;
-    }
-    peer_ = PeerCredentials{cred.pid, cred.uid, cred.gid};
-    timer_.expires_after(std::chrono::milliseconds(broker_->options_.hello_timeout_ms));
+    hello_timer_.expires_after(std::chrono::milliseconds(broker_->options_.hello_timeout_ms));
     auto self = shared_from_this();
-    timer_.async_wait([self](error_code ec) {
-      if (!ec && self->session_id_ == 0) {
-        MO_LOG_WARN("attach from pid %d: no hello within %d ms; dropping", self->peer_.pid,
-                    self->broker_->options_.hello_timeout_ms);
+    hello_timer_.async_wait([self](error_code ec) {
+      if (!ec && !self->closed_ && self->session_id_ == 0) {
+        MO_LOG_WARN_LIMITED("attach from pid %d: no hello within %d ms; dropping", self->peer_.pid,
+                            self->broker_->options_.hello_timeout_ms);
         self->broker_->metrics_->AttachRefused("hello_timeout");
-        self->Shutdown();
+        self->Finish();
       }
     });
-    asio::async_read(socket_, asio::buffer(header_),
-                     [self](error_code ec, size_t) { self->OnHeader(ec); });
+    ReadFrame([self] { self->OnHello(); });
   }
 
   void Shutdown() {
     error_code ignored;
-    timer_.cancel();
+    hello_timer_.cancel();
+    write_timer_.cancel();
     pidfd_.close(ignored);
     socket_.shutdown(Socket::shutdown_both, ignored);
     socket_.close(ignored);
@@ -75,27 +99,84 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     session_id_ = 0;
   }
 
- private:
-  void OnHeader(error_code ec) {
-    if (ec) return Finish();
-    uint32_t len = 0;
-    for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(header_[i]) << (8 * i);
-    if (len > 64 * 1024) {
-      return Refuse("bad_hello",
-                    InvalidArgument("hello of " + std::to_string(len) + " bytes is too large"));
-    }
-    payload_.assign(len, '\0');
-    auto self = shared_from_this();
-    asio::async_read(socket_, asio::buffer(payload_),
-                     [self](error_code ec2, size_t) { self->OnHello(ec2); });
+  // Marks the connection closed for handlers still queued (CloseAll).
+  void MarkClosed() {
+    closed_ = true;
+    DropAllFds();
   }
 
-  void OnHello(error_code ec) {
-    if (ec) return Finish();
-    timer_.cancel();
+ private:
+  // Reads one frame into payload_, allocating only as its bytes arrive, then
+  // calls `done`. A frame over kMaxClientFrameBytes or a closed peer ends
+  // the connection (a hello gets a reply first).
+  void ReadFrame(std::function<void()> done) {
+    header_bytes_ = 0;
+    frame_bytes_ = 0;
+    payload_.clear();
+    payload_.shrink_to_fit();
+    on_frame_ = std::move(done);
+    // Bytes of the next frame may be queued already (the last read stopped at
+    // a frame's end, and the reactor is edge-triggered): try first, through
+    // the event loop so that a busy peer neither recurses nor starves others.
+    auto self = shared_from_this();
+    asio::post(broker_->io_, [self] {
+      if (!self->closed_) self->ReadAvailable();
+    });
+  }
+
+  void WaitReadable() {
+    auto self = shared_from_this();
+    socket_.async_wait(Socket::wait_read, [self](error_code ec) {
+      if (self->closed_) return;
+      if (ec) return self->Finish();
+      self->ReadAvailable();
+    });
+  }
+
+  void ReadAvailable() {
+    std::array<unsigned char, 4096> buf;
+    for (;;) {
+      size_t want = header_bytes_ < 4 ? 4 - header_bytes_ : frame_bytes_ - payload_.size();
+      want = std::min(want, buf.size());
+      const ssize_t n = recv(socket_.native_handle(), buf.data(), want, MSG_DONTWAIT);
+      if (n == 0) return Finish();
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return WaitReadable();
+        return Finish();
+      }
+      size_t used = static_cast<size_t>(n);
+      if (header_bytes_ < 4) {
+        std::memcpy(header_.data() + header_bytes_, buf.data(), used);
+        header_bytes_ += used;
+        if (header_bytes_ < 4) continue;
+        frame_bytes_ = 0;
+        for (int i = 0; i < 4; ++i) frame_bytes_ |= static_cast<uint32_t>(header_[i]) << (8 * i);
+        if (frame_bytes_ > kMaxClientFrameBytes) return FrameTooLarge();
+      } else {
+        payload_.append(reinterpret_cast<const char*>(buf.data()), used);
+      }
+      if (payload_.size() == frame_bytes_) {
+        std::function<void()> done = std::move(on_frame_);
+        return done();
+      }
+    }
+  }
+
+  void FrameTooLarge() {
+    const std::string what = std::to_string(frame_bytes_) + "-byte frame (limit " +
+                             std::to_string(kMaxClientFrameBytes) + ")";
+    if (session_id_ == 0) return Refuse("bad_hello", InvalidArgument("hello is a " + what));
+    MO_LOG_WARN_LIMITED("session %lu sent a %s on its broker connection; closing it",
+                        static_cast<unsigned long>(session_id_), what.c_str());
+    Finish();
+  }
+
+  void OnHello() {
+    hello_timer_.cancel();
     // Access is decided after the hello so the client, which writes its hello
     // first, always reads the reason instead of a broken pipe.
-    if (std::string denied = broker_->AccessDenied(peer_); !denied.empty()) {
+    if (std::string denied = AccessDenied(broker_->policy_, peer_); !denied.empty()) {
       return Refuse("access_denied", PermissionDenied(denied));
     }
     Result<Hello> hello = DecodeHello(payload_);
@@ -108,10 +189,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
           grant.status());
     }
     session_id_ = grant->session_id;
-    if (Status st = SendGrant(*grant); !st.ok()) {
-      MO_LOG_WARN("attach of pid %d failed while sending the chunk table: %s", peer_.pid,
-                  st.ToString().c_str());
-      CloseSession(CloseReason::kLifelineClosed);
+    Result<std::vector<OutFrame>> frames = GrantFrames(*grant);
+    if (!frames.ok()) {
+      MO_LOG_WARN("attach of pid %d failed while building the chunk table: %s", peer_.pid,
+                  frames.status().ToString().c_str());
       return Finish();
     }
     broker_->metrics_->SessionOpened();
@@ -119,8 +200,9 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         "session %lu attached: pid %d uid %u job '%s' rank %d local_rank %d (instance %016lx)",
         static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid, hello_.job_id.c_str(),
         hello_.rank, hello_.local_rank, static_cast<unsigned long>(broker_->options_.instance_id));
-    WatchLifeline();
     WatchProcess();
+    auto self = shared_from_this();
+    Send(std::move(*frames), [self] { self->WatchLifeline(); });
   }
 
   // Closes the session when the peer process exits, even if a child it
@@ -132,7 +214,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     pidfd_.assign(fd);
     auto self = shared_from_this();
     pidfd_.async_wait(asio::posix::stream_descriptor::wait_read, [self](error_code ec) {
-      if (ec || self->session_id_ == 0) return;
+      if (ec || self->closed_ || self->session_id_ == 0) return;
       // A process closes its fds before its pidfd turns readable: a hung-up
       // socket means the ordinary lifeline case, an open one means a child
       // still holds it.
@@ -143,7 +225,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     });
   }
 
-  Status SendGrant(const SessionGrant& grant) {
+  Result<std::vector<OutFrame>> GrantFrames(const SessionGrant& grant) {
     const Arena& arena = *broker_->arena_;
     Result<std::vector<ChunkGrant>> granted = broker_->table_->AttachChunks(grant.session_id);
     if (!granted.ok()) return granted.status();
@@ -159,8 +241,8 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     }
     reply.fd_frames =
         static_cast<uint32_t>((granted->size() + kMaxFdsPerFrame - 1) / kMaxFdsPerFrame);
-    const int fd = socket_.native_handle();
-    MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(fd, EncodeAttachReply(reply)));
+    std::vector<OutFrame> frames;
+    frames.push_back(Frame(EncodeAttachReply(reply)));
     for (size_t first = 0; first < granted->size(); first += kMaxFdsPerFrame) {
       ChunkFdBatch batch;
       std::vector<int> fds;
@@ -169,31 +251,20 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         batch.generations.push_back((*granted)[i].generation);
         fds.push_back((*granted)[i].backing->fd());
       }
-      MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(fd, EncodeChunkFdBatch(batch), fds));
+      frames.push_back(Frame(EncodeChunkFdBatch(batch), std::move(fds)));
     }
-    return Status::Ok();
+    return frames;
+  }
+
+  static OutFrame Frame(const std::string& payload, std::vector<int> fds = {}) {
+    return OutFrame{FrameHeader(payload.size()) + payload, std::move(fds)};
   }
 
   // Serves chunk requests until the peer closes: the connection is the
   // session's lifeline.
   void WatchLifeline() {
     auto self = shared_from_this();
-    asio::async_read(socket_, asio::buffer(header_), [self](error_code ec, size_t) {
-      if (ec) return self->Finish();
-      uint32_t len = 0;
-      for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(self->header_[i]) << (8 * i);
-      if (len > 64 * 1024) {
-        MO_LOG_WARN("session %lu sent a %u-byte frame on its broker connection; closing it",
-                    static_cast<unsigned long>(self->session_id_), len);
-        return self->Finish();
-      }
-      self->payload_.assign(len, '\0');
-      asio::async_read(self->socket_, asio::buffer(self->payload_), [self](error_code ec2, size_t) {
-        if (ec2) return self->Finish();
-        self->ServeChunkRequest();
-        self->WatchLifeline();
-      });
-    });
+    ReadFrame([self] { self->ServeChunkRequest(); });
   }
 
   void ServeChunkRequest() {
@@ -218,89 +289,195 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     } else {
       reply.code = st.code();
       reply.message = st.message();
-      MO_LOG_WARN("session %lu (pid %d): chunk request refused: %s",
-                  static_cast<unsigned long>(session_id_), peer_.pid, st.ToString().c_str());
+      MO_LOG_WARN_LIMITED("session %lu (pid %d): chunk request refused: %s",
+                          static_cast<unsigned long>(session_id_), peer_.pid,
+                          st.ToString().c_str());
     }
-    if (Status sent = SendFrame(socket_.native_handle(), EncodeChunkReply(reply), fds);
-        !sent.ok()) {
-      MO_LOG_WARN("session %lu: sending chunk fds failed: %s",
-                  static_cast<unsigned long>(session_id_), sent.ToString().c_str());
-    }
+    std::vector<OutFrame> frames;
+    frames.push_back(Frame(EncodeChunkReply(reply), std::move(fds)));
+    auto self = shared_from_this();
+    Send(std::move(frames), [self] { self->WatchLifeline(); });
   }
 
   void Refuse(const std::string& reason, const Status& status) {
     broker_->metrics_->AttachRefused(reason);
-    MO_LOG_WARN("attach refused (pid %d uid %u): %s", peer_.pid, peer_.uid,
-                status.ToString().c_str());
+    MO_LOG_WARN_LIMITED("attach refused (pid %d uid %u): %s", peer_.pid, peer_.uid,
+                        status.ToString().c_str());
     AttachReply reply;
     reply.code = status.code();
     reply.message = status.message();
-    Status ignored = SendFrame(socket_.native_handle(), EncodeAttachReply(reply));
-    (void)ignored;
-    Finish();
+    std::vector<OutFrame> frames;
+    frames.push_back(Frame(EncodeAttachReply(reply)));
+    auto self = shared_from_this();
+    Send(std::move(frames), [self] { self->Finish(); });
+  }
+
+  // Queues `frames` (the whole reply) and writes them without blocking; calls
+  // `done` once all are written. A peer that does not take them within
+  // kReplyTimeoutMs is dropped.
+  void Send(std::vector<OutFrame> frames, std::function<void()> done) {
+    out_ = std::move(frames);
+    out_frame_ = 0;
+    out_offset_ = 0;
+    on_sent_ = std::move(done);
+    write_timer_.expires_after(std::chrono::milliseconds(kReplyTimeoutMs));
+    auto self = shared_from_this();
+    write_timer_.async_wait([self](error_code ec) {
+      if (ec || self->closed_ || self->out_frame_ == self->out_.size()) return;
+      MO_LOG_WARN_LIMITED("broker: pid %d uid %u did not read its reply within %d ms; dropping it",
+                          self->peer_.pid, self->peer_.uid, kReplyTimeoutMs);
+      self->broker_->metrics_->AttachRefused("slow_reader");
+      self->Finish();
+    });
+    Flush();
+  }
+
+  void Flush() {
+    while (out_frame_ < out_.size()) {
+      OutFrame& frame = out_[out_frame_];
+      iovec iov{frame.bytes.data() + out_offset_, frame.bytes.size() - out_offset_};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxFdsPerFrame)];
+      if (out_offset_ == 0 && !frame.fds.empty()) {
+        msg.msg_control = control;
+        msg.msg_controllen = CMSG_SPACE(sizeof(int) * frame.fds.size());
+        cmsghdr* c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(sizeof(int) * frame.fds.size());
+        std::memcpy(CMSG_DATA(c), frame.fds.data(), sizeof(int) * frame.fds.size());
+      }
+      const ssize_t n = sendmsg(socket_.native_handle(), &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          if (!OwnPendingFds()) {
+            MO_LOG_WARN_LIMITED("broker: pid %d: cannot keep chunk fds for a pending reply: %s",
+                                peer_.pid, std::strerror(errno));
+            return Finish();
+          }
+          auto self = shared_from_this();
+          socket_.async_wait(Socket::wait_write, [self](error_code ec) {
+            if (self->closed_) return;
+            if (ec) return self->Finish();
+            self->Flush();
+          });
+          return;
+        }
+        return Finish();  // the peer is gone
+      }
+      if (out_offset_ == 0) DropFds(&frame);  // they went with this first byte
+      out_offset_ += static_cast<size_t>(n);
+      if (out_offset_ == frame.bytes.size()) {
+        ++out_frame_;
+        out_offset_ = 0;
+      }
+    }
+    write_timer_.cancel();
+    out_.clear();
+    out_.shrink_to_fit();
+    out_frame_ = 0;
+    fds_owned_ = false;
+    std::function<void()> done = std::move(on_sent_);
+    if (done) done();
+  }
+
+  // Replaces the borrowed fds of frames not yet started by duplicates.
+  bool OwnPendingFds() {
+    if (fds_owned_) return true;
+    for (size_t i = out_frame_; i < out_.size(); ++i) {
+      for (int& fd : out_[i].fds) {
+        const int dup = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+        if (dup < 0) {
+          // Borrowed and owned fds are mixed now: forget the borrowed ones.
+          const int error = errno;
+          for (size_t j = out_frame_; j <= i; ++j) {
+            for (int& owned : out_[j].fds) {
+              if (&owned == &fd) break;
+              close(owned);
+            }
+            out_[j].fds.clear();
+          }
+          for (size_t j = i + 1; j < out_.size(); ++j) out_[j].fds.clear();
+          errno = error;
+          return false;
+        }
+        fd = dup;
+      }
+    }
+    fds_owned_ = true;
+    return true;
+  }
+
+  // Closes (when owned) and forgets a frame's fds.
+  void DropFds(OutFrame* frame) {
+    if (fds_owned_) {
+      for (int fd : frame->fds) close(fd);
+    }
+    frame->fds.clear();
+  }
+
+  void DropAllFds() {
+    for (size_t i = out_frame_; i < out_.size(); ++i) DropFds(&out_[i]);
   }
 
   // The connection is over: reclaim and forget it.
   void Finish() {
+    if (closed_) return;
+    closed_ = true;
     CloseSession(CloseReason::kLifelineClosed);
+    DropAllFds();
     Shutdown();
-    broker_->OnClosed(id_);
+    broker_->OnClosed(id_, peer_.uid);  // may drop the last owner but `self`
   }
 
   Broker* broker_;
   const uint64_t id_;
   Socket socket_;
-  asio::steady_timer timer_;
+  asio::steady_timer hello_timer_;
+  asio::steady_timer write_timer_;
   asio::posix::stream_descriptor pidfd_;
-  PeerCredentials peer_;
+  const PeerCredentials peer_;
   Hello hello_;
   uint64_t session_id_ = 0;
+  bool closed_ = false;
+  // Reading: the frame so far.
   std::array<unsigned char, 4> header_{};
+  size_t header_bytes_ = 0;
+  uint32_t frame_bytes_ = 0;
   std::string payload_;
+  std::function<void()> on_frame_;
+  // Writing: the one reply in flight.
+  std::vector<OutFrame> out_;
+  size_t out_frame_ = 0;
+  size_t out_offset_ = 0;
+  std::function<void()> on_sent_;
+  bool fds_owned_ = false;  // out_'s fds are duplicates to close
 };
 
 Broker::Broker(asio::io_context& io, const Arena* arena, SessionTable* table, Metrics* metrics,
                BrokerOptions options, Policy policy)
-
     : io_(io),
       arena_(arena),
       table_(table),
       metrics_(metrics),
       options_(std::move(options)),
       policy_(std::move(policy)),
-      acceptor_(io) {}
+      acceptor_(io),
+      accept_retry_(io),
+      limits_(options_.max_connections, options_.max_connections_per_uid) {}
 
 Broker::~Broker() { CloseAll(); }
 
-std::string Broker::AccessDenied(const PeerCredentials& peer) const {
-  if (peer.uid == 0 || peer.uid == geteuid()) return "";
-  const auto& uids = policy_.allowed_uids;
-  const auto& gids = policy_.allowed_gids;
-  if (std::find(uids.begin(), uids.end(), peer.uid) != uids.end()) return "";
-  if (std::find(gids.begin(), gids.end(), peer.gid) != gids.end()) return "";
-  return "uid " + std::to_string(peer.uid) + " (gid " + std::to_string(peer.gid) +
-         ") may not attach: allowed are root, the daemon's uid " + std::to_string(geteuid()) +
-         " and access.allowed_uids / access.allowed_gids in the daemon's config";
-}
-
-Status Broker::Start() {
-  unlink(options_.socket_path.c_str());
+Status Broker::Start(int listen_fd) {
   error_code ec;
-  asio::local::stream_protocol::endpoint endpoint(options_.socket_path);
-  acceptor_.open(endpoint.protocol(), ec);
-  if (!ec) acceptor_.bind(endpoint, ec);
+  acceptor_.assign(asio::local::stream_protocol(), listen_fd, ec);
   if (ec) {
-    return Unavailable("cannot bind broker socket " + options_.socket_path + ": " + ec.message());
+    close(listen_fd);
+    return Unavailable("cannot watch broker socket " + options_.socket_path + ": " + ec.message());
   }
-  if (chmod(options_.socket_path.c_str(), options_.socket_mode) != 0) {
-    return ErrnoStatus("chmod " + options_.socket_path, errno);
-  }
-  if (options_.socket_gid != static_cast<gid_t>(-1) &&
-      chown(options_.socket_path.c_str(), static_cast<uid_t>(-1), options_.socket_gid) != 0) {
-    return ErrnoStatus("chown " + options_.socket_path + " to the socket group", errno);
-  }
-  acceptor_.listen(asio::socket_base::max_listen_connections, ec);
-  if (ec) return Unavailable("cannot listen on " + options_.socket_path + ": " + ec.message());
   Accept();
   return Status::Ok();
 }
@@ -308,25 +485,56 @@ Status Broker::Start() {
 void Broker::Accept() {
   acceptor_.async_accept([this](error_code ec, Socket socket) {
     if (ec == asio::error::operation_aborted || !acceptor_.is_open()) return;
-    if (!ec) {
+    if (ec) return AcceptFailed(ec);
+    accept_backoff_ = std::chrono::milliseconds(0);
+    Result<PeerCredentials> peer = PeerOf(socket.native_handle());
+    if (!peer.ok()) {
+      metrics_->AttachRefused("peer_credentials");
+      MO_LOG_WARN_LIMITED("broker: dropping a connection: %s", peer.status().ToString().c_str());
+    } else if (std::string full = limits_.Admit(peer->uid); !full.empty()) {
+      metrics_->AttachRefused("connection_limit");
+      MO_LOG_WARN_LIMITED("attach refused (pid %d uid %u): %s", peer->pid, peer->uid, full.c_str());
+      // Best effort, never waiting: the reason, then close.
+      AttachReply reply;
+      reply.code = StatusCode::kResourceExhausted;
+      reply.message = full;
+      const std::string payload = EncodeAttachReply(reply);
+      const std::string bytes = FrameHeader(payload.size()) + payload;
+      const ssize_t ignored =
+          send(socket.native_handle(), bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+      (void)ignored;  // a peer that cannot take it just sees the close
+    } else {
       const uint64_t id = next_connection_id_++;
-      auto conn = std::make_shared<Connection>(this, id, std::move(socket));
+      auto conn = std::make_shared<Connection>(this, id, std::move(socket), *peer);
       connections_.emplace(id, conn);
       conn->Start();
-    } else {
-      MO_LOG_WARN("broker accept failed: %s", ec.message().c_str());
     }
     Accept();
   });
 }
 
-void Broker::OnClosed(uint64_t connection_id) { connections_.erase(connection_id); }
+void Broker::AcceptFailed(const error_code& ec) {
+  // EMFILE and friends: back off instead of spinning (and logging) at full
+  // speed; the pending connection stays queued until a fd is free.
+  accept_backoff_ =
+      accept_backoff_.count() == 0 ? kFirstBackoff : std::min(accept_backoff_ * 2, kMaxBackoff);
+  MO_LOG_WARN_LIMITED("broker accept failed: %s; retrying in %lld ms", ec.message().c_str(),
+                      static_cast<long long>(accept_backoff_.count()));
+  accept_retry_.expires_after(accept_backoff_);
+  accept_retry_.async_wait([this](error_code wait_ec) {
+    if (!wait_ec && acceptor_.is_open()) Accept();
+  });
+}
+
+void Broker::OnClosed(uint64_t connection_id, uid_t uid) {
+  if (connections_.erase(connection_id) != 0) limits_.Release(uid);
+}
 
 void Broker::StopAccepting() {
   if (!acceptor_.is_open()) return;
   error_code ignored;
+  accept_retry_.cancel();
   acceptor_.close(ignored);
-  unlink(options_.socket_path.c_str());
 }
 
 void Broker::CloseAll() {
@@ -334,7 +542,9 @@ void Broker::CloseAll() {
   connections_.clear();
   for (auto& [id, conn] : connections) {
     conn->CloseSession(CloseReason::kShutdown);
+    conn->MarkClosed();
     conn->Shutdown();
+    limits_.Release(conn->uid());
   }
 }
 

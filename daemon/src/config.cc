@@ -286,7 +286,15 @@ Status ResolveAndValidate(DaemonConfig* c) {
   if (c->runtime_dir.empty()) c->runtime_dir = DefaultRuntimeDir();
   const uint64_t page = SystemPageBytes();
   const uint64_t ram = PhysicalMemoryBytes();
-  if (c->arena_size_bytes == 0) c->arena_size_bytes = std::min<uint64_t>(kGiB, ram / 4);
+  if (c->arena_size_bytes == 0) {
+    // 0 is what "not set" looks like inside; a 0 someone wrote is a mistake.
+    auto source = c->sources.find("arena.size");
+    if (source != c->sources.end() && source->second != "default") {
+      return InvalidArgument("arena.size: 0 is not a size; give a size like 512MiB, or leave " +
+                             std::string("the setting out for the default min(1GiB, 25% of RAM)"));
+    }
+    c->arena_size_bytes = std::min<uint64_t>(kGiB, ram / 4);
+  }
   c->arena_size_bytes = c->arena_size_bytes / page * page;
   if (c->arena_size_bytes == 0) {
     return InvalidArgument("arena.size: must be at least one page (" + std::to_string(page) +
@@ -317,6 +325,25 @@ Status ResolveAndValidate(DaemonConfig* c) {
     return InvalidArgument("quotas.max_wait: " + std::to_string(c->policy.max_wait_ms) +
                            "ms is more than the maximum of " + std::to_string(kMaxWaitLimitMs) +
                            "ms (1h); a waiting reserve holds a daemon thread while it waits");
+  }
+  if (c->hello_timeout_ms < kMinHelloTimeoutMs || c->hello_timeout_ms > kMaxHelloTimeoutMs) {
+    return InvalidArgument("lifecycle.hello_timeout: " + std::to_string(c->hello_timeout_ms) +
+                           "ms is outside " + std::to_string(kMinHelloTimeoutMs) + "ms.." +
+                           std::to_string(kMaxHelloTimeoutMs) + "ms (100ms to 1h)");
+  }
+  if (c->drain_timeout_ms > kMaxDrainTimeoutMs) {
+    return InvalidArgument("lifecycle.drain_timeout: " + std::to_string(c->drain_timeout_ms) +
+                           "ms is more than the maximum of " + std::to_string(kMaxDrainTimeoutMs) +
+                           "ms (24h)");
+  }
+  if (c->max_connections == 0 || c->max_connections > kMaxConnectionsLimit) {
+    return InvalidArgument("server.max_connections: " + std::to_string(c->max_connections) +
+                           " is outside 1.." + std::to_string(kMaxConnectionsLimit));
+  }
+  if (c->max_connections_per_uid == 0 || c->max_connections_per_uid > c->max_connections) {
+    return InvalidArgument(
+        "server.max_connections_per_uid: " + std::to_string(c->max_connections_per_uid) +
+        " is outside 1.." + std::to_string(c->max_connections) + " (server.max_connections)");
   }
   if (c->prefault_threads == 0) {
     c->prefault_threads = static_cast<int>(std::max<long>(1, sysconf(_SC_NPROCESSORS_ONLN)));

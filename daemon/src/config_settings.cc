@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -117,6 +118,27 @@ Setting U64Setting(const char* section, const char* key, Kind kind, const char* 
           }};
 }
 
+// A plain count (decimal digits, no unit).
+Setting CountSetting(const char* section, const char* key, const char* help, U64Field field) {
+  return {section,
+          key,
+          Kind::kInt,
+          help,
+          [field](DaemonConfig* c, const std::string& v) {
+            char* end = nullptr;
+            errno = 0;
+            const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
+            if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE) {
+              return InvalidArgument("'" + v + "' is not a non-negative integer");
+            }
+            *field(c) = n;
+            return Status::Ok();
+          },
+          [field](const DaemonConfig& c) {
+            return std::to_string(*field(const_cast<DaemonConfig*>(&c)));
+          }};
+}
+
 Setting BoolSetting(const char* section, const char* key, const char* help,
                     bool DaemonConfig::*field) {
   return {section,
@@ -201,6 +223,12 @@ const std::vector<Setting>& Settings() {
          return Status::Ok();
        },
        [](const DaemonConfig& c) { return c.socket_group; }},
+      CountSetting("server", "max_connections",
+                   "open connections on each of the broker and gRPC sockets (default 1024)",
+                   [](DaemonConfig* c) { return &c->max_connections; }),
+      CountSetting("server", "max_connections_per_uid",
+                   "open connections of one peer uid on each socket (default 256)",
+                   [](DaemonConfig* c) { return &c->max_connections_per_uid; }),
       U64Setting("arena", "size", Kind::kSize,
                  "arena size, e.g. 512MiB, 64GiB (default min(1GiB, 25% of RAM))",
                  [](DaemonConfig* c) { return &c->arena_size_bytes; }),

@@ -5,12 +5,15 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <prometheus/exposer.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <boost/asio/io_context.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
@@ -19,10 +22,12 @@
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/broker.h"
+#include "memoffload/daemon/grpc_listener.h"
 #include "memoffload/daemon/health.h"
 #include "memoffload/daemon/log.h"
 #include "memoffload/daemon/metrics.h"
 #include "memoffload/daemon/notifier.h"
+#include "memoffload/daemon/runtime_dir_claim.h"
 #include "memoffload/daemon/service.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/runtime_dir.h"
@@ -40,46 +45,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr char kAdminTokenName[] = "admin.token";
 
-// True when something accepts connections on the Unix socket at `path`.
-bool SocketIsLive(const std::string& path) {
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  const bool live = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
-  close(fd);
-  return live;
-}
-
-// Creates the runtime dir if its parent exists, and refuses to start when
-// another daemon serves it.
-Status PrepareRuntimeDir(const std::string& dir) {
-  struct stat st;
-  if (stat(dir.c_str(), &st) != 0) {
-    if (errno != ENOENT) return ErrnoStatus("runtime dir " + dir, errno);
-    if (mkdir(dir.c_str(), 0755) != 0) {
-      return FailedPrecondition("cannot create runtime dir " + dir + ": " + std::strerror(errno));
-    }
-  } else if (!S_ISDIR(st.st_mode)) {
-    return FailedPrecondition("runtime dir " + dir + " exists but is not a directory");
-  }
-  if (access(dir.c_str(), W_OK | X_OK) != 0) {
-    return FailedPrecondition("runtime dir " + dir + " is not writable by uid " +
-                              std::to_string(geteuid()));
-  }
-  if (SocketIsLive(BrokerSocketPath(dir))) {
-    return FailedPrecondition("another memoffloadd is already serving " + dir +
-                              " (its broker socket accepts connections)");
-  }
-  const size_t max_path = sizeof(sockaddr_un{}.sun_path) - 1;
-  if (GrpcSocketPath(dir).size() > max_path) {
-    return FailedPrecondition("runtime dir " + dir + " is too long for a Unix socket path (" +
-                              std::to_string(max_path) + " bytes max)");
-  }
-  return Status::Ok();
-}
-
 Result<gid_t> ResolveGroup(const std::string& name) {
   if (name.empty()) return static_cast<gid_t>(-1);
   std::vector<char> buf(16384);
@@ -92,6 +57,27 @@ Result<gid_t> ResolveGroup(const std::string& name) {
     return InvalidArgument("server.socket_group: no group named '" + name + "'");
   }
   return found->gr_gid;
+}
+
+// Raises the soft descriptor limit to the hard one, and warns when the
+// connection limits of the two sockets could still exhaust it.
+void RaiseDescriptorLimit(const DaemonConfig& config) {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) getrlimit(RLIMIT_NOFILE, &lim);
+  }
+  const uint64_t needed = 2 * config.max_connections + 256;
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < needed) {
+    MO_LOG_WARN(
+        "the descriptor limit (%llu) is below what server.max_connections = %llu on two sockets "
+        "needs (about %llu): a connection flood can exhaust descriptors (the daemon then backs "
+        "off and recovers, and /readyz says 503); raise LimitNOFILE or lower max_connections",
+        static_cast<unsigned long long>(lim.rlim_cur),
+        static_cast<unsigned long long>(config.max_connections),
+        static_cast<unsigned long long>(needed));
+  }
 }
 
 // Writes a fresh random admin token, readable by the daemon's user only.
@@ -143,10 +129,70 @@ uint64_t RandomInstanceId() {
 
 Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const* argv) {
   DaemonConfig config = initial_config;
-  MEMOFFLOAD_RETURN_IF_ERROR(PrepareRuntimeDir(config.runtime_dir));
+  Result<std::unique_ptr<RuntimeDirClaim>> claim_or = RuntimeDirClaim::Claim(config.runtime_dir);
+  if (!claim_or.ok()) return claim_or.status();
+  // Declared first, destroyed last: whatever happens below, the files this
+  // instance created (and only those) go when RunDaemon returns.
+  std::unique_ptr<RuntimeDirClaim> claim = std::move(claim_or).value();
   Result<gid_t> socket_gid = ResolveGroup(config.socket_group);
   if (!socket_gid.ok()) return socket_gid.status();
   if (!config.config_file.empty()) MO_LOG_INFO("config file %s", config.config_file.c_str());
+  RaiseDescriptorLimit(config);
+
+  // Every listener is bound before the arena is built: a busy port or a bad
+  // address is found in milliseconds, not after pre-faulting the arena.
+  const std::string grpc_path = GrpcSocketPath(config.runtime_dir);
+  const std::string broker_path = BrokerSocketPath(config.runtime_dir);
+  Result<int> grpc_fd = claim->ListenUnix(grpc_path, config.socket_mode, *socket_gid);
+  if (!grpc_fd.ok()) return grpc_fd.status();
+  Result<int> broker_fd = claim->ListenUnix(broker_path, config.socket_mode, *socket_gid);
+  if (!broker_fd.ok()) {
+    close(*grpc_fd);
+    return broker_fd.status();
+  }
+  asio::io_context io;
+  // Installed before the arena is built: the sockets accept (into their
+  // backlog) from now on, and a SIGTERM or SIGINT that arrives during the
+  // pre-fault is handled once the event loop runs, as a clean stop.
+  asio::signal_set signals(io, SIGINT, SIGTERM, SIGHUP);
+  // Listening fds move into their owners right away, so early returns close them.
+  GrpcListener grpc_listener(io, config.policy, config.max_connections,
+                             config.max_connections_per_uid);
+  asio::local::stream_protocol::acceptor broker_acceptor(io);
+  {
+    boost::system::error_code ec;
+    broker_acceptor.assign(asio::local::stream_protocol(), *broker_fd, ec);
+    if (ec) close(*broker_fd);
+    Status adopted = grpc_listener.Adopt(*grpc_fd);
+    if (ec) return Internal("cannot watch the broker socket: " + ec.message());
+    MEMOFFLOAD_RETURN_IF_ERROR(adopted);
+  }
+
+  SessionTable* table_for_probes = nullptr;
+  HealthServer health(io, [&table_for_probes, &grpc_listener] {
+    HealthState state;
+    state.draining = table_for_probes != nullptr && table_for_probes->draining();
+    state.not_ready = grpc_listener.Problem();
+    return state;
+  });
+  std::string health_bound;
+  if (!config.health_address.empty()) {
+    Result<std::string> bound = health.Start(config.health_address);
+    if (!bound.ok()) return bound.status();
+    health_bound = *bound;
+  }
+  std::unique_ptr<prometheus::Exposer> exposer;
+  std::string metrics_bound;
+  if (!config.metrics_address.empty()) {
+    Result<std::unique_ptr<prometheus::Exposer>> listening =
+        Metrics::Listen(config.metrics_address, &metrics_bound);
+    if (!listening.ok()) return listening.status();
+    exposer = std::move(listening).value();
+  }
+
+  Result<std::string> admin_token = WriteAdminToken(config.runtime_dir);
+  if (!admin_token.ok()) return admin_token.status();
+  claim->Own(config.runtime_dir + "/" + kAdminTokenName);
 
   ArenaOptions arena_options;
   arena_options.size_bytes = config.arena_size_bytes;
@@ -181,73 +227,42 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   fresh_options.numa_node = config.numa_node;
   FreshBacking fresh_backing(fresh_options);
   SessionTable table(arena.get(), config.policy, *tenant_mode, &fresh_backing);
+  table_for_probes = &table;
   const uint64_t instance_id = RandomInstanceId();
   MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
 
   MetricsInfo metrics_info{DaemonVersion(), arena->chunk_count(), arena->chunk_size_bytes(),
                            arena->mlocked()};
   Metrics metrics(&table, metrics_info);
-  std::string metrics_bound;
-  if (!config.metrics_address.empty()) {
-    Result<std::string> bound = metrics.Serve(config.metrics_address);
-    if (!bound.ok()) return bound.status();
-    metrics_bound = *bound;
-  }
+  if (exposer != nullptr) metrics.Serve(std::move(exposer));
 
-  Result<std::string> admin_token = WriteAdminToken(config.runtime_dir);
-  if (!admin_token.ok()) return admin_token.status();
-  const std::string admin_token_path = config.runtime_dir + "/" + kAdminTokenName;
-
-  const std::string grpc_path = GrpcSocketPath(config.runtime_dir);
-  unlink(grpc_path.c_str());
   OffloadService service(
       arena.get(), &table, &metrics,
       {DaemonVersion(), config.runtime_dir, metrics_bound, *admin_token, instance_id}, config);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort("unix:" + grpc_path, grpc::InsecureServerCredentials());
+  // No listening port: GrpcListener accepts and hands each admitted
+  // connection to the server.
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) {
-    unlink(admin_token_path.c_str());
-    return Unavailable("cannot start the gRPC server on " + grpc_path);
-  }
-  chmod(grpc_path.c_str(), config.socket_mode);
-  if (*socket_gid != static_cast<gid_t>(-1)) {
-    if (chown(grpc_path.c_str(), static_cast<uid_t>(-1), *socket_gid) != 0) {
-      MO_LOG_WARN("chown %s: %s", grpc_path.c_str(), std::strerror(errno));
-    }
-  }
+  if (server == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path);
+  grpc_listener.Start(server.get());
 
-  asio::io_context io;
   BrokerOptions broker_options;
-  broker_options.socket_path = BrokerSocketPath(config.runtime_dir);
+  broker_options.socket_path = broker_path;
   broker_options.grpc_socket_path = grpc_path;
   broker_options.socket_mode = config.socket_mode;
   broker_options.socket_gid = *socket_gid;
   broker_options.hello_timeout_ms = static_cast<int>(config.hello_timeout_ms);
   broker_options.instance_id = instance_id;
+  broker_options.max_connections = config.max_connections;
+  broker_options.max_connections_per_uid = config.max_connections_per_uid;
   Broker broker(io, arena.get(), &table, &metrics, broker_options, config.policy);
-  if (Status st = broker.Start(); !st.ok()) {
+  if (Status st = broker.Start(broker_acceptor.release()); !st.ok()) {
+    grpc_listener.Stop();
     server->Shutdown();
-    unlink(grpc_path.c_str());
-    unlink(admin_token_path.c_str());
     return st;
-  }
-  // Probes are answered once io.run() starts, after READY=1.
-  HealthServer health(io, [&table] { return table.draining(); });
-  std::string health_bound;
-  if (!config.health_address.empty()) {
-    Result<std::string> bound = health.Start(config.health_address);
-    if (!bound.ok()) {
-      broker.StopAccepting();
-      server->Shutdown();
-      unlink(grpc_path.c_str());
-      unlink(admin_token_path.c_str());
-      return bound.status();
-    }
-    health_bound = *bound;
   }
 
   MO_LOG_INFO("listening: runtime dir %s", config.runtime_dir.c_str());
@@ -287,6 +302,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
     notify_timer.cancel();
     health.Stop();
     broker.StopAccepting();
+    grpc_listener.Stop();
     broker.CloseAll();
     io.stop();
   };
@@ -314,7 +330,6 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
     });
   };
 
-  asio::signal_set signals(io, SIGINT, SIGTERM, SIGHUP);
   std::function<void(const boost::system::error_code&, int)> on_signal =
       [&](const boost::system::error_code& ec, int signo) {
         if (ec) return;
@@ -346,6 +361,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
             }
             table.SetPolicy(config.policy);
             broker.SetPolicy(config.policy);
+            grpc_listener.SetPolicy(config.policy);
             service.SetConfig(config);
             MO_LOG_INFO("config reloaded from %s", config.config_file.c_str());
           }
@@ -378,9 +394,7 @@ Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const
   // Sessions are closed; cancel whatever RPC is still in flight.
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   server->Wait();
-  unlink(grpc_path.c_str());
-  unlink(broker_options.socket_path.c_str());
-  unlink(admin_token_path.c_str());
+  claim->RemoveOwned();
   MO_LOG_INFO("stopped cleanly");
   return Status::Ok();
 }

@@ -1,6 +1,8 @@
 #include "memoffload/daemon/health.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <array>
 #include <boost/asio/ip/address.hpp>
@@ -39,7 +41,8 @@ size_t HeadEnd(const std::string& data) {
 
 }  // namespace
 
-std::string HealthResponse(const std::string& request_head, bool draining) {
+std::string HealthResponse(const std::string& request_head, bool draining,
+                           const std::string& not_ready) {
   const size_t eol = request_head.find('\n');
   if (eol == std::string::npos) return BadRequest();
   std::string line = request_head.substr(0, eol);
@@ -66,8 +69,11 @@ std::string HealthResponse(const std::string& request_head, bool draining) {
   }
   if (target == "/livez") return Reply(200, "OK", draining ? "draining\n" : "ok\n", head_only);
   if (target == "/readyz" || target == "/healthz") {
-    return draining ? Reply(503, "Service Unavailable", "draining\n", head_only)
-                    : Reply(200, "OK", "ok\n", head_only);
+    if (draining) return Reply(503, "Service Unavailable", "draining\n", head_only);
+    if (!not_ready.empty()) {
+      return Reply(503, "Service Unavailable", "not ready: " + not_ready + "\n", head_only);
+    }
+    return Reply(200, "OK", "ok\n", head_only);
   }
   return Reply(404, "Not Found", "not found: try /livez, /readyz or /healthz\n", head_only);
 }
@@ -76,8 +82,13 @@ std::string HealthResponse(const std::string& request_head, bool draining) {
 // HealthServer::connections_ until it closes.
 class HealthServer::Connection : public std::enable_shared_from_this<Connection> {
  public:
-  Connection(HealthServer* server, uint64_t id, Tcp::socket socket)
-      : server_(server), id_(id), socket_(std::move(socket)), timer_(server->io_) {}
+  // `fd_exhausted`: accepted with the spare descriptor (readiness says so).
+  Connection(HealthServer* server, uint64_t id, Tcp::socket socket, bool fd_exhausted)
+      : server_(server),
+        id_(id),
+        socket_(std::move(socket)),
+        timer_(server->io_),
+        fd_exhausted_(fd_exhausted) {}
 
   void Start() {
     auto self = shared_from_this();
@@ -107,7 +118,12 @@ class HealthServer::Connection : public std::enable_shared_from_this<Connection>
       self->request_.append(self->buf_.data(), n);
       const size_t end = HeadEnd(self->request_);
       if (end != std::string::npos) {
-        self->Respond(HealthResponse(self->request_.substr(0, end), self->server_->draining_()));
+        HealthState state = self->server_->state_();
+        if (self->fd_exhausted_ && state.not_ready.empty()) {
+          state.not_ready = "file descriptors exhausted";
+        }
+        self->Respond(
+            HealthResponse(self->request_.substr(0, end), state.draining, state.not_ready));
       } else if (self->request_.size() >= kMaxRequestBytes) {
         self->Respond(BadRequest());
       } else {
@@ -146,11 +162,12 @@ class HealthServer::Connection : public std::enable_shared_from_this<Connection>
   std::array<char, 512> buf_{};
   std::string request_;
   std::string response_;
+  const bool fd_exhausted_;
   bool closed_ = false;
 };
 
-HealthServer::HealthServer(asio::io_context& io, std::function<bool()> draining)
-    : io_(io), draining_(std::move(draining)), acceptor_(io), accept_retry_(io) {}
+HealthServer::HealthServer(asio::io_context& io, std::function<HealthState()> state)
+    : io_(io), state_(std::move(state)), acceptor_(io), accept_retry_(io) {}
 
 HealthServer::~HealthServer() { Stop(); }
 
@@ -179,6 +196,8 @@ Result<std::string> HealthServer::Start(const std::string& address) {
     return Unavailable("cannot listen for health probes on " + address + ": " + ec.message());
   }
   const Tcp::endpoint bound = acceptor_.local_endpoint(ec);
+  acceptor_.non_blocking(true, ec);
+  TakeSpare();
   Accept();
   const std::string bound_host =
       ip.is_v6() ? "[" + bound.address().to_string() + "]" : bound.address().to_string();
@@ -188,15 +207,26 @@ Result<std::string> HealthServer::Start(const std::string& address) {
 void HealthServer::Accept() {
   acceptor_.async_accept([this](error_code ec, Tcp::socket socket) {
     if (stopped_ || ec == asio::error::operation_aborted) return;
+    if ((ec == asio::error::no_descriptors || ec.value() == ENFILE) && spare_fd_ >= 0) {
+      AcceptWithSpare();
+      return;
+    }
     if (ec) {
       // Out of fds or similar: try again shortly instead of spinning.
-      MO_LOG_WARN("health listener: accept failed: %s", ec.message().c_str());
+      MO_LOG_WARN_LIMITED("health listener: accept failed: %s", ec.message().c_str());
       accept_retry_.expires_after(std::chrono::milliseconds(100));
       accept_retry_.async_wait([this](error_code wait_ec) {
         if (!wait_ec && !stopped_) Accept();
       });
       return;
     }
+    Admit(std::move(socket), false);
+    Accept();
+  });
+}
+
+void HealthServer::Admit(Tcp::socket socket, bool fd_exhausted) {
+  {
     if (connections_.size() >= kMaxConnections) {
       // Full of clients that have not finished: the oldest goes, so a flood
       // of idle connections delays a real probe by at most its own arrival.
@@ -204,14 +234,38 @@ void HealthServer::Accept() {
       oldest->Close();
     }
     const uint64_t id = next_id_++;
-    auto connection = std::make_shared<Connection>(this, id, std::move(socket));
+    auto connection = std::make_shared<Connection>(this, id, std::move(socket), fd_exhausted);
     connections_.emplace(id, connection);
     connection->Start();
-    Accept();
+  }
+}
+
+void HealthServer::AcceptWithSpare() {
+  close(spare_fd_);
+  spare_fd_ = -1;
+  error_code ec;
+  Tcp::socket socket(io_);
+  acceptor_.accept(socket, ec);
+  if (!ec) {
+    Admit(std::move(socket), true);
+  } else {
+    TakeSpare();
+  }
+  // Wait a little before the next try: descriptors are short right now.
+  accept_retry_.expires_after(std::chrono::milliseconds(100));
+  accept_retry_.async_wait([this](error_code wait_ec) {
+    if (!wait_ec && !stopped_) Accept();
   });
 }
 
-void HealthServer::OnClosed(uint64_t id) { connections_.erase(id); }
+void HealthServer::TakeSpare() {
+  if (spare_fd_ < 0) spare_fd_ = open("/dev/null", O_RDONLY | O_CLOEXEC);
+}
+
+void HealthServer::OnClosed(uint64_t id) {
+  connections_.erase(id);
+  TakeSpare();
+}
 
 void HealthServer::Stop() {
   if (stopped_) return;
@@ -219,6 +273,8 @@ void HealthServer::Stop() {
   error_code ignored;
   accept_retry_.cancel();
   acceptor_.close(ignored);
+  if (spare_fd_ >= 0) close(spare_fd_);
+  spare_fd_ = -1;
   // Close() erases from connections_: iterate over a copy.
   auto open = connections_;
   for (auto& [id, connection] : open) connection->Close();

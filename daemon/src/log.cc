@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdarg>
 #include <cstdio>
 
@@ -28,6 +29,23 @@ void Log(LogLevel level, const char* format, ...) {
   line[len++] = '\n';
   ssize_t ignored = write(STDERR_FILENO, line, len);
   (void)ignored;
+}
+
+bool LogRateLimiter::Allow(unsigned long* suppressed) {
+  const long long now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                               std::chrono::steady_clock::now().time_since_epoch())
+                               .count();
+  long long start = window_start_ms_.load(std::memory_order_relaxed);
+  if (now_ms - start >= 1000 &&
+      window_start_ms_.compare_exchange_strong(start, now_ms, std::memory_order_relaxed)) {
+    in_window_.store(0, std::memory_order_relaxed);
+  }
+  if (in_window_.fetch_add(1, std::memory_order_relaxed) >= kBurst) {
+    suppressed_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  *suppressed = suppressed_.exchange(0, std::memory_order_relaxed);
+  return true;
 }
 
 }  // namespace memoffload::daemon

@@ -257,17 +257,31 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
 
 Metrics::~Metrics() = default;
 
-Result<std::string> Metrics::Serve(const std::string& address) {
+Result<std::unique_ptr<prometheus::Exposer>> Metrics::Listen(const std::string& address,
+                                                             std::string* bound) {
+  std::unique_ptr<prometheus::Exposer> exposer;
   try {
-    exposer_ = std::make_unique<prometheus::Exposer>(address, 2);
+    // civetweb: a fixed pool of threads, each dropping a connection whose
+    // request does not arrive in time (request_timeout_ms covers the read of
+    // the request head, so a half-sent request cannot hold a thread).
+    exposer = std::make_unique<prometheus::Exposer>(std::vector<std::string>{
+        "listening_ports", address, "num_threads", std::to_string(kHttpThreads),
+        "request_timeout_ms", std::to_string(kHttpRequestTimeoutMs), "enable_keep_alive", "no"});
   } catch (const std::exception& e) {
-    return Unavailable("cannot listen for metrics on " + address + ": " + e.what());
+    return Unavailable("cannot listen for metrics on " + address + ": " + e.what() +
+                       " (another process may use the port; pick another server.metrics_address, "
+                       "or disable metrics with --metrics-address none)");
   }
+  const std::vector<int> ports = exposer->GetListeningPorts();
+  const std::string host = address.substr(0, address.rfind(':'));
+  *bound = host + ":" + std::to_string(ports.empty() ? 0 : ports.front());
+  return exposer;
+}
+
+void Metrics::Serve(std::unique_ptr<prometheus::Exposer> exposer) {
+  exposer_ = std::move(exposer);
   exposer_->RegisterCollectable(registry_);
   exposer_->RegisterCollectable(arena_collector_);
-  const std::vector<int> ports = exposer_->GetListeningPorts();
-  const std::string host = address.substr(0, address.rfind(':'));
-  return host + ":" + std::to_string(ports.empty() ? 0 : ports.front());
 }
 
 prometheus::Counter& Metrics::RequestCounter(Method method, StatusCode code) {

@@ -173,6 +173,44 @@ TEST(Config, RejectsImpossibleSizes) {
   }
 }
 
+// Issue 13 item 6: these values were accepted and then overflowed (every
+// attach dropped, a drain deadline in the past) or silently meant the default.
+TEST(Config, RejectsOutOfRangeTimeoutsLimitsAndAZeroArena) {
+  struct Case {
+    std::vector<const char*> args;
+    const char* needle;
+  } cases[] = {
+      {{"--hello-timeout=0"}, "lifecycle.hello_timeout: 0ms is outside 100ms..3600000ms"},
+      {{"--hello-timeout=597h"}, "lifecycle.hello_timeout: 2149200000ms is outside"},
+      {{"--hello-timeout=99ms"}, "lifecycle.hello_timeout: 99ms is outside"},
+      {{"--drain-timeout=25h"}, "lifecycle.drain_timeout: 90000000ms is more than the maximum"},
+      {{"--drain-timeout=600000h"}, "lifecycle.drain_timeout"},
+      {{"--arena-size=0"}, "arena.size: 0 is not a size"},
+      {{"--max-connections=0"}, "server.max_connections: 0 is outside"},
+      {{"--max-connections=10", "--max-connections-per-uid=11"},
+       "server.max_connections_per_uid: 11 is outside 1..10"},
+  };
+  for (const Case& c : cases) {
+    Result<DaemonConfig> r = Parse(c.args);
+    ASSERT_TRUE(r.ok()) << r.status().message();
+    Status st = ResolveAndValidate(&*r);
+    EXPECT_NE(st.message().find(c.needle), std::string::npos) << c.args[0] << ": " << st.message();
+  }
+  TempFile zero("[arena]\nsize = \"0\"\n");
+  Result<DaemonConfig> from_file = Parse({"--config", zero.path().c_str()});
+  ASSERT_TRUE(from_file.ok()) << from_file.status().message();
+  EXPECT_NE(ResolveAndValidate(&*from_file).message().find("arena.size: 0 is not a size"),
+            std::string::npos);
+  // The ends of the ranges are fine, and leaving arena.size out is the default.
+  Result<DaemonConfig> edges = Parse({"--hello-timeout=1h", "--drain-timeout=0",
+                                      "--max-connections=1", "--max-connections-per-uid=1"});
+  ASSERT_TRUE(edges.ok());
+  EXPECT_TRUE(ResolveAndValidate(&*edges).ok());
+  EXPECT_GT(edges->arena_size_bytes, 0u);
+  Result<DaemonConfig> bad_count = Parse({"--max-connections=-1"});
+  EXPECT_FALSE(bad_count.ok());
+}
+
 TEST(Config, PrintedConfigParsesBackToTheSameValues) {
   Result<DaemonConfig> c =
       Parse({"--arena-size=3GiB", "--allowed-gids=10,20", "--max-wait=5s", "--socket-mode=0600"});

@@ -38,6 +38,20 @@ TEST(HealthResponse, DrainingIsNotReadyButStillLive) {
   EXPECT_EQ(Body(live), "draining\n");
 }
 
+TEST(HealthResponse, DeadDataPlaneIsNotReadyButStillLive) {
+  const std::string why = "gRPC socket cannot accept: Too many open files";
+  for (const char* path : {"/healthz", "/readyz"}) {
+    const std::string r =
+        HealthResponse(std::string("GET ") + path + " HTTP/1.0\r\n\r\n", false, why);
+    EXPECT_EQ(StatusLine(r), "HTTP/1.1 503 Service Unavailable") << path;
+    EXPECT_EQ(Body(r), "not ready: " + why + "\n");
+  }
+  EXPECT_EQ(StatusLine(HealthResponse("GET /livez HTTP/1.1\r\n\r\n", false, why)),
+            "HTTP/1.1 200 OK");
+  // Draining is what a probe needs to know first.
+  EXPECT_EQ(Body(HealthResponse("GET /readyz HTTP/1.1\r\n\r\n", true, why)), "draining\n");
+}
+
 TEST(HealthResponse, HeadHasNoBodyBareLfIsAccepted) {
   const std::string r = HealthResponse("HEAD /readyz HTTP/1.1\r\n\r\n", false);
   EXPECT_EQ(StatusLine(r), "HTTP/1.1 200 OK");

@@ -105,12 +105,26 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
     int log = open(d->log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
     dup2(log, STDERR_FILENO);
     dup2(log, STDOUT_FILENO);
+    if (options.nofile_limit != 0) {
+      const rlimit lim{options.nofile_limit, options.nofile_limit};
+      if (setrlimit(RLIMIT_NOFILE, &lim) != 0) {
+        dprintf(STDERR_FILENO, "test: cannot set RLIMIT_NOFILE: %s\n", std::strerror(errno));
+        _exit(126);
+      }
+    }
     if (options.memlock_limit_bytes != 0) {
       const rlimit lim{options.memlock_limit_bytes, options.memlock_limit_bytes};
       if (setrlimit(RLIMIT_MEMLOCK, &lim) != 0 ||
           (prctl(PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0 && errno != EINVAL)) {
         dprintf(STDERR_FILENO, "test: cannot lower RLIMIT_MEMLOCK or drop CAP_IPC_LOCK: %s\n",
                 std::strerror(errno));
+        _exit(126);
+      }
+    }
+    if (options.nofile_limit != 0) {
+      const rlimit lim{options.nofile_limit, options.nofile_limit};
+      if (setrlimit(RLIMIT_NOFILE, &lim) != 0) {
+        dprintf(STDERR_FILENO, "test: cannot set RLIMIT_NOFILE: %s\n", std::strerror(errno));
         _exit(126);
       }
     }

@@ -39,6 +39,9 @@ class DaemonProcess {
     // and without CAP_IPC_LOCK (dropped from the bounding set before exec),
     // so even root cannot lock more: the mlock warning path.
     uint64_t memlock_limit_bytes = 0;
+    // When non-zero, the daemon runs with RLIMIT_NOFILE (soft and hard) at
+    // this many descriptors.
+    uint64_t nofile_limit = 0;
   };
 
   // The scratch directory (parent of the runtime dir), for test files.

@@ -6,9 +6,21 @@
 // pidfd watch backs this up: it catches a peer that died while a child it
 // forked still holds the connection open.
 //
-// Access: a peer may attach when its uid is root, the daemon's uid, or in
-// Policy::allowed_uids, or its primary gid is in Policy::allowed_gids.
-// Refusals carry the reason and are counted.
+// Access: a peer may attach when it passes AccessDenied (peer_access.h):
+// root, the daemon's uid, Policy::allowed_uids or a primary gid in
+// Policy::allowed_gids. Refusals carry the reason and are counted.
+//
+// No client can stall the broker (it has one thread, shared with the health
+// probes and the signal handlers):
+//  - Connections are bounded per uid and in total (server.max_connections*);
+//    one past a limit gets a RESOURCE_EXHAUSTED reply and is closed.
+//  - Frames are read as their bytes arrive: a length prefix alone allocates
+//    nothing. A hello over 64 KiB is refused.
+//  - Replies are written without blocking. A connection holds at most one
+//    reply (it is not read while its reply is unsent), and a peer that has
+//    not taken its reply within kReplyTimeoutMs is dropped (slow reader).
+//  - A failing accept (EMFILE...) backs off, 10 ms doubling to 1 s.
+//  - Log lines a peer can cause are rate-limited (MO_LOG_WARN_LIMITED).
 //
 // All methods run on the io_context's thread; the broker is not otherwise
 // thread-safe.
@@ -19,12 +31,15 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
 #include <memory>
 #include <string>
 #include <unordered_map>
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/metrics.h"
+#include "memoffload/daemon/peer_access.h"
 #include "memoffload/daemon/session_table.h"
 
 namespace memoffload::daemon {
@@ -36,6 +51,8 @@ struct BrokerOptions {
   gid_t socket_gid = static_cast<gid_t>(-1);  // -1: keep the daemon's group
   int hello_timeout_ms = 10000;               // a client that sends nothing is dropped
   uint64_t instance_id = 0;                   // random per daemon start, in every attach reply
+  size_t max_connections = 1024;              // open connections in total
+  size_t max_connections_per_uid = 256;       // open connections of one uid
 };
 
 class Broker {
@@ -45,9 +62,13 @@ class Broker {
 
   ~Broker();
 
-  // Binds and listens (replacing a stale socket file), then accepts.
-  Status Start();
-  // Stops accepting and removes the socket file; sessions stay.
+  // A peer that has not read its reply within this time is dropped.
+  static constexpr int kReplyTimeoutMs = 5000;
+
+  // Adopts `listen_fd` (a bound, listening Unix stream socket at
+  // options.socket_path) and starts accepting.
+  Status Start(int listen_fd);
+  // Stops accepting; the socket file is the caller's. Sessions stay.
   void StopAccepting();
   // Closes every connection and its session (reason kShutdown).
   void CloseAll();
@@ -58,9 +79,8 @@ class Broker {
  private:
   class Connection;
   void Accept();
-  // Empty when the peer may attach, else why not.
-  std::string AccessDenied(const PeerCredentials& peer) const;
-  void OnClosed(uint64_t connection_id);
+  void AcceptFailed(const boost::system::error_code& ec);
+  void OnClosed(uint64_t connection_id, uid_t uid);
 
   boost::asio::io_context& io_;
   const Arena* arena_;
@@ -69,6 +89,9 @@ class Broker {
   const BrokerOptions options_;
   Policy policy_;
   boost::asio::local::stream_protocol::acceptor acceptor_;
+  boost::asio::steady_timer accept_retry_;
+  std::chrono::milliseconds accept_backoff_{0};
+  ConnectionLimits limits_;
   uint64_t next_connection_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Connection>> connections_;
 };

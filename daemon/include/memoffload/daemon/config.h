@@ -26,6 +26,14 @@ inline constexpr const char kDefaultMetricsAddress[] = "127.0.0.1:9477";
 // Upper bound of quotas.max_wait (1 hour).
 inline constexpr uint64_t kMaxWaitLimitMs = 3600 * 1000;
 
+// Bounds of lifecycle.hello_timeout and lifecycle.drain_timeout: past them
+// the deadlines overflow (and a hello timeout of 0 drops every attach).
+inline constexpr uint64_t kMinHelloTimeoutMs = 100;
+inline constexpr uint64_t kMaxHelloTimeoutMs = 3600 * 1000;
+inline constexpr uint64_t kMaxDrainTimeoutMs = 24 * 3600 * 1000;
+// Upper bound of server.max_connections.
+inline constexpr uint64_t kMaxConnectionsLimit = 1 << 20;
+
 // Settings SIGHUP may change without a restart (access policy and quotas).
 struct Policy {
   std::vector<uint32_t> allowed_uids;  // besides the daemon's uid and root
@@ -44,6 +52,10 @@ struct DaemonConfig {
   std::string log_level = "info";
   uint32_t socket_mode = 0660;
   std::string socket_group;  // "" keeps the daemon's group
+  // Open connections on each of the broker and gRPC sockets, in total and
+  // per peer uid; past them a new connection is closed at accept.
+  uint64_t max_connections = 1024;
+  uint64_t max_connections_per_uid = 256;
   // [arena]
   uint64_t arena_size_bytes = 0;  // resolved: min(1 GiB, 25% of RAM)
   uint64_t chunk_size_bytes = 0;  // resolved: min(1 GiB, arena size)

@@ -4,7 +4,9 @@
 //   GET /livez    200 "ok" (or "draining"): the event loop runs. Stays 200
 //                 while draining: restarting a draining daemon drops sessions.
 //   GET /readyz   200 "ok" while serving; 503 "draining" while the daemon
-//                 drains (SIGTERM or memoffloadctl drain), so traffic stops.
+//                 drains (SIGTERM or memoffloadctl drain), so traffic stops;
+//                 503 "not ready: <why>" while the data plane cannot serve
+//                 (the gRPC socket cannot accept, e.g. out of descriptors).
 //   GET /healthz  the same as /readyz.
 // HEAD is answered like GET without a body. Other paths get 404, other
 // methods 405, anything malformed (or a request head over kMaxRequestBytes)
@@ -12,9 +14,12 @@
 // closed kRequestTimeoutMs after accept, answered or not; past
 // kMaxConnections open connections, the oldest is closed to admit a new one.
 // A client can make the server answer 400 or nothing, never stop the daemon.
+// The server keeps one spare descriptor: when accept fails for lack of
+// descriptors, it gives the spare up to answer that one probe (/readyz then
+// says 503 "not ready: file descriptors exhausted"), and takes it back after.
 //
 // Not thread-safe: call every method from the io_context's thread (or
-// before it runs). `draining` may be called there at any time.
+// before it runs). `state` may be called there at any time.
 #ifndef MEMOFFLOAD_DAEMON_HEALTH_H_
 #define MEMOFFLOAD_DAEMON_HEALTH_H_
 
@@ -33,7 +38,16 @@ namespace memoffload::daemon {
 
 // The full HTTP response (status line, headers, body) to one request head
 // (the bytes up to and including the blank line), by the rules above.
-std::string HealthResponse(const std::string& request_head, bool draining);
+// `not_ready` is empty while the data plane serves, else why it does not.
+std::string HealthResponse(const std::string& request_head, bool draining,
+                           const std::string& not_ready = "");
+
+// What the probes report: draining, and why the data plane cannot serve
+// ("" when it can).
+struct HealthState {
+  bool draining = false;
+  std::string not_ready;
+};
 
 class HealthServer {
  public:
@@ -41,8 +55,8 @@ class HealthServer {
   static constexpr int kRequestTimeoutMs = 2000;
   static constexpr size_t kMaxConnections = 32;
 
-  // `draining` tells whether the daemon drains right now.
-  HealthServer(boost::asio::io_context& io, std::function<bool()> draining);
+  // `state` tells whether the daemon drains and whether it can serve.
+  HealthServer(boost::asio::io_context& io, std::function<HealthState()> state);
   ~HealthServer();
   HealthServer(const HealthServer&) = delete;
   HealthServer& operator=(const HealthServer&) = delete;
@@ -59,10 +73,16 @@ class HealthServer {
  private:
   class Connection;
   void Accept();
+  void Admit(boost::asio::ip::tcp::socket socket, bool fd_exhausted);
   void OnClosed(uint64_t id);
 
   boost::asio::io_context& io_;
-  std::function<bool()> draining_;
+  // Serves one probe with the spare descriptor after accept found none.
+  void AcceptWithSpare();
+  void TakeSpare();
+
+  std::function<HealthState()> state_;
+  int spare_fd_ = -1;  // /dev/null, given up to answer a probe at EMFILE
   boost::asio::ip::tcp::acceptor acceptor_;
   boost::asio::steady_timer accept_retry_;
   uint64_t next_id_ = 1;

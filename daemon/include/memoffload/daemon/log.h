@@ -4,6 +4,8 @@
 #ifndef MEMOFFLOAD_DAEMON_LOG_H_
 #define MEMOFFLOAD_DAEMON_LOG_H_
 
+#include <atomic>
+
 namespace memoffload::daemon {
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
@@ -19,6 +21,35 @@ void Log(LogLevel level, const char* format, ...) __attribute__((format(printf, 
   ::memoffload::daemon::Log(::memoffload::daemon::LogLevel::kError, __VA_ARGS__)
 #define MO_LOG_DEBUG(...) \
   ::memoffload::daemon::Log(::memoffload::daemon::LogLevel::kDebug, __VA_ARGS__)
+
+// Admits at most kBurst lines per call site per second; the next admitted
+// line reports how many were suppressed in between. Thread-safe. Every line
+// a peer can trigger (a refused connection, a bad frame, a failing accept)
+// goes through MO_LOG_WARN_LIMITED, so no peer can flood the journal.
+class LogRateLimiter {
+ public:
+  static constexpr int kBurst = 5;
+  // True when this line may be written; *suppressed is set to the lines
+  // dropped since the last admitted one.
+  bool Allow(unsigned long* suppressed);
+
+ private:
+  std::atomic<long long> window_start_ms_{0};
+  std::atomic<int> in_window_{0};
+  std::atomic<unsigned long> suppressed_{0};
+};
+
+#define MO_LOG_WARN_LIMITED(...)                                                     \
+  do {                                                                               \
+    static ::memoffload::daemon::LogRateLimiter mo_log_limiter;                      \
+    unsigned long mo_log_suppressed = 0;                                             \
+    if (mo_log_limiter.Allow(&mo_log_suppressed)) {                                  \
+      if (mo_log_suppressed != 0) {                                                  \
+        MO_LOG_WARN("(%lu lines like the next were suppressed)", mo_log_suppressed); \
+      }                                                                              \
+      MO_LOG_WARN(__VA_ARGS__);                                                      \
+    }                                                                                \
+  } while (0)
 
 }  // namespace memoffload::daemon
 

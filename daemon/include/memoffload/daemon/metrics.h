@@ -50,8 +50,9 @@ struct MetricsInfo {
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,
 // session_error, also counts any other string.
-inline constexpr std::array<const char*, 6> kAttachRefusalReasons = {
-    "peer_credentials", "access_denied", "hello_timeout", "bad_hello", "draining", "session_error"};
+inline constexpr std::array<const char*, 8> kAttachRefusalReasons = {
+    "peer_credentials", "access_denied", "hello_timeout",    "bad_hello",
+    "draining",         "slow_reader",   "connection_limit", "session_error"};
 // Longest job_id label value (the broker admits no longer job ids).
 inline constexpr size_t kMaxLabelValueBytes = 128;
 // RecordClientCopy ignores a copy reported to take longer than this.
@@ -62,9 +63,18 @@ class Metrics {
   Metrics(const SessionTable* table, MetricsInfo info);
   ~Metrics();
 
-  // Starts the HTTP listener ("host:port"; port 0 picks a free one).
-  // Returns the bound "host:port".
-  Result<std::string> Serve(const std::string& address);
+  // Binds the HTTP listener ("host:port"; port 0 picks a free one) and sets
+  // *bound to the bound "host:port". Scrapes find no series until Serve.
+  // Bounded against slow clients: kHttpThreads threads (civetweb serves one
+  // connection per thread), and a request that is not complete within
+  // kHttpRequestTimeoutMs is dropped, so k half-sent requests delay a scrape
+  // by about ceil(k / kHttpThreads) times that timeout.
+  static constexpr int kHttpThreads = 8;
+  static constexpr int kHttpRequestTimeoutMs = 2000;
+  static Result<std::unique_ptr<prometheus::Exposer>> Listen(const std::string& address,
+                                                             std::string* bound);
+  // Serves this daemon's series on a listener from Listen.
+  void Serve(std::unique_ptr<prometheus::Exposer> exposer);
 
   void RecordRequest(Method method, StatusCode code, double seconds);
   void RecordRejection(RejectReason reason);

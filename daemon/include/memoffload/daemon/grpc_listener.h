@@ -1,0 +1,88 @@
+// GrpcListener: accepts on the gRPC Unix socket itself and hands each
+// admitted connection to the gRPC server (grpc::AddInsecureChannelFromFd),
+// so that the daemon, not gRPC, decides who may connect and what happens when
+// accept fails.
+//
+//  - Access: the peer's uid/gid (SO_PEERCRED) must pass the same policy as
+//    the broker (peer_access.h); a refused peer's connection is closed before
+//    gRPC sees a byte, so it cannot list sessions or call anything.
+//  - Limits: server.max_connections in total and server.max_connections_per_uid
+//    per uid. gRPC closes connections without telling us; a handed fd counts
+//    until a sweep finds it closed (its number gone or now a different
+//    socket, by inode), and sweeps run whenever a limit would refuse.
+//  - Exhaustion: when accept fails (EMFILE, ENFILE, ENOMEM...), the listener
+//    backs off (10 ms doubling to 1 s) and retries until accept works again;
+//    meanwhile Problem() says why the data plane does not serve, and /readyz
+//    reports it.
+//
+// Runs on the io_context's thread; not otherwise thread-safe.
+#ifndef MEMOFFLOAD_DAEMON_GRPC_LISTENER_H_
+#define MEMOFFLOAD_DAEMON_GRPC_LISTENER_H_
+
+#include <sys/types.h>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <chrono>
+#include <string>
+#include <unordered_map>
+
+#include "memoffload/daemon/config.h"
+#include "memoffload/daemon/peer_access.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace memoffload::daemon {
+
+class GrpcListener {
+ public:
+  GrpcListener(boost::asio::io_context& io, Policy policy, size_t max_total, size_t max_per_uid);
+  ~GrpcListener();
+  GrpcListener(const GrpcListener&) = delete;
+  GrpcListener& operator=(const GrpcListener&) = delete;
+
+  // Takes ownership of `listen_fd` (a listening Unix stream socket; closed
+  // with the listener). Connections wait in its backlog until Start.
+  Status Adopt(int listen_fd);
+  // Starts handing accepted connections to `server`, which must outlive
+  // Stop().
+  void Start(grpc::Server* server);
+  // Closes the listening socket; handed connections stay with gRPC.
+  void Stop();
+  // Replaces the access policy for future connections (SIGHUP).
+  void SetPolicy(const Policy& policy) { policy_ = policy; }
+  // Empty while accepting works; else why the data plane cannot accept.
+  const std::string& Problem() const { return problem_; }
+  // Connections handed to gRPC and still open (sweeps first).
+  size_t connection_count();
+
+ private:
+  struct Handed {
+    dev_t dev;
+    ino_t ino;
+    uid_t uid;
+  };
+  void WaitForConnection();
+  void AcceptPending();
+  void OnAccepted(int fd);
+  void BackOff(int error);
+  void Sweep();
+
+  boost::asio::io_context& io_;
+  Policy policy_;
+  ConnectionLimits limits_;
+  boost::asio::local::stream_protocol::acceptor acceptor_;
+  boost::asio::steady_timer retry_;
+  std::chrono::milliseconds backoff_{0};
+  grpc::Server* server_ = nullptr;
+  std::unordered_map<int, Handed> handed_;  // fd -> the socket it was
+  std::string problem_;
+  bool stopped_ = false;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_GRPC_LISTENER_H_
