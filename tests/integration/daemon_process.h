@@ -9,11 +9,16 @@
 #include <string>
 #include <vector>
 
-// Declared only: the torch tests include this header next to torch's own
-// protobuf headers, so the generated ones are included where Status() is used.
+// The torch tests include this header next to pip torch's own protobuf
+// headers, which clash with the system's: they define
+// MEMOFFLOAD_TEST_WITHOUT_PROTO and do not call Status().
+#ifndef MEMOFFLOAD_TEST_WITHOUT_PROTO
+#include "memoffload/v1/memoffload.pb.h"
+#else
 namespace memoffload::v1 {
 class GetStatusResponse;
 }  // namespace memoffload::v1
+#endif
 
 namespace memoffload::testing {
 
