@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -83,6 +83,7 @@ def run(
     job_id: str,
     steps: int,
     offload: bool = True,
+    shape: Tuple[int, int, int, int] = (3, 32, 2, 16),
 ) -> None:
     """mp.spawn entry: one process group, then each of ``kinds`` in turn
     (one interpreter start for all of them: that is most of the time)."""
@@ -99,7 +100,7 @@ def run(
         for kind in kinds:
             result: Dict[str, Any] = {"kind": kind, "rank": rank, "mismatches": [], "step_seconds": []}
             try:
-                _train(rank, world_size, kind, runtime_dir, bin_dir, steps, offload, result)
+                _train(rank, world_size, kind, runtime_dir, bin_dir, steps, offload, shape, result)
             finally:
                 Path(out_dir, f"{kind}-rank{rank}.json").write_text(json.dumps(result, default=str))
     finally:
@@ -114,12 +115,15 @@ def _train(
     bin_dir: str,
     steps: int,
     offload: bool,
+    shape: Tuple[int, int, int, int],
     result: Dict[str, Any],
 ) -> None:
+    """``shape``: layers, hidden size, batch, sequence length."""
     import memoffload.torch as mot
 
     torch.manual_seed(0)
-    base = DecoderStack(layers=3, dim=32, heads=4)
+    layers, dim, batch_size, seq = shape
+    base = DecoderStack(layers=layers, dim=dim, heads=4)
     model = _shard(copy.deepcopy(base), kind)
     ref = _shard(base, kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -133,7 +137,7 @@ def _train(
     mismatches = result["mismatches"]
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 + step * world_size + rank)
-        batch = torch.randint(0, 97, (2, 16), generator=gen)
+        batch = torch.randint(0, 97, (batch_size, seq), generator=gen)
         times = []
         for m in (model, ref):
             start = time.perf_counter()
