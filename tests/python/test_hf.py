@@ -107,6 +107,7 @@ def test_trainer_refuses_gradient_checkpointing(daemon, tmp_path, flag):
 def test_import_memoffload_torch_does_not_import_transformers():
     code = (
         "import sys, memoffload.torch as mot\n"
+        "from memoffload.torch import *\n"
         "assert 'transformers' not in sys.modules, 'imported by memoffload.torch'\n"
         "cb = mot.MemoffloadCallback\n"  # the callback itself loads it, lazily
         "assert 'transformers' in sys.modules\n"

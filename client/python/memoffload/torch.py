@@ -67,8 +67,10 @@ if _C.built_torch_version != torch.__version__.split("+")[0]:
     )
 
 __all__ = [
+    # MemoffloadCallback is provided lazily (module __getattr__ below) and is
+    # not listed, so that `from memoffload.torch import *` does not import
+    # transformers either.
     "OffloadHandle",
-    "MemoffloadCallback",
     "daemon_status",
     "find_layer_stack",
     "get_offloader",
