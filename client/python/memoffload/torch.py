@@ -67,8 +67,10 @@ if _C.built_torch_version != torch.__version__.split("+")[0]:
     )
 
 __all__ = [
+    # MemoffloadCallback is provided lazily (module __getattr__ below) and is
+    # not listed, so that `from memoffload.torch import *` does not import
+    # transformers either.
     "OffloadHandle",
-    "MemoffloadCallback",
     "daemon_status",
     "find_layer_stack",
     "get_offloader",
@@ -439,40 +441,11 @@ def find_layer_stack(model: nn.Module) -> nn.ModuleList:
     return best
 
 
-try:  # Subclass the real TrainerCallback when transformers is installed.
-    from transformers import TrainerCallback as _CallbackBase  # type: ignore
-except Exception:  # pragma: no cover - transformers is optional
-    _CallbackBase = object
+def __getattr__(name: str) -> Any:
+    # The Hugging Face callback lives in memoffload.hf and is loaded on first
+    # use, so that importing memoffload.torch never imports transformers.
+    if name == "MemoffloadCallback":
+        from .hf import MemoffloadCallback
 
-
-class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
-    """Hugging Face ``Trainer`` callback: offloads the model's layer stack for
-    the whole training and adds ``memoffload/*`` counters to the logs.
-
-    ``Trainer(..., callbacks=[MemoffloadCallback()])``. Works without
-    transformers installed (it then only needs the same method names).
-    """
-
-    def __init__(self, layers: Optional[Sequence[nn.Module]] = None, **offload_kwargs: Any):
-        self._layers = layers
-        self._kwargs = offload_kwargs
-        self.handle: Optional[OffloadHandle] = None
-
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
-        if self.handle is None:
-            layers = self._layers if self._layers is not None else find_layer_stack(model)
-            self.handle = offload_layers(layers, **self._kwargs)
-        return control
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
-        if self.handle is not None and isinstance(logs, dict):
-            s = self.handle.stats()
-            for name in ("offloaded_bytes", "prefetched_bytes", "skipped_bytes", "blocking_rpcs"):
-                logs[f"memoffload/{name}"] = s[name]
-        return control
-
-    def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-        return control
+        return MemoffloadCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
