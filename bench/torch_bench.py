@@ -1,4 +1,4 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """Benchmarks of the PyTorch integration, each against a baseline measured in
 the same run. Prints one JSON object per line.
 
@@ -8,7 +8,9 @@ the same run. Prints one JSON object per line.
 2. step: CPU step time (forward + backward) of a small Transformer with
    offload_layers vs without.
 
-    bench/torch_bench.py [--runtime-dir DIR]
+    .venv/bin/python bench/torch_bench.py [--runtime-dir DIR]
+
+(memoffload installed with pip into that environment: scripts/venv.sh.)
 
 Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
 build/bin) in a temporary directory and stops it at the end.
@@ -27,12 +29,11 @@ import tempfile
 import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(REPO, "client", "python"))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+from torch import nn
 
-import memoffload.torch as mot  # noqa: E402
+import memoffload.torch as mot
 from memoffload.torch import _Counters, _make_pack, _ParamSkip, _unpack  # noqa: E402
 
 
