@@ -7,8 +7,13 @@ the same run. Prints one JSON object per line.
    only clones the tensor, for several tensor sizes.
 2. step: CPU step time (forward + backward) of a small Transformer with
    offload_layers vs without.
+3. saved_sizes: how the bytes a small decoder saves for backward split by
+   tensor size (no daemon): what a min_tensor_bytes threshold keeps in place.
 
-    bench/torch_bench.py [--runtime-dir DIR]
+    .venv/bin/python bench/torch_bench.py [--runtime-dir DIR]
+        [--sizes 256,1024,...] [--no-step]
+
+It imports the installed memoffload package (scripts/venv.sh).
 
 Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
 build/bin) in a temporary directory and stops it at the end.
@@ -27,7 +32,6 @@ import tempfile
 import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.join(REPO, "client", "python"))
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -142,12 +146,48 @@ def bench_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict:
     }
 
 
+def bench_saved_sizes(thresholds) -> list:
+    """Saved-tensor bytes of tests/python/models.py's DecoderStack (4 layers,
+    dim 64, batch 4x32, the tests' model) kept in place by each threshold."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+    from models import DecoderStack, tokens  # noqa: E402
+
+    torch.manual_seed(0)
+    model = DecoderStack(layers=4)
+    sizes = []
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if not (base.is_leaf and base.requires_grad):  # parameters and their views stay
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    x = model.embed(tokens())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for layer in model.layers:
+            x = layer(x)
+    total = sum(sizes)
+    out = []
+    for threshold in thresholds:
+        kept = sum(n for n in sizes if n < threshold)
+        out.append({
+            "bench": "saved_sizes", "min_tensor_bytes": threshold, "tensors": len(sizes),
+            "saved_bytes": total, "kept_bytes": kept,
+            "kept_fraction": round(kept / total, 3),
+            "offloaded_tensors": sum(1 for n in sizes if n >= threshold),
+        })
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-dir", default="")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sizes", default="4096,65536,1048576,16777216",
+                        help="tensor sizes (bytes) of the hooks bench, comma-separated")
+    parser.add_argument("--no-step", action="store_true", help="skip the step bench")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     proc = None
@@ -161,10 +201,14 @@ def main() -> int:
                       "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}),
           flush=True)
     try:
-        for size in (4 << 10, 64 << 10, 1 << 20, 16 << 20):
+        sizes = [int(x) for x in args.sizes.split(",")]
+        for size in sizes:
             tensors = max(2, min(64, (32 << 20) // size))
             print(json.dumps(bench_hooks(runtime_dir, size, tensors, args.rounds)), flush=True)
-        print(json.dumps(bench_step(runtime_dir, args.steps)), flush=True)
+        for row in bench_saved_sizes(sorted(set(sizes) | {1024, 1 << 20})):
+            print(json.dumps(row), flush=True)
+        if not args.no_step:
+            print(json.dumps(bench_step(runtime_dir, args.steps)), flush=True)
     finally:
         if proc is not None:
             proc.terminate()

@@ -139,8 +139,23 @@ PYBIND11_MODULE(_C, m) {
              o.rpc_timeout_ms = rpc_timeout_ms;
              o.reconnect_interval_ms = reconnect_interval_ms;
              o.use_cuda = use_cuda;
-             py::gil_scoped_release release;
-             return GroupOffloader::Create(o);
+             std::shared_ptr<GroupOffloader> created;
+             {
+               py::gil_scoped_release release;
+               created = GroupOffloader::Create(o);
+             }
+             // The destructor waits for the worker, whose last tasks may
+             // drop storages that need the GIL (torch decrefs their Python
+             // objects): never wait for it while holding the GIL.
+             GroupOffloader* raw = created.get();
+             return std::shared_ptr<GroupOffloader>(raw, [created](GroupOffloader*) mutable {
+               if (Py_IsInitialized() && PyGILState_Check()) {
+                 py::gil_scoped_release release;
+                 created.reset();
+               } else {
+                 created.reset();
+               }
+             });
            }),
            py::arg("runtime_dir") = "", py::arg("job_id") = "torch", py::arg("rank") = -1,
            py::arg("local_rank") = -1, py::arg("rpc_timeout_ms") = 10000,

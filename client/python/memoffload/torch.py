@@ -29,7 +29,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -84,16 +84,6 @@ __all__ = [
     "offload_layers",
 ]
 
-# Per-group counters of the native part, per handle and per process.
-_GROUP_COUNTERS = (
-    "groups",
-    "groups_offloaded",
-    "groups_skipped",
-    "offloaded_bytes",
-    "prefetched_bytes",
-    "skipped_bytes",
-)
-
 _offloaders: Dict[str, "_C.GroupOffloader"] = {}
 _offloaders_lock = threading.Lock()
 _keys = itertools.count(1)
@@ -102,6 +92,9 @@ _keys = itertools.count(1)
 _slot_bases = itertools.count(1)
 _SLOT_STRIDE = 1 << 20
 _ACTIVATIONS_SLOT = 0
+# Saved tensors below this size stay in place: each costs ~20 us of fixed
+# bookkeeping, more than its copy below ~16 KiB (docs/torch.md, "Measured").
+DEFAULT_MIN_TENSOR_BYTES = 16 << 10
 
 
 def _env_int(name: str) -> int:
@@ -141,117 +134,15 @@ def forget_offloader(runtime_dir: Optional[str] = None) -> None:
         _offloaders.pop(runtime_dir or "", None)
 
 
-def daemon_status(runtime_dir: Optional[str] = None) -> Dict[str, Any]:
+def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> Dict[str, Any]:
     """The daemon's GetStatus (capacity, used, reserved, committed, ...).
     Raises :class:`memoffload.Unavailable` when no daemon answers."""
-    return _C.daemon_status(runtime_dir or "")
+    return _C.daemon_status(runtime_dir or "", timeout_ms)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage: the address of its StorageImpl, shared
-    by every view of it (never its data pointer, which a transpose shares with
-    other storages' tensors over time and which FSDP swaps in place)."""
-    if hasattr(t, "untyped_storage"):  # torch >= 2.0
-        return t.untyped_storage()._cdata
-    return t.storage()._cdata
-
-
-def _module_storages(modules: Iterable[nn.Module]) -> Set[int]:
-    """Storage identities of the modules' parameters and buffers as they are
-    now (FSDP swaps a parameter's storage around each forward)."""
-    keys: Set[int] = set()
-    for m in modules:
-        for p in itertools.chain(m.parameters(), m.buffers()):
-            keys.add(_storage_key(p))
-    return keys
-
-
-# Autograd nodes between a parameter and a low-precision copy of it that
-# autocast (or ``weight.to(bf16)``) saves: the cast and views of either side.
-_CAST_NODE = "ToCopyBackward0"
-_VIEW_NODES = frozenset(
-    (
-        "TBackward0",
-        "TransposeBackward0",
-        "PermuteBackward0",
-        "ViewBackward0",
-        "UnsafeViewBackward0",
-        "AsStridedBackward0",
-        "ExpandBackward0",
-        "SliceBackward0",
-        "SelectBackward0",
-        "SplitBackward0",
-        "SplitWithSizesBackward0",
-    )
-)
-_MAX_WEIGHT_HOPS = 6
-
-NOT_PARAM, PARAM, WEIGHT_COPY = 0, 1, 2
-
-
-class _ParamSkip:
-    """Decides which saved tensors are parameters or buffers of ``modules``
-    (``PARAM``) or casts of them (``WEIGHT_COPY``: autocast's bf16 weight).
-
-    The storage set is taken at the group's first pack call, not before the
-    forward: FSDP1 gathers a unit's full weights into a fresh storage inside
-    its forward (and frees it in place after), FSDP2 in a pre-forward hook;
-    either way the parameters' storages are final once the wrapped forward
-    runs. Views of a parameter (FSDP1's unsharded weights are views of the
-    FlatParameter, ``weight.t()`` of a weight) are recognised by their base
-    too, which also covers nested units that unshard later in the group.
-
-    A weight copy is found through its autograd history: a cast
-    (``ToCopyBackward0``), possibly with views around it, leading to the
-    ``AccumulateGrad`` of a parameter. Casts of frozen weights (no grad) have
-    no history and are not recognised.
-    """
-
-    __slots__ = ("_modules", "_keys", "_weights")
-
-    def __init__(self, modules: Iterable[nn.Module], offload_weights: bool = False) -> None:
-        self._modules = list(modules)
-        self._keys: Optional[Set[int]] = None
-        self._weights = offload_weights
-
-    def _storages(self) -> Set[int]:
-        if self._keys is None:
-            self._keys = _module_storages(self._modules)
-        return self._keys
-
-    def _is_param(self, t: torch.Tensor) -> bool:
-        return isinstance(t, nn.Parameter) or _storage_key(t) in self._storages()
-
-    def _weight_copy(self, t: torch.Tensor) -> bool:
-        node = t.grad_fn
-        cast = False
-        for _ in range(_MAX_WEIGHT_HOPS):
-            if node is None:
-                return False
-            name = type(node).__name__
-            if name == "AccumulateGrad":
-                return cast and self._is_param(node.variable)
-            if name == _CAST_NODE:
-                cast = True
-            elif name not in _VIEW_NODES:
-                return False
-            node = next((fn for fn, _ in node.next_functions if fn is not None), None)
-        return False
-
-    def __call__(self, t: torch.Tensor) -> int:
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return PARAM
-        base = t._base
-        if base is not None and (
-            isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
-        ):
-            return PARAM
-        keys = self._storages()
-        if keys and _storage_key(t) in keys:
-            return PARAM
-        if not self._weights and t.grad_fn is not None and self._weight_copy(t):
-            return WEIGHT_COPY
-        return NOT_PARAM
+from .counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
+from .selection import LayerSelection, _selected  # noqa: E402
+from .param_skip import NOT_PARAM, WEIGHT_COPY, _ParamSkip  # noqa: E402
 
 
 class _Packed:
@@ -287,28 +178,6 @@ def _unpack(packed: Any) -> torch.Tensor:
             t.record_stream(stream)
         return t
     return packed
-
-
-class _Counters:
-    """A handle's own counts of what its pack hook kept where it was."""
-
-    __slots__ = ("small_bytes", "param_bytes", "weight_copy_bytes", "steps", "stepped_aside")
-
-    def __init__(self) -> None:
-        self.small_bytes = 0
-        self.param_bytes = 0  # parameters and buffers, weight copies included
-        self.weight_copy_bytes = 0  # of which low-precision copies of weights
-        self.steps = 0  # forward passes through the first layer
-        self.stepped_aside = 0  # layer calls under foreign hooks or in backward
-
-    def as_dict(self) -> Dict[str, int]:
-        return {
-            "kept_small_bytes": self.small_bytes,
-            "kept_param_bytes": self.param_bytes,
-            "kept_weight_copy_bytes": self.weight_copy_bytes,
-            "steps": self.steps,
-            "stepped_aside": self.stepped_aside,
-        }
 
 
 def _make_pack(
@@ -353,43 +222,6 @@ def _first_grad_tensor(out: Any) -> Optional[torch.Tensor]:
             if t is not None:
                 return t
     return None
-
-
-LayerSelection = Union[Callable[[int, nn.Module], bool], Iterable[Union[int, nn.Module]]]
-
-
-def _selected(
-    layers: Sequence[nn.Module], num_layers: Optional[int], select: Optional[LayerSelection]
-) -> Set[int]:
-    """Indices of the layers to offload: ``select`` (a predicate
-    ``(index, layer) -> bool`` or indices / layer modules), else the first
-    ``num_layers``, else all but the last."""
-    if select is not None:
-        if num_layers is not None:
-            raise errors.InvalidArgument("pass num_layers or select, not both")
-        if callable(select):
-            return {i for i, layer in enumerate(layers) if select(i, layer)}
-        chosen: Set[int] = set()
-        for item in select:
-            if isinstance(item, nn.Module):
-                found = [i for i, layer in enumerate(layers) if layer is item]
-                if not found:
-                    raise errors.InvalidArgument(
-                        f"select names a {type(item).__name__} that is not among the layers"
-                    )
-                chosen.update(found)
-            elif isinstance(item, int) and -len(layers) <= item < len(layers):
-                chosen.add(item % len(layers))
-            else:
-                raise errors.InvalidArgument(
-                    f"select: {item!r} is neither a layer nor an index within 0..{len(layers) - 1}"
-                )
-        return chosen
-    if num_layers is None:
-        num_layers = max(0, len(layers) - 1)
-    if not 0 <= num_layers <= len(layers):
-        raise errors.InvalidArgument(f"num_layers={num_layers} must be within 0..{len(layers)}")
-    return set(range(num_layers))
 
 
 _HANDLE_ATTR = "_memoffload_handle"
@@ -583,23 +415,11 @@ class OffloadHandle:
                 layer.forward = original
 
 
-def _delta(now: Dict[str, Any], before: Optional[Dict[str, Any]]) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for name, value in now.items():
-        if isinstance(value, dict):
-            out[name] = _delta(value, None if before is None else before.get(name))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[name] = value - (0 if before is None else before.get(name, 0))
-        else:
-            out[name] = value
-    return out
-
-
 def offload_layers(
     layers: Sequence[nn.Module],
     num_layers: Optional[int] = None,
     prefetch_window: int = 1,
-    min_tensor_bytes: int = 1 << 20,
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     runtime_dir: Optional[str] = None,
     *,
     select: Optional[LayerSelection] = None,
