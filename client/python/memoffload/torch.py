@@ -310,7 +310,8 @@ class OffloadHandle:
             if in_backward():
                 # A checkpoint around this layer recomputes it: its tensors
                 # are used at once, nothing to offload.
-                self._step_aside("inside a backward pass (a recomputation)")
+                if self._off is not None:
+                    self._step_aside("inside a backward pass (a recomputation)")
                 return forward(*args, **kwargs)
             if self._off is not None and foreign_hooks_active():
                 self._step_aside("inside other saved-tensor hooks")
