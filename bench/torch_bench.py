@@ -7,10 +7,15 @@ the same run. Prints one JSON object per line.
    only clones the tensor, for several tensor sizes.
 2. step: CPU step time (forward + backward) of a small Transformer with
    offload_layers vs without.
+3. checkpoint_step: offload_layers(checkpoint=True) vs checkpointing alone
+   vs plain, same alternating scheme.
+4. saved_sizes: how the bytes a small decoder saves for backward split by
+   tensor size (no daemon): what a min_tensor_bytes threshold keeps in place.
 
     .venv/bin/python bench/torch_bench.py [--runtime-dir DIR]
+        [--sizes 256,1024,...] [--no-step]
 
-(memoffload installed with pip into that environment: scripts/venv.sh.)
+It imports the installed memoffload package (scripts/venv.sh).
 
 Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
 build/bin) in a temporary directory and stops it at the end.
@@ -143,12 +148,102 @@ def bench_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict:
     }
 
 
+def bench_checkpoint_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict:
+    """The checkpointing recipe: offload_layers(checkpoint=True) against the
+    same layers checkpointed without offload (torch.utils.checkpoint,
+    non-reentrant) and against plain training, timed in alternating steps
+    as bench_step."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+    plain_model = nn.TransformerEncoder(layer, 6)
+    ckpt_model = copy.deepcopy(plain_model)
+    off_model = copy.deepcopy(plain_model)
+    for m in ckpt_model.layers:
+        fwd = m.forward
+        m.forward = lambda *a, fwd=fwd, **k: torch.utils.checkpoint.checkpoint(
+            fwd, *a, use_reentrant=False, **k)
+    x = torch.randn(8, 128, 128)
+    handle = mot.offload_layers(off_model.layers, runtime_dir=runtime_dir, checkpoint=True)
+
+    def step(model: nn.Module) -> float:
+        t0 = time.perf_counter()
+        model(x).pow(2).mean().backward()
+        if model is off_model:
+            handle.flush()
+        return time.perf_counter() - t0
+
+    models = (plain_model, ckpt_model, off_model)
+    for _ in range(warmup):
+        for m in models:
+            step(m)
+    times = [[], [], []]
+    moved = []
+    for _ in range(steps):
+        for i, m in enumerate(models):
+            before = handle.stats()["handle"]["offloaded_bytes"]
+            times[i].append(step(m))
+            if m is off_model:
+                moved.append(handle.stats()["handle"]["offloaded_bytes"] - before)
+    handle.remove()
+    p, c, o = (statistics.median(t) for t in times)
+    return {
+        "bench": "checkpoint_step",
+        "model": "TransformerEncoder 6x(d=128, ff=512), batch 8x128, CPU",
+        "timed_steps": steps,
+        "plain_ms": round(p * 1e3, 1),
+        "checkpoint_ms": round(c * 1e3, 1),
+        "checkpoint_offload_ms": round(o * 1e3, 1),
+        "ratio_vs_checkpoint": round(o / c, 3),
+        "ratio_vs_plain": round(o / p, 3),
+        "offloaded_mib_per_step": round(statistics.median(moved) / (1 << 20), 2),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+def bench_saved_sizes(thresholds) -> list:
+    """Saved-tensor bytes of tests/python/models.py's DecoderStack (4 layers,
+    dim 64, batch 4x32, the tests' model) kept in place by each threshold."""
+    sys.path.insert(0, os.path.join(REPO, "tests", "python"))
+    from models import DecoderStack, tokens  # noqa: E402
+
+    torch.manual_seed(0)
+    model = DecoderStack(layers=4)
+    sizes = []
+
+    def pack(t):
+        base = t._base if t._base is not None else t
+        if not (base.is_leaf and base.requires_grad):  # parameters and their views stay
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    x = model.embed(tokens())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        for layer in model.layers:
+            x = layer(x)
+    total = sum(sizes)
+    out = []
+    for threshold in thresholds:
+        kept = sum(n for n in sizes if n < threshold)
+        out.append({
+            "bench": "saved_sizes", "min_tensor_bytes": threshold, "tensors": len(sizes),
+            "saved_bytes": total, "kept_bytes": kept,
+            "kept_fraction": round(kept / total, 3),
+            "offloaded_tensors": sum(1 for n in sizes if n >= threshold),
+        })
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runtime-dir", default="")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sizes", default="4096,65536,1048576,16777216",
+                        help="tensor sizes (bytes) of the hooks bench, comma-separated")
+    parser.add_argument("--no-step", action="store_true", help="skip the step benches")
+    parser.add_argument("--only-checkpoint", action="store_true",
+                        help="run only the checkpoint_step bench")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     proc = None
@@ -162,10 +257,18 @@ def main() -> int:
                       "cpus": os.cpu_count(), "load_average_1m": round(os.getloadavg()[0], 2)}),
           flush=True)
     try:
-        for size in (4 << 10, 64 << 10, 1 << 20, 16 << 20):
+        if args.only_checkpoint:
+            print(json.dumps(bench_checkpoint_step(runtime_dir, args.steps)), flush=True)
+            return 0
+        sizes = [int(x) for x in args.sizes.split(",")]
+        for size in sizes:
             tensors = max(2, min(64, (32 << 20) // size))
             print(json.dumps(bench_hooks(runtime_dir, size, tensors, args.rounds)), flush=True)
-        print(json.dumps(bench_step(runtime_dir, args.steps)), flush=True)
+        for row in bench_saved_sizes(sorted(set(sizes) | {1024, 1 << 20})):
+            print(json.dumps(row), flush=True)
+        if not args.no_step:
+            print(json.dumps(bench_step(runtime_dir, args.steps)), flush=True)
+            print(json.dumps(bench_checkpoint_step(runtime_dir, args.steps)), flush=True)
     finally:
         if proc is not None:
             proc.terminate()

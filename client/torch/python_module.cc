@@ -1,13 +1,18 @@
 // memoffload._C: Python bindings of the GroupOffloader and of the admin
-// status query. Errors become Python exceptions here, at the edge:
-// FAILED_PRECONDITION and the rest -> RuntimeError, INVALID_ARGUMENT ->
-// ValueError. Blocking calls release the GIL.
+// status query. Errors become Python exceptions here, at the edge: a Status
+// becomes the memoffload.errors class of its code (memoffload.Error and one
+// subclass per code, each with .code; InvalidArgument is also a ValueError).
+// Blocking calls release the GIL. The torch layer's messages are queued
+// (memoffload/torch/log.h) and drained by Python into its logger.
 #include <torch/extension.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "memoffload/client/daemon_status.h"
 #include "memoffload/torch/group_offloader.h"
+#include "memoffload/torch/log.h"
 
 namespace py = pybind11;
 using memoffload::Result;
@@ -16,12 +21,23 @@ using memoffload::StatusCode;
 using memoffload::torch::GroupOffloader;
 using memoffload::torch::OffloaderOptions;
 using memoffload::torch::OffloaderStats;
+using memoffload::torch::SlotStats;
 
 namespace {
 
+// Maximum number of queued log records between two drains.
+constexpr size_t kLogQueueRecords = 1000;
+
+py::object StatusCodeOf(StatusCode code) {
+  return py::module_::import("memoffload.errors").attr("StatusCode")(static_cast<int>(code));
+}
+
+// Raises the memoffload.errors exception of st's code (needs the GIL).
 [[noreturn]] void Raise(const Status& st) {
-  if (st.code() == StatusCode::kInvalidArgument) throw py::value_error(st.ToString());
-  throw std::runtime_error(st.message());
+  py::object exc = py::module_::import("memoffload.errors")
+                       .attr("error_from_status")(static_cast<int>(st.code()), st.message());
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  throw py::error_already_set();
 }
 
 void Check(const Status& st) {
@@ -54,15 +70,37 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["connected"] = s.connected;
   d["engine"] = s.engine;
   d["last_skip_reason"] = s.last_skip_reason;
+  d["last_skip_code"] = StatusCodeOf(s.last_skip_code);
   return d;
 }
 
-py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
-  memoffload::client::DaemonStatus r;
-  {
-    py::gil_scoped_release release;
-    r = Take(memoffload::client::QueryDaemonStatus(runtime_dir, timeout_ms));
+py::dict SlotStatsDict(const SlotStats& s) {
+  py::dict d;
+  d["groups"] = s.groups;
+  d["groups_offloaded"] = s.groups_offloaded;
+  d["groups_skipped"] = s.groups_skipped;
+  d["offloaded_bytes"] = s.offloaded_bytes;
+  d["prefetched_bytes"] = s.prefetched_bytes;
+  d["skipped_bytes"] = s.skipped_bytes;
+  return d;
+}
+
+// [(level, code, message)] of every queued log record, oldest first.
+py::list DrainLog() {
+  std::vector<memoffload::torch::LogRecord> records = memoffload::torch::DrainLog();
+  py::list out;
+  for (const auto& r : records) {
+    out.append(py::make_tuple(static_cast<int>(r.level), StatusCodeOf(r.code), r.message));
   }
+  return out;
+}
+
+py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
+  Result<memoffload::client::DaemonStatus> queried = [&] {
+    py::gil_scoped_release release;
+    return memoffload::client::QueryDaemonStatus(runtime_dir, timeout_ms);
+  }();
+  const memoffload::client::DaemonStatus r = Take(std::move(queried));
   py::dict d;
   d["version"] = r.version;
   d["runtime_dir"] = r.runtime_dir;
@@ -101,8 +139,23 @@ PYBIND11_MODULE(_C, m) {
              o.rpc_timeout_ms = rpc_timeout_ms;
              o.reconnect_interval_ms = reconnect_interval_ms;
              o.use_cuda = use_cuda;
-             py::gil_scoped_release release;
-             return GroupOffloader::Create(o);
+             std::shared_ptr<GroupOffloader> created;
+             {
+               py::gil_scoped_release release;
+               created = GroupOffloader::Create(o);
+             }
+             // The destructor waits for the worker, whose last tasks may
+             // drop storages that need the GIL (torch decrefs their Python
+             // objects): never wait for it while holding the GIL.
+             GroupOffloader* raw = created.get();
+             return std::shared_ptr<GroupOffloader>(raw, [created](GroupOffloader*) mutable {
+               if (Py_IsInitialized() && PyGILState_Check()) {
+                 py::gil_scoped_release release;
+                 created.reset();
+               } else {
+                 created.reset();
+               }
+             });
            }),
            py::arg("runtime_dir") = "", py::arg("job_id") = "torch", py::arg("rank") = -1,
            py::arg("local_rank") = -1, py::arg("rpc_timeout_ms") = 10000,
@@ -163,8 +216,22 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("key"), py::arg("stream") = 0)
       .def("flush", &GroupOffloader::Flush, py::call_guard<py::gil_scoped_release>())
-      .def("stats", [](const GroupOffloader& o) { return StatsDict(o.stats()); });
+      .def("stats", [](const GroupOffloader& o) { return StatsDict(o.stats()); })
+      .def(
+          "slot_stats",
+          [](const GroupOffloader& o, int64_t first_slot, int64_t end_slot) {
+            return SlotStatsDict(o.slot_stats(first_slot, end_slot));
+          },
+          py::arg("first_slot"), py::arg("end_slot"));
 
+  // Messages go to Python's "memoffload" logger (memoffload.torch drains
+  // them), not to stderr.
+  memoffload::torch::EnableLogQueue(kLogQueueRecords);
+  m.def("drain_log", &DrainLog,
+        "Queued messages of the native part as [(logging level, StatusCode, message)].");
+  m.def("dropped_log_records", &memoffload::torch::DroppedLogRecords,
+        "Messages dropped because nobody drained the queue in time.");
   m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "", py::arg("timeout_ms") = 5000,
-        "GetStatus of the daemon at runtime_dir as a dict (RuntimeError when unreachable).");
+        "GetStatus of the daemon at runtime_dir as a dict (memoffload.Unavailable when "
+        "unreachable).");
 }

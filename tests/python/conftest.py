@@ -20,6 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 
+import memoffload  # noqa: E402
 import memoffload.torch as mot  # noqa: E402
 
 
@@ -82,7 +83,7 @@ class Daemon:
             try:
                 mot.daemon_status(self.runtime_dir)
                 return self
-            except RuntimeError:
+            except memoffload.Unavailable:
                 time.sleep(0.05)
         pytest.fail("memoffloadd did not answer within 20 s")
 

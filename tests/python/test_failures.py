@@ -3,11 +3,13 @@ daemon is absent. Training goes on with exact gradients in every case."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
 import memoffload.torch as mot
+from memoffload import StatusCode
 from conftest import assert_arena_empty, clone_model, step_both
 from models import DecoderStack, tokens
 
@@ -34,7 +36,7 @@ def test_daemon_killed_mid_step(own_daemon):
     s = handle.stats()
     assert s["prefetched_bytes"] > before["prefetched_bytes"]  # read back from the mapping
     assert s["skipped_bytes"] > before["skipped_bytes"]  # later groups stayed in memory
-    assert "UNAVAILABLE" in s["last_skip_reason"]
+    assert s["last_skip_code"] == StatusCode.UNAVAILABLE
     assert not s["connected"]
     step_both(model, ref, tokens())  # without a daemon
     hook.remove()
@@ -79,7 +81,7 @@ def test_arena_too_small_for_a_group(tiny_daemon):
     assert s["skipped_bytes"] >= 2 * 256 * 6144 * 4
     assert s["offloaded_bytes"] > 0  # the small layers went through the arena
     assert s["groups_skipped"] >= 2
-    assert "RESOURCE_EXHAUSTED" in s["last_skip_reason"]
+    assert s["last_skip_code"] == StatusCode.RESOURCE_EXHAUSTED
     assert_arena_empty(tiny_daemon)
 
 
@@ -97,9 +99,16 @@ def test_no_daemon_at_all(tmp_path):
     assert not s["connected"]
 
 
-def test_failure_logged_once_but_counted(tmp_path, capfd):
-    """Two steps without a daemon, a reconnect attempt between them: one line
-    on stderr, every failure counted."""
+def memoffload_records(caplog):
+    return [r for r in caplog.records if r.name == "memoffload"]
+
+
+def test_failure_logged_once_but_counted(tmp_path, capfd, caplog, monkeypatch):
+    """Two steps without a daemon, a reconnect attempt between them: one
+    record on the "memoffload" logger (with the rank and the code), nothing
+    on bare stderr, every failure counted."""
+    monkeypatch.setenv("RANK", "3")
+    caplog.set_level(logging.INFO, logger="memoffload")
     runtime_dir = str(tmp_path / "nobody-home")
     torch.manual_seed(3)
     model = DecoderStack(layers=3)
@@ -115,20 +124,24 @@ def test_failure_logged_once_but_counted(tmp_path, capfd):
     handle.remove()
     mot.forget_offloader(runtime_dir)
     err = capfd.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("memoffload:")]
-    assert len(lines) == 1, err
-    assert "attach failed" in lines[0] and "UNAVAILABLE" in lines[0], lines
+    assert "memoffload" not in err, err
+    records = memoffload_records(caplog)
+    assert len(records) == 1, [r.getMessage() for r in records]
+    assert records[0].levelno == logging.WARNING
+    assert records[0].code == StatusCode.UNAVAILABLE
+    assert records[0].rank == 3
+    assert s["last_skip_code"] == StatusCode.UNAVAILABLE
     assert s["rpc_errors"] > first["rpc_errors"] >= 1  # the second attempt failed too
     assert s["skipped_bytes"] > first["skipped_bytes"] > 0
 
 
-def test_tensor_without_copy_engine_is_kept_and_counted(daemon, capfd):
+def test_tensor_without_copy_engine_is_kept_and_counted(daemon, caplog):
     """A tensor on a device no engine handles (here: meta; on a machine
     without the CUDA engine: CUDA tensors) stays where it is, counted in
     skipped_bytes, logged once; it never raises inside a forward."""
     off = mot.get_offloader(daemon.runtime_dir)
     before = off.stats()
-    capfd.readouterr()
+    caplog.set_level(logging.INFO, logger="memoffload")
     for key in (6_000_001, 6_000_002):
         # min_tensor_bytes: not the 0-dim scalars `* 2` and `* 1` save.
         with mot.offload_activations(min_tensor_bytes=1024, runtime_dir=daemon.runtime_dir) as ctx:
@@ -141,12 +154,13 @@ def test_tensor_without_copy_engine_is_kept_and_counted(daemon, capfd):
         del y, h, x, z, c, ctx
     off.flush()
     s = off.stats()
-    err = capfd.readouterr().err
+    mot.logs.drain(mot._C)
     assert s["skipped_bytes"] - before["skipped_bytes"] == 2 * 64 * 64 * 4
     assert s["offloaded_bytes"] - before["offloaded_bytes"] == 2 * 64 * 64 * 4
-    assert "no copy engine for device meta" in s["last_skip_reason"]
-    lines = [line for line in err.splitlines() if "no copy engine" in line]
-    assert len(lines) == 1, err
+    # No engine for the device: the tensor cannot reach the arena.
+    assert s["last_skip_code"] == StatusCode.UNAVAILABLE
+    records = [r for r in memoffload_records(caplog) if r.code == StatusCode.UNAVAILABLE]
+    assert len(records) == 1, [r.getMessage() for r in memoffload_records(caplog)]
     assert_arena_empty(daemon)
 
 

@@ -59,6 +59,14 @@ except ImportError as exc:  # built against another torch, or not built at all
         f"{exc}. Reinstall it against this torch: "
         "pip install --no-build-isolation --force-reinstall <memoffload>/client/python"
     ) from exc
+from . import errors, logs  # noqa: E402
+from .checkpointing import (  # noqa: E402
+    OWN_HOOK_ATTR,
+    checkpointed,
+    foreign_hooks_active,
+    in_backward,
+)
+
 if _C.built_torch_version != torch.__version__.split("+")[0]:
     raise ImportError(
         f"memoffload._C was built against torch {_C.built_torch_version}, but torch "
@@ -78,8 +86,6 @@ __all__ = [
     "offload_layers",
 ]
 
-_log = logging.getLogger("memoffload")
-
 _offloaders: Dict[str, "_C.GroupOffloader"] = {}
 _offloaders_lock = threading.Lock()
 _keys = itertools.count(1)
@@ -88,6 +94,9 @@ _keys = itertools.count(1)
 _slot_bases = itertools.count(1)
 _SLOT_STRIDE = 1 << 20
 _ACTIVATIONS_SLOT = 0
+# Saved tensors below this size stay in place: each costs ~20 us of fixed
+# bookkeeping, more than its copy below ~16 KiB (docs/torch.md, "Measured").
+DEFAULT_MIN_TENSOR_BYTES = 16 << 10
 
 
 def _env_int(name: str) -> int:
@@ -116,7 +125,8 @@ def get_offloader(runtime_dir: Optional[str] = None) -> "_C.GroupOffloader":
                 local_rank=_env_int("LOCAL_RANK"),
             )
             _offloaders[key] = off
-        return off
+    logs.drain(_C)
+    return off
 
 
 def forget_offloader(runtime_dir: Optional[str] = None) -> None:
@@ -126,59 +136,15 @@ def forget_offloader(runtime_dir: Optional[str] = None) -> None:
         _offloaders.pop(runtime_dir or "", None)
 
 
-def daemon_status(runtime_dir: Optional[str] = None) -> Dict[str, Any]:
-    """The daemon's GetStatus (capacity, used, reserved, committed, ...)."""
-    return _C.daemon_status(runtime_dir or "")
+def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> Dict[str, Any]:
+    """The daemon's GetStatus (capacity, used, reserved, committed, ...).
+    Raises :class:`memoffload.Unavailable` when no daemon answers."""
+    return _C.daemon_status(runtime_dir or "", timeout_ms)
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    """The identity of ``t``'s storage: the address of its StorageImpl, shared
-    by every view of it (never its data pointer, which a transpose shares with
-    other storages' tensors over time and which FSDP swaps in place)."""
-    if hasattr(t, "untyped_storage"):  # torch >= 2.0
-        return t.untyped_storage()._cdata
-    return t.storage()._cdata
-
-
-def _module_storages(modules: Iterable[nn.Module]) -> Set[int]:
-    """Storage identities of the modules' parameters and buffers as they are
-    now (FSDP swaps a parameter's storage around each forward)."""
-    keys: Set[int] = set()
-    for m in modules:
-        for p in itertools.chain(m.parameters(), m.buffers()):
-            keys.add(_storage_key(p))
-    return keys
-
-
-class _ParamSkip:
-    """Decides which saved tensors are parameters or buffers of ``modules``.
-
-    The storage set is taken at the group's first pack call, not before the
-    forward: FSDP1 gathers a unit's full weights into a fresh storage inside
-    its forward (and frees it in place after), FSDP2 in a pre-forward hook;
-    either way the parameters' storages are final once the wrapped forward
-    runs. Views of a parameter (FSDP1's unsharded weights are views of the
-    FlatParameter, ``weight.t()`` of a weight) are recognised by their base
-    too, which also covers nested units that unshard later in the group.
-    """
-
-    __slots__ = ("_modules", "_keys")
-
-    def __init__(self, modules: Iterable[nn.Module]) -> None:
-        self._modules = list(modules)
-        self._keys: Optional[Set[int]] = None
-
-    def __call__(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
-            return True
-        base = t._base
-        if base is not None and (
-            isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
-        ):
-            return True
-        if self._keys is None:
-            self._keys = _module_storages(self._modules)
-        return bool(self._keys) and _storage_key(t) in self._keys
+from .counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
+from .selection import LayerSelection, _selected  # noqa: E402
+from .param_skip import NOT_PARAM, WEIGHT_COPY, _ParamSkip  # noqa: E402
 
 
 class _Packed:
@@ -216,19 +182,11 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed
 
 
-class _Counters:
-    __slots__ = ("small_bytes", "param_bytes")
-
-    def __init__(self) -> None:
-        self.small_bytes = 0
-        self.param_bytes = 0
-
-
 def _make_pack(
     off: "_C.GroupOffloader",
     key: int,
     min_tensor_bytes: int,
-    is_param: Callable[[torch.Tensor], bool],
+    is_param: Callable[[torch.Tensor], int],
     counters: _Counters,
 ) -> Callable[[torch.Tensor], Any]:
     def pack(t: torch.Tensor) -> Any:
@@ -238,8 +196,11 @@ def _make_pack(
         if nbytes < min_tensor_bytes:
             counters.small_bytes += nbytes
             return t
-        if is_param(t):
+        kind = is_param(t)
+        if kind != NOT_PARAM:
             counters.param_bytes += nbytes
+            if kind == WEIGHT_COPY:
+                counters.weight_copy_bytes += nbytes
             return t
         stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
         # -1: the offloader cannot take this tensor; it counted it as skipped.
@@ -248,6 +209,7 @@ def _make_pack(
             return t
         return _Packed(off, key, entry, t.device if t.is_cuda else None)
 
+    setattr(pack, OWN_HOOK_ATTR, True)
     return pack
 
 
@@ -264,8 +226,12 @@ def _first_grad_tensor(out: Any) -> Optional[torch.Tensor]:
     return None
 
 
+_HANDLE_ATTR = "_memoffload_handle"
+
+
 class OffloadHandle:
-    """Returned by :func:`offload_layers`: ``stats()`` and ``remove()``."""
+    """Returned by :func:`offload_layers`: ``stats()``, ``step_stats()``,
+    ``flush()`` and ``remove()``."""
 
     def __init__(
         self,
@@ -273,52 +239,119 @@ class OffloadHandle:
         offloaded: Set[int],
         prefetch_window: int,
         min_tensor_bytes: int,
-        off: "_C.GroupOffloader",
+        off: Optional["_C.GroupOffloader"],
+        offload_weights: bool = False,
+        strict: bool = False,
+        checkpoint: bool = False,
+        use_reentrant: bool = False,
     ) -> None:
         self._layers = list(layers)
-        self._offloaded = offloaded
+        for index, layer in enumerate(self._layers):
+            if any(other is layer for other in self._layers[:index]):
+                raise errors.InvalidArgument(f"layer {index} appears twice in the layers")
+            if getattr(layer.__dict__.get("forward"), _HANDLE_ATTR, None) is not None:
+                raise errors.FailedPrecondition(
+                    f"layer {index} ({type(layer).__name__}) is already wrapped by "
+                    "offload_layers: remove() that handle first"
+                )
+        self._offloaded = offloaded if off is not None else set()
         self._window = max(0, int(prefetch_window))
         self._min_bytes = int(min_tensor_bytes)
         self._off = off
+        self._weights = offload_weights
+        self._strict = strict
+        self._checkpoint = checkpoint
+        self._reentrant = use_reentrant
         self._slot_base = next(_slot_bases) * _SLOT_STRIDE
         self._chain: Optional[List[Optional[int]]] = None
         self._counters = _Counters()
+        self._last_step: Optional[Dict[str, Any]] = None
         self._removed = False
+        self._warned_aside = False
         self._originals: List[Any] = []
+        if strict:
+            self._check_connected()
+        wrap = off is not None or checkpoint
         for index, layer in enumerate(self._layers):
             had_own = "forward" in layer.__dict__
             self._originals.append(layer.__dict__["forward"] if had_own else None)
-            layer.forward = self._wrap(index, layer, layer.forward)
+            if wrap:
+                layer.forward = self._wrap(index, layer, layer.forward)
+
+    @property
+    def enabled(self) -> bool:
+        return self._off is not None
+
+    def _check_connected(self) -> None:
+        if self._off is not None and not self._off.stats()["connected"]:
+            logs.drain(_C)
+            raise errors.Unavailable(
+                "strict=True and memoffloadd is not reachable (no session; "
+                "stats()['last_skip_reason'] says why)"
+            )
+
+    def _step_aside(self, why: str) -> None:
+        self._counters.stepped_aside += 1
+        if not self._warned_aside:
+            self._warned_aside = True
+            logs.log(
+                logging.WARNING,
+                f"an offloaded layer runs {why}: it offloads nothing there, so that the "
+                "other hooks (e.g. torch.utils.checkpoint around the layer) stay in force. "
+                "To checkpoint and offload, pass checkpoint=True to offload_layers instead "
+                "(logged once per handle)",
+            )
 
     def _wrap(self, index: int, layer: nn.Module, forward: Callable) -> Callable:
+        run = checkpointed(forward, self._reentrant) if self._checkpoint else forward
+
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self._removed or not torch.is_grad_enabled():
                 return forward(*args, **kwargs)
+            if in_backward():
+                # A checkpoint around this layer recomputes it: its tensors
+                # are used at once, nothing to offload.
+                if self._off is not None:
+                    self._step_aside("inside a backward pass (a recomputation)")
+                return forward(*args, **kwargs)
+            if self._off is not None and foreign_hooks_active():
+                self._step_aside("inside other saved-tensor hooks")
+                return run(*args, **kwargs)
             if index == 0 or self._chain is None:
                 self._chain = []  # a new forward pass
+                self._counters.steps += 1
             chain = self._chain
             pos = len(chain)
             if index in self._offloaded:
+                assert self._off is not None
+                if self._strict:
+                    self._check_connected()
                 key = next(_keys)
                 self._off.begin_group(key, self._slot_base + index)
                 pack = _make_pack(
-                    self._off, key, self._min_bytes, _ParamSkip([layer]), self._counters
+                    self._off,
+                    key,
+                    self._min_bytes,
+                    _ParamSkip([layer], self._weights),
+                    self._counters,
                 )
                 try:
                     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-                        out = forward(*args, **kwargs)
+                        out = run(*args, **kwargs)
                 finally:
                     self._off.close_group(key)
+                    logs.drain(_C)
                 chain.append(key)
             else:
-                out = forward(*args, **kwargs)
+                out = run(*args, **kwargs)
                 chain.append(None)
             t = _first_grad_tensor(out)
-            if t is not None:
+            if t is not None and self._off is not None:
                 t.register_hook(functools.partial(self._on_backward, chain, pos))
             return out
 
+        setattr(wrapped, _HANDLE_ATTR, self)
         return wrapped
 
     def _on_backward(self, chain: List[Optional[int]], pos: int, grad: torch.Tensor) -> None:
@@ -330,17 +363,46 @@ class OffloadHandle:
                 self._off.prefetch_group(key)
         return None
 
+    def _handle_stats(self) -> Dict[str, Any]:
+        if self._off is None:
+            own: Dict[str, Any] = {name: 0 for name in _GROUP_COUNTERS}
+        else:
+            own = dict(self._off.slot_stats(self._slot_base, self._slot_base + _SLOT_STRIDE))
+        own.update(self._counters.as_dict())
+        return own
+
     def stats(self) -> Dict[str, Any]:
-        """Counters of the process's offloader (shared by every handle on the
-        same runtime dir) plus this handle's kept bytes."""
-        s = dict(self._off.stats())
-        s["kept_small_bytes"] = self._counters.small_bytes
-        s["kept_param_bytes"] = self._counters.param_bytes
+        """Cumulative counters. The top level is the process's offloader
+        (shared by every handle on the same runtime dir) plus this handle's
+        kept bytes and ``steps``; ``stats()["handle"]`` counts this handle's
+        groups only. A disabled handle reports zeros."""
+        if self._off is None:
+            s: Dict[str, Any] = {name: 0 for name in _GROUP_COUNTERS}
+            s.update(connected=False, last_skip_reason="", last_skip_code=errors.StatusCode.OK)
+        else:
+            logs.drain(_C)
+            s = dict(self._off.stats())
+        own = self._handle_stats()
+        s["enabled"] = self._off is not None
+        s.update(self._counters.as_dict())
+        s["handle"] = own
         return s
+
+    def step_stats(self) -> Dict[str, Any]:
+        """What changed since the previous ``step_stats()`` call (or since
+        the handle was made): every numeric counter of :meth:`stats` as a
+        difference, ``handle`` included; ``steps`` is the number of forward
+        passes in between. Call it once per optimizer step (or per log)."""
+        now = self.stats()
+        last = self._last_step
+        self._last_step = now
+        return _delta(now, last)
 
     def flush(self) -> None:
         """Waits until queued Commit/Prefetch/Release calls have run."""
-        self._off.flush()
+        if self._off is not None:
+            self._off.flush()
+            logs.drain(_C)
 
     def remove(self) -> None:
         """Restores the layers' forward. Graphs already built keep working."""
@@ -348,6 +410,8 @@ class OffloadHandle:
             return
         self._removed = True
         for layer, original in zip(self._layers, self._originals):
+            if getattr(layer.__dict__.get("forward"), _HANDLE_ATTR, None) is not self:
+                continue  # not wrapped (disabled) or re-wrapped by someone else
             if original is None:
                 layer.__dict__.pop("forward", None)
             else:
@@ -358,24 +422,51 @@ def offload_layers(
     layers: Sequence[nn.Module],
     num_layers: Optional[int] = None,
     prefetch_window: int = 1,
-    min_tensor_bytes: int = 1 << 20,
+    min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
     runtime_dir: Optional[str] = None,
+    *,
+    select: Optional[LayerSelection] = None,
+    enabled: bool = True,
+    offload_weights: bool = False,
+    strict: bool = False,
+    checkpoint: bool = False,
+    use_reentrant: bool = False,
 ) -> OffloadHandle:
     """Offloads the activations of ``layers`` (run in this order each step).
 
     ``num_layers``: offload the first N layers; ``None`` offloads all but the
-    last, whose activations backward needs first. ``prefetch_window``: groups
-    brought back ahead of the one backward is in. ``min_tensor_bytes``: smaller
-    saved tensors stay where they are. Parameters and buffers (by storage) are
-    never moved.
+    last, whose activations backward needs first. ``select`` instead: a
+    predicate ``(index, layer) -> bool`` or the indices / layer modules to
+    offload. ``prefetch_window``: groups brought back ahead of the one
+    backward is in. ``min_tensor_bytes``: smaller saved tensors stay where
+    they are. Parameters and buffers (by storage) are never moved; nor are
+    low-precision copies of them (autocast's bf16 weights) unless
+    ``offload_weights``.
+
+    ``enabled=False``: no offload and no daemon contact (a switch for A/B
+    runs); ``checkpoint`` still applies. ``strict=True``: raise
+    :class:`memoffload.Unavailable` (here and at the start of an offloaded
+    layer) when memoffloadd is not reachable, instead of training on with the
+    activations in memory. ``checkpoint=True``: each layer runs under
+    ``torch.utils.checkpoint`` (``use_reentrant`` as there) inside its group,
+    so the group holds what the checkpoint keeps (the layer's inputs) and the
+    layer is recomputed in backward. A layer already wrapped by another
+    handle is refused (:class:`memoffload.FailedPrecondition`).
     """
     layers = list(layers)
-    if num_layers is None:
-        num_layers = max(0, len(layers) - 1)
-    if not 0 <= num_layers <= len(layers):
-        raise ValueError(f"num_layers={num_layers} must be within 0..{len(layers)}")
-    off = get_offloader(runtime_dir)
-    return OffloadHandle(layers, set(range(num_layers)), prefetch_window, min_tensor_bytes, off)
+    offloaded = _selected(layers, num_layers, select)
+    off = get_offloader(runtime_dir) if enabled else None
+    return OffloadHandle(
+        layers,
+        offloaded,
+        prefetch_window,
+        min_tensor_bytes,
+        off,
+        offload_weights=offload_weights,
+        strict=strict,
+        checkpoint=checkpoint,
+        use_reentrant=use_reentrant,
+    )
 
 
 class offload_activations:  # noqa: N801 - used like a function: `with offload_activations():`
@@ -384,7 +475,7 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
     ``prefetch()`` starts bringing the group back before backward; otherwise
     the first unpack fetches it. ``slot`` names the recurring block (same size
     every step) so its space is reserved on entry; blocks of different sizes
-    should use different slots.
+    should use different slots. ``enabled=False``: the block runs as it is.
     """
 
     def __init__(
@@ -393,40 +484,56 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
         runtime_dir: Optional[str] = None,
         skip_modules: Iterable[nn.Module] = (),
         slot: int = _ACTIVATIONS_SLOT,
+        *,
+        enabled: bool = True,
+        offload_weights: bool = False,
     ) -> None:
-        self._off = get_offloader(runtime_dir)
+        self._off = get_offloader(runtime_dir) if enabled else None
         self._min_bytes = int(min_tensor_bytes)
         self._skip_modules = list(skip_modules)
+        self._weights = offload_weights
         self._slot = slot
         self._counters = _Counters()
         self.key: Optional[int] = None
         self._hooks: Optional[torch.autograd.graph.saved_tensors_hooks] = None
 
     def __enter__(self) -> "offload_activations":
+        if self._off is None:
+            return self
         self.key = next(_keys)
         self._off.begin_group(self.key, self._slot)
         pack = _make_pack(
-            self._off, self.key, self._min_bytes, _ParamSkip(self._skip_modules), self._counters
+            self._off,
+            self.key,
+            self._min_bytes,
+            _ParamSkip(self._skip_modules, self._weights),
+            self._counters,
         )
         self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, _unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self._off is None:
+            return
         assert self._hooks is not None and self.key is not None
         try:
             self._hooks.__exit__(*exc)
         finally:
             self._off.close_group(self.key)
+            logs.drain(_C)
 
     def prefetch(self) -> None:
-        if self.key is not None:
+        if self._off is not None and self.key is not None:
             self._off.prefetch_group(self.key)
 
     def stats(self) -> Dict[str, Any]:
-        s = dict(self._off.stats())
-        s["kept_small_bytes"] = self._counters.small_bytes
-        s["kept_param_bytes"] = self._counters.param_bytes
+        if self._off is None:
+            s: Dict[str, Any] = {name: 0 for name in _GROUP_COUNTERS}
+        else:
+            logs.drain(_C)
+            s = dict(self._off.stats())
+        s.update(self._counters.as_dict())
         return s
 
 

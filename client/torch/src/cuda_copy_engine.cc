@@ -2,13 +2,13 @@
 // non-blocking streams per device, ordered with events against the trainer's
 // stream. Host chunks are registered (page-locked for the device) once per
 // process, as they are first used.
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
 
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/cuda_driver.h"
+#include "memoffload/torch/log.h"
 
 namespace memoffload::torch {
 namespace {
@@ -141,10 +141,10 @@ class CudaCopyEngine final : public CopyEngine {
       registered_[base].by_us = true;
     } else if (r != kCudaErrorHostMemoryAlreadyRegistered && !warned_register_) {
       warned_register_ = true;
-      std::fprintf(stderr,
-                   "memoffload: registering an arena chunk with CUDA failed (%s); copies use "
-                   "pageable memory and are slower\n",
-                   cu_->Check(r, "cuMemHostRegister").message().c_str());
+      const Status st = cu_->Check(r, "cuMemHostRegister");
+      Log(LogLevel::kWarning, st.code(),
+          "registering an arena chunk with CUDA failed (" + st.message() +
+              "); copies use pageable memory and are slower");
     }
   }
 

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
-#include <cstdio>
 #include <future>
 #include <map>
 #include <mutex>
@@ -14,6 +13,7 @@
 #include "group.h"
 #include "group_transfer.h"
 #include "memoffload/torch/copy_engine.h"
+#include "memoffload/torch/log.h"
 #include "session.h"
 #include "stats_book.h"
 #include "tensor_packing.h"
@@ -80,9 +80,10 @@ class GroupOffloader::Impl {
       }
       groups_[key] = g;
     }
-    stats_.Count([](OffloaderStats& s) {
+    stats_.CountWithSlot(slot, [](OffloaderStats& s, SlotStats& slot_stats) {
       ++s.groups;
       ++s.groups_live;
+      ++slot_stats.groups;
     });
     if (g->planned_bytes > 0) {
       const uint64_t bytes = g->planned_bytes;
@@ -282,6 +283,7 @@ class GroupOffloader::Impl {
   void Flush() { worker_.Flush(); }
 
   OffloaderStats stats() const { return stats_.Snapshot(); }
+  SlotStats slot_stats(int64_t first, int64_t end) const { return stats_.SlotSum(first, end); }
 
  private:
   CopyEngine* EngineFor(c10::Device device) {
@@ -294,17 +296,19 @@ class GroupOffloader::Impl {
   // stats and logged once per message.
   void NoteKept(const Status& why) {
     const std::string reason = "kept in memory: " + why.ToString();
-    stats_.Count([&reason](OffloaderStats& s) { s.last_skip_reason = reason; });
+    stats_.Count([&reason, &why](OffloaderStats& s) {
+      s.last_skip_reason = reason;
+      s.last_skip_code = why.code();
+    });
     bool first = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       first = logged_kept_.insert(why.message()).second;
     }
     if (first) {
-      std::fprintf(stderr,
-                   "memoffload: a saved tensor stays where it is (%s); training goes on "
-                   "(logged once)\n",
-                   why.ToString().c_str());
+      Log(LogLevel::kWarning, why.code(),
+          "a saved tensor stays where it is (" + why.ToString() +
+              "); training goes on (logged once)");
     }
   }
 
@@ -409,5 +413,8 @@ Result<std::vector<at::Tensor>> GroupOffloader::GetGroup(uint64_t key, uintptr_t
 }
 void GroupOffloader::Flush() { impl_->Flush(); }
 OffloaderStats GroupOffloader::stats() const { return impl_->stats(); }
+SlotStats GroupOffloader::slot_stats(int64_t first_slot, int64_t end_slot) const {
+  return impl_->slot_stats(first_slot, end_slot);
+}
 
 }  // namespace memoffload::torch

@@ -115,7 +115,10 @@ void GroupTransfer::CopyOut(Group& g, StoredStorage& s) {
     const std::string reason =
         "kept in memory: a saved storage of " + std::to_string(s.nbytes) +
         " bytes was resized or freed in place after it was saved (a parameter?)";
-    stats_->Count([&reason](OffloaderStats& st) { st.last_skip_reason = reason; });
+    stats_->Count([&reason](OffloaderStats& st) {
+      st.last_skip_reason = reason;
+      st.last_skip_code = StatusCode::kFailedPrecondition;
+    });
     return;
   }
   const ReadyToken ready = s.ready;
@@ -203,14 +206,19 @@ void GroupTransfer::Close(Group& g) {
     }
   }
   // A failed Reserve keeps everything; NoteFailure already counted it.
-  stats_->Count([&](OffloaderStats& st) {
+  stats_->CountWithSlot(g.slot, [&](OffloaderStats& st, SlotStats& slot) {
     st.offloaded_bytes += stored;
     st.skipped_bytes += kept;
     if (stored > 0) ++st.groups_offloaded;
     if (kept > 0) ++st.groups_skipped;
     if (kept > 0 && st.last_skip_reason.empty()) {
       st.last_skip_reason = "group grew beyond its reservation";
+      st.last_skip_code = StatusCode::kResourceExhausted;
     }
+    slot.offloaded_bytes += stored;
+    slot.skipped_bytes += kept;
+    if (stored > 0) ++slot.groups_offloaded;
+    if (kept > 0) ++slot.groups_skipped;
   });
 }
 
@@ -262,7 +270,10 @@ void GroupTransfer::Prefetch(Group& g) {
   g.copy_in_bytes += bytes;
   g.copy_in_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_->Count([bytes](OffloaderStats& st) { st.prefetched_bytes += bytes; });
+  stats_->CountWithSlot(g.slot, [bytes](OffloaderStats& st, SlotStats& slot) {
+    st.prefetched_bytes += bytes;
+    slot.prefetched_bytes += bytes;
+  });
   g.prefetch_promise.set_value(Status::Ok());
 }
 

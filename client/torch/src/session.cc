@@ -1,9 +1,9 @@
 #include "session.h"
 
-#include <cstdio>
 #include <string>
 #include <utility>
 
+#include "memoffload/torch/log.h"
 
 namespace memoffload::torch {
 
@@ -50,7 +50,7 @@ std::shared_ptr<Client> Session::Ensure(bool force) {
     s.connected = true;
     if (reconnect) ++s.reconnects;
   });
-  if (reconnect) std::fprintf(stderr, "memoffload: attached a new session to memoffloadd\n");
+  if (reconnect) Log(LogLevel::kInfo, StatusCode::kOk, "attached a new session to memoffloadd");
   return client_;
 }
 
@@ -60,13 +60,13 @@ void Session::NoteFailure(const Status& st, const char* what) {
     ++s.rpc_errors;
     if (IsTransport(st.code())) s.connected = false;
     s.last_skip_reason = std::string(what) + ": " + st.ToString();
+    s.last_skip_code = st.code();
   });
   const bool first = logged_codes_.insert(static_cast<int>(st.code())).second;
   if (first) {
-    std::fprintf(stderr,
-                 "memoffload: %s failed (%s); affected groups stay in memory, training goes "
-                 "on (logged once per error code)\n",
-                 what, st.ToString().c_str());
+    Log(LogLevel::kWarning, st.code(),
+        std::string(what) + " failed (" + st.ToString() +
+            "); affected groups stay in memory, training goes on (logged once per error code)");
   }
 }
 

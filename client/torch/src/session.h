@@ -45,7 +45,6 @@ class Session {
     return c == client_ && !broken_;
   }
 
-
  private:
   using Clock = std::chrono::steady_clock;
 

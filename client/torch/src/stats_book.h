@@ -3,6 +3,8 @@
 #ifndef MEMOFFLOAD_TORCH_SRC_STATS_BOOK_H_
 #define MEMOFFLOAD_TORCH_SRC_STATS_BOOK_H_
 
+#include <cstdint>
+#include <map>
 #include <mutex>
 
 #include "memoffload/torch/group_offloader.h"
@@ -19,14 +21,40 @@ class StatsBook {
     fn(stats_);
   }
 
+  // Runs fn(OffloaderStats&, SlotStats&) for a group of `slot` (a slot < 0
+  // has no SlotStats of its own: fn gets a scratch one).
+  template <typename Fn>
+  void CountWithSlot(int64_t slot, Fn fn) {
+    std::lock_guard<std::mutex> lock(mu_);
+    SlotStats scratch;
+    fn(stats_, slot >= 0 ? slots_[slot] : scratch);
+  }
+
   OffloaderStats Snapshot() const {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
   }
 
+  SlotStats SlotSum(int64_t first_slot, int64_t end_slot) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    SlotStats sum;
+    for (auto it = slots_.lower_bound(first_slot); it != slots_.end() && it->first < end_slot;
+         ++it) {
+      const SlotStats& s = it->second;
+      sum.groups += s.groups;
+      sum.groups_offloaded += s.groups_offloaded;
+      sum.groups_skipped += s.groups_skipped;
+      sum.offloaded_bytes += s.offloaded_bytes;
+      sum.prefetched_bytes += s.prefetched_bytes;
+      sum.skipped_bytes += s.skipped_bytes;
+    }
+    return sum;
+  }
+
  private:
   mutable std::mutex mu_;
-  OffloaderStats stats_;  // GUARDED_BY(mu_)
+  OffloaderStats stats_;                // GUARDED_BY(mu_)
+  std::map<int64_t, SlotStats> slots_;  // GUARDED_BY(mu_)
 };
 
 }  // namespace memoffload::torch

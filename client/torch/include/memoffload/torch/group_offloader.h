@@ -78,6 +78,19 @@ struct OffloaderStats {
   bool connected = false;
   std::string engine;  // "host" or "cuda"
   std::string last_skip_reason;
+  // The status behind last_skip_reason (kOk while nothing was kept).
+  StatusCode last_skip_code = StatusCode::kOk;
+};
+
+// The counters of the groups of some slots (e.g. the layers of one Python
+// handle): the per-group part of OffloaderStats.
+struct SlotStats {
+  uint64_t groups = 0;
+  uint64_t groups_offloaded = 0;
+  uint64_t groups_skipped = 0;
+  uint64_t offloaded_bytes = 0;
+  uint64_t prefetched_bytes = 0;
+  uint64_t skipped_bytes = 0;
 };
 
 class GroupOffloader {
@@ -124,6 +137,8 @@ class GroupOffloader {
   // Waits until the worker has run everything queued so far.
   void Flush();
   OffloaderStats stats() const;
+  // Sum over the groups begun with a slot in [first_slot, end_slot).
+  SlotStats slot_stats(int64_t first_slot, int64_t end_slot) const;
 
   class Impl;
 
