@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 from torch import nn
 
+from .errors import InvalidArgument
 from .torch import OffloadHandle, find_layer_stack, offload_layers
 
 try:  # Subclass the real TrainerCallback when transformers is installed.
@@ -60,13 +61,14 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
         if self.handle is None:
             layers = list(self._layers) if self._layers is not None else find_layer_stack(model)
             if _checkpointing_layers(args, model, layers):
-                raise ValueError(
+                raise InvalidArgument(
                     "MemoffloadCallback does not combine with Hugging Face activation checkpointing "
-                    "(gradient_checkpointing=True / activation_checkpointing=True): offloading "
-                    "inside checkpointed layers would switch checkpointing off or send the "
-                    "recomputed activations through the arena. Use one of the two: set "
-                    "gradient_checkpointing=False to offload every layer's activations instead of "
-                    "recomputing them, or drop MemoffloadCallback to keep checkpointing."
+                    "(gradient_checkpointing=True / activation_checkpointing=True): Trainer's "
+                    "checkpoint sits outside memoffload's hooks, so nothing would be offloaded. "
+                    "For checkpointing plus offload of what the checkpoints keep, set "
+                    "gradient_checkpointing=False and pass MemoffloadCallback(checkpoint=True); "
+                    "to offload every activation instead of recomputing, just set "
+                    "gradient_checkpointing=False."
                 )
             self.handle = offload_layers(layers, **self._kwargs)
         return control
