@@ -1,6 +1,7 @@
 #include "memoffload/daemon/service.h"
 
 #include <algorithm>
+#include <future>
 #include <optional>
 
 namespace memoffload::daemon {
@@ -56,46 +57,105 @@ grpc::Status OffloadService::Finish(Method method, Clock::time_point start, cons
   return ToGrpc(status);
 }
 
-grpc::Status OffloadService::Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
-                                     v1::ReserveResponse* resp) {
-  const auto start = Clock::now();
-  Status st = CheckCredentials(req->session(), req->has_session());
-  if (st.ok()) {
-    std::optional<Clock::time_point> wait_until;
-    if (req->wait_for_space()) {
-      // The call's deadline, capped by quotas.max_wait: nothing waits forever.
-      uint64_t max_wait_ms;
-      {
-        std::lock_guard<std::mutex> lock(config_mu_);
-        max_wait_ms = config_.policy.max_wait_ms;
-      }
-      wait_until = start + std::chrono::milliseconds(max_wait_ms);
-      const auto deadline = ctx->deadline();
-      if (deadline != std::chrono::system_clock::time_point::max()) {
-        // Answer a little before the caller's deadline so it sees why.
-        const auto left =
-            deadline - std::chrono::system_clock::now() - std::chrono::milliseconds(50);
+namespace {
 
-        wait_until =
-            std::min(*wait_until, start + std::chrono::duration_cast<Clock::duration>(left));
-      }
+// One Reserve call. It may wait in the table; if the caller goes away first,
+// OnCancel takes it out of the queue (nothing is reserved for it).
+class ReserveCall final : public grpc::ServerUnaryReactor {
+ public:
+  explicit ReserveCall(SessionTable* table) : table_(table) {}
+
+  // The reserve waits as `ticket`. Called from the method handler, before
+  // gRPC may run OnDone.
+  void Waiting(uint64_t ticket) {
+    bool cancelled;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ticket_ = ticket;
+      cancelled = cancelled_;
     }
-    RejectReason reject = RejectReason::kNone;
-    Result<ReserveResult> r = table_->Reserve(
-        req->session().session_id(), req->session().session_token(), req->group_id(),
-        req->size_bytes(), req->single_extent(), wait_until, &reject,
-        // A waiter whose caller went away must not be granted later (its
-        // group would be held with nobody to release it).
-        [ctx] { return ctx->IsCancelled(); });
-    metrics_->RecordRejection(reject);
-    if (r.ok()) {
-      CopyExtents(r->extents, resp->mutable_extents());
-      resp->set_reserved_bytes(r->reserved_bytes);
-    } else {
-      st = r.status();
+    if (cancelled) table_->CancelReserve(ticket);
+  }
+
+  void OnCancel() override {
+    uint64_t ticket;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancelled_ = true;
+      ticket = ticket_;
+    }
+    if (ticket != 0) table_->CancelReserve(ticket);  // no-op once answered
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  SessionTable* const table_;
+  std::mutex mu_;
+  uint64_t ticket_ = 0;     // guarded by mu_
+  bool cancelled_ = false;  // guarded by mu_
+};
+
+}  // namespace
+
+grpc::ServerUnaryReactor* OffloadService::Reserve(grpc::CallbackServerContext* ctx,
+                                                  const v1::ReserveRequest* req,
+                                                  v1::ReserveResponse* resp) {
+  auto* call = new ReserveCall(table_);
+  const uint64_t ticket =
+      StartReserve(*req, resp, ctx->deadline(), [call](grpc::Status st) { call->Finish(st); });
+  if (ticket != 0) call->Waiting(ticket);
+  return call;
+}
+
+grpc::Status OffloadService::ReserveAndWait(const v1::ReserveRequest& req,
+                                            v1::ReserveResponse* resp,
+                                            std::chrono::system_clock::time_point deadline) {
+  std::promise<grpc::Status> answer;
+  std::future<grpc::Status> future = answer.get_future();
+  StartReserve(req, resp, deadline, [&answer](grpc::Status st) { answer.set_value(st); });
+  return future.get();
+}
+
+uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
+                                      std::chrono::system_clock::time_point deadline,
+                                      std::function<void(grpc::Status)> done) {
+  const auto start = Clock::now();
+  Status st = CheckCredentials(req.session(), req.has_session());
+  if (!st.ok()) {
+    done(Finish(Method::kReserve, start, st));
+    return 0;
+  }
+  std::optional<Clock::time_point> wait_until;
+  if (req.wait_for_space()) {
+    // The call's deadline, capped by quotas.max_wait: nothing waits forever.
+    uint64_t max_wait_ms;
+    {
+      std::lock_guard<std::mutex> lock(config_mu_);
+      max_wait_ms = config_.policy.max_wait_ms;
+    }
+    wait_until = start + std::chrono::milliseconds(max_wait_ms);
+    if (deadline != std::chrono::system_clock::time_point::max()) {
+      // Answer a margin before the caller's deadline so it sees why:
+      // a tenth of the time left, within 20..200 ms.
+      const auto left = std::chrono::duration_cast<Clock::duration>(
+          deadline - std::chrono::system_clock::now());
+      const Clock::duration margin = std::clamp<Clock::duration>(
+          left / 10, std::chrono::milliseconds(20), std::chrono::milliseconds(200));
+      wait_until = std::min(*wait_until, start + left - margin);
     }
   }
-  return Finish(Method::kReserve, start, st);
+  return table_->ReserveAsync(
+      req.session().session_id(), req.session().session_token(), req.group_id(),
+      req.size_bytes(), req.single_extent(), wait_until,
+      [this, start, resp, done = std::move(done)](Result<ReserveResult> r, RejectReason reject) {
+        metrics_->RecordRejection(reject);
+        if (r.ok()) {
+          CopyExtents(r->extents, resp->mutable_extents());
+          resp->set_reserved_bytes(r->reserved_bytes);
+        }
+        done(Finish(Method::kReserve, start, r.ok() ? Status::Ok() : r.status()));
+      });
 }
 
 grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
