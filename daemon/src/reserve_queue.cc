@@ -8,8 +8,8 @@ ReserveQueue::ReserveQueue(Limits limits) : limits_(limits) {}
 
 void ReserveQueue::SetLimits(const Limits& limits) { limits_ = limits; }
 
-Result<uint64_t> ReserveQueue::Add(const std::string& tenant, uint64_t bytes,
-                                   Clock::time_point now, Clock::time_point deadline) {
+Result<uint64_t> ReserveQueue::Add(const std::string& tenant, uint64_t bytes, Clock::time_point now,
+                                   Clock::time_point deadline) {
   if (tenant_of_.size() >= limits_.max_waiters) {
     return ResourceExhausted("too many waiting reserves: " + std::to_string(tenant_of_.size()) +
                              " wait already, the limit quotas.max_waiting_reserves is " +

@@ -138,16 +138,16 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
     if (deadline != std::chrono::system_clock::time_point::max()) {
       // Answer a margin before the caller's deadline so it sees why:
       // a tenth of the time left, within 20..200 ms.
-      const auto left = std::chrono::duration_cast<Clock::duration>(
-          deadline - std::chrono::system_clock::now());
+      const auto left =
+          std::chrono::duration_cast<Clock::duration>(deadline - std::chrono::system_clock::now());
       const Clock::duration margin = std::clamp<Clock::duration>(
           left / 10, std::chrono::milliseconds(20), std::chrono::milliseconds(200));
       wait_until = std::min(*wait_until, start + left - margin);
     }
   }
   return table_->ReserveAsync(
-      req.session().session_id(), req.session().session_token(), req.group_id(),
-      req.size_bytes(), req.single_extent(), wait_until,
+      req.session().session_id(), req.session().session_token(), req.group_id(), req.size_bytes(),
+      req.single_extent(), wait_until,
       [this, start, resp, done = std::move(done)](Result<ReserveResult> r, RejectReason reject) {
         metrics_->RecordRejection(reject);
         if (r.ok()) {

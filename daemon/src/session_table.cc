@@ -277,11 +277,10 @@ void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
 Status SessionTable::CheckQuotas(const Session& s, uint64_t rounded, RejectReason* reject) const {
   if (s.groups.size() >= policy_.max_groups_per_session) {
     *reject = RejectReason::kGroupLimit;
-    return ResourceExhausted("group limit: session " + std::to_string(s.grant.session_id) +
-                             " holds " + std::to_string(s.groups.size()) +
-                             " groups, the limit quotas.max_groups_per_session is " +
-                             std::to_string(policy_.max_groups_per_session) +
-                             "; Release groups before reserving more");
+    return ResourceExhausted(
+        "group limit: session " + std::to_string(s.grant.session_id) + " holds " +
+        std::to_string(s.groups.size()) + " groups, the limit quotas.max_groups_per_session is " +
+        std::to_string(policy_.max_groups_per_session) + "; Release groups before reserving more");
   }
   const uint64_t session_limit = SessionLimit(s);
   if (session_limit != 0 && s.held_bytes + rounded > session_limit) {

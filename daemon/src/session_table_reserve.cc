@@ -37,8 +37,8 @@ bool SessionTable::QuotaHeld(const ReserveQueue::Waiter& waiter) const {
   return !CheckQuotas(session->second, waiter.bytes, &ignored).ok();
 }
 
-Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded,
-                                  uint64_t ahead_bytes, size_t ahead_count) const {
+Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
+                                  size_t ahead_count) const {
   const uint64_t usable = UsableBytes();
   const uint64_t used = arena_->allocator().used_bytes();
   const uint64_t available = usable > used ? usable - used : 0;
@@ -55,8 +55,7 @@ Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded,
 
 uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& token,
                                     uint64_t group_id, uint64_t size_bytes, bool single_extent,
-                                    std::optional<Clock::time_point> wait_until,
-                                    ReserveDone done) {
+                                    std::optional<Clock::time_point> wait_until, ReserveDone done) {
   RejectReason reject = RejectReason::kNone;
   std::unique_lock<std::mutex> lock(mu_);
   auto answer = [&](Result<ReserveResult> result) -> uint64_t {
@@ -112,9 +111,9 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   if (!wait_until.has_value()) return answer(refusal);
   if (*wait_until <= now) {
     reject = RejectReason::kWaitTimeout;
-    return answer(ResourceExhausted("waited 0 ms for " + FormatSize(rounded) +
-                                    ": the deadline leaves no time to wait; refusal: " +
-                                    refusal.message()));
+    return answer(
+        ResourceExhausted("waited 0 ms for " + FormatSize(rounded) +
+                          ": the deadline leaves no time to wait; refusal: " + refusal.message()));
   }
   Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *wait_until);
   if (!ticket.ok()) {
@@ -254,12 +253,12 @@ void SessionTable::ExpireWaitersLoop() {
     for (const ReserveQueue::Waiter& w : queue_.TakeExpired(Clock::now())) {
       auto pending = pending_.find(w.ticket);
       if (pending == pending_.end()) continue;
-      Answer(w.ticket,
-             ResourceExhausted("waited " + MillisecondsSince(pending->second.waited_from) +
-                               " ms for " + FormatSize(w.bytes) +
-                               " until the deadline; last refusal: " +
-                               pending->second.last.message()),
-             RejectReason::kWaitTimeout, &done);
+      Answer(
+          w.ticket,
+          ResourceExhausted("waited " + MillisecondsSince(pending->second.waited_from) +
+                            " ms for " + FormatSize(w.bytes) +
+                            " until the deadline; last refusal: " + pending->second.last.message()),
+          RejectReason::kWaitTimeout, &done);
     }
     if (done.empty()) continue;
     DispatchWaiters(&done);  // an expired aged waiter may have held others back

@@ -429,13 +429,13 @@ TEST_F(SessionTableTest, CancelledWaiterLeavesAndIsNeverGranted) {
   ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
   std::optional<Result<ReserveResult>> answer;
   RejectReason reason = RejectReason::kNone;
-  const uint64_t ticket = table_->ReserveAsync(
-      t.session_id, t.token, 1, kMiB, false,
-      std::chrono::steady_clock::now() + std::chrono::seconds(10),
-      [&](Result<ReserveResult> r, RejectReason why) {
-        answer = std::move(r);
-        reason = why;
-      });
+  const uint64_t ticket =
+      table_->ReserveAsync(t.session_id, t.token, 1, kMiB, false,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(10),
+                           [&](Result<ReserveResult> r, RejectReason why) {
+                             answer = std::move(r);
+                             reason = why;
+                           });
   ASSERT_NE(ticket, 0u);
   EXPECT_FALSE(answer.has_value());
   EXPECT_EQ(table_->Snapshot().waiting_reserves, 1u);

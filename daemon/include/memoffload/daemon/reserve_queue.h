@@ -57,10 +57,10 @@ class ReserveQueue {
 
   // The outcome of one try to place a waiter.
   enum class Try {
-    kPlaced,      // placed: it leaves the queue
-    kNoRoom,      // no room now: it stays, and its tenant's line stops
-    kQuotaHeld,   // its own quota holds it back: it stays, its line goes on
-    kLeft,        // answered with an error (e.g. its session ended): it leaves
+    kPlaced,     // placed: it leaves the queue
+    kNoRoom,     // no room now: it stays, and its tenant's line stops
+    kQuotaHeld,  // its own quota holds it back: it stays, its line goes on
+    kLeft,       // answered with an error (e.g. its session ended): it leaves
   };
 
   ReserveQueue() = default;

@@ -38,8 +38,7 @@ class OffloadService final
   // (after SIGHUP). Thread-safe.
   void SetConfig(const DaemonConfig& config);
 
-  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx,
-                                    const v1::ReserveRequest* req,
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx, const v1::ReserveRequest* req,
                                     v1::ReserveResponse* resp) override;
   // Reserve without gRPC's call objects. `deadline` is the caller's
   // (time_point::max() when it set none): a waiting reserve is answered a
@@ -51,9 +50,9 @@ class OffloadService final
                         std::chrono::system_clock::time_point deadline,
                         std::function<void(grpc::Status)> done);
   // StartReserve, waiting on this thread for the answer (fuzzers, tests).
-  grpc::Status ReserveAndWait(
-      const v1::ReserveRequest& req, v1::ReserveResponse* resp,
-      std::chrono::system_clock::time_point deadline = std::chrono::system_clock::time_point::max());
+  grpc::Status ReserveAndWait(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
+                              std::chrono::system_clock::time_point deadline =
+                                  std::chrono::system_clock::time_point::max());
   grpc::Status Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
                       v1::CommitResponse* resp) override;
   grpc::Status Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,

@@ -61,7 +61,7 @@ enum class RejectReason {
   kWaitTimeout,  // waited until the deadline
   kTooManyWaiters,
   kDraining,
-  kCancelled,  // the caller cancelled (or its deadline passed) while waiting
+  kCancelled,      // the caller cancelled (or its deadline passed) while waiting
   kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
   kGroupLimit,     // the session holds quotas.max_groups_per_session groups
 };
@@ -299,8 +299,7 @@ class SessionTable {
   // Offers free space to the waiters. Requires mu_.
   void DispatchWaiters(Completions* out);
   // Removes the waiter from pending_ and queues its answer. Requires mu_.
-  void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason,
-              Completions* out);
+  void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason, Completions* out);
   // Answers every waiter with `status` (drain, shutdown). Requires mu_.
   void FailAllWaiters(const Status& status, RejectReason reason, Completions* out);
   // Answers the waiters of a closing session. Requires mu_.
@@ -321,14 +320,14 @@ class SessionTable {
 
   Arena* const arena_;
   mutable std::mutex mu_;
-  Policy policy_;               // guarded by mu_
-  bool draining_ = false;       // guarded by mu_
-  bool shutting_down_ = false;  // guarded by mu_
-  ReserveQueue queue_;          // guarded by mu_
+  Policy policy_;                                         // guarded by mu_
+  bool draining_ = false;                                 // guarded by mu_
+  bool shutting_down_ = false;                            // guarded by mu_
+  ReserveQueue queue_;                                    // guarded by mu_
   std::unordered_map<uint64_t, PendingReserve> pending_;  // guarded by mu_; by ticket
-  std::condition_variable deadline_changed_;  // a waiter was queued, or stopping_
-  bool stopping_ = false;                     // guarded by mu_
-  std::unordered_map<std::string, Job> jobs_;  // guarded by mu_; by Session::job_key
+  std::condition_variable deadline_changed_;              // a waiter was queued, or stopping_
+  bool stopping_ = false;                                 // guarded by mu_
+  std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
 
   struct ChunkOwner {
     std::string tenant;             // "" while never used
