@@ -332,22 +332,27 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   Job& job = JobOf(s);
   const ExtentAllocator& alloc = arena_->allocator();
   const uint64_t usable = UsableBytes();
-  if (alloc.used_bytes() + rounded + keep_free_bytes > usable) {
+  // keep_free_bytes holds back only what the aged waiter could use: any free
+  // byte with TenantMode::kNone, else the empty chunks a tenant may claim
+  // (bytes in a tenant's own chunks are of no use to another tenant).
+  auto arena_full = [&](uint64_t keep_free) {
     *reject = RejectReason::kArenaFull;
     const uint64_t available = usable > alloc.used_bytes() ? usable - alloc.used_bytes() : 0;
-    const uint64_t needed = rounded + keep_free_bytes;
+    const uint64_t needed = rounded + keep_free;
     return ResourceExhausted(
         "arena full: " + FormatSize(rounded) + " requested, " + FormatSize(available) +
         " available (" + FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
         " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
-        (keep_free_bytes == 0 ? std::string()
-                              : "; " + FormatSize(keep_free_bytes) +
-                                    " kept free for an older waiting reserve of another tenant "
-                                    "(quotas.reserve_aging)") +
+        (keep_free == 0 ? std::string()
+                        : "; " + FormatSize(keep_free) +
+                              " kept free for an older waiting reserve of another tenant "
+                              "(quotas.reserve_aging)") +
         "), short by " + FormatSize(needed > available ? needed - available : 0));
-  }
+  };
+  if (alloc.used_bytes() + rounded > usable) return arena_full(0);
   Result<std::vector<Extent>> extents = Internal("not allocated yet");
   if (tenant_mode_ == TenantMode::kNone) {
+    if (alloc.used_bytes() + rounded + keep_free_bytes > usable) return arena_full(keep_free_bytes);
     extents = arena_->allocator().Allocate(rounded, single_extent);
   } else {
     // Only the tenant's own chunks; take over empty ones until it fits.
@@ -356,6 +361,9 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
     while (true) {
       extents = arena_->allocator().Allocate(rounded, single_extent, &allowed);
       if (extents.ok()) break;
+      if (alloc.used_bytes() + rounded + keep_free_bytes > usable) {
+        return arena_full(keep_free_bytes);
+      }
       const int64_t c = Claimable(s.tenant);
       if (c < 0) break;
       Claim(static_cast<uint32_t>(c), s.tenant);

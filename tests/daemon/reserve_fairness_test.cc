@@ -127,6 +127,25 @@ TEST_F(ReserveFairness, AnAgedWaitersBytesAreKeptFreeFromOtherTenants) {
   EXPECT_TRUE(big->ok()) << big->status().ToString();
 }
 
+// With tenant chunks, bytes in a tenant's own chunk are no use to another
+// tenant: an aged waiter does not hold them back.
+TEST_F(ReserveFairness, AnAgedWaiterDoesNotHoldBackAnotherTenantsOwnChunk) {
+  Policy policy;
+  policy.reserve_aging_ms = 0;
+  Make(policy, TenantMode::kUid);
+  SessionGrant a = Open(1000);
+  SessionGrant b = Open(1001);
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, 4096, false).ok());
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 2 * kMiB, false).ok());
+  std::optional<Result<ReserveResult>> big;
+  ASSERT_NE(Wait(a, 2, 2 * kMiB, &big), 0u);
+  auto fits = table_->Reserve(b.session_id, b.token, 2, 512 * kKiB, false);
+  EXPECT_TRUE(fits.ok()) << fits.status().ToString();
+  ASSERT_TRUE(table_->Close(a.session_id, CloseReason::kLifelineClosed).ok());
+  ASSERT_TRUE(big.has_value());
+  EXPECT_EQ(big->status().code(), StatusCode::kNotFound);
+}
+
 TEST_F(ReserveFairness, WaitersAreBoundedAndTheRefusalNamesTheBound) {
   Policy policy;
   policy.max_waiting_reserves = 3;
