@@ -173,6 +173,29 @@ TEST(Config, RejectsImpossibleSizes) {
   }
 }
 
+// The limits of issue 13 exist: 0 is not "none", and each has a ceiling.
+TEST(Config, ReserveLimitsAreCountsFromOneToTheirCeiling) {
+  Result<DaemonConfig> c = Parse({"--max-waiting-reserves=10",
+                                  "--max-waiting-reserves-per-tenant=5", "--reserve-aging=500ms",
+                                  "--max-extents-per-reserve=64", "--max-groups-per-session=100"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.max_waiting_reserves, 10u);
+  EXPECT_EQ(c->policy.max_waiting_reserves_per_tenant, 5u);
+  EXPECT_EQ(c->policy.reserve_aging_ms, 500u);
+  EXPECT_EQ(c->policy.max_extents_per_reserve, 64u);
+  EXPECT_EQ(c->policy.max_groups_per_session, 100u);
+  for (const char* bad : {"--max-waiting-reserves=0", "--max-groups-per-session=-1",
+                          "--max-extents-per-reserve=100001", "--max-waiting-reserves=ten"}) {
+    Result<DaemonConfig> r = Parse({bad});
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("is not an integer in 1.."), std::string::npos)
+        << r.status().message();
+  }
+  Result<DaemonConfig> aging = Parse({"--reserve-aging=2h"});
+  ASSERT_TRUE(aging.ok());
+  EXPECT_NE(ResolveAndValidate(&*aging).message().find("quotas.reserve_aging"), std::string::npos);
+}
+
 TEST(Config, PrintedConfigParsesBackToTheSameValues) {
   Result<DaemonConfig> c =
       Parse({"--arena-size=3GiB", "--allowed-gids=10,20", "--max-wait=5s", "--socket-mode=0600"});
