@@ -57,55 +57,18 @@ grpc::Status OffloadService::Finish(Method method, Clock::time_point start, cons
   return ToGrpc(status);
 }
 
-namespace {
-
-// One Reserve call. It may wait in the table; if the caller goes away first,
-// OnCancel takes it out of the queue (nothing is reserved for it).
-class ReserveCall final : public grpc::ServerUnaryReactor {
- public:
-  explicit ReserveCall(SessionTable* table) : table_(table) {}
-
-  // The reserve waits as `ticket`. Called from the method handler, before
-  // gRPC may run OnDone.
-  void Waiting(uint64_t ticket) {
-    bool cancelled;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ticket_ = ticket;
-      cancelled = cancelled_;
-    }
-    if (cancelled) table_->CancelReserve(ticket);
-  }
-
-  void OnCancel() override {
-    uint64_t ticket;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      cancelled_ = true;
-      ticket = ticket_;
-    }
-    if (ticket != 0) table_->CancelReserve(ticket);  // no-op once answered
-  }
-
-  void OnDone() override { delete this; }
-
- private:
-  SessionTable* const table_;
-  std::mutex mu_;
-  uint64_t ticket_ = 0;     // guarded by mu_
-  bool cancelled_ = false;  // guarded by mu_
-};
-
-}  // namespace
-
 grpc::ServerUnaryReactor* OffloadService::Reserve(grpc::CallbackServerContext* ctx,
                                                   const v1::ReserveRequest* req,
                                                   v1::ReserveResponse* resp) {
-  auto* call = new ReserveCall(table_);
-  const uint64_t ticket =
-      StartReserve(*req, resp, ctx->deadline(), [call](grpc::Status st) { call->Finish(st); });
-  if (ticket != 0) call->Waiting(ticket);
-  return call;
+  // gRPC's own reactor: its OnDone runs inline, so no reactor of ours is
+  // handed between threads (ThreadSanitizer cannot see gRPC's hand-off). A
+  // caller that goes away is noticed through IsCancelled before its waiter
+  // would be granted (the context lives until Finish).
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  StartReserve(
+      *req, resp, ctx->deadline(), [reactor](grpc::Status st) { reactor->Finish(st); },
+      [ctx] { return ctx->IsCancelled(); });
+  return reactor;
 }
 
 grpc::Status OffloadService::ReserveAndWait(const v1::ReserveRequest& req,
@@ -119,7 +82,8 @@ grpc::Status OffloadService::ReserveAndWait(const v1::ReserveRequest& req,
 
 uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
                                       std::chrono::system_clock::time_point deadline,
-                                      std::function<void(grpc::Status)> done) {
+                                      std::function<void(grpc::Status)> done,
+                                      std::function<bool()> cancelled) {
   const auto start = Clock::now();
   Status st = CheckCredentials(req.session(), req.has_session());
   if (!st.ok()) {
@@ -155,7 +119,8 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
           resp->set_reserved_bytes(r->reserved_bytes);
         }
         done(Finish(Method::kReserve, start, r.ok() ? Status::Ok() : r.status()));
-      });
+      },
+      std::move(cancelled));
 }
 
 grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,

@@ -55,11 +55,14 @@ Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded, u
 
 uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& token,
                                     uint64_t group_id, uint64_t size_bytes, bool single_extent,
-                                    std::optional<Clock::time_point> wait_until, ReserveDone done) {
+                                    std::optional<Clock::time_point> wait_until, ReserveDone done,
+                                    std::function<bool()> cancelled) {
   RejectReason reject = RejectReason::kNone;
+  Completions others;  // answers to other waiters (cancelled ones)
   std::unique_lock<std::mutex> lock(mu_);
   auto answer = [&](Result<ReserveResult> result) -> uint64_t {
     lock.unlock();
+    Run(&others);
     const RejectReason reason = result.ok() ? RejectReason::kNone : reject;
     done(std::move(result), reason);
     return 0;
@@ -117,13 +120,38 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   }
   Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *wait_until);
   if (!ticket.ok()) {
+    // Callers that went away still count until asked: ask them now.
+    DropCancelledWaiters(&others);
+    ticket = queue_.Add(tenant, rounded, now, *wait_until);
+  }
+  if (!ticket.ok()) {
     reject = RejectReason::kTooManyWaiters;
     return answer(ticket.status());
   }
   pending_.emplace(*ticket, PendingReserve{session_id, group_id, rounded, single_extent, now,
-                                           refusal, std::move(done)});
+                                           refusal, std::move(done), std::move(cancelled)});
   deadline_changed_.notify_all();
+  lock.unlock();
+  Run(&others);
   return *ticket;
+}
+
+Status SessionTable::CancelledStatus(Clock::time_point waited_from) {
+  return Status(StatusCode::kCancelled, "the caller cancelled this reserve after it waited " +
+                                            MillisecondsSince(waited_from) +
+                                            " ms; nothing was reserved");
+}
+
+void SessionTable::DropCancelledWaiters(Completions* out) {
+  std::vector<uint64_t> tickets;
+  for (const auto& [ticket, p] : pending_) {
+    if (p.cancelled && p.cancelled()) tickets.push_back(ticket);
+  }
+  for (uint64_t ticket : tickets) {
+    const Status st = CancelledStatus(pending_.at(ticket).waited_from);
+    queue_.Remove(ticket);
+    Answer(ticket, st, RejectReason::kCancelled, out);
+  }
 }
 
 Result<ReserveResult> SessionTable::Reserve(uint64_t session_id, const std::string& token,
@@ -148,12 +176,9 @@ void SessionTable::CancelReserve(uint64_t ticket) {
     std::lock_guard<std::mutex> lock(mu_);
     auto pending = pending_.find(ticket);
     if (pending == pending_.end()) return;
-    const std::string waited = MillisecondsSince(pending->second.waited_from);
+    const Status st = CancelledStatus(pending->second.waited_from);
     queue_.Remove(ticket);
-    Answer(ticket,
-           Status(StatusCode::kCancelled, "the caller cancelled this reserve after it waited " +
-                                              waited + " ms; nothing was reserved"),
-           RejectReason::kCancelled, &done);
+    Answer(ticket, st, RejectReason::kCancelled, &done);
     DispatchWaiters(&done);  // it may have held others back
   }
   Run(&done);
@@ -177,6 +202,11 @@ void SessionTable::DispatchWaiters(Completions* out) {
   auto place = [this, out](const ReserveQueue::Waiter& w,
                            uint64_t keep_free_bytes) -> ReserveQueue::Try {
     PendingReserve& p = pending_.at(w.ticket);
+    // A caller that went away is never granted (nobody would release it).
+    if (p.cancelled && p.cancelled()) {
+      Answer(w.ticket, CancelledStatus(p.waited_from), RejectReason::kCancelled, out);
+      return ReserveQueue::Try::kLeft;
+    }
     auto session = sessions_.find(p.session_id);
     if (session == sessions_.end()) {
       Answer(w.ticket, NotFound("session " + std::to_string(p.session_id) + " ended while waiting"),

@@ -179,6 +179,39 @@ TEST_F(ReserveFairness, WaitersAreBoundedAndTheRefusalNamesTheBound) {
   }
 }
 
+// The gRPC edge passes ServerContext::IsCancelled as the probe.
+TEST_F(ReserveFairness, AWaiterWhoseCallerWentAwayIsNeverGrantedAndFreesItsSlot) {
+  Policy policy;
+  policy.max_waiting_reserves = 1;
+  Make(policy, TenantMode::kNone);
+  SessionGrant a = Open(1000);
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 4 * kMiB, false).ok());
+  bool gone = false;
+  std::optional<Result<ReserveResult>> first, second;
+  RejectReason reason = RejectReason::kNone;
+  auto remember = [](std::optional<Result<ReserveResult>>* answer, RejectReason* why) {
+    return [answer, why](Result<ReserveResult> r, RejectReason w) {
+      *answer = std::move(r);
+      if (why != nullptr) *why = w;
+    };
+  };
+  ASSERT_NE(table_->ReserveAsync(a.session_id, a.token, 2, kMiB, false, Clock::now() + seconds(60),
+                                 remember(&first, &reason), [&gone] { return gone; }),
+            0u);
+  gone = true;
+  // The queue is full, but the one waiter's caller is gone: it makes room.
+  ASSERT_NE(table_->ReserveAsync(a.session_id, a.token, 3, kMiB, false, Clock::now() + seconds(60),
+                                 remember(&second, nullptr)),
+            0u);
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(first->status().code(), StatusCode::kCancelled);
+  EXPECT_EQ(reason, RejectReason::kCancelled);
+  ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
+  ASSERT_TRUE(second.has_value());
+  EXPECT_TRUE(second->ok()) << second->status().ToString();
+  EXPECT_EQ(table_->Release(a.session_id, a.token, 2).status().code(), StatusCode::kNotFound);
+}
+
 TEST_F(ReserveFairness, AWaiterIsAnsweredAtItsDeadlineWithTheShortfall) {
   Make(Policy{}, TenantMode::kNone);
   SessionGrant a = Open(1000);

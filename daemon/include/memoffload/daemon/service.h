@@ -43,12 +43,14 @@ class OffloadService final
   // Reserve without gRPC's call objects. `deadline` is the caller's
   // (time_point::max() when it set none): a waiting reserve is answered a
   // margin before it, so that the caller sees why. `done` is called exactly
-  // once, maybe on this thread, after *resp is filled. Returns the table's
-  // ticket (for SessionTable::CancelReserve) while the reserve waits, 0 once
-  // answered.
+  // once, maybe on this thread, after *resp is filled; `cancelled` (may be
+  // empty) tells whether the caller went away (see SessionTable::
+  // ReserveAsync). Returns the table's ticket while the reserve waits, 0
+  // once answered.
   uint64_t StartReserve(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
                         std::chrono::system_clock::time_point deadline,
-                        std::function<void(grpc::Status)> done);
+                        std::function<void(grpc::Status)> done,
+                        std::function<bool()> cancelled = nullptr);
   // StartReserve, waiting on this thread for the answer (fuzzers, tests).
   grpc::Status ReserveAndWait(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
                               std::chrono::system_clock::time_point deadline =

@@ -185,12 +185,15 @@ class SessionTable {
   // The answer: `done`, called exactly once and never under the table's
   // lock, on this thread when the answer is immediate, else on the thread
   // that places, refuses or expires the waiter. Returns the waiter's ticket
-  // while it waits (for CancelReserve), 0 once answered.
+  // while it waits (for CancelReserve), 0 once answered. `cancelled`, when
+  // set, is asked (under the table's lock) before a waiter is placed and
+  // when the waiter bound is reached: once it returns true the waiter is
+  // answered CANCELLED and nothing is reserved for it.
   using ReserveDone = std::function<void(Result<ReserveResult>, RejectReason)>;
   uint64_t ReserveAsync(uint64_t session_id, const std::string& token, uint64_t group_id,
                         uint64_t size_bytes, bool single_extent,
                         std::optional<std::chrono::steady_clock::time_point> wait_until,
-                        ReserveDone done);
+                        ReserveDone done, std::function<bool()> cancelled = nullptr);
   // The waiter's caller went away: it is answered CANCELLED and nothing is
   // reserved for it. Does nothing once the waiter was answered.
   void CancelReserve(uint64_t ticket);
@@ -290,6 +293,7 @@ class SessionTable {
     Clock::time_point waited_from;
     Status last;  // the latest refusal, named in the answer at the deadline
     ReserveDone done;
+    std::function<bool()> cancelled;  // may be empty
   };
   // Who shares a line of the reserve queue: the chunk tenant, or the uid
   // with TenantMode::kNone.
@@ -304,6 +308,10 @@ class SessionTable {
   void FailAllWaiters(const Status& status, RejectReason reason, Completions* out);
   // Answers the waiters of a closing session. Requires mu_.
   void FailSessionWaiters(uint64_t session_id, Completions* out);
+  // Answers the waiters whose caller went away. Requires mu_.
+  void DropCancelledWaiters(Completions* out);
+  // Status CANCELLED for a waiter queued at `waited_from`.
+  static Status CancelledStatus(Clock::time_point waited_from);
   ReserveQueue::Limits QueueLimits() const;  // requires mu_
   // Answers waiters at their deadline; runs on deadline_thread_.
   void ExpireWaitersLoop();
