@@ -101,11 +101,12 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
     wait_until = start + std::chrono::milliseconds(max_wait_ms);
     if (deadline != std::chrono::system_clock::time_point::max()) {
       // Answer a margin before the caller's deadline so it sees why:
-      // a tenth of the time left, within 20..200 ms.
+      // a tenth of the time left, within 20 ms..1 s (room to answer
+      // many waiters that expire together).
       const auto left =
           std::chrono::duration_cast<Clock::duration>(deadline - std::chrono::system_clock::now());
       const Clock::duration margin = std::clamp<Clock::duration>(
-          left / 10, std::chrono::milliseconds(20), std::chrono::milliseconds(200));
+          left / 10, std::chrono::milliseconds(20), std::chrono::seconds(1));
       wait_until = std::min(*wait_until, start + left - margin);
     }
   }

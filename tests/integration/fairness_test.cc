@@ -113,7 +113,8 @@ TEST(Fairness, AnotherTenantsWaiterDoesNotRefuseReservesThatFit) {
   EXPECT_EQ(daemon->Status().waiting_reserves(), 1u) << "A's waiter should still wait";
 
   // A's waiter is served once A's own bytes come back.
-  ASSERT_TRUE(a->Release(1).ok());
+  const Status released = a->Release(1);
+  EXPECT_TRUE(released.ok()) << released.ToString() << "\n" << daemon->Log();
   waiter.join();
   EXPECT_TRUE(a_served);
 }
