@@ -324,7 +324,12 @@ Status ResolveAndValidate(DaemonConfig* c) {
   if (c->policy.max_wait_ms > kMaxWaitLimitMs) {
     return InvalidArgument("quotas.max_wait: " + std::to_string(c->policy.max_wait_ms) +
                            "ms is more than the maximum of " + std::to_string(kMaxWaitLimitMs) +
-                           "ms (1h); a waiting reserve holds a daemon thread while it waits");
+                           "ms (1h)");
+  }
+  if (c->policy.reserve_aging_ms > kMaxWaitLimitMs) {
+    return InvalidArgument("quotas.reserve_aging: " + std::to_string(c->policy.reserve_aging_ms) +
+                           "ms is more than the maximum of " + std::to_string(kMaxWaitLimitMs) +
+                           "ms (1h)");
   }
   if (c->hello_timeout_ms < kMinHelloTimeoutMs || c->hello_timeout_ms > kMaxHelloTimeoutMs) {
     return InvalidArgument("lifecycle.hello_timeout: " + std::to_string(c->hello_timeout_ms) +

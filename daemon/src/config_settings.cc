@@ -118,18 +118,19 @@ Setting U64Setting(const char* section, const char* key, Kind kind, const char* 
           }};
 }
 
-// A plain count (decimal digits, no unit).
-Setting CountSetting(const char* section, const char* key, const char* help, U64Field field) {
+// A count in 1..max (a limit that must exist: 0 is not "none").
+Setting CountSetting(const char* section, const char* key, const char* help, uint64_t max,
+                     U64Field field) {
   return {section,
           key,
           Kind::kInt,
           help,
-          [field](DaemonConfig* c, const std::string& v) {
+          [field, max](DaemonConfig* c, const std::string& v) {
             char* end = nullptr;
             errno = 0;
             const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
-            if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE) {
-              return InvalidArgument("'" + v + "' is not a non-negative integer");
+            if (v.empty() || v[0] == '-' || *end != '\0' || errno != 0 || n < 1 || n > max) {
+              return InvalidArgument("'" + v + "' is not an integer in 1.." + std::to_string(max));
             }
             *field(c) = n;
             return Status::Ok();
@@ -225,9 +226,10 @@ const std::vector<Setting>& Settings() {
        [](const DaemonConfig& c) { return c.socket_group; }},
       CountSetting("server", "max_connections",
                    "open connections on each of the broker and gRPC sockets (default 1024)",
-                   [](DaemonConfig* c) { return &c->max_connections; }),
+                   kMaxConnectionsLimit, [](DaemonConfig* c) { return &c->max_connections; }),
       CountSetting("server", "max_connections_per_uid",
                    "open connections of one peer uid on each socket (default 256)",
+                   kMaxConnectionsLimit,
                    [](DaemonConfig* c) { return &c->max_connections_per_uid; }),
       U64Setting("arena", "size", Kind::kSize,
                  "arena size, e.g. 512MiB, 64GiB (default min(1GiB, 25% of RAM))",
@@ -296,6 +298,24 @@ const std::vector<Setting>& Settings() {
       U64Setting("quotas", "max_wait", Kind::kDuration,
                  "longest a waiting reserve waits when its call has no deadline",
                  [](DaemonConfig* c) { return &c->policy.max_wait_ms; }),
+      CountSetting("quotas", "max_waiting_reserves",
+                   "waiting reserves queued at once, all tenants (default 1024)", 1 << 20,
+                   [](DaemonConfig* c) { return &c->policy.max_waiting_reserves; }),
+      CountSetting("quotas", "max_waiting_reserves_per_tenant",
+                   "waiting reserves queued at once by one tenant (default 256)", 1 << 20,
+                   [](DaemonConfig* c) { return &c->policy.max_waiting_reserves_per_tenant; }),
+      U64Setting("quotas", "reserve_aging", Kind::kDuration,
+                 "after this wait, a waiting reserve's bytes are kept free for it against "
+                 "other tenants (default 2s)",
+                 [](DaemonConfig* c) { return &c->policy.reserve_aging_ms; }),
+      CountSetting("quotas", "max_extents_per_reserve",
+                   "extents one Reserve may return; beyond, it fails and reserves nothing "
+                   "(default 16384, a reply of about 400 KiB)",
+                   kMaxExtentsPerReserveLimit,
+                   [](DaemonConfig* c) { return &c->policy.max_extents_per_reserve; }),
+      CountSetting("quotas", "max_groups_per_session",
+                   "groups one session may hold at once (default 16384)", 1 << 24,
+                   [](DaemonConfig* c) { return &c->policy.max_groups_per_session; }),
       U64Setting("lifecycle", "drain_timeout", Kind::kDuration,
                  "on SIGTERM, how long to wait for sessions to release (default 30s)",
                  [](DaemonConfig* c) { return &c->drain_timeout_ms; }),

@@ -1,6 +1,7 @@
 #include "memoffload/daemon/service.h"
 
 #include <algorithm>
+#include <future>
 #include <optional>
 
 namespace memoffload::daemon {
@@ -56,46 +57,71 @@ grpc::Status OffloadService::Finish(Method method, Clock::time_point start, cons
   return ToGrpc(status);
 }
 
-grpc::Status OffloadService::Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
-                                     v1::ReserveResponse* resp) {
-  const auto start = Clock::now();
-  Status st = CheckCredentials(req->session(), req->has_session());
-  if (st.ok()) {
-    std::optional<Clock::time_point> wait_until;
-    if (req->wait_for_space()) {
-      // The call's deadline, capped by quotas.max_wait: nothing waits forever.
-      uint64_t max_wait_ms;
-      {
-        std::lock_guard<std::mutex> lock(config_mu_);
-        max_wait_ms = config_.policy.max_wait_ms;
-      }
-      wait_until = start + std::chrono::milliseconds(max_wait_ms);
-      const auto deadline = ctx->deadline();
-      if (deadline != std::chrono::system_clock::time_point::max()) {
-        // Answer a little before the caller's deadline so it sees why.
-        const auto left =
-            deadline - std::chrono::system_clock::now() - std::chrono::milliseconds(50);
+grpc::ServerUnaryReactor* OffloadService::Reserve(grpc::CallbackServerContext* ctx,
+                                                  const v1::ReserveRequest* req,
+                                                  v1::ReserveResponse* resp) {
+  // gRPC's own reactor: its OnDone runs inline, so no reactor of ours is
+  // handed between threads (ThreadSanitizer cannot see gRPC's hand-off). A
+  // caller that goes away is noticed through IsCancelled before its waiter
+  // would be granted (the context lives until Finish).
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  StartReserve(
+      *req, resp, ctx->deadline(), [reactor](grpc::Status st) { reactor->Finish(st); },
+      [ctx] { return ctx->IsCancelled(); });
+  return reactor;
+}
 
-        wait_until =
-            std::min(*wait_until, start + std::chrono::duration_cast<Clock::duration>(left));
-      }
+grpc::Status OffloadService::ReserveAndWait(const v1::ReserveRequest& req,
+                                            v1::ReserveResponse* resp,
+                                            std::chrono::system_clock::time_point deadline) {
+  std::promise<grpc::Status> answer;
+  std::future<grpc::Status> future = answer.get_future();
+  StartReserve(req, resp, deadline, [&answer](grpc::Status st) { answer.set_value(st); });
+  return future.get();
+}
+
+uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
+                                      std::chrono::system_clock::time_point deadline,
+                                      std::function<void(grpc::Status)> done,
+                                      std::function<bool()> cancelled) {
+  const auto start = Clock::now();
+  Status st = CheckCredentials(req.session(), req.has_session());
+  if (!st.ok()) {
+    done(Finish(Method::kReserve, start, st));
+    return 0;
+  }
+  std::optional<Clock::time_point> wait_until;
+  if (req.wait_for_space()) {
+    // The call's deadline, capped by quotas.max_wait: nothing waits forever.
+    uint64_t max_wait_ms;
+    {
+      std::lock_guard<std::mutex> lock(config_mu_);
+      max_wait_ms = config_.policy.max_wait_ms;
     }
-    RejectReason reject = RejectReason::kNone;
-    Result<ReserveResult> r = table_->Reserve(
-        req->session().session_id(), req->session().session_token(), req->group_id(),
-        req->size_bytes(), req->single_extent(), wait_until, &reject,
-        // A waiter whose caller went away must not be granted later (its
-        // group would be held with nobody to release it).
-        [ctx] { return ctx->IsCancelled(); });
-    metrics_->RecordRejection(reject);
-    if (r.ok()) {
-      CopyExtents(r->extents, resp->mutable_extents());
-      resp->set_reserved_bytes(r->reserved_bytes);
-    } else {
-      st = r.status();
+    wait_until = start + std::chrono::milliseconds(max_wait_ms);
+    if (deadline != std::chrono::system_clock::time_point::max()) {
+      // Answer a margin before the caller's deadline so it sees why:
+      // a tenth of the time left, within 20 ms..1 s (room to answer
+      // many waiters that expire together).
+      const auto left =
+          std::chrono::duration_cast<Clock::duration>(deadline - std::chrono::system_clock::now());
+      const Clock::duration margin = std::clamp<Clock::duration>(
+          left / 10, std::chrono::milliseconds(20), std::chrono::seconds(1));
+      wait_until = std::min(*wait_until, start + left - margin);
     }
   }
-  return Finish(Method::kReserve, start, st);
+  return table_->ReserveAsync(
+      req.session().session_id(), req.session().session_token(), req.group_id(), req.size_bytes(),
+      req.single_extent(), wait_until,
+      [this, start, resp, done = std::move(done)](Result<ReserveResult> r, RejectReason reject) {
+        metrics_->RecordRejection(reject);
+        if (r.ok()) {
+          CopyExtents(r->extents, resp->mutable_extents());
+          resp->set_reserved_bytes(r->reserved_bytes);
+        }
+        done(Finish(Method::kReserve, start, r.ok() ? Status::Ok() : r.status()));
+      },
+      std::move(cancelled));
 }
 
 grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,

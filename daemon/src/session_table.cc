@@ -52,15 +52,15 @@ const char* RejectReasonName(RejectReason reason) {
       return "draining";
     case RejectReason::kCancelled:
       return "cancelled";
+    case RejectReason::kTooFragmented:
+      return "too_fragmented";
+    case RejectReason::kGroupLimit:
+      return "group_limit";
   }
   return "unknown";
 }
 
 namespace {
-constexpr size_t kMaxWaiters = 1024;
-// How often a waiting reserve checks whether its caller cancelled.
-constexpr auto kCancelPollInterval = std::chrono::milliseconds(20);
-
 std::string JobKey(uid_t uid, const std::string& job_id) {
   return std::to_string(uid) + ":" + job_id;
 }
@@ -72,31 +72,66 @@ SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant
       policy_(policy),
       tenant_mode_(tenant_mode),
       chunk_owners_(arena->chunk_count()),
-      fresh_backing_(fresh_backing) {}
+      fresh_backing_(fresh_backing) {
+  queue_.SetLimits(QueueLimits());
+  deadline_thread_ = std::thread([this] { ExpireWaitersLoop(); });
+}
+
+SessionTable::~SessionTable() {
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    FailAllWaiters(Unavailable("memoffloadd is stopping; nothing was reserved"),
+                   RejectReason::kDraining, &done);
+  }
+  deadline_changed_.notify_all();
+  deadline_thread_.join();
+  Run(&done);
+}
 
 void SessionTable::SetPolicy(const Policy& policy) {
-  std::lock_guard<std::mutex> lock(mu_);
-  policy_ = policy;
-  space_freed_.notify_all();
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    policy_ = policy;
+    queue_.SetLimits(QueueLimits());
+    DispatchWaiters(&done);
+  }
+  Run(&done);
 }
 
 Status SessionTable::SetDraining(bool draining) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!draining && shutting_down_) {
-    return FailedPrecondition(
-        "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
-        "sessions release or the drain deadline passes");
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!draining && shutting_down_) {
+      return FailedPrecondition(
+          "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
+          "sessions release or the drain deadline passes");
+    }
+    draining_ = draining;
+    if (draining) {
+      FailAllWaiters(Unavailable("memoffloadd is draining: this waiting reserve was refused "
+                                 "until 'memoffloadctl undrain'"),
+                     RejectReason::kDraining, &done);
+    }
   }
-  draining_ = draining;
-  space_freed_.notify_all();
+  Run(&done);
   return Status::Ok();
 }
 
 void SessionTable::BeginShutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
-  shutting_down_ = true;
-  draining_ = true;
-  space_freed_.notify_all();
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutting_down_ = true;
+    draining_ = true;
+    FailAllWaiters(
+        Unavailable("memoffloadd is shutting down (SIGTERM): this waiting reserve was refused"),
+        RejectReason::kDraining, &done);
+  }
+  Run(&done);
 }
 
 bool SessionTable::draining() const {
@@ -173,7 +208,8 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
 }
 
 Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return NotFound("session " + std::to_string(session_id) + " is not open");
@@ -195,7 +231,10 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
                         owner.holders.end());
   }
   sessions_.erase(it);
-  space_freed_.notify_all();
+  FailSessionWaiters(session_id, &done);
+  DispatchWaiters(&done);
+  lock.unlock();
+  Run(&done);
   return reclaimed;
 }
 
@@ -238,6 +277,13 @@ void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
 }
 
 Status SessionTable::CheckQuotas(const Session& s, uint64_t rounded, RejectReason* reject) const {
+  if (s.groups.size() >= policy_.max_groups_per_session) {
+    *reject = RejectReason::kGroupLimit;
+    return ResourceExhausted(
+        "group limit: session " + std::to_string(s.grant.session_id) + " holds " +
+        std::to_string(s.groups.size()) + " groups, the limit quotas.max_groups_per_session is " +
+        std::to_string(policy_.max_groups_per_session) + "; Release groups before reserving more");
+  }
   const uint64_t session_limit = SessionLimit(s);
   if (session_limit != 0 && s.held_bytes + rounded > session_limit) {
     *reject = RejectReason::kSessionLimit;
@@ -280,53 +326,35 @@ Status SessionTable::CheckFitsAtAll(const Session& s, uint64_t rounded,
   return Status::Ok();
 }
 
-void SessionTable::CapacityWaitersAhead(uint64_t ticket, uint64_t* bytes, size_t* count) const {
-  *bytes = 0;
-  *count = 0;
-  for (const Waiter& w : waiters_) {
-    if (w.ticket == ticket) break;
-    auto it = sessions_.find(w.session_id);
-    if (it == sessions_.end()) continue;  // leaves on its next wake-up
-    RejectReason ignored;
-    if (!CheckQuotas(it->second, w.rounded, &ignored).ok()) continue;  // held by its own quota
-    *bytes += w.rounded;
-    ++*count;
-  }
-}
-
-Status SessionTable::QueuedBehind(uint64_t rounded, uint64_t ahead_bytes,
-                                  size_t ahead_count) const {
-  const uint64_t usable = UsableBytes();
-  const uint64_t used = arena_->allocator().used_bytes();
-  const uint64_t available = usable > used ? usable - used : 0;
-  const uint64_t needed = ahead_bytes + rounded;
-  return ResourceExhausted(
-      "arena full: " + FormatSize(rounded) + " requested behind " + std::to_string(ahead_count) +
-      " earlier waiting reserve" + (ahead_count == 1 ? "" : "s") + " needing " +
-      FormatSize(ahead_bytes) + " (served first, in arrival order); " + FormatSize(available) +
-      " available (" + FormatSize(used) + " in use of " + FormatSize(usable) +
-      " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + "), short by " +
-      FormatSize(needed > available ? needed - available : 0));
-}
-
 Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
                                                uint64_t rounded, bool single_extent,
-                                               RejectReason* reject) {
+                                               uint64_t keep_free_bytes, RejectReason* reject) {
   Session& s = *session;
   MEMOFFLOAD_RETURN_IF_ERROR(CheckQuotas(s, rounded, reject));
   Job& job = JobOf(s);
   const ExtentAllocator& alloc = arena_->allocator();
   const uint64_t usable = UsableBytes();
-  if (alloc.used_bytes() + rounded > usable) {
+  // keep_free_bytes holds back only what the aged waiter could use: any free
+  // byte with TenantMode::kNone, else the empty chunks a tenant may claim
+  // (bytes in a tenant's own chunks are of no use to another tenant).
+  auto arena_full = [&](uint64_t keep_free) {
     *reject = RejectReason::kArenaFull;
+    const uint64_t available = usable > alloc.used_bytes() ? usable - alloc.used_bytes() : 0;
+    const uint64_t needed = rounded + keep_free;
     return ResourceExhausted(
-        "arena full: " + FormatSize(rounded) + " requested, " +
-        FormatSize(usable > alloc.used_bytes() ? usable - alloc.used_bytes() : 0) + " available (" +
-        FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
-        " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + ")");
-  }
+        "arena full: " + FormatSize(rounded) + " requested, " + FormatSize(available) +
+        " available (" + FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
+        " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
+        (keep_free == 0 ? std::string()
+                        : "; " + FormatSize(keep_free) +
+                              " kept free for an older waiting reserve of another tenant "
+                              "(quotas.reserve_aging)") +
+        "), short by " + FormatSize(needed > available ? needed - available : 0));
+  };
+  if (alloc.used_bytes() + rounded > usable) return arena_full(0);
   Result<std::vector<Extent>> extents = Internal("not allocated yet");
   if (tenant_mode_ == TenantMode::kNone) {
+    if (alloc.used_bytes() + rounded + keep_free_bytes > usable) return arena_full(keep_free_bytes);
     extents = arena_->allocator().Allocate(rounded, single_extent);
   } else {
     // Only the tenant's own chunks; take over empty ones until it fits.
@@ -335,6 +363,9 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
     while (true) {
       extents = arena_->allocator().Allocate(rounded, single_extent, &allowed);
       if (extents.ok()) break;
+      if (alloc.used_bytes() + rounded + keep_free_bytes > usable) {
+        return arena_full(keep_free_bytes);
+      }
       const int64_t c = Claimable(s.tenant);
       if (c < 0) break;
       if (!Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
@@ -350,6 +381,16 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
                                         " (chunks of other tenants are not shared)") +
                              ": " + extents.status().message());
   }
+  if (extents->size() > policy_.max_extents_per_reserve) {
+    const size_t count = extents->size();
+    FreeExtents(*extents);
+    *reject = RejectReason::kTooFragmented;
+    return ResourceExhausted(
+        "arena fragmented: " + FormatSize(rounded) + " would take " + std::to_string(count) +
+        " extents, more than quotas.max_extents_per_reserve (" +
+        std::to_string(policy_.max_extents_per_reserve) +
+        "); nothing was reserved: reserve smaller groups, or wait for space to coalesce");
+  }
   Group g;
   g.extents = std::move(extents).value();
   g.held_bytes = rounded;
@@ -362,128 +403,11 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   return result;
 }
 
-Result<ReserveResult> SessionTable::Reserve(
-    uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
-    bool single_extent, std::optional<std::chrono::steady_clock::time_point> wait_until,
-    RejectReason* reject, const std::function<bool()>& cancelled) {
-  RejectReason ignored_reason;
-  if (reject == nullptr) reject = &ignored_reason;
-  *reject = RejectReason::kNone;
-  std::unique_lock<std::mutex> lock(mu_);
-  Result<Session*> session = Authenticate(session_id, token);
-  if (!session.ok()) return session.status();
-  if (auto it = (*session)->groups.find(group_id); it != (*session)->groups.end()) {
-    return FailedPrecondition("group " + std::to_string(group_id) + " already exists (" +
-                              GroupStateName(it->second.state) +
-                              "); Release it before reserving it again");
-  }
-  if (size_bytes == 0) return InvalidArgument("size_bytes must be positive");
-  auto draining_status = [this](const std::string& what) {
-    return Unavailable(shutting_down_
-                           ? "memoffloadd is shutting down (SIGTERM): " + what
-                           : "memoffloadd is draining: " + what + " until 'memoffloadctl undrain'");
-  };
-  if (draining_) {
-    *reject = RejectReason::kDraining;
-    return draining_status("new reservations are refused");
-  }
-  const uint64_t usable = UsableBytes();
-  if (size_bytes > usable) {
-    *reject = RejectReason::kTooLarge;
-    return ResourceExhausted("group of " + FormatSize(size_bytes) +
-                             " is larger than the whole usable arena (" + FormatSize(usable) +
-                             " of " + FormatSize(arena_->capacity_bytes()) + "; node reserve " +
-                             FormatSize(policy_.node_reserve_bytes) + ")");
-  }
-  const uint64_t page = arena_->page_bytes();
-  const uint64_t rounded = (size_bytes + page - 1) / page * page;
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckFitsAtAll(**session, rounded, reject));
-  if (!wait_until.has_value()) {
-    // Not ahead of waiters who queued for capacity (they would starve).
-    MEMOFFLOAD_RETURN_IF_ERROR(CheckQuotas(**session, rounded, reject));
-    uint64_t ahead_bytes = 0;
-    size_t ahead_count = 0;
-    CapacityWaitersAhead(0, &ahead_bytes, &ahead_count);
-    if (ahead_count != 0) {
-      *reject = RejectReason::kArenaFull;
-      return QueuedBehind(rounded, ahead_bytes, ahead_count);
-    }
-    return TryReserve(*session, group_id, rounded, single_extent, reject);
-  }
-
-  if (waiters_.size() >= kMaxWaiters) {
-    *reject = RejectReason::kTooManyWaiters;
-    return ResourceExhausted("too many waiting reserves (" + std::to_string(kMaxWaiters) + ")");
-  }
-  const uint64_t ticket = next_ticket_++;
-  waiters_.push_back({ticket, session_id, rounded});
-  const auto waited_from = Clock::now();
-  auto leave = [&] {
-    waiters_.erase(std::find_if(waiters_.begin(), waiters_.end(),
-                                [ticket](const Waiter& w) { return w.ticket == ticket; }));
-    space_freed_.notify_all();
-  };
-  auto waited_ms = [&] {
-    return std::to_string(static_cast<int64_t>(
-        std::chrono::duration<double, std::milli>(Clock::now() - waited_from).count()));
-  };
-  Status last;
-  while (true) {
-    if (draining_) {
-      leave();
-      *reject = RejectReason::kDraining;
-      return draining_status("this waiting reserve was refused after " + waited_ms() + " ms");
-    }
-    Result<Session*> current = Authenticate(session_id, token);
-    if (!current.ok()) {
-      leave();
-      return current.status();
-    }
-    if (cancelled && cancelled()) {
-      leave();
-      *reject = RejectReason::kCancelled;
-      return Status(StatusCode::kCancelled, "the caller cancelled this reserve after it waited " +
-                                                waited_ms() + " ms; nothing was reserved");
-    }
-    // A SIGHUP may have lowered a limit below the request.
-    if (Status st = CheckFitsAtAll(**current, rounded, reject); !st.ok()) {
-      leave();
-      return st;
-    }
-    if (Status quota = CheckQuotas(**current, rounded, reject); !quota.ok()) {
-      last = quota;  // held by its own quota: waits without blocking others
-    } else {
-      uint64_t ahead_bytes = 0;
-      size_t ahead_count = 0;
-      CapacityWaitersAhead(ticket, &ahead_bytes, &ahead_count);
-      if (ahead_count != 0) {
-        last = QueuedBehind(rounded, ahead_bytes, ahead_count);
-      } else {
-        Result<ReserveResult> r = TryReserve(*current, group_id, rounded, single_extent, reject);
-        if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) {
-          leave();
-          if (r.ok()) *reject = RejectReason::kNone;
-          return r;
-        }
-        last = r.status();
-      }
-    }
-    auto wake = *wait_until;
-    if (cancelled) wake = std::min(wake, Clock::now() + kCancelPollInterval);
-    space_freed_.wait_until(lock, wake);
-    if (Clock::now() >= *wait_until) {
-      leave();
-      *reject = RejectReason::kWaitTimeout;
-      return ResourceExhausted("waited " + waited_ms() + " ms for " + FormatSize(rounded) +
-                               " until the deadline; last refusal: " + last.message());
-    }
-  }
-}
-
 Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string& token,
                                           uint64_t group_id, uint64_t used_bytes,
                                           std::vector<uint32_t> extent_crc32c) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Result<Group*> group = FindGroup(*session, group_id);
@@ -521,13 +445,15 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   committed_bytes_ += kept_bytes;
   (*session)->held_bytes -= returned;
   JobOf(**session).held_bytes -= returned;
-  if (returned != 0) space_freed_.notify_all();
   g.extents = std::move(kept).value();
   g.held_bytes = kept_bytes;
   g.used_bytes = used_bytes;
   g.extent_crc32c = std::move(extent_crc32c);
   g.state = GroupState::kCommitted;
   g.committed_at = Clock::now();
+  if (returned != 0) DispatchWaiters(&done);
+  lock.unlock();
+  Run(&done);
   return CommitResult{kept_bytes, returned};
 }
 
@@ -553,7 +479,8 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
 
 Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
                                             uint64_t group_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Session& s = **session;
@@ -575,7 +502,9 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   JobOf(s).held_bytes -= g.held_bytes;
   --groups_;
   s.groups.erase(it);
-  space_freed_.notify_all();
+  DispatchWaiters(&done);  // bytes, and a group slot, came back
+  lock.unlock();
+  Run(&done);
   return result;
 }
 
@@ -591,7 +520,7 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.node_reserve_bytes = policy_.node_reserve_bytes;
   a.sessions = static_cast<uint32_t>(sessions_.size());
   a.groups = groups_;
-  a.waiting_reserves = static_cast<uint32_t>(waiters_.size());
+  a.waiting_reserves = static_cast<uint32_t>(queue_.size());
   a.draining = draining_;
   a.shutting_down = shutting_down_;
   for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;

@@ -186,7 +186,6 @@ TEST(Config, RejectsOutOfRangeTimeoutsLimitsAndAZeroArena) {
       {{"--drain-timeout=25h"}, "lifecycle.drain_timeout: 90000000ms is more than the maximum"},
       {{"--drain-timeout=600000h"}, "lifecycle.drain_timeout"},
       {{"--arena-size=0"}, "arena.size: 0 is not a size"},
-      {{"--max-connections=0"}, "server.max_connections: 0 is outside"},
       {{"--max-connections=10", "--max-connections-per-uid=11"},
        "server.max_connections_per_uid: 11 is outside 1..10"},
   };
@@ -207,8 +206,33 @@ TEST(Config, RejectsOutOfRangeTimeoutsLimitsAndAZeroArena) {
   ASSERT_TRUE(edges.ok());
   EXPECT_TRUE(ResolveAndValidate(&*edges).ok());
   EXPECT_GT(edges->arena_size_bytes, 0u);
-  Result<DaemonConfig> bad_count = Parse({"--max-connections=-1"});
-  EXPECT_FALSE(bad_count.ok());
+  for (const char* bad : {"--max-connections=-1", "--max-connections=0"}) {
+    Result<DaemonConfig> bad_count = Parse({bad});
+    EXPECT_FALSE(bad_count.ok()) << bad;
+  }
+}
+
+// The limits of issue 13 exist: 0 is not "none", and each has a ceiling.
+TEST(Config, ReserveLimitsAreCountsFromOneToTheirCeiling) {
+  Result<DaemonConfig> c = Parse({"--max-waiting-reserves=10",
+                                  "--max-waiting-reserves-per-tenant=5", "--reserve-aging=500ms",
+                                  "--max-extents-per-reserve=64", "--max-groups-per-session=100"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.max_waiting_reserves, 10u);
+  EXPECT_EQ(c->policy.max_waiting_reserves_per_tenant, 5u);
+  EXPECT_EQ(c->policy.reserve_aging_ms, 500u);
+  EXPECT_EQ(c->policy.max_extents_per_reserve, 64u);
+  EXPECT_EQ(c->policy.max_groups_per_session, 100u);
+  for (const char* bad : {"--max-waiting-reserves=0", "--max-groups-per-session=-1",
+                          "--max-extents-per-reserve=100001", "--max-waiting-reserves=ten"}) {
+    Result<DaemonConfig> r = Parse({bad});
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("is not an integer in 1.."), std::string::npos)
+        << r.status().message();
+  }
+  Result<DaemonConfig> aging = Parse({"--reserve-aging=2h"});
+  ASSERT_TRUE(aging.ok());
+  EXPECT_NE(ResolveAndValidate(&*aging).message().find("quotas.reserve_aging"), std::string::npos);
 }
 
 TEST(Config, PrintedConfigParsesBackToTheSameValues) {

@@ -385,7 +385,8 @@ TEST_F(SessionTableTest, PlainReserveDoesNotJumpAheadOfCapacityWaiters) {
   auto r = table_->Reserve(t.session_id, t.token, 1, kMiB, false, std::nullopt, &reason);
   ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(reason, RejectReason::kArenaFull);
-  EXPECT_NE(r.status().message().find("behind 1 earlier waiting reserve needing 2.00 MiB"),
+  EXPECT_NE(r.status().message().find(
+                "behind 1 earlier waiting reserve of the same tenant (uid:1000) needing 2.00 MiB"),
             std::string::npos)
       << r.status().message();
   EXPECT_NE(r.status().message().find("short by 2.00 MiB"), std::string::npos)
@@ -413,7 +414,7 @@ TEST_F(SessionTableTest, QueuedWaiterTimeoutNamesTheArenaAndTheShortfall) {
   const std::string& m = r.status().message();
   EXPECT_EQ(m.find("queued behind earlier waiting reserves"), std::string::npos) << m;
   EXPECT_NE(m.find("until the deadline; last refusal: arena full: 1.00 MiB requested behind 1 "
-                   "earlier waiting reserve needing 2.00 MiB"),
+                   "earlier waiting reserve of the same tenant (uid:1000) needing 2.00 MiB"),
             std::string::npos)
       << m;
   EXPECT_NE(m.find("0 B available (4.00 MiB in use of 4.00 MiB usable; node reserve 0 B), short "
@@ -426,24 +427,26 @@ TEST_F(SessionTableTest, CancelledWaiterLeavesAndIsNeverGranted) {
   SessionGrant s = Open();
   SessionGrant t = Open();
   ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4 * kMiB, false).ok());
-  std::atomic<bool> cancel{false};
-  std::thread canceller([&] {
-    while (table_->Snapshot().waiting_reserves < 1) std::this_thread::yield();
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    cancel = true;
-  });
-  const auto start = std::chrono::steady_clock::now();
+  std::optional<Result<ReserveResult>> answer;
   RejectReason reason = RejectReason::kNone;
-  auto r = table_->Reserve(t.session_id, t.token, 1, kMiB, false, start + std::chrono::seconds(10),
-                           &reason, [&] { return cancel.load(); });
-  canceller.join();
-  EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status().ToString();
+  const uint64_t ticket =
+      table_->ReserveAsync(t.session_id, t.token, 1, kMiB, false,
+                           std::chrono::steady_clock::now() + std::chrono::seconds(10),
+                           [&](Result<ReserveResult> r, RejectReason why) {
+                             answer = std::move(r);
+                             reason = why;
+                           });
+  ASSERT_NE(ticket, 0u);
+  EXPECT_FALSE(answer.has_value());
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 1u);
+  table_->CancelReserve(ticket);  // answered on this thread
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_EQ(answer->status().code(), StatusCode::kCancelled) << answer->status().ToString();
   EXPECT_EQ(reason, RejectReason::kCancelled);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
   EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+  table_->CancelReserve(ticket);  // a second cancel does nothing
   // Space frees up later: nothing lands in the cancelled caller's session.
   ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_EQ(table_->Snapshot().groups, 0u);
   EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
   EXPECT_EQ(table_->Release(t.session_id, t.token, 1).status().code(), StatusCode::kNotFound);

@@ -497,9 +497,8 @@ class Harness {
   }
 
   void DoReserve(const v1::ReserveRequest& req, ModelSession* s, StatusCode expect) {
-    grpc::ServerContext ctx;
     v1::ReserveResponse resp;
-    const grpc::Status st = service_->Reserve(&ctx, &req, &resp);
+    const grpc::Status st = service_->ReserveAndWait(req, &resp);
     const auto code = static_cast<StatusCode>(st.error_code());
     if (s == nullptr) {
       Check(code == expect, "Reserve: expected " + std::to_string(static_cast<int>(expect)) +

@@ -31,6 +31,11 @@
 //     Drops to UID, attaches as job JOB asking for a JOB_MAX_BYTES job limit
 //     (0: the default), asks for every chunk's fd and reserves BYTES. Prints
 //     "RESERVED <bytes> REFUSED <chunks> GOT <chunks>" or "ERR <CODE> <message>".
+//   offload_worker reserve-loop-as RUNTIME_DIR UID GO_FILE COUNT BYTES
+//     Drops to UID, attaches, reserves one page (its tenant's first chunk)
+//     and prints "READY"; once GO_FILE exists (20 s at most), makes COUNT
+//     plain Reserve(BYTES) + Release pairs. Prints "OK <n> FAIL <n> <first
+//     error>".
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
 #include <sys/socket.h>
@@ -401,9 +406,48 @@ int JobAs(const std::string& dir, uid_t uid, const std::string& job, uint64_t by
   return 0;
 }
 
+int ReserveLoopAs(const std::string& dir, uid_t uid, const std::string& go_file, int count,
+                  uint64_t bytes) {
+  if (!DropTo(uid)) return 1;
+  auto client = AttachOrNull(dir, 0);
+  if (!client) return 1;
+  auto first = client->Reserve(1, 4096);
+  if (!first.ok()) return Die("first reserve", first.status());
+  std::printf("READY\n");
+  std::fflush(stdout);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (access(go_file.c_str(), F_OK) != 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::printf("ERR no %s after 20 s\n", go_file.c_str());
+      return 1;
+    }
+    usleep(1000);
+  }
+  int ok = 0, failed = 0;
+  std::string first_error = "-";
+  for (int i = 0; i < count; ++i) {
+    auto r = client->Reserve(2, bytes);
+    if (r.ok()) {
+      ++ok;
+      if (auto st = client->Release(2); !st.ok()) return Die("release", st);
+    } else {
+      if (failed++ == 0) {
+        first_error =
+            std::string(memoffload::StatusCodeName(r.status().code())) + " " + r.status().message();
+      }
+    }
+  }
+  std::printf("OK %d FAIL %d %s\n", ok, failed, first_error.c_str());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 7 && std::strcmp(argv[1], "reserve-loop-as") == 0) {
+    return ReserveLoopAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])), argv[4],
+                         std::stoi(argv[5]), std::stoull(argv[6]));
+  }
   if (argc == 4 && std::strcmp(argv[1], "fork-hold") == 0) {
     return ForkHold(argv[2], std::stoull(argv[3]));
   }

@@ -33,15 +33,23 @@ inline constexpr uint64_t kMaxHelloTimeoutMs = 3600 * 1000;
 inline constexpr uint64_t kMaxDrainTimeoutMs = 24 * 3600 * 1000;
 // Upper bound of server.max_connections.
 inline constexpr uint64_t kMaxConnectionsLimit = 1 << 20;
+// Upper bound of quotas.max_extents_per_reserve: a reply of at most about
+// 2.2 MiB (22 bytes per extent), under gRPC's 4 MiB default receive limit.
+inline constexpr uint64_t kMaxExtentsPerReserveLimit = 100000;
 
 // Settings SIGHUP may change without a restart (access policy and quotas).
 struct Policy {
-  std::vector<uint32_t> allowed_uids;  // besides the daemon's uid and root
-  std::vector<uint32_t> allowed_gids;  // peers in these groups are allowed too
-  uint64_t session_max_bytes = 0;      // 0: no per-session limit
-  uint64_t job_max_bytes = 0;          // 0: no per-job limit
-  uint64_t node_reserve_bytes = 0;     // never handed out
-  uint64_t max_wait_ms = 30000;        // cap for waiting reserves without deadline
+  std::vector<uint32_t> allowed_uids;              // besides the daemon's uid and root
+  std::vector<uint32_t> allowed_gids;              // peers in these groups are allowed too
+  uint64_t session_max_bytes = 0;                  // 0: no per-session limit
+  uint64_t job_max_bytes = 0;                      // 0: no per-job limit
+  uint64_t node_reserve_bytes = 0;                 // never handed out
+  uint64_t max_wait_ms = 30000;                    // cap for waiting reserves without deadline
+  uint64_t max_waiting_reserves = 1024;            // queued at once, all tenants
+  uint64_t max_waiting_reserves_per_tenant = 256;  // queued at once, one tenant
+  uint64_t reserve_aging_ms = 2000;                // then a waiter's bytes are kept free for it
+  uint64_t max_extents_per_reserve = 16384;        // a reply of about 400 KiB
+  uint64_t max_groups_per_session = 16384;         // about 490 B of daemon memory each
 };
 
 struct DaemonConfig {

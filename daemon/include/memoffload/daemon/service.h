@@ -3,10 +3,13 @@
 // Validates every request's shape, delegates to SessionTable, maps Status to
 // gRPC status codes and records metrics. Holds no state of its own beyond
 // what GetStatus reports; thread-safe (gRPC calls it from its pool).
+// Reserve uses gRPC's callback API, so a waiting reserve holds no thread: it
+// is answered by whoever frees the space, or by the table's deadline thread.
 #ifndef MEMOFFLOAD_DAEMON_SERVICE_H_
 #define MEMOFFLOAD_DAEMON_SERVICE_H_
 
 #include <chrono>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -26,7 +29,8 @@ struct ServiceInfo {
   uint64_t instance_id = 0;     // random per start
 };
 
-class OffloadService final : public memoffload::v1::Offload::Service {
+class OffloadService final
+    : public memoffload::v1::Offload::WithCallbackMethod_Reserve<memoffload::v1::Offload::Service> {
  public:
   OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics, ServiceInfo info,
                  const DaemonConfig& config);
@@ -35,8 +39,23 @@ class OffloadService final : public memoffload::v1::Offload::Service {
   // (after SIGHUP). Thread-safe.
   void SetConfig(const DaemonConfig& config);
 
-  grpc::Status Reserve(grpc::ServerContext* ctx, const v1::ReserveRequest* req,
-                       v1::ReserveResponse* resp) override;
+  grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx, const v1::ReserveRequest* req,
+                                    v1::ReserveResponse* resp) override;
+  // Reserve without gRPC's call objects. `deadline` is the caller's
+  // (time_point::max() when it set none): a waiting reserve is answered a
+  // margin before it, so that the caller sees why. `done` is called exactly
+  // once, maybe on this thread, after *resp is filled; `cancelled` (may be
+  // empty) tells whether the caller went away (see SessionTable::
+  // ReserveAsync). Returns the table's ticket while the reserve waits, 0
+  // once answered.
+  uint64_t StartReserve(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
+                        std::chrono::system_clock::time_point deadline,
+                        std::function<void(grpc::Status)> done,
+                        std::function<bool()> cancelled = nullptr);
+  // StartReserve, waiting on this thread for the answer (fuzzers, tests).
+  grpc::Status ReserveAndWait(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
+                              std::chrono::system_clock::time_point deadline =
+                                  std::chrono::system_clock::time_point::max());
   grpc::Status Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
                       v1::CommitResponse* resp) override;
   grpc::Status Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,

@@ -22,12 +22,14 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
 #include "memoffload/daemon/fresh_backing.h"
+#include "memoffload/daemon/reserve_queue.h"
 #include "memoffload/daemon/session_token.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/status.h"
@@ -60,9 +62,11 @@ enum class RejectReason {
   kWaitTimeout,  // waited until the deadline
   kTooManyWaiters,
   kDraining,
-  kCancelled,  // the caller cancelled (or its deadline passed) while waiting
+  kCancelled,      // the caller cancelled (or its deadline passed) while waiting
+  kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
+  kGroupLimit,     // the session holds quotas.max_groups_per_session groups
 };
-inline constexpr int kRejectReasonCount = 9;
+inline constexpr int kRejectReasonCount = 11;
 const char* RejectReasonName(RejectReason reason);
 
 struct SessionGrant {
@@ -154,6 +158,8 @@ class SessionTable {
   // chunks that change tenant.
   SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode = TenantMode::kUid,
                FreshBacking* fresh_backing = nullptr);
+  // Answers every waiting reserve (UNAVAILABLE) and stops the deadline thread.
+  ~SessionTable();
   SessionTable(const SessionTable&) = delete;
   SessionTable& operator=(const SessionTable&) = delete;
 
@@ -177,26 +183,47 @@ class SessionTable {
   // (UNAUTHENTICATED), then the group and its state.
   //
   // Reserve checks, in order: the usable arena (capacity - node reserve),
-  // the session limit, the job limit, free space. A request larger than the
-  // usable arena, its session limit or its job limit can never fit and fails
-  // at once, waiting or not. Otherwise, without wait_until, a request that
-  // does not fit fails at once with RESOURCE_EXHAUSTED naming the limit and
-  // the shortfall.
+  // the session limit, the job limit, the session's group count, free space,
+  // and the extent count (quotas.max_extents_per_reserve; over it nothing is
+  // reserved). A request larger than the usable arena, its session limit or
+  // its job limit can never fit and fails at once, waiting or not.
+  // Otherwise, without wait_until, a request that does not fit fails at once
+  // with RESOURCE_EXHAUSTED naming the limit and the shortfall.
   //
-  // With wait_until it waits until it fits or the time passes. Waiters are
-  // served in arrival order for arena capacity: a waiter whose own session
-  // or job quota allows it is "waiting for capacity", and no later request
-  // (waiting or not) is placed while an earlier one waits for capacity, so
-  // a stream of small requests cannot starve a large one. A waiter held back
-  // by its own quota waits without blocking anyone. `cancelled`, when set, is
-  // polled while waiting; once it returns true the waiter leaves with
-  // CANCELLED and nothing is reserved. While draining, Reserve is
-  // UNAVAILABLE. *reject (if non-null) is set to why a request was refused.
+  // With wait_until it waits, without holding a thread, until it fits or the
+  // time passes; then it fails with RESOURCE_EXHAUSTED naming the last
+  // shortfall. Waiters are served by ReserveQueue's rules: arrival order
+  // within a tenant (no request of a tenant is placed while an earlier
+  // waiter of the same tenant waits for capacity, so a stream of small
+  // requests cannot starve its large one), round robin across tenants (a
+  // request that fits is never refused because another tenant's waiter does
+  // not), and aging (once a waiter has waited quotas.reserve_aging, other
+  // tenants' requests must leave its bytes free). A waiter held back by its
+  // own quota waits without blocking anyone. While draining, Reserve is
+  // UNAVAILABLE and waiters fail.
+  //
+  // The answer: `done`, called exactly once and never under the table's
+  // lock, on this thread when the answer is immediate, else on the thread
+  // that places, refuses or expires the waiter. Returns the waiter's ticket
+  // while it waits (for CancelReserve), 0 once answered. `cancelled`, when
+  // set, is asked (under the table's lock) before a waiter is placed and
+  // when the waiter bound is reached: once it returns true the waiter is
+  // answered CANCELLED and nothing is reserved for it.
+  using ReserveDone = std::function<void(Result<ReserveResult>, RejectReason)>;
+  uint64_t ReserveAsync(uint64_t session_id, const std::string& token, uint64_t group_id,
+                        uint64_t size_bytes, bool single_extent,
+                        std::optional<std::chrono::steady_clock::time_point> wait_until,
+                        ReserveDone done, std::function<bool()> cancelled = nullptr);
+  // The waiter's caller went away: it is answered CANCELLED and nothing is
+  // reserved for it. Does nothing once the waiter was answered.
+  void CancelReserve(uint64_t ticket);
+  // ReserveAsync, waiting on the calling thread for the answer. *reject (if
+  // non-null) is set to why a request was refused.
   Result<ReserveResult> Reserve(
       uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
       bool single_extent,
       std::optional<std::chrono::steady_clock::time_point> wait_until = std::nullopt,
-      RejectReason* reject = nullptr, const std::function<bool()>& cancelled = nullptr);
+      RejectReason* reject = nullptr);
 
   // extent_crc32c, when non-empty, must hold one checksum per kept extent; it
   // is stored and handed back by Prefetch (the daemon never reads the data).
@@ -206,8 +233,9 @@ class SessionTable {
   Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
 
   // Replaces the quotas (SIGHUP). Sessions keep what they hold; the new
-  // limits apply to every later reservation, existing sessions included.
-  // Wakes waiting reserves.
+  // limits apply to every later reservation, existing sessions included, and
+  // to the waiting ones (tried again now). Queued waiters stay queued when the
+  // waiter bounds shrink below their count.
   void SetPolicy(const Policy& policy);
   // Drain: new Reserves are UNAVAILABLE (waiting ones fail), existing groups
   // may still be committed, prefetched and released. Undrain is
@@ -259,20 +287,55 @@ class SessionTable {
   // Finds the session and checks its token. Requires mu_.
   Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
   Result<Group*> FindGroup(Session* session, uint64_t group_id);
-  // One attempt to place the group now. Requires mu_.
+  // One attempt to place the group now, leaving keep_free_bytes of the
+  // usable arena free (for an aged waiter of another tenant). Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
-                                   bool single_extent, RejectReason* reject);
+                                   bool single_extent, uint64_t keep_free_bytes,
+                                   RejectReason* reject);
   // Whether the session's and its job's quotas allow `rounded` more bytes
   // now; RESOURCE_EXHAUSTED naming the limit and the excess if not.
   Status CheckQuotas(const Session& session, uint64_t rounded, RejectReason* reject) const;
   // RESOURCE_EXHAUSTED when `rounded` exceeds a limit outright (can never fit).
   Status CheckFitsAtAll(const Session& session, uint64_t rounded, RejectReason* reject) const;
-  // Bytes and count of the waiters queued before `ticket` (all waiters when
-  // ticket is 0) that wait for arena capacity, i.e. their quotas allow them.
-  void CapacityWaitersAhead(uint64_t ticket, uint64_t* bytes, size_t* count) const;
-  // RESOURCE_EXHAUSTED for a request queued behind capacity waiters, naming
-  // the arena and the shortfall. Requires mu_.
-  Status QueuedBehind(uint64_t rounded, uint64_t ahead_bytes, size_t ahead_count) const;
+  // RESOURCE_EXHAUSTED for a request queued behind capacity waiters of its
+  // own tenant, naming the arena and the shortfall. Requires mu_.
+  Status QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
+                      size_t ahead_count) const;
+
+  // The waiting-reserve machinery (session_table_reserve.cc). Answers run
+  // after mu_ is released, as Completions.
+  using Completions = std::vector<std::function<void()>>;
+  struct PendingReserve {
+    uint64_t session_id = 0;
+    uint64_t group_id = 0;
+    uint64_t rounded = 0;
+    bool single_extent = false;
+    Clock::time_point waited_from;
+    Status last;  // the latest refusal, named in the answer at the deadline
+    ReserveDone done;
+    std::function<bool()> cancelled;  // may be empty
+  };
+  // Who shares a line of the reserve queue: the chunk tenant, or the uid
+  // with TenantMode::kNone.
+  std::string QueueTenant(const Session& session) const;
+  // Whether the waiter's own quota holds it back now. Requires mu_.
+  bool QuotaHeld(const ReserveQueue::Waiter& waiter) const;
+  // Offers free space to the waiters. Requires mu_.
+  void DispatchWaiters(Completions* out);
+  // Removes the waiter from pending_ and queues its answer. Requires mu_.
+  void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason, Completions* out);
+  // Answers every waiter with `status` (drain, shutdown). Requires mu_.
+  void FailAllWaiters(const Status& status, RejectReason reason, Completions* out);
+  // Answers the waiters of a closing session. Requires mu_.
+  void FailSessionWaiters(uint64_t session_id, Completions* out);
+  // Answers the waiters whose caller went away. Requires mu_.
+  void DropCancelledWaiters(Completions* out);
+  // Status CANCELLED for a waiter queued at `waited_from`.
+  static Status CancelledStatus(Clock::time_point waited_from);
+  ReserveQueue::Limits QueueLimits() const;  // requires mu_
+  // Answers waiters at their deadline; runs on deadline_thread_.
+  void ExpireWaitersLoop();
+  static void Run(Completions* completions);
   // capacity - node reserve, or 0 when the reserve covers the arena.
   uint64_t UsableBytes() const;  // requires mu_
   // The session limit in force: min(policy, what its hello asked for).
@@ -285,18 +348,14 @@ class SessionTable {
 
   Arena* const arena_;
   mutable std::mutex mu_;
-  std::condition_variable space_freed_;  // signalled when bytes return or state changes
-  Policy policy_;                        // guarded by mu_
-  bool draining_ = false;                // guarded by mu_
-  bool shutting_down_ = false;           // guarded by mu_
-  uint64_t next_ticket_ = 1;             // guarded by mu_
-  struct Waiter {
-    uint64_t ticket = 0;
-    uint64_t session_id = 0;
-    uint64_t rounded = 0;
-  };
-  std::deque<Waiter> waiters_;                 // guarded by mu_; arrival order
-  std::unordered_map<std::string, Job> jobs_;  // guarded by mu_; by Session::job_key
+  Policy policy_;                                         // guarded by mu_
+  bool draining_ = false;                                 // guarded by mu_
+  bool shutting_down_ = false;                            // guarded by mu_
+  ReserveQueue queue_;                                    // guarded by mu_
+  std::unordered_map<uint64_t, PendingReserve> pending_;  // guarded by mu_; by ticket
+  std::condition_variable deadline_changed_;              // a waiter was queued, or stopping_
+  bool stopping_ = false;                                 // guarded by mu_
+  std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
 
   struct ChunkOwner {
     std::string tenant;             // "" while never used
@@ -319,6 +378,8 @@ class SessionTable {
   uint64_t committed_bytes_ = 0;                    // guarded by mu_
   uint64_t read_bytes_ = 0;                         // guarded by mu_
   uint64_t groups_ = 0;                             // guarded by mu_
+
+  std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
 };
 
 }  // namespace memoffload::daemon

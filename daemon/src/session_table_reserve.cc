@@ -1,0 +1,306 @@
+// SessionTable's Reserve path: admission, the waiting reserves and their
+// deadlines. Which waiter goes first is ReserveQueue's business; this file
+// decides whether one fits, and answers it.
+#include <future>
+
+#include "memoffload/daemon/session_table.h"
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+std::string MillisecondsSince(std::chrono::steady_clock::time_point from) {
+  return std::to_string(static_cast<int64_t>(
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - from).count()));
+}
+
+}  // namespace
+
+ReserveQueue::Limits SessionTable::QueueLimits() const {
+  ReserveQueue::Limits limits;
+  limits.max_waiters = policy_.max_waiting_reserves;
+  limits.max_waiters_per_tenant = policy_.max_waiting_reserves_per_tenant;
+  limits.aging = std::chrono::milliseconds(policy_.reserve_aging_ms);
+  return limits;
+}
+
+std::string SessionTable::QueueTenant(const Session& session) const {
+  return session.tenant.empty() ? "uid:" + std::to_string(session.peer.uid) : session.tenant;
+}
+
+bool SessionTable::QuotaHeld(const ReserveQueue::Waiter& waiter) const {
+  auto pending = pending_.find(waiter.ticket);
+  if (pending == pending_.end()) return true;
+  auto session = sessions_.find(pending->second.session_id);
+  if (session == sessions_.end()) return true;  // answered when it closes
+  RejectReason ignored;
+  return !CheckQuotas(session->second, waiter.bytes, &ignored).ok();
+}
+
+Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
+                                  size_t ahead_count) const {
+  const uint64_t usable = UsableBytes();
+  const uint64_t used = arena_->allocator().used_bytes();
+  const uint64_t available = usable > used ? usable - used : 0;
+  const uint64_t needed = ahead_bytes + rounded;
+  return ResourceExhausted(
+      "arena full: " + FormatSize(rounded) + " requested behind " + std::to_string(ahead_count) +
+      " earlier waiting reserve" + (ahead_count == 1 ? "" : "s") + " of the same tenant (" +
+      tenant + ") needing " + FormatSize(ahead_bytes) +
+      " (a tenant's reserves are served in arrival order); " + FormatSize(available) +
+      " available (" + FormatSize(used) + " in use of " + FormatSize(usable) +
+      " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + "), short by " +
+      FormatSize(needed > available ? needed - available : 0));
+}
+
+uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& token,
+                                    uint64_t group_id, uint64_t size_bytes, bool single_extent,
+                                    std::optional<Clock::time_point> wait_until, ReserveDone done,
+                                    std::function<bool()> cancelled) {
+  RejectReason reject = RejectReason::kNone;
+  Completions others;  // answers to other waiters (cancelled ones)
+  std::unique_lock<std::mutex> lock(mu_);
+  auto answer = [&](Result<ReserveResult> result) -> uint64_t {
+    lock.unlock();
+    Run(&others);
+    const RejectReason reason = result.ok() ? RejectReason::kNone : reject;
+    done(std::move(result), reason);
+    return 0;
+  };
+  Result<Session*> session = Authenticate(session_id, token);
+  if (!session.ok()) return answer(session.status());
+  Session& s = **session;
+  if (auto it = s.groups.find(group_id); it != s.groups.end()) {
+    return answer(FailedPrecondition("group " + std::to_string(group_id) + " already exists (" +
+                                     GroupStateName(it->second.state) +
+                                     "); Release it before reserving it again"));
+  }
+  if (size_bytes == 0) return answer(InvalidArgument("size_bytes must be positive"));
+  if (draining_) {
+    reject = RejectReason::kDraining;
+    return answer(Unavailable(
+        shutting_down_ ? "memoffloadd is shutting down (SIGTERM): new reservations are refused"
+                       : "memoffloadd is draining: new reservations are refused until "
+                         "'memoffloadctl undrain'"));
+  }
+  const uint64_t usable = UsableBytes();
+  if (size_bytes > usable) {
+    reject = RejectReason::kTooLarge;
+    return answer(ResourceExhausted(
+        "group of " + FormatSize(size_bytes) + " is larger than the whole usable arena (" +
+        FormatSize(usable) + " of " + FormatSize(arena_->capacity_bytes()) + "; node reserve " +
+        FormatSize(policy_.node_reserve_bytes) + ")"));
+  }
+  const uint64_t page = arena_->page_bytes();
+  const uint64_t rounded = (size_bytes + page - 1) / page * page;
+  if (Status st = CheckFitsAtAll(s, rounded, &reject); !st.ok()) return answer(st);
+
+  const std::string tenant = QueueTenant(s);
+  const auto now = Clock::now();
+  const ReserveQueue::Before before =
+      queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
+  Status refusal;
+  if (Status quota = CheckQuotas(s, rounded, &reject); !quota.ok()) {
+    refusal = quota;  // its own quota: it waits without blocking anyone
+  } else if (before.same_tenant_count != 0) {
+    reject = RejectReason::kArenaFull;
+    refusal = QueuedBehind(tenant, rounded, before.same_tenant_bytes, before.same_tenant_count);
+  } else {
+    Result<ReserveResult> r =
+        TryReserve(&s, group_id, rounded, single_extent, before.keep_free_bytes, &reject);
+    if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) return answer(r);
+    refusal = r.status();
+  }
+  if (!wait_until.has_value()) return answer(refusal);
+  if (*wait_until <= now) {
+    reject = RejectReason::kWaitTimeout;
+    return answer(
+        ResourceExhausted("waited 0 ms for " + FormatSize(rounded) +
+                          ": the deadline leaves no time to wait; refusal: " + refusal.message()));
+  }
+  Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *wait_until);
+  if (!ticket.ok()) {
+    // Callers that went away still count until asked: ask them now.
+    DropCancelledWaiters(&others);
+    ticket = queue_.Add(tenant, rounded, now, *wait_until);
+  }
+  if (!ticket.ok()) {
+    reject = RejectReason::kTooManyWaiters;
+    return answer(ticket.status());
+  }
+  pending_.emplace(*ticket, PendingReserve{session_id, group_id, rounded, single_extent, now,
+                                           refusal, std::move(done), std::move(cancelled)});
+  deadline_changed_.notify_all();
+  lock.unlock();
+  Run(&others);
+  return *ticket;
+}
+
+Status SessionTable::CancelledStatus(Clock::time_point waited_from) {
+  return Status(StatusCode::kCancelled, "the caller cancelled this reserve after it waited " +
+                                            MillisecondsSince(waited_from) +
+                                            " ms; nothing was reserved");
+}
+
+void SessionTable::DropCancelledWaiters(Completions* out) {
+  std::vector<uint64_t> tickets;
+  for (const auto& [ticket, p] : pending_) {
+    if (p.cancelled && p.cancelled()) tickets.push_back(ticket);
+  }
+  for (uint64_t ticket : tickets) {
+    const Status st = CancelledStatus(pending_.at(ticket).waited_from);
+    queue_.Remove(ticket);
+    Answer(ticket, st, RejectReason::kCancelled, out);
+  }
+}
+
+Result<ReserveResult> SessionTable::Reserve(uint64_t session_id, const std::string& token,
+                                            uint64_t group_id, uint64_t size_bytes,
+                                            bool single_extent,
+                                            std::optional<Clock::time_point> wait_until,
+                                            RejectReason* reject) {
+  std::promise<std::pair<Result<ReserveResult>, RejectReason>> answer;
+  auto future = answer.get_future();
+  ReserveAsync(session_id, token, group_id, size_bytes, single_extent, wait_until,
+               [&answer](Result<ReserveResult> result, RejectReason reason) {
+                 answer.set_value({std::move(result), reason});
+               });
+  auto [result, reason] = future.get();
+  if (reject != nullptr) *reject = reason;
+  return std::move(result);
+}
+
+void SessionTable::CancelReserve(uint64_t ticket) {
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto pending = pending_.find(ticket);
+    if (pending == pending_.end()) return;
+    const Status st = CancelledStatus(pending->second.waited_from);
+    queue_.Remove(ticket);
+    Answer(ticket, st, RejectReason::kCancelled, &done);
+    DispatchWaiters(&done);  // it may have held others back
+  }
+  Run(&done);
+}
+
+void SessionTable::Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason,
+                          Completions* out) {
+  auto pending = pending_.find(ticket);
+  if (pending == pending_.end()) return;
+  ReserveDone done = std::move(pending->second.done);
+  pending_.erase(pending);
+  if (result.ok()) reason = RejectReason::kNone;
+  out->push_back([done = std::move(done), result = std::move(result), reason]() mutable {
+    done(std::move(result), reason);
+  });
+}
+
+void SessionTable::DispatchWaiters(Completions* out) {
+  if (queue_.size() == 0) return;
+  auto quota_held = [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); };
+  auto place = [this, out](const ReserveQueue::Waiter& w,
+                           uint64_t keep_free_bytes) -> ReserveQueue::Try {
+    PendingReserve& p = pending_.at(w.ticket);
+    // A caller that went away is never granted (nobody would release it).
+    if (p.cancelled && p.cancelled()) {
+      Answer(w.ticket, CancelledStatus(p.waited_from), RejectReason::kCancelled, out);
+      return ReserveQueue::Try::kLeft;
+    }
+    auto session = sessions_.find(p.session_id);
+    if (session == sessions_.end()) {
+      Answer(w.ticket, NotFound("session " + std::to_string(p.session_id) + " ended while waiting"),
+             RejectReason::kNone, out);
+      return ReserveQueue::Try::kLeft;
+    }
+    Session& s = session->second;
+    RejectReason reason = RejectReason::kNone;
+    // A SIGHUP may have lowered a limit below the request.
+    if (Status st = CheckFitsAtAll(s, p.rounded, &reason); !st.ok()) {
+      Answer(w.ticket, st, reason, out);
+      return ReserveQueue::Try::kLeft;
+    }
+    if (s.groups.count(p.group_id) != 0) {
+      Answer(w.ticket,
+             FailedPrecondition("group " + std::to_string(p.group_id) +
+                                " was reserved by another call while this one waited"),
+             RejectReason::kNone, out);
+      return ReserveQueue::Try::kLeft;
+    }
+    if (Status quota = CheckQuotas(s, p.rounded, &reason); !quota.ok()) {
+      p.last = quota;
+      return ReserveQueue::Try::kQuotaHeld;
+    }
+    Result<ReserveResult> r =
+        TryReserve(&s, p.group_id, p.rounded, p.single_extent, keep_free_bytes, &reason);
+    if (!r.ok() && r.status().code() == StatusCode::kResourceExhausted) {
+      p.last = r.status();
+      return ReserveQueue::Try::kNoRoom;
+    }
+    const bool placed = r.ok();
+    Answer(w.ticket, std::move(r), reason, out);
+    return placed ? ReserveQueue::Try::kPlaced : ReserveQueue::Try::kLeft;
+  };
+  queue_.Dispatch(Clock::now(), quota_held, place);
+}
+
+void SessionTable::FailAllWaiters(const Status& status, RejectReason reason, Completions* out) {
+  for (const ReserveQueue::Waiter& w : queue_.TakeAll()) {
+    auto pending = pending_.find(w.ticket);
+    if (pending == pending_.end()) continue;
+    Answer(w.ticket,
+           Status(status.code(), status.message() + " after it waited " +
+                                     MillisecondsSince(pending->second.waited_from) + " ms"),
+           reason, out);
+  }
+}
+
+void SessionTable::FailSessionWaiters(uint64_t session_id, Completions* out) {
+  std::vector<uint64_t> tickets;
+  for (const auto& [ticket, p] : pending_) {
+    if (p.session_id == session_id) tickets.push_back(ticket);
+  }
+  for (uint64_t ticket : tickets) {
+    queue_.Remove(ticket);
+    Answer(ticket,
+           NotFound("session " + std::to_string(session_id) +
+                    " ended while this reserve waited; nothing was reserved"),
+           RejectReason::kNone, out);
+  }
+}
+
+void SessionTable::ExpireWaitersLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    const std::optional<Clock::time_point> next = queue_.NextDeadline();
+    if (next.has_value()) {
+      deadline_changed_.wait_until(lock, *next);
+    } else {
+      deadline_changed_.wait(lock);
+    }
+    if (stopping_) break;
+    Completions done;
+    for (const ReserveQueue::Waiter& w : queue_.TakeExpired(Clock::now())) {
+      auto pending = pending_.find(w.ticket);
+      if (pending == pending_.end()) continue;
+      Answer(
+          w.ticket,
+          ResourceExhausted("waited " + MillisecondsSince(pending->second.waited_from) +
+                            " ms for " + FormatSize(w.bytes) +
+                            " until the deadline; last refusal: " + pending->second.last.message()),
+          RejectReason::kWaitTimeout, &done);
+    }
+    if (done.empty()) continue;
+    DispatchWaiters(&done);  // an expired aged waiter may have held others back
+    lock.unlock();
+    Run(&done);
+    lock.lock();
+  }
+}
+
+void SessionTable::Run(Completions* completions) {
+  for (auto& completion : *completions) completion();
+  completions->clear();
+}
+
+}  // namespace memoffload::daemon

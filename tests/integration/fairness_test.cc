@@ -1,0 +1,231 @@
+// No tenant can starve another (issue 13, items 4 and 5) against the real
+// daemon: another uid's waiter does not refuse a Reserve that fits, waiting
+// costs no daemon thread and ends with the shortfall named, and the limits
+// on waiters, extents per Reserve and groups per session hold.
+#include <dirent.h>
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <thread>
+#include <vector>
+
+#include "daemon_process.h"
+#include "memoffload/client/client.h"
+
+namespace memoffload::testing {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+using Clock = std::chrono::steady_clock;
+
+// Reads from fd until EOF or `until` appears, for up to timeout_ms.
+std::string ReadUntil(int fd, const std::string& until, int timeout_ms) {
+  std::string out;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (Clock::now() < deadline && (until.empty() || out.find(until) == std::string::npos)) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) <= 0) continue;
+    char buf[4096];
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
+}
+
+// Polls `condition` until it holds or timeout_ms passes.
+template <typename F>
+bool WaitUntil(F condition, int timeout_ms) {
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (!condition()) {
+    if (Clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+int ThreadCount(pid_t pid) {
+  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (dirent* e = readdir(dir)) count += e->d_name[0] == '.' ? 0 : 1;
+  closedir(dir);
+  return count;
+}
+
+std::unique_ptr<client::Client> AttachRoot(const DaemonProcess& daemon) {
+  client::AttachOptions attach;
+  attach.runtime_dir = daemon.runtime_dir();
+  auto c = client::Client::Attach(attach);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
+// Seen before the fix: 0 of 245 plain Reserves of another tenant succeeded
+// while one waiter could not fit ("behind 1 earlier waiting reserve").
+TEST(Fairness, AnotherTenantsWaiterDoesNotRefuseReservesThatFit) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.arena_size = "64MiB";
+  options.chunk_size = "16MiB";
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+
+  // Tenant B (uid 65534) takes one chunk, then waits for the go file.
+  const std::string go_file = daemon->scratch_dir() + "/go";
+  int out_fd = -1;
+  const pid_t b = Spawn({BinDir() + "/offload_worker", "reserve-loop-as", daemon->runtime_dir(),
+                         "65534", go_file, "200", std::to_string(kMiB)},
+                        &out_fd);
+  ASSERT_GT(b, 0);
+  std::string out = ReadUntil(out_fd, "READY", 20000);
+  ASSERT_NE(out.find("READY"), std::string::npos) << out << daemon->Log();
+
+  // Tenant A (root) holds the other three chunks and waits for 32 MiB more.
+  auto a = AttachRoot(*daemon);
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(a->Reserve(1, 48 * kMiB).ok());
+  std::atomic<bool> a_served{false};
+  std::thread waiter([&] {
+    client::ReserveOptions wait;
+    wait.wait_for_space = true;
+    wait.wait_timeout_ms = 20000;
+    auto r = a->Reserve(2, 32 * kMiB, wait);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    a_served = r.ok();
+  });
+  ASSERT_TRUE(WaitUntil([&] { return daemon->Status().waiting_reserves() == 1; }, 10000));
+
+  // B's plain Reserves that fit in its own chunk all succeed meanwhile.
+  { std::ofstream(go_file) << "go"; }
+  out += ReadUntil(out_fd, "\n", 30000);
+  out += ReadUntil(out_fd, "", 200);
+  close(out_fd);
+  EXPECT_EQ(WaitFor(b, 10000), 0);
+  EXPECT_NE(out.find("OK 200 FAIL 0"), std::string::npos) << out;
+  EXPECT_EQ(daemon->Status().waiting_reserves(), 1u) << "A's waiter should still wait";
+
+  // A's waiter is served once A's own bytes come back.
+  const Status released = a->Release(1);
+  EXPECT_TRUE(released.ok()) << released.ToString() << "\n" << daemon->Log();
+  waiter.join();
+  EXPECT_TRUE(a_served);
+}
+
+// Seen before the fix: 1024 waiters took 1036 daemon threads and all got
+// DEADLINE_EXCEEDED.
+TEST(Fairness, ThousandWaitersHoldNoThreadAndHearTheShortfallBeforeTheirDeadline) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.arena_size = "64MiB";
+  options.chunk_size = "16MiB";
+  options.extra_args = {"--max-waiting-reserves-per-tenant=1024"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto a = AttachRoot(*daemon);
+  ASSERT_NE(a, nullptr);
+  ASSERT_TRUE(a->Reserve(1, 64 * kMiB).ok());
+  const int threads_before = ThreadCount(daemon->pid());
+
+  constexpr int kWaiters = 1024;
+  std::vector<Status> answers(kWaiters, Status::Ok());
+  std::vector<std::thread> callers;
+  callers.reserve(kWaiters);
+  for (int i = 0; i < kWaiters; ++i) {
+    callers.emplace_back([&, i] {
+      client::ReserveOptions wait;
+      wait.wait_for_space = true;
+      wait.wait_timeout_ms = 8000;
+      auto r = a->Reserve(100 + i, kMiB, wait);
+      answers[i] = r.ok() ? Status::Ok() : r.status();
+    });
+  }
+  ASSERT_TRUE(WaitUntil([&] { return daemon->Status().waiting_reserves() == kWaiters; }, 8000))
+      << daemon->Status().waiting_reserves() << " waiting";
+  const int threads_waiting = ThreadCount(daemon->pid());
+  // One more is over quotas.max_waiting_reserves (1024) and hears so at once.
+  client::ReserveOptions wait;
+  wait.wait_for_space = true;
+  wait.wait_timeout_ms = 8000;
+  auto over = a->Reserve(99, kMiB, wait);
+  ASSERT_FALSE(over.ok());
+  EXPECT_EQ(over.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over.status().message().find("quotas.max_waiting_reserves is 1024"), std::string::npos)
+      << over.status().message();
+  for (std::thread& t : callers) t.join();
+
+  std::printf("daemon threads: %d before, %d with %d waiters\n", threads_before, threads_waiting,
+              kWaiters);
+  EXPECT_LT(threads_waiting, threads_before + 32);
+  int exhausted = 0;
+  for (const Status& st : answers) {
+    if (st.code() == StatusCode::kResourceExhausted &&
+        st.message().find("until the deadline") != std::string::npos &&
+        st.message().find("short by") != std::string::npos) {
+      ++exhausted;
+    } else {
+      ADD_FAILURE() << st.ToString();
+      break;
+    }
+  }
+  EXPECT_EQ(exhausted, kWaiters);
+  EXPECT_EQ(daemon->Status().waiting_reserves(), 0u);
+}
+
+// Seen before the fix: a fragmented arena returned 31,672 extents; a reply
+// above the client's receive limit left the space reserved.
+TEST(Limits, AReserveOverTheExtentLimitFailsAndReservesNothing) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.arena_size = "64MiB";
+  options.chunk_size = "64MiB";
+  options.extra_args = {"--max-extents-per-reserve=4"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto a = AttachRoot(*daemon);
+  ASSERT_NE(a, nullptr);
+  for (uint64_t g = 1; g <= 16; ++g) ASSERT_TRUE(a->Reserve(g, 4 * kMiB).ok());
+  for (uint64_t g = 1; g <= 16; g += 2) ASSERT_TRUE(a->Release(g).ok());
+  // Eight separate 4 MiB holes: 32 MiB would take eight extents.
+  const v1::GetStatusResponse before = daemon->Status();
+  auto r = a->Reserve(100, 32 * kMiB);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("quotas.max_extents_per_reserve (4)"), std::string::npos)
+      << r.status().message();
+  const v1::GetStatusResponse after = daemon->Status();
+  EXPECT_EQ(after.used_bytes(), before.used_bytes());
+  EXPECT_EQ(after.groups(), before.groups());
+  EXPECT_TRUE(a->Reserve(101, 16 * kMiB).ok());  // four extents: within the limit
+}
+
+TEST(Limits, GroupsPerSessionAreBounded) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.arena_size = "64MiB";
+  options.chunk_size = "64MiB";
+  options.extra_args = {"--max-groups-per-session=8"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto a = AttachRoot(*daemon);
+  ASSERT_NE(a, nullptr);
+  for (uint64_t g = 1; g <= 8; ++g) ASSERT_TRUE(a->Reserve(g, 4096).ok());
+  auto r = a->Reserve(9, 4096);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("quotas.max_groups_per_session is 8"), std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(daemon->Status().groups(), 8u);
+  ASSERT_TRUE(a->Release(1).ok());
+  EXPECT_TRUE(a->Reserve(9, 4096).ok());
+}
+
+}  // namespace
+}  // namespace memoffload::testing
