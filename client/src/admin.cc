@@ -1,9 +1,9 @@
 #include "memoffload/client/admin.h"
-#include "memoffload/client/daemon_status.h"
 
 #include <fstream>
 
 #include "grpc_util.h"
+#include "memoffload/client/daemon_status.h"
 #include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
 

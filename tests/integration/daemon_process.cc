@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <linux/capability.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -229,6 +230,16 @@ std::string DaemonProcess::Log() const {
   return ss.str();
 }
 
+DaemonProcess::Options TwoTenantOptions(const std::string& arena_size,
+                                        const std::string& chunk_size) {
+  DaemonProcess::Options options;
+  options.arena_size = arena_size;
+  options.chunk_size = chunk_size;
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534"};
+  return options;
+}
+
 int ConnectLoopback(int port) {
   int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return -1;
@@ -241,6 +252,20 @@ int ConnectLoopback(int port) {
     return -1;
   }
   return fd;
+}
+
+std::string ReadUntilClosed(int fd, int timeout_ms) {
+  std::string out;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  char buf[4096];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fd, POLLIN, 0};
+    if (poll(&p, 1, 50) <= 0) continue;
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    if (n <= 0) break;
+    out.append(buf, static_cast<size_t>(n));
+  }
+  return out;
 }
 
 }  // namespace memoffload::testing

@@ -93,6 +93,11 @@ class DaemonProcess {
 // error:"), joined; empty when there are none.
 std::string SanitizerReport(const std::string& log);
 
+// A daemon for tenant tests: sockets open to everyone and uid 65534 (the
+// other tenant, driven through setpriv) admitted next to root.
+DaemonProcess::Options TwoTenantOptions(const std::string& arena_size,
+                                        const std::string& chunk_size);
+
 // Runs a program with arguments; returns its pid. stdout goes to the pipe
 // whose read end is stored in *stdout_fd when non-null (else inherited).
 pid_t Spawn(const std::vector<std::string>& argv, int* stdout_fd);
@@ -103,6 +108,8 @@ int WaitFor(pid_t pid, int timeout_ms);
 int RunCapture(const std::vector<std::string>& argv, std::string* out, int timeout_ms = 20000);
 // A TCP socket connected to 127.0.0.1:port (the caller closes it), or -1.
 int ConnectLoopback(int port);
+// Everything readable from fd until the peer closes it or timeout_ms passes.
+std::string ReadUntilClosed(int fd, int timeout_ms = 5000);
 
 }  // namespace memoffload::testing
 

@@ -70,11 +70,7 @@ std::unique_ptr<client::Client> AttachRoot(const DaemonProcess& daemon) {
 // while one waiter could not fit ("behind 1 earlier waiting reserve").
 TEST(Fairness, AnotherTenantsWaiterDoesNotRefuseReservesThatFit) {
   std::string error;
-  DaemonProcess::Options options;
-  options.arena_size = "64MiB";
-  options.chunk_size = "16MiB";
-  options.open_permissions = true;
-  options.extra_args = {"--allowed-uids=65534"};
+  DaemonProcess::Options options = TwoTenantOptions("64MiB", "16MiB");
   auto daemon = DaemonProcess::Start(options, &error);
   ASSERT_NE(daemon, nullptr) << error;
 

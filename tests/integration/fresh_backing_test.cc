@@ -57,11 +57,7 @@ class FreshBacking : public ::testing::TestWithParam<const char*> {};
 TEST_P(FreshBacking, KeeperOfAnOldTenantNeitherReadsNorWritesTheNewTenantsBytes) {
   const std::string mode = GetParam();
   std::string error;
-  DaemonProcess::Options options;
-  options.arena_size = "32MiB";
-  options.chunk_size = "16MiB";
-  options.open_permissions = true;
-  options.extra_args = {"--allowed-uids=65534"};
+  DaemonProcess::Options options = TwoTenantOptions("32MiB", "16MiB");
   auto daemon = DaemonProcess::Start(options, &error);
   ASSERT_NE(daemon, nullptr) << error;
   const std::string go_file = daemon->scratch_dir() + "/go";

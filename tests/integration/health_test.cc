@@ -37,21 +37,6 @@ int FreePort() {
   return ntohs(addr.sin_port);
 }
 
-// Everything the server sends until it closes (or timeout_ms passes).
-std::string ReadAll(int fd, int timeout_ms = 5000) {
-  std::string out;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-  char buf[4096];
-  while (Clock::now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 50) <= 0) continue;
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
-  return out;
-}
-
 // Sends `request` raw and returns the whole response ("" when refused).
 std::string Send(int port, const std::string& request) {
   const int fd = ConnectLoopback(port);
@@ -60,7 +45,7 @@ std::string Send(int port, const std::string& request) {
     close(fd);
     return "";
   }
-  std::string out = ReadAll(fd);
+  std::string out = ReadUntilClosed(fd);
   close(fd);
   return out;
 }
@@ -185,7 +170,7 @@ TEST_F(HealthTest, StalledAndFloodingClientsCannotHangTheDaemon) {
   ASSERT_GE(stalled, 0);
   ASSERT_EQ(write(stalled, "GET /rea", 8), 8);
   const auto start = Clock::now();
-  EXPECT_EQ(ReadAll(stalled, 10000), "");  // closed without an answer
+  EXPECT_EQ(ReadUntilClosed(stalled, 10000), "");  // closed without an answer
   const double waited = std::chrono::duration<double>(Clock::now() - start).count();
   EXPECT_LT(waited, 4.0) << "a stalled probe connection stayed open";
   close(stalled);

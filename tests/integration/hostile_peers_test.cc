@@ -50,16 +50,7 @@ std::string HttpGet(int port, const std::string& path, int timeout_ms = 5000) {
     close(fd);
     return "";
   }
-  std::string out;
-  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
-  char buf[4096];
-  while (Clock::now() < deadline) {
-    pollfd p{fd, POLLIN, 0};
-    if (poll(&p, 1, 50) <= 0) continue;
-    const ssize_t n = read(fd, buf, sizeof(buf));
-    if (n <= 0) break;
-    out.append(buf, static_cast<size_t>(n));
-  }
+  std::string out = ReadUntilClosed(fd, timeout_ms);
   close(fd);
   return out;
 }

@@ -47,11 +47,7 @@ Probe ParseProbe(const std::string& out) {
 
 TEST(Tenants, OtherTenantGetsNeitherOurFdsNorOurBytes) {
   std::string error;
-  DaemonProcess::Options options;
-  options.arena_size = "64MiB";
-  options.chunk_size = "16MiB";
-  options.open_permissions = true;
-  options.extra_args = {"--allowed-uids=65534"};
+  DaemonProcess::Options options = TwoTenantOptions("64MiB", "16MiB");
   auto daemon = DaemonProcess::Start(options, &error);
   ASSERT_NE(daemon, nullptr) << error;
 
