@@ -78,9 +78,8 @@ def test_too_old_torch_is_refused_at_build_and_at_import(tmp_path: Path) -> None
     # sources only; the check runs before the extension is loaded).
     pkg = tmp_path / "pkg"
     (pkg / "memoffload").mkdir(parents=True)
-    for name in ("__init__.py", "torch.py"):
-        src = REPO / "client" / "python" / "memoffload" / name
-        (pkg / "memoffload" / name).write_text(src.read_text())
+    for src in (REPO / "client" / "python" / "memoffload").glob("*.py"):
+        (pkg / "memoffload" / src.name).write_text(src.read_text())
     out = run([str(python), "-c", "import memoffload.torch"], env={**os.environ, "PYTHONPATH": str(pkg)})
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "found torch 1.13.1" in out.stderr, out.stderr

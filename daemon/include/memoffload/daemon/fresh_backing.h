@@ -93,8 +93,6 @@ class FreshBacking {
   std::vector<std::shared_ptr<Chunk>> to_fault_;  // guarded by mu_
   std::vector<std::shared_ptr<Chunk>> to_drop_;   // guarded by mu_
   std::vector<Retired> retired_;                  // guarded by mu_; maybe still kept
-  uint64_t stale_bytes_ = 0;                      // guarded by mu_; last scan
-  uint32_t stale_backings_ = 0;                   // guarded by mu_; last scan
   uint64_t taken_ = 0, taken_unfaulted_ = 0;      // guarded by mu_
   uint64_t serial_ = 0;                           // guarded by mu_
   std::mutex scan_mu_;                            // one scan at a time
