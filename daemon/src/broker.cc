@@ -75,7 +75,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         self->Finish();
       }
     });
-    ReadFrame([self] { self->OnHello(); });
+    ReadFrame([this] { OnHello(); });
   }
 
   void Shutdown() {
@@ -201,8 +201,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid, hello_.job_id.c_str(),
         hello_.rank, hello_.local_rank, static_cast<unsigned long>(broker_->options_.instance_id));
     WatchProcess();
-    auto self = shared_from_this();
-    Send(std::move(*frames), [self] { self->WatchLifeline(); });
+    Send(std::move(*frames), [this] { WatchLifeline(); });
   }
 
   // Closes the session when the peer process exits, even if a child it
@@ -263,8 +262,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   // Serves chunk requests until the peer closes: the connection is the
   // session's lifeline.
   void WatchLifeline() {
-    auto self = shared_from_this();
-    ReadFrame([self] { self->ServeChunkRequest(); });
+    ReadFrame([this] { ServeChunkRequest(); });
   }
 
   void ServeChunkRequest() {
@@ -295,8 +293,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     }
     std::vector<OutFrame> frames;
     frames.push_back(Frame(EncodeChunkReply(reply), std::move(fds)));
-    auto self = shared_from_this();
-    Send(std::move(frames), [self] { self->WatchLifeline(); });
+    Send(std::move(frames), [this] { WatchLifeline(); });
   }
 
   void Refuse(const std::string& reason, const Status& status) {
@@ -308,8 +305,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     reply.message = status.message();
     std::vector<OutFrame> frames;
     frames.push_back(Frame(EncodeAttachReply(reply)));
-    auto self = shared_from_this();
-    Send(std::move(frames), [self] { self->Finish(); });
+    Send(std::move(frames), [this] { Finish(); });
   }
 
   // Queues `frames` (the whole reply) and writes them without blocking; calls
@@ -448,6 +444,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   size_t header_bytes_ = 0;
   uint32_t frame_bytes_ = 0;
   std::string payload_;
+  // Continuations stored in the connection capture `this`, never a
+  // shared_ptr: they run from a member called by a pending handler (which
+  // holds the connection), and a stored strong reference would be a cycle
+  // that outlives the io_context (LeakSanitizer found it at shutdown).
   std::function<void()> on_frame_;
   // Writing: the one reply in flight.
   std::vector<OutFrame> out_;
