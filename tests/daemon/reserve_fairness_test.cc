@@ -29,13 +29,7 @@ class ReserveFairness : public ::testing::Test {
       EXPECT_TRUE(table_->CheckInvariants().ok());
     }
   }
-  SessionGrant Open(uid_t uid, const std::string& job = "job") {
-    Hello hello;
-    hello.job_id = job;
-    auto g = table_->Open(hello, PeerCredentials{1234, uid, uid});
-    EXPECT_TRUE(g.ok()) << g.status().ToString();
-    return g.ok() ? *g : SessionGrant{};
-  }
+  SessionGrant Open(uid_t uid, const std::string& job = "job") { return OpenAs(*table_, uid, job); }
 
   // Queues a waiting reserve that answers into *answer.
   uint64_t Wait(const SessionGrant& s, uint64_t group, uint64_t bytes,

@@ -30,13 +30,7 @@ class TenantChunks : public ::testing::Test {
     }
   }
 
-  SessionGrant Open(uid_t uid, const std::string& job = "job") {
-    Hello hello;
-    hello.job_id = job;
-    auto g = table_->Open(hello, PeerCredentials{1234, uid, uid});
-    EXPECT_TRUE(g.ok()) << g.status().ToString();
-    return g.ok() ? *g : SessionGrant{};
-  }
+  SessionGrant Open(uid_t uid, const std::string& job = "job") { return OpenAs(*table_, uid, job); }
 
   // Reserves `bytes` as `group`, maps its chunks (as the client does) and
   // fills them with `fill`. Returns the chunks it landed in.

@@ -1,4 +1,5 @@
-// A small unlocked arena for daemon unit tests (four 1 MiB chunks by default).
+// Helpers of the daemon unit tests: a small unlocked arena (four 1 MiB
+// chunks by default) and a session opened as a given uid.
 #ifndef MEMOFFLOAD_TESTS_DAEMON_TEST_ARENA_H_
 #define MEMOFFLOAD_TESTS_DAEMON_TEST_ARENA_H_
 
@@ -6,8 +7,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "memoffload/daemon/arena.h"
+#include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/units.h"
 
 namespace memoffload::daemon {
@@ -26,6 +29,16 @@ inline std::unique_ptr<Arena> MakeTestArena(uint64_t size_bytes = 4 * kMiB,
     return nullptr;
   }
   return std::move(arena).value();
+}
+
+// Opens a session of `job` for a peer with this uid (and gid), pid 1234; on
+// failure records a test failure and returns an empty grant.
+inline SessionGrant OpenAs(SessionTable& table, uid_t uid, const std::string& job = "job") {
+  Hello hello;
+  hello.job_id = job;
+  auto g = table.Open(hello, PeerCredentials{1234, uid, uid});
+  EXPECT_TRUE(g.ok()) << g.status().ToString();
+  return g.ok() ? *g : SessionGrant{};
 }
 
 }  // namespace memoffload::daemon
