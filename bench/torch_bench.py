@@ -42,10 +42,11 @@ import memoffload.torch as mot
 from memoffload.torch import _Counters, _make_pack, _ParamSkip, _unpack  # noqa: E402
 
 
-def start_daemon(tmp: str) -> subprocess.Popen:
+def start_daemon(tmp: str, arena: str = "512MiB", chunk: str = "128MiB") -> subprocess.Popen:
+    """memoffloadd of $MEMOFFLOAD_BIN_DIR (default build/bin) in `tmp`, once it answers."""
     exe = os.path.join(os.environ.get("MEMOFFLOAD_BIN_DIR", os.path.join(REPO, "build", "bin")), "memoffloadd")
     proc = subprocess.Popen(
-        [exe, f"--runtime-dir={tmp}", "--arena-size=512MiB", "--chunk-size=128MiB",
+        [exe, f"--runtime-dir={tmp}", f"--arena-size={arena}", f"--chunk-size={chunk}",
          "--metrics-address=none", "--log-level=warn"])
     for _ in range(200):
         try:
@@ -97,6 +98,16 @@ def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) ->
     }
 
 
+def timed_step(model: nn.Module, x: torch.Tensor, handle=None) -> float:
+    """Seconds of one forward + backward; with `handle`, until its worker
+    is idle, so queued Releases are not pushed into the next step."""
+    t0 = time.perf_counter()
+    model(x).pow(2).mean().backward()
+    if handle is not None:
+        handle.flush()
+    return time.perf_counter() - t0
+
+
 def bench_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict:
     """Two copies of one model, one with offload_layers installed once (as a
     training script does), timed in alternating steps after `warmup` steps
@@ -112,11 +123,7 @@ def bench_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict:
     handle = mot.offload_layers(off_model.layers, min_tensor_bytes=64 << 10, runtime_dir=runtime_dir)
 
     def step(model: nn.Module) -> float:
-        t0 = time.perf_counter()
-        model(x).pow(2).mean().backward()
-        if model is off_model:
-            handle.flush()
-        return time.perf_counter() - t0
+        return timed_step(model, x, handle if model is off_model else None)
 
     for _ in range(warmup):
         step(plain_model)
@@ -166,11 +173,7 @@ def bench_checkpoint_step(runtime_dir: str, steps: int, warmup: int = 2) -> dict
     handle = mot.offload_layers(off_model.layers, runtime_dir=runtime_dir, checkpoint=True)
 
     def step(model: nn.Module) -> float:
-        t0 = time.perf_counter()
-        model(x).pow(2).mean().backward()
-        if model is off_model:
-            handle.flush()
-        return time.perf_counter() - t0
+        return timed_step(model, x, handle if model is off_model else None)
 
     models = (plain_model, ckpt_model, off_model)
     for _ in range(warmup):

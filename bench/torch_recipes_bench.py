@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 import fsdp_worker  # noqa: E402
+import torch_bench  # noqa: E402  (this folder)
 import memoffload.torch as mot  # noqa: E402
 from models import DecoderStack  # noqa: E402
 
@@ -52,19 +53,7 @@ HF_ROUNDS = 5
 
 
 def start_daemon(runtime_dir: str) -> subprocess.Popen:
-    exe = Path(os.environ.get("MEMOFFLOAD_BIN_DIR", REPO / "build" / "bin")) / "memoffloadd"
-    proc = subprocess.Popen(
-        [str(exe), f"--runtime-dir={runtime_dir}", "--arena-size=256MiB", "--chunk-size=64MiB",
-         "--metrics-address=none", "--log-level=warn"])
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            mot.daemon_status(runtime_dir)
-            return proc
-        except RuntimeError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("memoffloadd did not start")
+    return torch_bench.start_daemon(runtime_dir, arena="256MiB", chunk="64MiB")
 
 
 def summary(name: str, pairs: list, extra: dict) -> dict:
