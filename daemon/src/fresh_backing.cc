@@ -17,6 +17,10 @@ namespace memoffload::daemon {
 namespace {
 
 constexpr char kBackingName[] = "memoffload-backing";
+// Every memfd of the daemon is named memoffload-*: the arena's first
+// backings (memoffload-chunk-N) and the fresh ones (memoffload-backing-N).
+// Both can be retired, so a keeper of either must be found.
+constexpr char kMemfdPrefix[] = "/memfd:memoffload-";
 
 // Inodes (of `wanted`) that some process other than this one maps or holds
 // an fd of. Processes whose /proc entries cannot be read are skipped.
@@ -25,14 +29,14 @@ std::unordered_set<ino_t> HeldInodes(const std::unordered_set<ino_t>& wanted) {
   DIR* proc = opendir("/proc");
   if (proc == nullptr) return held;
   const std::string self = std::to_string(getpid());
-  const std::string link_prefix = std::string("/memfd:") + kBackingName;
+  const size_t prefix_len = std::strlen(kMemfdPrefix);
   while (dirent* d = readdir(proc)) {
     if (d->d_name[0] < '0' || d->d_name[0] > '9' || self == d->d_name) continue;
     const std::string dir = std::string("/proc/") + d->d_name;
     if (FILE* maps = std::fopen((dir + "/maps").c_str(), "re")) {
       char line[4096];
       while (std::fgets(line, sizeof(line), maps) != nullptr) {
-        if (std::strstr(line, kBackingName) == nullptr) continue;
+        if (std::strstr(line, kMemfdPrefix) == nullptr) continue;
         // address perms offset dev inode path
         unsigned long long inode = 0;
         if (std::sscanf(line, "%*s %*s %*s %*s %llu", &inode) == 1 &&
@@ -50,7 +54,7 @@ std::unordered_set<ino_t> HeldInodes(const std::unordered_set<ino_t>& wanted) {
         const ssize_t n = readlink(path.c_str(), target, sizeof(target) - 1);
         if (n <= 0) continue;
         target[n] = '\0';
-        if (std::strncmp(target, link_prefix.c_str(), link_prefix.size()) != 0) continue;
+        if (std::strncmp(target, kMemfdPrefix, prefix_len) != 0) continue;
         struct stat st {};
         if (stat(path.c_str(), &st) == 0 && wanted.count(st.st_ino) > 0) held.insert(st.st_ino);
       }

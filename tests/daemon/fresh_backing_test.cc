@@ -87,6 +87,36 @@ TEST(FreshBackingTest, RetiredBackingIsStaleWhileAnotherProcessKeepsIt) {
   EXPECT_TRUE(WaitUntil([&] { return fresh.Stats().stale_bytes == 0; }));
 }
 
+// The arena's first backings are named memoffload-chunk-N, not like the
+// fresh ones; a process that kept only the mapping (fd closed) of one of
+// them keeps it just the same.
+TEST(FreshBackingTest, RetiredArenaChunkKeptOnlyByAMappingIsStale) {
+  FreshBacking fresh(Options());
+  Result<Chunk> created = Chunk::Create("memoffload-chunk-0", kChunk, false);
+  ASSERT_TRUE(created.ok()) << created.status().ToString();
+  auto c = std::make_shared<Chunk>(std::move(created).value());
+  int ready[2];
+  ASSERT_EQ(pipe(ready), 0);
+  const pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    close(c->fd());  // only the inherited mapping stays
+    char one = 1;
+    if (write(ready[1], &one, 1) != 1) _exit(1);
+    while (true) pause();
+  }
+  char one = 0;
+  ASSERT_EQ(read(ready[0], &one, 1), 1);
+  fresh.Retire(std::move(c));
+  EXPECT_EQ(fresh.ScanNow().stale_backings, 1u);
+  EXPECT_EQ(fresh.ScanNow().stale_bytes, kChunk);  // a second scan keeps it
+  kill(child, SIGKILL);
+  waitpid(child, nullptr, 0);
+  close(ready[0]);
+  close(ready[1]);
+  EXPECT_EQ(fresh.ScanNow().stale_bytes, 0u);
+}
+
 TEST(FreshBackingTest, RetiredBackingNobodyKeepsIsNotStale) {
   FreshBacking fresh(Options());
   auto taken = fresh.Take(kChunk);
