@@ -1,10 +1,12 @@
-// memoffload-bench attach [--arena-size SIZE] [--write-size SIZE] [--json]
+// memoffload-bench attach [--arena-size SIZE] [--write-size SIZE]
+//                         [--attach-samples N] [--json]
 //
 // Starts the real memoffloadd (the binary next to this one) with a temporary
 // runtime dir, then measures in the same run:
-//  - attach_ms: Client::Attach until ready to copy, i.e. Attach returned and
-//    a first Reserve returned mapped extents (gRPC channel connected, chunk
-//    mapped); median of 5 fresh clients. attach_call_ms: Attach alone.
+//  - attach_ms / attach_p99_ms: p50 and p99 of N fresh clients from connect
+//    to the first writable extent, next to attach_floor_ms /
+//    attach_floor_p99_ms, a raw Unix-socket connect+sendmsg+reply
+//    (attach_latency.cc).
 //  - first_write_gbps: a fresh client attaches, reserves write-size bytes and
 //    writes them with Client::Write (64 MiB source buffer, repeated); timed
 //    from Attach to the end of the writes, so all mapping work counts.
@@ -32,8 +34,8 @@
 #include <thread>
 #include <vector>
 
+#include "attach_latency.h"
 #include "benches.h"
-#include "memoffload/client/client.h"
 #include "memoffload/shared_mem/units.h"
 
 namespace memoffload::bench {
@@ -153,30 +155,13 @@ Result<WriteResult> MeasureWrites(client::AttachOptions options, uint64_t bytes,
 }
 
 // Everything after the daemon is up; returns the exit code.
-int MeasureAll(const client::AttachOptions& options, uint64_t arena_bytes, uint64_t write_bytes,
-               bool json) {
-  // Attach latency.
-  std::vector<double> attach_ms, call_ms;
-  for (int i = 0; i < kAttachSamples; ++i) {
-    const auto start = Clock::now();
-    Result<std::unique_ptr<client::Client>> c = client::Client::Attach(options);
-    const double call = SecondsSince(start) * 1e3;
-    if (!c.ok()) {
-      std::fprintf(stderr, "attach: %s\n", c.status().ToString().c_str());
-      return 1;
-    }
-    Result<client::Reservation> r = (*c)->Reserve(1, kMiB);
-    const double ready = SecondsSince(start) * 1e3;
-    if (!r.ok() || (*c)->Address(r->extents[0]) == nullptr) {
-      std::fprintf(stderr, "attach: first reserve failed: %s\n", r.status().ToString().c_str());
-      return 1;
-    }
-    (void)(*c)->Release(1);
-    attach_ms.push_back(ready);
-    call_ms.push_back(call);
+int MeasureAll(const client::AttachOptions& options, const std::string& scratch_dir,
+               int attach_samples, uint64_t arena_bytes, uint64_t write_bytes, bool json) {
+  Result<AttachLatency> latency = MeasureAttachLatency(options, scratch_dir, attach_samples);
+  if (!latency.ok()) {
+    std::fprintf(stderr, "attach: %s\n", latency.status().ToString().c_str());
+    return 1;
   }
-  std::sort(attach_ms.begin(), attach_ms.end());
-  std::sort(call_ms.begin(), call_ms.end());
 
   // Source buffer, faulted and warm.
   std::vector<uint8_t> src(kSourceBytes);
@@ -223,23 +208,26 @@ int MeasureAll(const client::AttachOptions& options, uint64_t arena_bytes, uint6
   const double prefaulted = Median(prefaulted_v);
   const double fresh_private = Median(fresh_v);
   const double first_write = Median(ours_v);
-  const double attach_median = attach_ms[attach_ms.size() / 2];
-  const double call_median = call_ms[call_ms.size() / 2];
+  const AttachLatency& a = *latency;
   if (json) {
     std::printf(
         "{\"bench\":\"attach\",\"arena_bytes\":%llu,\"write_bytes\":%llu,"
-        "\"attach_ms\":%.3f,\"attach_max_ms\":%.3f,\"attach_call_ms\":%.3f,"
+        "\"attach_samples\":%d,\"attach_ms\":%.3f,\"attach_p99_ms\":%.3f,\"attach_call_ms\":%.3f,"
+        "\"attach_floor_ms\":%.4f,\"attach_floor_p99_ms\":%.4f,\"attach_floor_ratio\":%.1f,"
         "\"first_write_gbps\":%.3f,\"prefaulted_memcpy_gbps\":%.3f,"
         "\"fresh_private_write_gbps\":%.3f,\"ratio\":%.3f,\"rewrite_gbps\":%.3f,"
         "\"lazy_first_write_gbps\":%.3f,\"map_populate_first_write_gbps\":%.3f}\n",
         static_cast<unsigned long long>(arena_bytes), static_cast<unsigned long long>(write_bytes),
-        attach_median, attach_ms.back(), call_median, first_write, prefaulted, fresh_private,
-        first_write / prefaulted, Median(rewrite_v), Median(lazy_v), Median(populate_v));
+        a.samples, a.p50_ms, a.p99_ms, a.call_p50_ms, a.floor_p50_ms, a.floor_p99_ms,
+        a.p50_ms / a.floor_p50_ms, first_write, prefaulted, fresh_private, first_write / prefaulted,
+        Median(rewrite_v), Median(lazy_v), Median(populate_v));
   } else {
     std::printf("arena %s, writes of %s\n", FormatSize(arena_bytes).c_str(),
                 FormatSize(write_bytes).c_str());
-    std::printf("attach to ready-to-copy: %.2f ms median, %.2f ms max (Attach alone %.2f ms)\n",
-                attach_median, attach_ms.back(), call_median);
+    std::printf(
+        "attach to the first writable extent: p50 %.3f ms, p99 %.3f ms (%d samples; Attach "
+        "alone p50 %.3f ms); raw Unix socket connect+sendmsg+reply: p50 %.4f ms, p99 %.4f ms\n",
+        a.p50_ms, a.p99_ms, a.samples, a.call_p50_ms, a.floor_p50_ms, a.floor_p99_ms);
     std::printf("first write (populate on first use): %.2f GB/s = %.2f of prefaulted memcpy\n",
                 first_write, first_write / prefaulted);
     std::printf("  lazy (fault per page): %.2f GB/s, MAP_POPULATE per chunk: %.2f GB/s\n",
@@ -252,10 +240,12 @@ int MeasureAll(const client::AttachOptions& options, uint64_t arena_bytes, uint6
 
 void PrintUsage() {
   std::fprintf(stderr,
-               "usage: memoffload-bench attach [--arena-size SIZE] [--write-size SIZE] [--json]\n"
+               "usage: memoffload-bench attach [--arena-size SIZE] [--write-size SIZE]\n"
+               "                               [--attach-samples N] [--json]\n"
                "Starts memoffloadd (next to this binary) with a temporary runtime dir and\n"
-               "measures attach latency and first-write bandwidth next to private-memory\n"
-               "baselines. Defaults: 4GiB arena, write min(arena/4, 1GiB).\n");
+               "measures attach latency (p50/p99 of N, next to a raw Unix-socket floor) and\n"
+               "first-write bandwidth next to private-memory baselines. Defaults: 4GiB arena,\n"
+               "write min(arena/4, 1GiB), 200 attach samples.\n");
 }
 
 }  // namespace
@@ -264,6 +254,7 @@ int RunAttachBench(int argc, char** argv) {
   bool json = false;
   uint64_t arena_bytes = 4 * kGiB;
   uint64_t write_bytes = 0;
+  int attach_samples = 200;
   for (int i = 1; i < argc; ++i) {
     const char* a = argv[i];
     if (std::strcmp(a, "--json") == 0) {
@@ -276,6 +267,12 @@ int RunAttachBench(int argc, char** argv) {
         return 2;
       }
       (a[2] == 'a' ? arena_bytes : write_bytes) = *r;
+    } else if (std::strcmp(a, "--attach-samples") == 0 && i + 1 < argc) {
+      attach_samples = std::atoi(argv[++i]);
+      if (attach_samples < 1 || attach_samples > 100000) {
+        std::fprintf(stderr, "attach: --attach-samples wants 1..100000, got '%s'\n", argv[i]);
+        return 2;
+      }
     } else if (std::strcmp(a, "--help") == 0) {
       PrintUsage();
       return 0;
@@ -338,7 +335,7 @@ int RunAttachBench(int argc, char** argv) {
       return 1;
     }
 
-    rc = MeasureAll(options, arena_bytes, write_bytes, json);
+    rc = MeasureAll(options, scratch, attach_samples, arena_bytes, write_bytes, json);
   }
   cleanup();
   return rc;

@@ -101,9 +101,12 @@ class AttachBench(unittest.TestCase):
         row = rows[0]
         self.assertEqual(row.get("bench"), "attach", row)
         self.assertEqual(row.get("arena_bytes"), 256 << 20, row)
-        for field in ("attach_ms", "first_write_gbps", "prefaulted_memcpy_gbps",
+        for field in ("attach_ms", "attach_p99_ms", "attach_floor_ms", "attach_floor_p99_ms",
+                      "attach_floor_ratio", "first_write_gbps", "prefaulted_memcpy_gbps",
                       "fresh_private_write_gbps", "ratio", "write_bytes"):
             positive_number(self, row, field)
+        self.assertGreaterEqual(row["attach_samples"], 100, row)
+        self.assertLessEqual(row["attach_ms"], row["attach_p99_ms"], row)
         self.assertLessEqual(row["write_bytes"], row["arena_bytes"], row)
 
 
