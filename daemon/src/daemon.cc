@@ -125,277 +125,352 @@ uint64_t RandomInstanceId() {
   while (id == 0) id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
   return id;
 }
-}  // namespace
 
-Status RunDaemon(const DaemonConfig& initial_config, int argc, const char* const* argv) {
-  DaemonConfig config = initial_config;
-  Result<std::unique_ptr<RuntimeDirClaim>> claim_or = RuntimeDirClaim::Claim(config.runtime_dir);
-  if (!claim_or.ok()) return claim_or.status();
-  // Declared first, destroyed last: whatever happens below, the files this
-  // instance created (and only those) go when RunDaemon returns.
-  std::unique_ptr<RuntimeDirClaim> claim = std::move(claim_or).value();
-  Result<gid_t> socket_gid = ResolveGroup(config.socket_group);
-  if (!socket_gid.ok()) return socket_gid.status();
-  if (!config.config_file.empty()) MO_LOG_INFO("config file %s", config.config_file.c_str());
-  RaiseDescriptorLimit(config);
+// The running daemon: every part it wires together is a member, declared in
+// the order it is made, so that whatever step fails, the parts made so far
+// are undone by their own destructors (the runtime dir claim last: the files
+// this instance created, and only those, go with it).
+class Daemon {
+ public:
+  Daemon(DaemonConfig config, int argc, const char* const* argv)
+      : config_(std::move(config)),
+        argc_(argc),
+        argv_(argv),
+        grpc_listener_(io_, config_.policy, config_.max_connections,
+                       config_.max_connections_per_uid),
+        health_(io_, [this] { return Probe(); }) {}
+  ~Daemon() { StopServing(); }
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
 
+  // Claims the runtime dir, binds every listener, builds the arena and starts
+  // serving. One clear error otherwise.
+  Status Start() {
+    MEMOFFLOAD_RETURN_IF_ERROR(Listen());
+    MEMOFFLOAD_RETURN_IF_ERROR(BuildArena());
+    return Serve();
+  }
+
+  // Runs the event loop until a signal stops it, then stops serving.
+  void Run() {
+    signals_.async_wait(
+        [this](const boost::system::error_code& ec, int signo) { OnSignal(ec, signo); });
+    // systemd (Type=notify): the arena is built, every listener accepts and
+    // the signal handlers are installed, so a SIGTERM from now on drains.
+    notifier_.Ready(StatusText());
+    if (notifier_.Enabled()) ArmNotifyTimer();
+    io_.run();
+    StopServing();
+    claim_->RemoveOwned();
+    MO_LOG_INFO("stopped cleanly");
+  }
+
+ private:
   // Every listener is bound before the arena is built: a busy port or a bad
   // address is found in milliseconds, not after pre-faulting the arena.
-  const std::string grpc_path = GrpcSocketPath(config.runtime_dir);
-  const std::string broker_path = BrokerSocketPath(config.runtime_dir);
-  Result<int> grpc_fd = claim->ListenUnix(grpc_path, config.socket_mode, *socket_gid);
-  if (!grpc_fd.ok()) return grpc_fd.status();
-  Result<int> broker_fd = claim->ListenUnix(broker_path, config.socket_mode, *socket_gid);
-  if (!broker_fd.ok()) {
-    close(*grpc_fd);
-    return broker_fd.status();
-  }
-  asio::io_context io;
-  // Installed before the arena is built: the sockets accept (into their
-  // backlog) from now on, and a SIGTERM or SIGINT that arrives during the
-  // pre-fault is handled once the event loop runs, as a clean stop.
-  asio::signal_set signals(io, SIGINT, SIGTERM, SIGHUP);
-  // Listening fds move into their owners right away, so early returns close them.
-  GrpcListener grpc_listener(io, config.policy, config.max_connections,
-                             config.max_connections_per_uid);
-  asio::local::stream_protocol::acceptor broker_acceptor(io);
-  {
+  Status Listen() {
+    Result<std::unique_ptr<RuntimeDirClaim>> claim = RuntimeDirClaim::Claim(config_.runtime_dir);
+    if (!claim.ok()) return claim.status();
+    claim_ = std::move(claim).value();
+    Result<gid_t> socket_gid = ResolveGroup(config_.socket_group);
+    if (!socket_gid.ok()) return socket_gid.status();
+    socket_gid_ = *socket_gid;
+    if (!config_.config_file.empty()) MO_LOG_INFO("config file %s", config_.config_file.c_str());
+    RaiseDescriptorLimit(config_);
+
+    grpc_path_ = GrpcSocketPath(config_.runtime_dir);
+    broker_path_ = BrokerSocketPath(config_.runtime_dir);
+    Result<int> grpc_fd = claim_->ListenUnix(grpc_path_, config_.socket_mode, socket_gid_);
+    if (!grpc_fd.ok()) return grpc_fd.status();
+    // Listening fds move into their owners right away, so any return closes them.
+    MEMOFFLOAD_RETURN_IF_ERROR(grpc_listener_.Adopt(*grpc_fd));
+    Result<int> broker_fd = claim_->ListenUnix(broker_path_, config_.socket_mode, socket_gid_);
+    if (!broker_fd.ok()) return broker_fd.status();
     boost::system::error_code ec;
-    broker_acceptor.assign(asio::local::stream_protocol(), *broker_fd, ec);
-    if (ec) close(*broker_fd);
-    Status adopted = grpc_listener.Adopt(*grpc_fd);
-    if (ec) return Internal("cannot watch the broker socket: " + ec.message());
-    MEMOFFLOAD_RETURN_IF_ERROR(adopted);
+    broker_acceptor_.assign(asio::local::stream_protocol(), *broker_fd, ec);
+    if (ec) {
+      close(*broker_fd);
+      return Internal("cannot watch the broker socket: " + ec.message());
+    }
+    // From here the sockets accept (into their backlog), and a SIGTERM or
+    // SIGINT that arrives during the pre-fault is handled once the event
+    // loop runs, as a clean stop.
+    signals_.add(SIGINT);
+    signals_.add(SIGTERM);
+    signals_.add(SIGHUP);
+
+    if (!config_.health_address.empty()) {
+      Result<std::string> bound = health_.Start(config_.health_address);
+      if (!bound.ok()) return bound.status();
+      health_bound_ = *bound;
+    }
+    if (!config_.metrics_address.empty()) {
+      Result<std::unique_ptr<prometheus::Exposer>> listening =
+          Metrics::Listen(config_.metrics_address, &metrics_bound_);
+      if (!listening.ok()) return listening.status();
+      exposer_ = std::move(listening).value();
+    }
+    Result<std::string> admin_token = WriteAdminToken(config_.runtime_dir);
+    if (!admin_token.ok()) return admin_token.status();
+    admin_token_ = *admin_token;
+    claim_->Own(config_.runtime_dir + "/" + kAdminTokenName);
+    return Status::Ok();
   }
 
-  SessionTable* table_for_probes = nullptr;
-  HealthServer health(io, [&table_for_probes, &grpc_listener] {
+  Status BuildArena() {
+    ArenaOptions options;
+    options.size_bytes = config_.arena_size_bytes;
+    options.chunk_size_bytes = config_.chunk_size_bytes;
+    options.prefault_threads = config_.prefault_threads;
+    options.hugepages = config_.hugepages;
+    options.mlock = config_.mlock;
+    options.numa_node = config_.numa_node;
+    MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
+                FormatSize(config_.arena_size_bytes).c_str(),
+                FormatSize(config_.chunk_size_bytes).c_str(), config_.prefault_threads);
+    Result<std::unique_ptr<Arena>> arena = Arena::Build(options, &report_);
+    if (!arena.ok()) return arena.status();
+    arena_ = std::move(arena).value();
+    if (!report_.mlocked && config_.mlock) {
+      MO_LOG_WARN("mlock failed: %s", report_.mlock_problem.c_str());
+    }
+    MO_LOG_INFO("arena ready: %s, %u chunks of %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
+                FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
+                FormatSize(arena_->chunk_size_bytes()).c_str(), report_.build_seconds,
+                arena_->capacity_bytes() / 1e9 / std::max(report_.build_seconds, 1e-9),
+                report_.mlocked ? "yes" : "no");
+    return Status::Ok();
+  }
+
+  Status Serve() {
+    Result<TenantMode> tenant_mode = ParseTenantMode(config_.tenant);
+    if (!tenant_mode.ok()) return tenant_mode.status();
+    FreshBackingOptions fresh;
+    fresh.chunk_size_bytes = arena_->chunk_size_bytes();
+    fresh.spares = *tenant_mode == TenantMode::kNone ? 0 : 1;
+    fresh.hugepages = config_.hugepages && report_.hugepage_chunks > 0;
+    fresh.mlock = arena_->mlocked();
+    fresh.numa_node = config_.numa_node;
+    fresh_backing_ = std::make_unique<FreshBacking>(fresh);
+    table_ = std::make_unique<SessionTable>(arena_.get(), config_.policy, *tenant_mode,
+                                            fresh_backing_.get());
+    const uint64_t instance_id = RandomInstanceId();
+    MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
+
+    metrics_ = std::make_unique<Metrics>(
+        table_.get(), MetricsInfo{DaemonVersion(), arena_->chunk_count(),
+                                  arena_->chunk_size_bytes(), arena_->mlocked()});
+    if (exposer_ != nullptr) metrics_->Serve(std::move(exposer_));
+    service_ =
+        std::make_unique<OffloadService>(arena_.get(), table_.get(), metrics_.get(),
+                                         ServiceInfo{DaemonVersion(), config_.runtime_dir,
+                                                     metrics_bound_, admin_token_, instance_id},
+                                         config_);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    // No listening port: GrpcListener accepts and hands each admitted
+    // connection to the server.
+    builder.RegisterService(service_.get());
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path_);
+    grpc_listener_.Start(server_.get());
+
+    BrokerOptions broker;
+    broker.socket_path = broker_path_;
+    broker.grpc_socket_path = grpc_path_;
+    broker.socket_mode = config_.socket_mode;
+    broker.socket_gid = socket_gid_;
+    broker.hello_timeout_ms = static_cast<int>(config_.hello_timeout_ms);
+    broker.instance_id = instance_id;
+    broker.max_connections = config_.max_connections;
+    broker.max_connections_per_uid = config_.max_connections_per_uid;
+    broker_ = std::make_unique<Broker>(io_, arena_.get(), table_.get(), metrics_.get(), broker,
+                                       config_.policy);
+    MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
+    LogListening();
+    return Status::Ok();
+  }
+
+  void LogListening() const {
+    MO_LOG_INFO("listening: runtime dir %s", config_.runtime_dir.c_str());
+    MO_LOG_INFO("  broker  %s", broker_path_.c_str());
+    MO_LOG_INFO("  gRPC    unix:%s", grpc_path_.c_str());
+    MO_LOG_INFO("  metrics %s", metrics_bound_.empty()
+                                    ? "disabled"
+                                    : ("http://" + metrics_bound_ + "/metrics").c_str());
+    MO_LOG_INFO("  health  %s", health_bound_.empty()
+                                    ? "disabled"
+                                    : ("http://" + health_bound_ + "/readyz, /livez").c_str());
+    MO_LOG_INFO("clients: export MEMOFFLOAD_RUNTIME_DIR=%s", config_.runtime_dir.c_str());
+  }
+
+  HealthState Probe() const {
     HealthState state;
-    state.draining = table_for_probes != nullptr && table_for_probes->draining();
-    state.not_ready = grpc_listener.Problem();
+    state.draining = table_ != nullptr && table_->draining();
+    state.not_ready = grpc_listener_.Problem();
     return state;
-  });
-  std::string health_bound;
-  if (!config.health_address.empty()) {
-    Result<std::string> bound = health.Start(config.health_address);
-    if (!bound.ok()) return bound.status();
-    health_bound = *bound;
-  }
-  std::unique_ptr<prometheus::Exposer> exposer;
-  std::string metrics_bound;
-  if (!config.metrics_address.empty()) {
-    Result<std::unique_ptr<prometheus::Exposer>> listening =
-        Metrics::Listen(config.metrics_address, &metrics_bound);
-    if (!listening.ok()) return listening.status();
-    exposer = std::move(listening).value();
   }
 
-  Result<std::string> admin_token = WriteAdminToken(config.runtime_dir);
-  if (!admin_token.ok()) return admin_token.status();
-  claim->Own(config.runtime_dir + "/" + kAdminTokenName);
-
-  ArenaOptions arena_options;
-  arena_options.size_bytes = config.arena_size_bytes;
-  arena_options.chunk_size_bytes = config.chunk_size_bytes;
-  arena_options.prefault_threads = config.prefault_threads;
-  arena_options.hugepages = config.hugepages;
-  arena_options.mlock = config.mlock;
-  arena_options.numa_node = config.numa_node;
-  MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
-              FormatSize(config.arena_size_bytes).c_str(),
-              FormatSize(config.chunk_size_bytes).c_str(), config.prefault_threads);
-  ArenaBuildReport report;
-  Result<std::unique_ptr<Arena>> arena_or = Arena::Build(arena_options, &report);
-  if (!arena_or.ok()) return arena_or.status();
-  std::unique_ptr<Arena> arena = std::move(arena_or).value();
-  if (!report.mlocked && config.mlock) {
-    MO_LOG_WARN("mlock failed: %s", report.mlock_problem.c_str());
-  }
-  MO_LOG_INFO("arena ready: %s, %u chunks of %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
-              FormatSize(arena->capacity_bytes()).c_str(), arena->chunk_count(),
-              FormatSize(arena->chunk_size_bytes()).c_str(), report.build_seconds,
-              arena->capacity_bytes() / 1e9 / std::max(report.build_seconds, 1e-9),
-              report.mlocked ? "yes" : "no");
-
-  Result<TenantMode> tenant_mode = ParseTenantMode(config.tenant);
-  if (!tenant_mode.ok()) return tenant_mode.status();
-  FreshBackingOptions fresh_options;
-  fresh_options.chunk_size_bytes = arena->chunk_size_bytes();
-  fresh_options.spares = *tenant_mode == TenantMode::kNone ? 0 : 1;
-  fresh_options.hugepages = config.hugepages && report.hugepage_chunks > 0;
-  fresh_options.mlock = arena->mlocked();
-  fresh_options.numa_node = config.numa_node;
-  FreshBacking fresh_backing(fresh_options);
-  SessionTable table(arena.get(), config.policy, *tenant_mode, &fresh_backing);
-  table_for_probes = &table;
-  const uint64_t instance_id = RandomInstanceId();
-  MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
-
-  MetricsInfo metrics_info{DaemonVersion(), arena->chunk_count(), arena->chunk_size_bytes(),
-                           arena->mlocked()};
-  Metrics metrics(&table, metrics_info);
-  if (exposer != nullptr) metrics.Serve(std::move(exposer));
-
-  OffloadService service(
-      arena.get(), &table, &metrics,
-      {DaemonVersion(), config.runtime_dir, metrics_bound, *admin_token, instance_id}, config);
-  grpc::EnableDefaultHealthCheckService(true);
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-  grpc::ServerBuilder builder;
-  // No listening port: GrpcListener accepts and hands each admitted
-  // connection to the server.
-  builder.RegisterService(&service);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (server == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path);
-  grpc_listener.Start(server.get());
-
-  BrokerOptions broker_options;
-  broker_options.socket_path = broker_path;
-  broker_options.grpc_socket_path = grpc_path;
-  broker_options.socket_mode = config.socket_mode;
-  broker_options.socket_gid = *socket_gid;
-  broker_options.hello_timeout_ms = static_cast<int>(config.hello_timeout_ms);
-  broker_options.instance_id = instance_id;
-  broker_options.max_connections = config.max_connections;
-  broker_options.max_connections_per_uid = config.max_connections_per_uid;
-  Broker broker(io, arena.get(), &table, &metrics, broker_options, config.policy);
-  if (Status st = broker.Start(broker_acceptor.release()); !st.ok()) {
-    grpc_listener.Stop();
-    server->Shutdown();
-    return st;
-  }
-
-  MO_LOG_INFO("listening: runtime dir %s", config.runtime_dir.c_str());
-  MO_LOG_INFO("  broker  %s", broker_options.socket_path.c_str());
-  MO_LOG_INFO("  gRPC    unix:%s", grpc_path.c_str());
-  MO_LOG_INFO("  metrics %s", metrics_bound.empty()
-                                  ? "disabled"
-                                  : ("http://" + metrics_bound + "/metrics").c_str());
-  MO_LOG_INFO("  health  %s", health_bound.empty()
-                                  ? "disabled"
-                                  : ("http://" + health_bound + "/readyz, /livez").c_str());
-  MO_LOG_INFO("clients: export MEMOFFLOAD_RUNTIME_DIR=%s", config.runtime_dir.c_str());
-
-  Notifier notifier;
-  auto status_text = [&table] {
-    const ArenaSnapshot s = table.Snapshot();
+  std::string StatusText() const {
+    const ArenaSnapshot s = table_->Snapshot();
     return "arena " + FormatSize(s.capacity_bytes - s.free_bytes) + " of " +
            FormatSize(s.capacity_bytes) + " used, " + std::to_string(s.sessions) + " sessions" +
            (s.draining ? ", draining" : "");
-  };
+  }
+
   // WATCHDOG=1 and a fresh STATUS= from the event loop, every half watchdog
   // timeout (every 10 s without one); it keeps going while draining.
-  asio::steady_timer notify_timer(io);
-  std::function<void()> arm_notify_timer = [&] {
-    notify_timer.expires_after(notifier.WatchdogEnabled()
-                                   ? notifier.WatchdogInterval()
-                                   : std::chrono::microseconds(std::chrono::seconds(10)));
-    notify_timer.async_wait([&](const boost::system::error_code& ec) {
+  void ArmNotifyTimer() {
+    notify_timer_.expires_after(notifier_.WatchdogEnabled()
+                                    ? notifier_.WatchdogInterval()
+                                    : std::chrono::microseconds(std::chrono::seconds(10)));
+    notify_timer_.async_wait([this](const boost::system::error_code& ec) {
       if (ec) return;
-      notifier.WatchdogPing();
-      notifier.Status(status_text());
-      arm_notify_timer();
+      notifier_.WatchdogPing();
+      notifier_.Status(StatusText());
+      ArmNotifyTimer();
     });
-  };
+  }
 
-  auto stop = [&] {
-    notify_timer.cancel();
-    health.Stop();
-    broker.StopAccepting();
-    grpc_listener.Stop();
-    broker.CloseAll();
-    io.stop();
-  };
+  void OnSignal(const boost::system::error_code& ec, int signo) {
+    if (ec) return;
+    if (signo == SIGHUP) {
+      Reload();
+    } else if (signo == SIGTERM && !draining_for_exit_) {
+      BeginDrain();
+    } else {
+      MO_LOG_INFO("received %s: stopping now", strsignal(signo));
+      notifier_.Stopping();
+      StopLoop();
+      return;
+    }
+    signals_.async_wait([this](const boost::system::error_code& e, int n) { OnSignal(e, n); });
+  }
 
-  // Drain: wait until no group is held or the deadline passes.
-  asio::steady_timer drain_timer(io);
-  Clock::time_point drain_deadline;
-  bool draining_for_exit = false;
-  std::function<void()> check_drained = [&] {
-    const ArenaSnapshot s = table.Snapshot();
+  // SIGHUP: access and quotas change live; the rest waits for a restart.
+  void Reload() {
+    Result<DaemonConfig> fresh = ReloadConfig(config_, argc_, argv_, ProcessEnvironment());
+    if (!fresh.ok()) {
+      MO_LOG_ERROR("config reload rejected, keeping the previous configuration: %s",
+                   fresh.status().message().c_str());
+      return;
+    }
+    if (fresh->policy.node_reserve_bytes >= arena_->capacity_bytes()) {
+      // The file is validated against the arena size it names; the reserve
+      // must fit the arena that is actually running.
+      MO_LOG_ERROR(
+          "config reload rejected, keeping the previous configuration: "
+          "quotas.node_reserve_bytes %s (%llu bytes) leaves nothing of the running "
+          "%s (%llu bytes) arena; it must be smaller than the running arena (arena.size "
+          "changes take effect at restart)",
+          FormatSize(fresh->policy.node_reserve_bytes).c_str(),
+          static_cast<unsigned long long>(fresh->policy.node_reserve_bytes),
+          FormatSize(arena_->capacity_bytes()).c_str(),
+          static_cast<unsigned long long>(arena_->capacity_bytes()));
+      return;
+    }
+    LogConfigChanges(config_, *fresh);
+    config_.policy = fresh->policy;
+    // Sources of the applied settings only: the others keep the value (and
+    // so the source) they started with.
+    for (const auto& [key, source] : fresh->sources) {
+      if (IsLiveSetting(key)) config_.sources[key] = source;
+    }
+    table_->SetPolicy(config_.policy);
+    broker_->SetPolicy(config_.policy);
+    grpc_listener_.SetPolicy(config_.policy);
+    service_->SetConfig(config_);
+    MO_LOG_INFO("config reloaded from %s", config_.config_file.c_str());
+  }
+
+  // SIGTERM: refuse new work, wait until no group is held or the deadline.
+  void BeginDrain() {
+    draining_for_exit_ = true;
+    notifier_.Stopping();
+    const ArenaSnapshot s = table_->Snapshot();
+    MO_LOG_INFO("received SIGTERM: draining (%u sessions, %s held; deadline %lu ms)", s.sessions,
+                FormatSize(s.capacity_bytes - s.free_bytes).c_str(),
+                static_cast<unsigned long>(config_.drain_timeout_ms));
+    table_->BeginShutdown();
+    drain_deadline_ = Clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
+    CheckDrained();
+  }
+
+  void CheckDrained() {
+    const ArenaSnapshot s = table_->Snapshot();
     const bool empty = s.capacity_bytes == s.free_bytes;
-    if (empty || Clock::now() >= drain_deadline) {
+    if (empty || Clock::now() >= drain_deadline_) {
       if (!empty) {
         MO_LOG_WARN("drain deadline passed with %s still held by %u sessions; stopping",
                     FormatSize(s.capacity_bytes - s.free_bytes).c_str(), s.sessions);
       } else {
         MO_LOG_INFO("drained: no groups held");
       }
-      stop();
+      StopLoop();
       return;
     }
-    drain_timer.expires_after(std::chrono::milliseconds(50));
-    drain_timer.async_wait([&](const boost::system::error_code& ec) {
-      if (!ec) check_drained();
+    drain_timer_.expires_after(std::chrono::milliseconds(50));
+    drain_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (!ec) CheckDrained();
     });
-  };
+  }
 
-  std::function<void(const boost::system::error_code&, int)> on_signal =
-      [&](const boost::system::error_code& ec, int signo) {
-        if (ec) return;
-        if (signo == SIGHUP) {
-          Result<DaemonConfig> fresh = ReloadConfig(config, argc, argv, ProcessEnvironment());
-          if (!fresh.ok()) {
-            MO_LOG_ERROR("config reload rejected, keeping the previous configuration: %s",
-                         fresh.status().message().c_str());
-          } else if (fresh->policy.node_reserve_bytes >= arena->capacity_bytes()) {
-            // The file is validated against the arena size it names; the
-            // reserve must fit the arena that is actually running.
-            MO_LOG_ERROR(
-                "config reload rejected, keeping the previous configuration: "
-                "quotas.node_reserve_bytes %s (%llu bytes) leaves nothing of the running "
-                "%s (%llu bytes) arena; it must be smaller than the running arena (arena.size "
-                "changes take effect at restart)",
-                FormatSize(fresh->policy.node_reserve_bytes).c_str(),
-                static_cast<unsigned long long>(fresh->policy.node_reserve_bytes),
-                FormatSize(arena->capacity_bytes()).c_str(),
-                static_cast<unsigned long long>(arena->capacity_bytes()));
-          } else {
-            LogConfigChanges(config, *fresh);
-            // Only access and quotas change live; the rest waits for a restart.
-            config.policy = fresh->policy;
-            // Sources of the applied settings only: the others keep the
-            // value (and so the source) they started with.
-            for (const auto& [key, source] : fresh->sources) {
-              if (IsLiveSetting(key)) config.sources[key] = source;
-            }
-            table.SetPolicy(config.policy);
-            broker.SetPolicy(config.policy);
-            grpc_listener.SetPolicy(config.policy);
-            service.SetConfig(config);
-            MO_LOG_INFO("config reloaded from %s", config.config_file.c_str());
-          }
-        } else if (signo == SIGTERM && !draining_for_exit) {
-          draining_for_exit = true;
-          notifier.Stopping();
-          const ArenaSnapshot s = table.Snapshot();
-          MO_LOG_INFO("received SIGTERM: draining (%u sessions, %s held; deadline %lu ms)",
-                      s.sessions, FormatSize(s.capacity_bytes - s.free_bytes).c_str(),
-                      static_cast<unsigned long>(config.drain_timeout_ms));
-          table.BeginShutdown();
-          drain_deadline = Clock::now() + std::chrono::milliseconds(config.drain_timeout_ms);
-          check_drained();
-        } else {
-          MO_LOG_INFO("received %s: stopping now", strsignal(signo));
-          notifier.Stopping();
-          stop();
-          return;
-        }
-        signals.async_wait(on_signal);
-      };
-  signals.async_wait(on_signal);
+  // Stops accepting, closes every session and leaves the event loop.
+  void StopLoop() {
+    notify_timer_.cancel();
+    drain_timer_.cancel();
+    health_.Stop();
+    if (broker_ != nullptr) broker_->StopAccepting();
+    grpc_listener_.Stop();
+    if (broker_ != nullptr) broker_->CloseAll();
+    io_.stop();
+  }
 
-  // systemd (Type=notify): the arena is built, every listener accepts and
-  // the signal handlers are installed, so a SIGTERM from now on drains.
-  notifier.Ready(status_text());
-  if (notifier.Enabled()) arm_notify_timer();
-  io.run();
+  // Nothing new reaches the gRPC server; what is still in flight is cancelled.
+  void StopServing() {
+    grpc_listener_.Stop();
+    if (server_ == nullptr) return;
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    server_->Wait();
+    server_.reset();
+  }
 
-  // Sessions are closed; cancel whatever RPC is still in flight.
-  server->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
-  server->Wait();
-  claim->RemoveOwned();
-  MO_LOG_INFO("stopped cleanly");
+  DaemonConfig config_;
+  const int argc_;
+  const char* const* argv_;
+  std::unique_ptr<RuntimeDirClaim> claim_;  // first made, last gone
+  gid_t socket_gid_ = static_cast<gid_t>(-1);
+  std::string grpc_path_, broker_path_;
+  asio::io_context io_;
+  asio::signal_set signals_{io_};
+  GrpcListener grpc_listener_;
+  asio::local::stream_protocol::acceptor broker_acceptor_{io_};
+  HealthServer health_;
+  std::string health_bound_, metrics_bound_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string admin_token_;
+  ArenaBuildReport report_;
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<FreshBacking> fresh_backing_;
+  std::unique_ptr<SessionTable> table_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<OffloadService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Broker> broker_;
+  Notifier notifier_;
+  asio::steady_timer notify_timer_{io_};
+  asio::steady_timer drain_timer_{io_};
+  Clock::time_point drain_deadline_;
+  bool draining_for_exit_ = false;
+};
+
+}  // namespace
+
+Status RunDaemon(const DaemonConfig& config, int argc, const char* const* argv) {
+  Daemon daemon(config, argc, argv);
+  MEMOFFLOAD_RETURN_IF_ERROR(daemon.Start());
+  daemon.Run();
   return Status::Ok();
 }
 
