@@ -1,8 +1,11 @@
 #include "memoffload/daemon/fresh_backing.h"
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -78,6 +81,7 @@ FreshBacking::~FreshBacking() {
   }
   wake_.notify_all();
   thread_.join();
+  for (Retired& r : retired_) CloseRecipients(&r);
 }
 
 Result<std::shared_ptr<Chunk>> FreshBacking::Create(uint64_t size_bytes, bool prefault) {
@@ -123,13 +127,23 @@ Result<std::shared_ptr<Chunk>> FreshBacking::Take(uint64_t size_bytes) {
   return c;
 }
 
-void FreshBacking::Retire(std::shared_ptr<Chunk> old) {
+void FreshBacking::Retire(std::shared_ptr<Chunk> old, const std::vector<pid_t>& recipients) {
   if (old == nullptr) return;
   struct stat st {};
   const bool known = fstat(old->fd(), &st) == 0;
+  Retired retired{st.st_ino, old->size_bytes(), {}};
+  for (pid_t pid : recipients) {
+    // Fails (ESRCH) for a process that is gone: it keeps nothing.
+    const int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+    if (fd >= 0) retired.recipients.push_back({pid, fd});
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (known) retired_.push_back({st.st_ino, old->size_bytes()});
+    if (known) {
+      retired_.push_back(std::move(retired));
+    } else {
+      CloseRecipients(&retired);
+    }
     to_drop_.push_back(std::move(old));
   }
   wake_.notify_all();
@@ -166,11 +180,42 @@ void FreshBacking::Scan() {
   if (wanted.empty()) return;
   const std::unordered_set<ino_t> held = HeldInodes(wanted);
   std::lock_guard<std::mutex> lock(mu_);
-  retired_.erase(std::remove_if(retired_.begin(), retired_.end(),
-                                [&](const Retired& r) {
-                                  return wanted.count(r.inode) > 0 && held.count(r.inode) == 0;
-                                }),
-                 retired_.end());
+  for (auto it = retired_.begin(); it != retired_.end();) {
+    if (wanted.count(it->inode) == 0 || held.count(it->inode) > 0 || UnseenRecipientLives(&*it)) {
+      ++it;
+      continue;
+    }
+    CloseRecipients(&*it);
+    it = retired_.erase(it);
+  }
+}
+
+bool FreshBacking::UnseenRecipientLives(Retired* r) {
+  bool lives = false;
+  for (auto it = r->recipients.begin(); it != r->recipients.end();) {
+    pollfd p{it->pidfd, POLLIN, 0};
+    if (poll(&p, 1, 0) != 0) {  // exited (or the pidfd is unusable): keeps nothing
+      close(it->pidfd);
+      it = r->recipients.erase(it);
+      continue;
+    }
+    // A process whose maps the scan could read was judged by them (access(2)
+    // would not do: the kernel's ptrace check is made at open).
+    const std::string maps = "/proc/" + std::to_string(it->pid) + "/maps";
+    const int fd = open(maps.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      lives = true;
+    } else {
+      close(fd);
+    }
+    ++it;
+  }
+  return lives;
+}
+
+void FreshBacking::CloseRecipients(Retired* r) {
+  for (const Recipient& c : r->recipients) close(c.pidfd);
+  r->recipients.clear();
 }
 
 void FreshBacking::Run() {

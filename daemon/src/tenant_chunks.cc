@@ -57,9 +57,10 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
       return fresh.status();
     }
     std::shared_ptr<Chunk> old = arena_->ReplaceBacking(chunk, std::move(fresh).value());
-    if (fresh_backing_ != nullptr) fresh_backing_->Retire(std::move(old));
+    if (fresh_backing_ != nullptr) fresh_backing_->Retire(std::move(old), owner.recipients);
     ++replaced_backings_;
     owner.holders.clear();  // only dead sessions could be left
+    owner.recipients.clear();
   }
   owner.tenant = tenant;
   return Status::Ok();
@@ -68,6 +69,14 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
 namespace {
 ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
   return {chunk, arena.generation(chunk), arena.backing(chunk)};
+}
+
+// Remembered for FreshBacking: who may keep this backing after its session.
+void NoteRecipient(std::vector<pid_t>* recipients, pid_t pid) {
+  if (pid <= 0) return;
+  if (std::find(recipients->begin(), recipients->end(), pid) == recipients->end()) {
+    recipients->push_back(pid);
+  }
 }
 }  // namespace
 
@@ -81,6 +90,7 @@ Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) 
     if (tenant_mode_ == TenantMode::kNone || owner.tenant == it->second.tenant) {
       chunks.push_back(GrantOf(*arena_, c));
       owner.holders.push_back(session_id);
+      NoteRecipient(&owner.recipients, it->second.peer.pid);
     }
   }
   return chunks;
@@ -107,6 +117,7 @@ Result<std::vector<ChunkGrant>> SessionTable::GrantChunks(uint64_t session_id,
     if (std::find(holders.begin(), holders.end(), session_id) == holders.end()) {
       holders.push_back(session_id);
     }
+    NoteRecipient(&chunk_owners_[c].recipients, it->second.peer.pid);
     grants.push_back(GrantOf(*arena_, c));
   }
   return grants;

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -12,6 +14,8 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+
+#include "memoffload/shared_mem/fd_passing.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -115,6 +119,74 @@ TEST(FreshBackingTest, RetiredArenaChunkKeptOnlyByAMappingIsStale) {
   close(ready[0]);
   close(ready[1]);
   EXPECT_EQ(fresh.ScanNow().stale_bytes, 0u);
+}
+
+// The daemon as a user that may not read the keeper's /proc entries (the
+// systemd unit runs it as memoffload, with ProtectProc=invisible): the
+// process the backing was handed to counts as keeping it while it lives.
+TEST(FreshBackingTest, RecipientTheDaemonCannotSeeKeepsItsBackingStaleUntilItExits) {
+  ASSERT_EQ(geteuid(), 0u) << "runs the daemon side as uid 65534: needs root";
+  int to_keeper[2], ready[2], results[2], go[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, to_keeper), 0);
+  ASSERT_EQ(pipe(ready), 0);
+  ASSERT_EQ(pipe(results), 0);
+  ASSERT_EQ(pipe(go), 0);
+  const pid_t keeper = fork();  // root: maps the backing it is sent
+  ASSERT_GE(keeper, 0);
+  if (keeper == 0) {
+    std::string payload;
+    std::vector<int> fds;
+    if (!RecvFrame(to_keeper[1], &payload, &fds).ok() || fds.size() != 1) _exit(1);
+    if (mmap(nullptr, kChunk, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0) == MAP_FAILED) {
+      _exit(1);
+    }
+    close(fds[0]);  // only the mapping stays
+    char one = 1;
+    if (write(ready[1], &one, 1) != 1) _exit(1);
+    while (true) pause();
+  }
+  const pid_t daemon_side = fork();
+  ASSERT_GE(daemon_side, 0);
+  if (daemon_side == 0) {
+    if (setgid(65534) != 0 || setuid(65534) != 0) _exit(2);
+    uint8_t out[3] = {0, 0, 0};
+    {
+      FreshBacking fresh(Options());
+      auto taken = fresh.Take(kChunk);
+      if (!taken.ok() || !SendFrame(to_keeper[0], "fd", {(*taken)->fd()}).ok()) _exit(3);
+      char one = 0;
+      if (read(ready[0], &one, 1) != 1) _exit(4);
+      auto unnamed = fresh.Take(kChunk);
+      if (!unnamed.ok()) _exit(5);
+      fresh.Retire(std::move(taken).value(), {keeper});
+      out[0] = static_cast<uint8_t>(fresh.ScanNow().stale_backings);
+      if (read(go[0], &one, 1) != 1) _exit(6);  // the keeper is dead
+      out[1] = static_cast<uint8_t>(fresh.ScanNow().stale_backings);
+      // Handed to a process whose maps the scan reads (this one; it does not
+      // keep it): judged by its maps, so gone at the first scan.
+      fresh.Retire(std::move(unnamed).value(), {getpid()});
+      out[2] = static_cast<uint8_t>(fresh.ScanNow().stale_backings);
+    }
+    _exit(write(results[1], out, sizeof(out)) == sizeof(out) ? 0 : 7);
+  }
+  uint8_t out[3] = {9, 9, 9};
+  // Let it scan while the keeper lives, then end the keeper.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  kill(keeper, SIGKILL);
+  waitpid(keeper, nullptr, 0);
+  char one = 1;
+  ASSERT_EQ(write(go[1], &one, 1), 1);
+  ASSERT_EQ(read(results[0], out, sizeof(out)), static_cast<ssize_t>(sizeof(out)));
+  int status = 0;
+  waitpid(daemon_side, &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(out[0], 1) << "a live recipient the daemon cannot see did not count as keeping it";
+  EXPECT_EQ(out[1], 0) << "the recipient exited, yet its backing still counts";
+  EXPECT_EQ(out[2], 0) << "a recipient whose maps the scan reads (not keeping it) still counts";
+  for (int fd :
+       {to_keeper[0], to_keeper[1], ready[0], ready[1], results[0], results[1], go[0], go[1]}) {
+    close(fd);
+  }
 }
 
 TEST(FreshBackingTest, RetiredBackingNobodyKeepsIsNotStale) {

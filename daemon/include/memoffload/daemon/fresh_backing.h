@@ -15,9 +15,12 @@
 // which keeps contents, so a client may already be writing). The thread also
 // unmaps retired backings (off the caller's lock) and, while any retired
 // backing may still be held, scans /proc every scan_interval for processes
-// that map it (/proc/<pid>/maps) or hold its fd (/proc/<pid>/fd). Best
-// effort: a process whose /proc entries the daemon may not read (another uid
-// when not root, hidepid) is not seen, and its backing counts as gone.
+// that map it (/proc/<pid>/maps) or hold its fd (/proc/<pid>/fd). A process
+// whose /proc entries the daemon may not read (another uid when the daemon is
+// not root, or the unit's ProtectProc=invisible) cannot be seen that way: for
+// those, the processes the backing was handed to (their pids, given to
+// Retire) count as keeping it for as long as they live. Forks and fd passes
+// of an unreadable process are not seen.
 //
 // Thread-safe.
 #ifndef MEMOFFLOAD_DAEMON_FRESH_BACKING_H_
@@ -70,17 +73,27 @@ class FreshBacking {
   // Takes the daemon's last reference of an old backing: it is closed and
   // unmapped on the background thread and counted as stale while a process
   // still keeps it.
-  void Retire(std::shared_ptr<Chunk> old);
+  // `recipients`: the pids of the processes the backing was handed to.
+  void Retire(std::shared_ptr<Chunk> old, const std::vector<pid_t>& recipients = {});
 
   FreshBackingStats Stats() const;
   // Runs one /proc scan now and returns the stats after it (tests, status).
   FreshBackingStats ScanNow();
 
  private:
+  struct Recipient {
+    pid_t pid = 0;
+    int pidfd = -1;  // readable once the process has exited
+  };
   struct Retired {
     ino_t inode = 0;
     uint64_t size_bytes = 0;
+    std::vector<Recipient> recipients;  // alive when retired; pidfds owned
   };
+  // True while a recipient that /proc does not show lives; closes the
+  // pidfds of those that exited.
+  static bool UnseenRecipientLives(Retired* r);
+  static void CloseRecipients(Retired* r);
   void Run();
   Result<std::shared_ptr<Chunk>> Create(uint64_t size_bytes, bool prefault);
   void Scan();

@@ -360,6 +360,7 @@ class SessionTable {
   struct ChunkOwner {
     std::string tenant;             // "" while never used
     std::vector<uint64_t> holders;  // sessions that were handed the fd
+    std::vector<pid_t> recipients;  // their processes, since the current backing
   };
   // Marks `chunk` as the tenant's, giving it a new memfd when it belonged to
   // another tenant (never faults pages: see FreshBacking). Fails, changing
