@@ -1,6 +1,6 @@
 // memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]
 //     [--max-bytes B] [--min-group B] [--max-group B] [--window N]
-//     [--job-id ID] [--seed N] [--baseline]
+//     [--job-id ID] [--seed N] [--baseline [--pairs N]]
 //
 // A traffic generator against a running memoffloadd. Starts N client
 // processes (fork + exec of this binary with the hidden `load-worker`
@@ -24,13 +24,16 @@
 // unary service (GetStatus answered at once, nothing else) served by this
 // process on its own Unix socket, called in a loop by the same number of
 // client processes for the same time. Each method's p50/p99 is then printed
-// next to the floor's, as a ratio.
+// next to the floor's, as a ratio. --pairs N runs N such (daemon, floor)
+// pairs one after the other and prints each ratio as the median over the
+// pairs with its min..max.
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -45,273 +48,12 @@
 #include "benches.h"
 #include "grpc_floor.h"
 #include "latency_stats.h"
+#include "load_options.h"
 #include "memoffload/client/client.h"
 #include "memoffload/shared_mem/units.h"
 
 namespace memoffload::bench {
 namespace {
-
-constexpr int kMethods = 4;
-const char* const kMethodNames[kMethods] = {"Reserve", "Commit", "Prefetch", "Release"};
-enum MethodIndex { kReserve, kCommit, kPrefetch, kRelease };
-
-struct LoadOptions {
-  std::string runtime_dir;
-  int clients = 4;
-  double seconds = 5;
-  bool json = false;
-  uint64_t max_bytes = 0;
-  uint64_t min_group = 4096;
-  uint64_t max_group = 4 << 20;
-  int window = 4;
-  std::string job_id = "memoffload-bench-load";
-  uint64_t seed = 1;
-  bool baseline = false;
-  std::string floor_socket;  // worker side: call the floor service here
-  int index = 0;             // worker only
-};
-
-int Usage(const char* message) {
-  std::fprintf(stderr,
-               "memoffload-bench load: %s\n"
-               "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
-               "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
-               "         [--job-id ID] [--seed N] [--baseline]\n",
-               message);
-  return 2;
-}
-
-// Parses flags shared by `load` and `load-worker`; false with *error set on
-// a bad flag.
-bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
-  for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
-    if (flag == "--baseline") {
-      o->baseline = true;
-      continue;
-    }
-    if (flag == "--json") {
-      o->json = true;
-      continue;
-    }
-    if (i + 1 >= argc) {
-      *error = "flag " + flag + " needs a value";
-      return false;
-    }
-    const std::string value = argv[++i];
-    auto size = [&](uint64_t* out) {
-      Result<uint64_t> v = ParseSize(value);
-      if (!v.ok()) *error = flag + ": " + v.status().message();
-      if (v.ok()) *out = *v;
-      return v.ok();
-    };
-    char* end = nullptr;
-    if (flag == "--runtime-dir") {
-      o->runtime_dir = value;
-    } else if (flag == "--clients") {
-      o->clients = static_cast<int>(std::strtol(value.c_str(), &end, 10));
-      if (*end != '\0' || o->clients < 1 || o->clients > 1024) {
-        *error = "--clients '" + value + "' is not an integer in 1..1024";
-        return false;
-      }
-    } else if (flag == "--seconds") {
-      o->seconds = std::strtod(value.c_str(), &end);
-      if (*end != '\0' || !(o->seconds > 0) || o->seconds > 86400) {
-        *error = "--seconds '" + value + "' is not a number in (0, 86400]";
-        return false;
-      }
-    } else if (flag == "--window") {
-      o->window = static_cast<int>(std::strtol(value.c_str(), &end, 10));
-      if (*end != '\0' || o->window < 1 || o->window > 4096) {
-        *error = "--window '" + value + "' is not an integer in 1..4096";
-        return false;
-      }
-    } else if (flag == "--seed" || flag == "--index") {
-      const uint64_t v = std::strtoull(value.c_str(), &end, 10);
-      if (*end != '\0' || value.empty()) {
-        *error = flag + " '" + value + "' is not a non-negative integer";
-        return false;
-      }
-      if (flag == "--seed") o->seed = v;
-      if (flag == "--index") o->index = static_cast<int>(v);
-    } else if (flag == "--floor-socket") {
-      o->floor_socket = value;
-    } else if (flag == "--job-id") {
-      o->job_id = value;
-    } else if (flag == "--max-bytes") {
-      if (!size(&o->max_bytes)) return false;
-    } else if (flag == "--min-group") {
-      if (!size(&o->min_group)) return false;
-    } else if (flag == "--max-group") {
-      if (!size(&o->max_group)) return false;
-    } else {
-      *error = "unknown flag '" + flag + "'";
-      return false;
-    }
-  }
-  if (o->runtime_dir.empty() && o->floor_socket.empty()) {
-    *error = "--runtime-dir is required";
-    return false;
-  }
-  if (o->min_group == 0 || o->min_group > o->max_group || o->max_group > (uint64_t{1} << 34)) {
-    *error = "need 0 < --min-group <= --max-group <= 16GiB";
-    return false;
-  }
-  return true;
-}
-
-// ---- worker ---------------------------------------------------------------
-
-struct Held {
-  uint64_t group_id;
-  uint64_t bytes;
-};
-
-// Bytes of group g are source[offset(g) .. offset(g) + bytes): every group has
-// distinct contents without generating data on the hot path.
-constexpr uint64_t kShiftSpan = 65536;
-uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
-
-int RunWorker(const LoadOptions& o) {
-  if (!o.floor_socket.empty()) return RunGrpcFloorWorker(o.floor_socket, o.seconds);
-  client::AttachOptions attach;
-  attach.runtime_dir = o.runtime_dir;
-  attach.job_id = o.job_id;
-  attach.rank = o.index;
-  attach.local_rank = o.index;
-  attach.max_bytes = o.max_bytes;
-  auto attached = client::Client::Attach(attach);
-  if (!attached.ok()) {
-    std::fprintf(stderr, "load-worker %d: attach failed: %s\n", o.index,
-                 attached.status().ToString().c_str());
-    return 1;
-  }
-  client::Client& c = **attached;
-
-  std::mt19937_64 rng(o.seed * 1000003 + static_cast<uint64_t>(o.index));
-  std::vector<uint8_t> source(o.max_group + kShiftSpan);
-  for (size_t i = 0; i < source.size(); i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(source.data() + i, &v, std::min<size_t>(8, source.size() - i));
-  }
-  std::vector<uint8_t> readback(o.max_group);
-  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(o.min_group)),
-                                                  std::log(static_cast<double>(o.max_group)));
-
-  std::printf("READY\n");
-  std::fflush(stdout);
-  char go = 0;
-  if (read(STDIN_FILENO, &go, 1) != 1) return 1;  // the parent gave up
-
-  MethodStats stats[kMethods];
-  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, write_errors = 0;
-  std::vector<std::string> messages;
-  auto note = [&](const char* what, const Status& st) {
-    if (messages.size() < 5) messages.push_back(std::string(what) + ": " + st.ToString());
-  };
-  auto count_error = [&](MethodIndex m, const Status& st) {
-    if (st.code() == StatusCode::kResourceExhausted) {
-      ++stats[m].rejected;
-    } else {
-      ++stats[m].errors;
-      note(kMethodNames[m], st);
-    }
-  };
-  std::deque<Held> held;
-
-  // Prefetch, read and verify, Release the oldest held group.
-  auto read_back = [&](bool timed) {
-    const Held h = held.front();
-    held.pop_front();
-    auto t0 = Clock::now();
-    Result<client::Placement> p = c.Prefetch(h.group_id);
-    auto t1 = Clock::now();
-    if (timed) stats[kPrefetch].Record(t1 - t0);
-    client::CopyStats copy;
-    if (!p.ok()) {
-      count_error(kPrefetch, p.status());
-    } else {
-      ++stats[kPrefetch].ops;
-      const auto r0 = Clock::now();
-      Status st = p->used_bytes == h.bytes
-                      ? c.Read(p->extents, 0, readback.data(), h.bytes)
-                      : InvalidArgument("prefetch says " + std::to_string(p->used_bytes) +
-                                        " bytes, committed " + std::to_string(h.bytes));
-      copy = {h.bytes, std::chrono::duration<double>(Clock::now() - r0).count()};
-      if (!st.ok() ||
-          std::memcmp(readback.data(), source.data() + SourceOffset(h.group_id), h.bytes) != 0) {
-        ++verify_failures;
-        note("verify", st.ok() ? Internal("group " + std::to_string(h.group_id) +
-                                          " read back different bytes")
-                               : st);
-      }
-    }
-    t0 = Clock::now();
-    Status st = c.Release(h.group_id, copy);
-    t1 = Clock::now();
-    if (timed) stats[kRelease].Record(t1 - t0);
-    // Ops and latency only count within the timed window; a failed Release
-    // is an error wherever it happens (the final drain included).
-    if (!st.ok()) {
-      count_error(kRelease, st);
-    } else if (timed) {
-      ++stats[kRelease].ops;
-    }
-  };
-
-  const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
-  uint64_t next_group = 1;
-  while (Clock::now() < deadline) {
-    const uint64_t g = next_group++;
-    const uint64_t bytes = std::min(o.max_group, static_cast<uint64_t>(std::exp(log_size(rng))));
-    auto t0 = Clock::now();
-    Result<client::Reservation> r = c.Reserve(g, bytes);
-    stats[kReserve].Record(Clock::now() - t0);
-    if (!r.ok()) {
-      count_error(kReserve, r.status());
-      // Make room (the session limit was reached) and go on.
-      if (!held.empty()) read_back(true);
-      continue;
-    }
-    ++stats[kReserve].ops;
-    const auto w0 = Clock::now();
-    Status st = c.Write(r->extents, 0, source.data() + SourceOffset(g), bytes);
-    const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
-    if (!st.ok()) {
-      ++write_errors;  // the client's copy into the arena, not an RPC
-      note("write", st);
-    }
-    t0 = Clock::now();
-    Result<client::CommitInfo> ci = c.Commit(g, bytes, copy);
-    stats[kCommit].Record(Clock::now() - t0);
-    if (!ci.ok() || !st.ok()) {
-      if (!ci.ok()) count_error(kCommit, ci.status());
-      if (ci.ok()) ++stats[kCommit].ops;
-      if (Status released = c.Release(g); !released.ok()) count_error(kRelease, released);
-      continue;
-    }
-    ++stats[kCommit].ops;
-    offloaded_bytes += bytes;
-    held.push_back({g, bytes});
-    if (static_cast<int>(held.size()) >= o.window) read_back(true);
-    ++cycles;
-  }
-  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  while (!held.empty()) read_back(false);
-
-  for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);
-  std::printf("S %lu %lu %lu %.6f %lu\n", static_cast<unsigned long>(offloaded_bytes),
-              static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(cycles),
-              elapsed, static_cast<unsigned long>(write_errors));
-  for (const std::string& m : messages) std::printf("E %s\n", m.c_str());
-  std::printf("END\n");
-  std::fflush(stdout);
-  return 0;
-}
-
-// ---- parent ---------------------------------------------------------------
 
 struct Worker {
   pid_t pid = -1;
@@ -477,11 +219,90 @@ bool RunFloor(const LoadOptions& o, MethodStats* floor) {
   return ok;
 }
 
+void Merge(MethodStats* into, const MethodStats& s) {
+  into->ops += s.ops;
+  into->errors += s.errors;
+  into->rejected += s.rejected;
+  for (int b = 0; b < kBuckets; ++b) into->histogram[b] += s.histogram[b];
+}
+
+void Merge(PhaseTotals* into, const PhaseTotals& t) {
+  for (int m = 0; m < kMethods; ++m) Merge(&into->total[m], t.total[m]);
+  into->offloaded_bytes += t.offloaded_bytes;
+  into->verify_failures += t.verify_failures;
+  into->cycles += t.cycles;
+  into->lost_workers += t.lost_workers;
+  into->write_errors += t.write_errors;
+  into->elapsed_max += t.elapsed_max;  // the phases run one after another
+  for (const std::string& m : t.messages) {
+    if (into->messages.size() < 10) into->messages.push_back(m);
+  }
+}
+
+// One (daemon, floor) pair's ratios per method.
+struct PairRatios {
+  double p50[kMethods] = {};
+  double p99[kMethods] = {};
+};
+
+struct Spread {
+  double median = 0, min = 0, max = 0;
+};
+
+Spread SpreadOf(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return {v[v.size() / 2], v.front(), v.back()};
+}
+
+// Each pair's ratios, then per method the median over the pairs and its
+// spread (the figure the load targets are read from).
+void PrintPairRatios(const LoadOptions& o, const std::vector<PairRatios>& pairs) {
+  for (int m = 0; m < kMethods; ++m) {
+    std::vector<double> p50, p99;
+    for (const PairRatios& r : pairs) {
+      p50.push_back(r.p50[m]);
+      p99.push_back(r.p99[m]);
+    }
+    const Spread a = SpreadOf(p50), b = SpreadOf(p99);
+    if (o.json) {
+      std::printf(
+          "{\"bench\":\"load\",\"method\":\"%s\",\"clients\":%d,\"pairs\":%zu,"
+          "\"p50_vs_floor\":%.2f,\"p50_vs_floor_min\":%.2f,\"p50_vs_floor_max\":%.2f,"
+          "\"p99_vs_floor\":%.2f,\"p99_vs_floor_min\":%.2f,\"p99_vs_floor_max\":%.2f}\n",
+          kMethodNames[m], o.clients, pairs.size(), a.median, a.min, a.max, b.median, b.min, b.max);
+    } else {
+      std::printf("%-9s p50 %.2fx floor (%.2f..%.2f), p99 %.2fx floor (%.2f..%.2f), %zu pairs\n",
+                  kMethodNames[m], a.median, a.min, a.max, b.median, b.min, b.max, pairs.size());
+    }
+  }
+}
+
 int RunParent(const LoadOptions& o) {
+  // With --baseline, `pairs` rounds of the daemon's load then the floor, so
+  // that whatever else the machine does hits both alike; the tables merge
+  // every round, the ratios are per pair.
   PhaseTotals t;
-  if (!RunPhase(o, &t)) return 1;
   MethodStats floor;
-  const bool have_floor = o.baseline && RunFloor(o, &floor);
+  std::vector<PairRatios> pairs;
+  bool have_floor = o.baseline;
+  for (int p = 0; p < (o.baseline ? o.pairs : 1); ++p) {
+    PhaseTotals one;
+    if (!RunPhase(o, &one)) return 1;
+    Merge(&t, one);
+    if (!o.baseline) break;
+    MethodStats f;
+    if (!RunFloor(o, &f)) {
+      have_floor = false;
+      break;
+    }
+    Merge(&floor, f);
+    PairRatios r;
+    for (int m = 0; m < kMethods; ++m) {
+      r.p50[m] = one.total[m].PercentileUs(0.5) / f.PercentileUs(0.5);
+      r.p99[m] = one.total[m].PercentileUs(0.99) / f.PercentileUs(0.99);
+    }
+    pairs.push_back(r);
+  }
   if (o.baseline && !have_floor) {
     std::fprintf(stderr, "memoffload-bench load: the gRPC floor measurement failed\n");
   }
@@ -524,30 +345,22 @@ int RunParent(const LoadOptions& o) {
   }
   if (have_floor) {
     const double f50 = floor.PercentileUs(0.5), f99 = floor.PercentileUs(0.99);
+    const double floor_seconds = o.seconds * o.pairs;
     if (o.json) {
       std::printf(
           "{\"bench\":\"load\",\"method\":\"grpc_floor\",\"clients\":%d,\"ops\":%lu,"
           "\"ops_per_second\":%.1f,\"p50_us\":%.1f,\"p90_us\":%.1f,\"p99_us\":%.1f,"
           "\"errors\":%lu}\n",
           o.clients, static_cast<unsigned long>(floor.ops),
-          static_cast<double>(floor.ops) / o.seconds, f50, floor.PercentileUs(0.9), f99,
+          static_cast<double>(floor.ops) / floor_seconds, f50, floor.PercentileUs(0.9), f99,
           static_cast<unsigned long>(floor.errors));
-      for (int m = 0; m < kMethods; ++m) {
-        std::printf(
-            "{\"bench\":\"load\",\"method\":\"%s\",\"p50_vs_floor\":%.2f,"
-            "\"p99_vs_floor\":%.2f}\n",
-            kMethodNames[m], total[m].PercentileUs(0.5) / f50, total[m].PercentileUs(0.99) / f99);
-      }
     } else {
       std::printf("%-9s %10lu %10.0f %9.1f %9.1f %9.1f %7lu   (trivial unary gRPC, same clients)\n",
                   "floor", static_cast<unsigned long>(floor.ops),
-                  static_cast<double>(floor.ops) / o.seconds, f50, floor.PercentileUs(0.9), f99,
+                  static_cast<double>(floor.ops) / floor_seconds, f50, floor.PercentileUs(0.9), f99,
                   static_cast<unsigned long>(floor.errors));
-      for (int m = 0; m < kMethods; ++m) {
-        std::printf("%-9s p50 %.2fx floor, p99 %.2fx floor\n", kMethodNames[m],
-                    total[m].PercentileUs(0.5) / f50, total[m].PercentileUs(0.99) / f99);
-      }
     }
+    PrintPairRatios(o, pairs);
   }
   const double bytes_per_second = static_cast<double>(offloaded_bytes) / seconds;
   if (o.json) {
@@ -596,13 +409,6 @@ int RunLoadBench(int argc, char** argv) {
   if (!ParseFlags(argc, argv, &o, &error)) return Usage(error.c_str());
   signal(SIGPIPE, SIG_IGN);
   return RunParent(o);
-}
-
-int RunLoadWorker(int argc, char** argv) {
-  LoadOptions o;
-  std::string error;
-  if (!ParseFlags(argc, argv, &o, &error)) return Usage(error.c_str());
-  return RunWorker(o);
 }
 
 }  // namespace memoffload::bench

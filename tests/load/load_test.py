@@ -1,10 +1,10 @@
 #!/usr/bin/python3
 """64-client load against the real memoffloadd, next to the plain gRPC floor.
 
-  load_test.py --bin-dir DIR [--clients N] [--seconds S]
+  load_test.py --bin-dir DIR [--clients N] [--seconds S] [--pairs N]
 
 Starts a daemon in a temporary runtime dir, runs
-`memoffload-bench load --clients 64 --seconds 5 --baseline --json` and checks:
+`memoffload-bench load --clients 64 --seconds 5 --baseline --pairs 3 --json` and checks:
 exit 0; no error, write error, verify failure or failed worker; every method
 and the floor report ops and latency percentiles; the floor saw no error.
 Then checks the daemon exits cleanly with 0 and logged no WARN or ERROR line
@@ -67,8 +67,9 @@ class LoadTest(unittest.TestCase):
         seconds = ARGS.seconds
         argv = [str(self.bin / "memoffload-bench"), "load", "--runtime-dir",
                 str(self.runtime_dir), "--clients", str(ARGS.clients), "--seconds", str(seconds),
-                "--max-group", "256KiB", "--baseline", "--json"]
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=4 * seconds + 240)
+                "--max-group", "256KiB", "--baseline", "--pairs", str(ARGS.pairs), "--json"]
+        r = subprocess.run(argv, capture_output=True, text=True,
+                           timeout=4 * seconds * ARGS.pairs + 240)
         output = f"{' '.join(argv)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
         self.assertEqual(r.returncode, 0, output)
         lines = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
@@ -92,6 +93,12 @@ class LoadTest(unittest.TestCase):
             self.assertLessEqual(m["p50_us"], m["p99_us"], f"{method}: {m}")
         ratios = {l["method"]: l for l in lines if "p50_vs_floor" in l}
         self.assertEqual(set(ratios), set(METHODS), output)
+        for method, r in ratios.items():  # medians over the pairs, with their spread
+            self.assertEqual(r["pairs"], ARGS.pairs, r)
+            for q in ("p50", "p99"):
+                lo, mid, hi = (r[f"{q}_vs_floor_min"], r[f"{q}_vs_floor"],
+                               r[f"{q}_vs_floor_max"])
+                self.assertTrue(0 < lo <= mid <= hi, f"{method} {q}: {r}")
         print(json.dumps({"summary": summary,
                           "p50_us": {k: by_method[k]["p50_us"] for k in by_method},
                           "p99_us": {k: by_method[k]["p99_us"] for k in by_method}}))
@@ -114,6 +121,7 @@ def main():
     parser.add_argument("--bin-dir", required=True)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=3)
     ARGS, rest = parser.parse_known_args()
     unittest.main(argv=[sys.argv[0]] + rest, verbosity=2)
 

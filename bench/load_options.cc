@@ -1,0 +1,103 @@
+#include "load_options.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::bench {
+
+int Usage(const char* message) {
+  std::fprintf(stderr,
+               "memoffload-bench load: %s\n"
+               "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
+               "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
+               "         [--job-id ID] [--seed N] [--baseline [--pairs N]]\n",
+               message);
+  return 2;
+}
+
+bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    if (flag == "--baseline") {
+      o->baseline = true;
+      continue;
+    }
+    if (flag == "--json") {
+      o->json = true;
+      continue;
+    }
+    if (i + 1 >= argc) {
+      *error = "flag " + flag + " needs a value";
+      return false;
+    }
+    const std::string value = argv[++i];
+    auto size = [&](uint64_t* out) {
+      Result<uint64_t> v = ParseSize(value);
+      if (!v.ok()) *error = flag + ": " + v.status().message();
+      if (v.ok()) *out = *v;
+      return v.ok();
+    };
+    char* end = nullptr;
+    if (flag == "--runtime-dir") {
+      o->runtime_dir = value;
+    } else if (flag == "--clients") {
+      o->clients = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (*end != '\0' || o->clients < 1 || o->clients > 1024) {
+        *error = "--clients '" + value + "' is not an integer in 1..1024";
+        return false;
+      }
+    } else if (flag == "--seconds") {
+      o->seconds = std::strtod(value.c_str(), &end);
+      if (*end != '\0' || !(o->seconds > 0) || o->seconds > 86400) {
+        *error = "--seconds '" + value + "' is not a number in (0, 86400]";
+        return false;
+      }
+    } else if (flag == "--pairs") {
+      o->pairs = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (*end != '\0' || o->pairs < 1 || o->pairs > 100) {
+        *error = "--pairs '" + value + "' is not an integer in 1..100";
+        return false;
+      }
+    } else if (flag == "--window") {
+      o->window = static_cast<int>(std::strtol(value.c_str(), &end, 10));
+      if (*end != '\0' || o->window < 1 || o->window > 4096) {
+        *error = "--window '" + value + "' is not an integer in 1..4096";
+        return false;
+      }
+    } else if (flag == "--seed" || flag == "--index") {
+      const uint64_t v = std::strtoull(value.c_str(), &end, 10);
+      if (*end != '\0' || value.empty()) {
+        *error = flag + " '" + value + "' is not a non-negative integer";
+        return false;
+      }
+      if (flag == "--seed") o->seed = v;
+      if (flag == "--index") o->index = static_cast<int>(v);
+    } else if (flag == "--floor-socket") {
+      o->floor_socket = value;
+    } else if (flag == "--job-id") {
+      o->job_id = value;
+    } else if (flag == "--max-bytes") {
+      if (!size(&o->max_bytes)) return false;
+    } else if (flag == "--min-group") {
+      if (!size(&o->min_group)) return false;
+    } else if (flag == "--max-group") {
+      if (!size(&o->max_group)) return false;
+    } else {
+      *error = "unknown flag '" + flag + "'";
+      return false;
+    }
+  }
+  if (o->runtime_dir.empty() && o->floor_socket.empty()) {
+    *error = "--runtime-dir is required";
+    return false;
+  }
+  if (o->min_group == 0 || o->min_group > o->max_group || o->max_group > (uint64_t{1} << 34)) {
+    *error = "need 0 < --min-group <= --max-group <= 16GiB";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace memoffload::bench

@@ -1,0 +1,41 @@
+// memoffload-bench load: the options shared by the parent (load_bench.cc)
+// and its client processes (load_worker.cc).
+#ifndef MEMOFFLOAD_BENCH_LOAD_OPTIONS_H_
+#define MEMOFFLOAD_BENCH_LOAD_OPTIONS_H_
+
+#include <cstdint>
+#include <string>
+
+namespace memoffload::bench {
+
+inline constexpr int kMethods = 4;
+inline constexpr const char* kMethodNames[kMethods] = {"Reserve", "Commit", "Prefetch", "Release"};
+enum MethodIndex { kReserve, kCommit, kPrefetch, kRelease };
+
+struct LoadOptions {
+  std::string runtime_dir;
+  int clients = 4;
+  double seconds = 5;
+  bool json = false;
+  uint64_t max_bytes = 0;
+  uint64_t min_group = 4096;
+  uint64_t max_group = 4 << 20;
+  int window = 4;
+  std::string job_id = "memoffload-bench-load";
+  uint64_t seed = 1;
+  bool baseline = false;
+  std::string floor_socket;  // worker side: call the floor service here
+  int index = 0;             // worker only
+  int pairs = 1;             // parent: (daemon, floor) pairs with --baseline
+};
+
+// Prints the usage with `message`; returns 2.
+int Usage(const char* message);
+
+// Parses flags shared by `load` and `load-worker`; false with *error set on
+// a bad flag.
+bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error);
+
+}  // namespace memoffload::bench
+
+#endif  // MEMOFFLOAD_BENCH_LOAD_OPTIONS_H_

@@ -1,0 +1,190 @@
+// memoffload-bench load-worker: one client process of `memoffload-bench load`
+// (load_bench.cc explains the traffic).
+#include <fcntl.h>
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "benches.h"
+#include "grpc_floor.h"
+#include "latency_stats.h"
+#include "load_options.h"
+#include "memoffload/client/client.h"
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::bench {
+namespace {
+
+struct Held {
+  uint64_t group_id;
+  uint64_t bytes;
+};
+
+// Bytes of group g are source[offset(g) .. offset(g) + bytes): every group has
+// distinct contents without generating data on the hot path.
+constexpr uint64_t kShiftSpan = 65536;
+uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
+
+int RunWorker(const LoadOptions& o) {
+  if (!o.floor_socket.empty()) return RunGrpcFloorWorker(o.floor_socket, o.seconds);
+  client::AttachOptions attach;
+  attach.runtime_dir = o.runtime_dir;
+  attach.job_id = o.job_id;
+  attach.rank = o.index;
+  attach.local_rank = o.index;
+  attach.max_bytes = o.max_bytes;
+  auto attached = client::Client::Attach(attach);
+  if (!attached.ok()) {
+    std::fprintf(stderr, "load-worker %d: attach failed: %s\n", o.index,
+                 attached.status().ToString().c_str());
+    return 1;
+  }
+  client::Client& c = **attached;
+
+  std::mt19937_64 rng(o.seed * 1000003 + static_cast<uint64_t>(o.index));
+  std::vector<uint8_t> source(o.max_group + kShiftSpan);
+  for (size_t i = 0; i < source.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(source.data() + i, &v, std::min<size_t>(8, source.size() - i));
+  }
+  std::vector<uint8_t> readback(o.max_group);
+  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(o.min_group)),
+                                                  std::log(static_cast<double>(o.max_group)));
+
+  std::printf("READY\n");
+  std::fflush(stdout);
+  char go = 0;
+  if (read(STDIN_FILENO, &go, 1) != 1) return 1;  // the parent gave up
+
+  MethodStats stats[kMethods];
+  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, write_errors = 0;
+  std::vector<std::string> messages;
+  auto note = [&](const char* what, const Status& st) {
+    if (messages.size() < 5) messages.push_back(std::string(what) + ": " + st.ToString());
+  };
+  auto count_error = [&](MethodIndex m, const Status& st) {
+    if (st.code() == StatusCode::kResourceExhausted) {
+      ++stats[m].rejected;
+    } else {
+      ++stats[m].errors;
+      note(kMethodNames[m], st);
+    }
+  };
+  std::deque<Held> held;
+
+  // Prefetch, read and verify, Release the oldest held group.
+  auto read_back = [&](bool timed) {
+    const Held h = held.front();
+    held.pop_front();
+    auto t0 = Clock::now();
+    Result<client::Placement> p = c.Prefetch(h.group_id);
+    auto t1 = Clock::now();
+    if (timed) stats[kPrefetch].Record(t1 - t0);
+    client::CopyStats copy;
+    if (!p.ok()) {
+      count_error(kPrefetch, p.status());
+    } else {
+      ++stats[kPrefetch].ops;
+      const auto r0 = Clock::now();
+      Status st = p->used_bytes == h.bytes
+                      ? c.Read(p->extents, 0, readback.data(), h.bytes)
+                      : InvalidArgument("prefetch says " + std::to_string(p->used_bytes) +
+                                        " bytes, committed " + std::to_string(h.bytes));
+      copy = {h.bytes, std::chrono::duration<double>(Clock::now() - r0).count()};
+      if (!st.ok() ||
+          std::memcmp(readback.data(), source.data() + SourceOffset(h.group_id), h.bytes) != 0) {
+        ++verify_failures;
+        note("verify", st.ok() ? Internal("group " + std::to_string(h.group_id) +
+                                          " read back different bytes")
+                               : st);
+      }
+    }
+    t0 = Clock::now();
+    Status st = c.Release(h.group_id, copy);
+    t1 = Clock::now();
+    if (timed) stats[kRelease].Record(t1 - t0);
+    // Ops and latency only count within the timed window; a failed Release
+    // is an error wherever it happens (the final drain included).
+    if (!st.ok()) {
+      count_error(kRelease, st);
+    } else if (timed) {
+      ++stats[kRelease].ops;
+    }
+  };
+
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
+  uint64_t next_group = 1;
+  while (Clock::now() < deadline) {
+    const uint64_t g = next_group++;
+    const uint64_t bytes = std::min(o.max_group, static_cast<uint64_t>(std::exp(log_size(rng))));
+    auto t0 = Clock::now();
+    Result<client::Reservation> r = c.Reserve(g, bytes);
+    stats[kReserve].Record(Clock::now() - t0);
+    if (!r.ok()) {
+      count_error(kReserve, r.status());
+      // Make room (the session limit was reached) and go on.
+      if (!held.empty()) read_back(true);
+      continue;
+    }
+    ++stats[kReserve].ops;
+    const auto w0 = Clock::now();
+    Status st = c.Write(r->extents, 0, source.data() + SourceOffset(g), bytes);
+    const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
+    if (!st.ok()) {
+      ++write_errors;  // the client's copy into the arena, not an RPC
+      note("write", st);
+    }
+    t0 = Clock::now();
+    Result<client::CommitInfo> ci = c.Commit(g, bytes, copy);
+    stats[kCommit].Record(Clock::now() - t0);
+    if (!ci.ok() || !st.ok()) {
+      if (!ci.ok()) count_error(kCommit, ci.status());
+      if (ci.ok()) ++stats[kCommit].ops;
+      if (Status released = c.Release(g); !released.ok()) count_error(kRelease, released);
+      continue;
+    }
+    ++stats[kCommit].ops;
+    offloaded_bytes += bytes;
+    held.push_back({g, bytes});
+    if (static_cast<int>(held.size()) >= o.window) read_back(true);
+    ++cycles;
+  }
+  const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  while (!held.empty()) read_back(false);
+
+  for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);
+  std::printf("S %lu %lu %lu %.6f %lu\n", static_cast<unsigned long>(offloaded_bytes),
+              static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(cycles),
+              elapsed, static_cast<unsigned long>(write_errors));
+  for (const std::string& m : messages) std::printf("E %s\n", m.c_str());
+  std::printf("END\n");
+  std::fflush(stdout);
+  return 0;
+}
+
+// ---- parent ---------------------------------------------------------------
+
+}  // namespace
+
+int RunLoadWorker(int argc, char** argv) {
+  LoadOptions o;
+  std::string error;
+  if (!ParseFlags(argc, argv, &o, &error)) return Usage(error.c_str());
+  return RunWorker(o);
+}
+
+}  // namespace memoffload::bench
