@@ -19,6 +19,31 @@ struct DeviceStreams {
   CuStream h2d = nullptr;
 };
 
+// Makes a device's context current on this thread for the scope, then
+// restores the one that was (none, on a fresh autograd thread). The
+// trainer's threads call MarkReady and WaitOnStream: torch's own calls on
+// them rely on their current context, and a thread without one would make
+// a legacy-stream call fail or land on another GPU.
+class ScopedContext {
+ public:
+  ScopedContext(const CudaDriver* cu, CuContext context) : cu_(cu) {
+    saved_ = cu_->cuCtxGetCurrent(&previous_) == kCudaSuccess;
+    status_ = cu_->Check(cu_->cuCtxSetCurrent(context), "cuCtxSetCurrent");
+  }
+  ~ScopedContext() {
+    if (saved_) cu_->cuCtxSetCurrent(previous_);
+  }
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+  const Status& status() const { return status_; }
+
+ private:
+  const CudaDriver* cu_;
+  CuContext previous_ = nullptr;
+  bool saved_ = false;
+  Status status_;
+};
+
 class CudaCopyEngine final : public CopyEngine {
  public:
   explicit CudaCopyEngine(const CudaDriver* driver) : cu_(driver) {}
@@ -30,6 +55,8 @@ class CudaCopyEngine final : public CopyEngine {
     if (device.is_cpu()) return ReadyToken{0};
     Result<DeviceStreams*> streams = Streams(device);
     if (!streams.ok()) return streams.status();
+    ScopedContext current(cu_, (*streams)->context);
+    MEMOFFLOAD_RETURN_IF_ERROR(current.status());
     CuEvent event = nullptr;
     MEMOFFLOAD_RETURN_IF_ERROR(
         cu_->Check(cu_->cuEventCreate(&event, kCuEventDisableTiming), "cuEventCreate"));
@@ -39,11 +66,14 @@ class CudaCopyEngine final : public CopyEngine {
       cu_->cuEventDestroy(event);
       return st;
     }
-    return reinterpret_cast<ReadyToken>(event);
+    return Remember(event, (*streams)->context);
   }
 
   void DropToken(ReadyToken token) override {
-    if (token != 0) cu_->cuEventDestroy(reinterpret_cast<CuEvent>(token));
+    if (token == 0) return;
+    CuContext context = Forget(token);
+    ScopedContext current(cu_, context);
+    cu_->cuEventDestroy(reinterpret_cast<CuEvent>(token));
   }
 
   Status CopyOut(c10::Device device, const void* src, uint8_t* dst, size_t n,
@@ -58,8 +88,9 @@ class CudaCopyEngine final : public CopyEngine {
       return streams.status();
     }
     CuStream s = (*streams)->d2h;
-    Status st = Status::Ok();
-    if (ready != 0) {
+    ScopedContext current(cu_, (*streams)->context);
+    Status st = current.status();
+    if (st.ok() && ready != 0) {
       st = cu_->Check(cu_->cuStreamWaitEvent(s, reinterpret_cast<CuEvent>(ready), 0),
                       "cuStreamWaitEvent");
     }
@@ -80,6 +111,8 @@ class CudaCopyEngine final : public CopyEngine {
     Result<DeviceStreams*> streams = Streams(device);
     if (!streams.ok()) return streams.status();
     CuStream s = (*streams)->h2d;
+    ScopedContext current(cu_, (*streams)->context);
+    MEMOFFLOAD_RETURN_IF_ERROR(current.status());
     // `dst` was just allocated by the caching allocator on the legacy default
     // stream, where kernels still queued may use the block's previous life:
     // the copy waits for them.
@@ -102,6 +135,8 @@ class CudaCopyEngine final : public CopyEngine {
     if (device.is_cpu()) return ReadyToken{0};
     Result<DeviceStreams*> streams = Streams(device);
     if (!streams.ok()) return streams.status();
+    ScopedContext current(cu_, (*streams)->context);
+    MEMOFFLOAD_RETURN_IF_ERROR(current.status());
     CuEvent done = nullptr;
     MEMOFFLOAD_RETURN_IF_ERROR(
         cu_->Check(cu_->cuEventCreate(&done, kCuEventDisableTiming), "cuEventCreate"));
@@ -113,11 +148,17 @@ class CudaCopyEngine final : public CopyEngine {
       if (!sync.ok()) return sync;
       return ReadyToken{0};
     }
-    return reinterpret_cast<ReadyToken>(done);
+    return Remember(done, (*streams)->context);
   }
 
+  // `stream` belongs to the token's device (stream 0: that device's legacy
+  // stream), whatever the calling thread's current context.
   Status WaitOnStream(ReadyToken token, uintptr_t stream) override {
     if (token == 0) return Status::Ok();
+    CuContext context = ContextOf(token);
+    if (context == nullptr) return Internal("WaitOnStream: a token this engine did not make");
+    ScopedContext current(cu_, context);
+    MEMOFFLOAD_RETURN_IF_ERROR(current.status());
     return cu_->Check(cu_->cuStreamWaitEvent(reinterpret_cast<CuStream>(stream),
                                              reinterpret_cast<CuEvent>(token), 0),
                       "cuStreamWaitEvent");
@@ -125,7 +166,10 @@ class CudaCopyEngine final : public CopyEngine {
 
   void SyncAndDropToken(ReadyToken token) override {
     if (token == 0) return;
-    cu_->cuEventSynchronize(reinterpret_cast<CuEvent>(token));
+    {
+      ScopedContext current(cu_, ContextOf(token));
+      cu_->cuEventSynchronize(reinterpret_cast<CuEvent>(token));
+    }
     DropToken(token);
   }
 
@@ -135,7 +179,7 @@ class CudaCopyEngine final : public CopyEngine {
     // removes the entry before the unmap, so a new mapping that lands on the
     // same address is registered again.
     if (!registered_.emplace(base, Registration{owner, false}).second) return;
-    SetAnyContextLocked();
+    ScopedContext current(cu_, AnyContextLocked());
     const CuResult r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
     if (r == kCudaSuccess) {
       registered_[base].by_us = true;
@@ -156,7 +200,7 @@ class CudaCopyEngine final : public CopyEngine {
         continue;
       }
       if (it->second.by_us) {
-        SetAnyContextLocked();
+        ScopedContext current(cu_, AnyContextLocked());
         cu_->cuMemHostUnregister(it->first);
       }
       it = registered_.erase(it);
@@ -164,8 +208,7 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
  private:
-  // Makes the device's primary context current on the calling thread and
-  // returns its streams, created on first use.
+  // The device's primary context and streams, created on first use.
   Result<DeviceStreams*> Streams(c10::Device device) {
     std::lock_guard<std::mutex> lock(mu_);
     const int index = device.has_index() ? device.index() : 0;
@@ -176,22 +219,48 @@ class CudaCopyEngine final : public CopyEngine {
       MEMOFFLOAD_RETURN_IF_ERROR(cu_->Check(cu_->cuDeviceGet(&dev, index), "cuDeviceGet"));
       MEMOFFLOAD_RETURN_IF_ERROR(
           cu_->Check(cu_->cuDevicePrimaryCtxRetain(&s.context, dev), "cuDevicePrimaryCtxRetain"));
-      MEMOFFLOAD_RETURN_IF_ERROR(cu_->Check(cu_->cuCtxSetCurrent(s.context), "cuCtxSetCurrent"));
+      ScopedContext current(cu_, s.context);
+      MEMOFFLOAD_RETURN_IF_ERROR(current.status());
       MEMOFFLOAD_RETURN_IF_ERROR(
           cu_->Check(cu_->cuStreamCreate(&s.d2h, kCuStreamNonBlocking), "cuStreamCreate"));
       MEMOFFLOAD_RETURN_IF_ERROR(
           cu_->Check(cu_->cuStreamCreate(&s.h2d, kCuStreamNonBlocking), "cuStreamCreate"));
       it = streams_.emplace(index, s).first;
     }
-    MEMOFFLOAD_RETURN_IF_ERROR(
-        cu_->Check(cu_->cuCtxSetCurrent(it->second.context), "cuCtxSetCurrent"));
     return &it->second;
   }
 
+  // The token's context, kept until it is dropped.
+  ReadyToken Remember(CuEvent event, CuContext context) {
+    std::lock_guard<std::mutex> lock(mu_);
+    token_contexts_[event] = context;
+    return reinterpret_cast<ReadyToken>(event);
+  }
+  CuContext ContextOf(ReadyToken token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = token_contexts_.find(reinterpret_cast<CuEvent>(token));
+    return it == token_contexts_.end() ? nullptr : it->second;
+  }
+  CuContext Forget(ReadyToken token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = token_contexts_.find(reinterpret_cast<CuEvent>(token));
+    if (it == token_contexts_.end()) return nullptr;
+    CuContext context = it->second;
+    token_contexts_.erase(it);
+    return context;
+  }
+
   // Registration calls need a current context; any device's primary context
-  // will do (the registration is portable).
-  void SetAnyContextLocked() {
-    if (!streams_.empty()) cu_->cuCtxSetCurrent(streams_.begin()->second.context);
+  // will do (the registration is portable): a device in use, else device 0's.
+  CuContext AnyContextLocked() {
+    if (!streams_.empty()) return streams_.begin()->second.context;
+    if (any_context_ == nullptr) {
+      CuDevice dev = 0;
+      if (cu_->cuDeviceGet(&dev, 0) == kCudaSuccess) {
+        cu_->cuDevicePrimaryCtxRetain(&any_context_, dev);
+      }
+    }
+    return any_context_;
   }
 
   struct Registration {
@@ -203,6 +272,8 @@ class CudaCopyEngine final : public CopyEngine {
   std::mutex mu_;
   std::map<int, DeviceStreams> streams_;         // GUARDED_BY(mu_); never erased
   std::map<uint8_t*, Registration> registered_;  // GUARDED_BY(mu_)
+  std::map<CuEvent, CuContext> token_contexts_;  // GUARDED_BY(mu_); live tokens
+  CuContext any_context_ = nullptr;              // GUARDED_BY(mu_)
   bool warned_register_ = false;                 // GUARDED_BY(mu_)
 };
 

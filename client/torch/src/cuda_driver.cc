@@ -33,6 +33,7 @@ Result<const CudaDriver*> LoadOnce() {
       Resolve(lib, "cuDeviceGet", &driver.cuDeviceGet, &missing) &&
       Resolve(lib, "cuDevicePrimaryCtxRetain", &driver.cuDevicePrimaryCtxRetain, &missing) &&
       Resolve(lib, "cuCtxSetCurrent", &driver.cuCtxSetCurrent, &missing) &&
+      Resolve(lib, "cuCtxGetCurrent", &driver.cuCtxGetCurrent, &missing) &&
       Resolve(lib, "cuStreamCreate", &driver.cuStreamCreate, &missing) &&
       Resolve(lib, "cuStreamSynchronize", &driver.cuStreamSynchronize, &missing) &&
       Resolve(lib, "cuStreamWaitEvent", &driver.cuStreamWaitEvent, &missing) &&

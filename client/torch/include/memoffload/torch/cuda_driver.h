@@ -40,6 +40,7 @@ struct CudaDriver {
   CuResult (*cuDeviceGet)(CuDevice*, int) = nullptr;
   CuResult (*cuDevicePrimaryCtxRetain)(CuContext*, CuDevice) = nullptr;
   CuResult (*cuCtxSetCurrent)(CuContext) = nullptr;
+  CuResult (*cuCtxGetCurrent)(CuContext*) = nullptr;
   CuResult (*cuStreamCreate)(CuStream*, unsigned) = nullptr;
   CuResult (*cuStreamSynchronize)(CuStream) = nullptr;
   CuResult (*cuStreamWaitEvent)(CuStream, CuEvent, unsigned) = nullptr;

@@ -1,0 +1,351 @@
+// The real CUDA copy engine (client/torch/src/cuda_copy_engine.cc) against
+// the simulated driver (tests/cuda_sim): streams that really run late, events
+// that complete when their stream reaches them. Each ordering test makes the
+// wrong order observable: work queued right after the engine's call would
+// run first (or the copy would read changed bytes) if the engine skipped the
+// event, wait or synchronisation it owes.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <thread>
+#include <vector>
+
+#include "cuda_sim.h"
+#include "memoffload/torch/copy_engine.h"
+
+// The driver calls the tests make themselves (the simulated driver's).
+extern "C" {
+int cuDeviceGet(int* device, int ordinal);
+int cuDevicePrimaryCtxRetain(void** context, int device);
+int cuCtxSetCurrent(void* context);
+int cuCtxGetCurrent(void** context);
+}
+
+namespace memoffload::torch {
+namespace {
+
+constexpr size_t kBytes = 1 << 20;
+const c10::Device kGpu0(c10::DeviceType::CUDA, 0);
+
+bool AllAre(const uint8_t* p, size_t n, uint8_t value) {
+  for (size_t i = 0; i < n; ++i) {
+    if (p[i] != value) return false;
+  }
+  return true;
+}
+
+// A "kernel": after sleep_ms, fills n bytes at p.
+struct Fill {
+  uint8_t* p;
+  size_t n;
+  uint8_t value;
+  int sleep_ms;
+};
+void RunFill(void* arg) {
+  auto* f = static_cast<Fill*>(arg);
+  std::this_thread::sleep_for(std::chrono::milliseconds(f->sleep_ms));
+  std::memset(f->p, f->value, f->n);
+}
+
+// A "kernel" that reads device memory into `seen`.
+struct Read {
+  const uint8_t* p;
+  std::vector<uint8_t>* seen;
+};
+void RunRead(void* arg) {
+  auto* r = static_cast<Read*>(arg);
+  r->seen->assign(r->p, r->p + kBytes);
+}
+
+class CudaEngine : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    Result<std::unique_ptr<CopyEngine>> made = MakeCudaCopyEngine();
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    engine_ = std::move(made).value().release();
+  }
+  void SetUp() override {
+    ASSERT_NE(engine_, nullptr);
+    sim_set_max_delay_us(2000);
+    sim_set_copy_delay_us(0);
+    sim_reset_counters();
+  }
+  void TearDown() override {
+    // Before the buffers go: a broken engine may still have copies queued.
+    sim_synchronize_all();
+    const SimStats s = sim_stats();
+    EXPECT_EQ(s.live_events, 0u) << "the engine leaked events (tokens never dropped)";
+    EXPECT_EQ(s.misuse, 0u) << "the engine made a call CUDA would reject: " << sim_last_misuse();
+  }
+  // kBytes of device `device`'s memory (in the simulation) or of host memory,
+  // filled with `fill`, alive until after TearDown.
+  uint8_t* Device(int device, uint8_t fill) {
+    uint8_t* p = Host(fill);
+    sim_add_device_memory(device, p, kBytes);
+    return p;
+  }
+  uint8_t* Host(uint8_t fill, size_t n = kBytes) {
+    buffers_.emplace_back(n, fill);
+    return buffers_.back().data();
+  }
+  // Queues a "kernel" on the legacy stream of `device`; its argument must be
+  // one of the members below, which outlive the test's queued work.
+  void Launch(int device, void (*fn)(void*), void* arg) { sim_launch(device, nullptr, fn, arg); }
+  static CopyEngine* engine_;
+  std::deque<std::vector<uint8_t>> buffers_;
+  std::deque<Fill> fills_;
+  std::deque<Read> reads_;
+};
+CopyEngine* CudaEngine::engine_ = nullptr;
+
+TEST_F(CudaEngine, IsTheSimulatedDriver) {
+  EXPECT_STREQ(engine_->name(), "cuda");
+  uint8_t* src = Device(0, 7);
+  uint8_t* host = Host(0);
+  ASSERT_TRUE(engine_->CopyOut(kGpu0, src, host, kBytes, 0).ok());
+  EXPECT_EQ(sim_stats().dtoh_copies, 1u);
+}
+
+// The trainer's last kernel writes the tensor late; MarkReady's event is what
+// keeps the D2H from reading it before.
+TEST_F(CudaEngine, CopyOutReadsTheSourceOnlyAfterMarkReadysPoint) {
+  uint8_t* src = Device(0, 0);
+  Launch(0, RunFill, &fills_.emplace_back(Fill{src, kBytes, 0xAB, 30}));
+  Result<ReadyToken> ready = engine_->MarkReady(kGpu0, 0);
+  ASSERT_TRUE(ready.ok()) << ready.status().ToString();
+  uint8_t* host = Host(0x11);
+  ASSERT_TRUE(engine_->CopyOut(kGpu0, src, host, kBytes, *ready).ok());
+  EXPECT_TRUE(AllAre(host, kBytes, 0xAB)) << "the D2H read the source before it was final";
+}
+
+// CopyOut's caller checksums the arena bytes and may release the source as
+// soon as it returns: the bytes must be there by then.
+TEST_F(CudaEngine, CopyOutReturnsOnlyOnceTheBytesAreInTheArena) {
+  sim_set_copy_delay_us(20000);
+  uint8_t* src = Device(0, 0x3C);
+  uint8_t* host = Host(0);
+  ASSERT_TRUE(engine_->CopyOut(kGpu0, src, host, kBytes, 0).ok());
+  EXPECT_TRUE(AllAre(host, kBytes, 0x3C)) << "CopyOut returned before its copy finished";
+}
+
+// The block CopyIn writes was just allocated; kernels of its previous life
+// may still be queued on the default stream. The H2D must come after them.
+TEST_F(CudaEngine, CopyInComesAfterWorkQueuedOnTheDefaultStream) {
+  uint8_t* dst = Device(0, 0);
+  Launch(0, RunFill, &fills_.emplace_back(Fill{dst, kBytes, 0xEE, 30}));  // its previous life
+  uint8_t* arena = Host(0x5C);
+  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok()) << done.status().ToString();
+  engine_->SyncAndDropToken(*done);
+  sim_synchronize_all();
+  EXPECT_TRUE(AllAre(dst, kBytes, 0x5C))
+      << "the restored bytes were overwritten by work queued before the copy";
+}
+
+// The consumer (backward) stream must not read the restored tensor before
+// the H2D is done: WaitOnStream orders it without blocking the thread.
+TEST_F(CudaEngine, TheConsumerStreamWaitsForTheCopyBack) {
+  sim_set_copy_delay_us(200000);
+  uint8_t* dst = Device(0, 0);
+  uint8_t* arena = Host(0x5C);
+  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok());
+  ASSERT_TRUE(engine_->WaitOnStream(*done, 0).ok());
+  EXPECT_TRUE(AllAre(dst, kBytes, 0)) << "WaitOnStream blocked the thread until the copy was done";
+  std::vector<uint8_t>& seen = buffers_.emplace_back();
+  Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
+  sim_synchronize_all();
+  EXPECT_TRUE(AllAre(seen.data(), kBytes, 0x5C)) << "the consumer read before the copy back";
+  engine_->SyncAndDropToken(*done);
+}
+
+// The arena range is handed back (and may be rewritten) right after
+// SyncAndDropToken: the copy must have read it by then.
+TEST_F(CudaEngine, SyncAndDropTokenReturnsOnlyAfterTheCopyBack) {
+  sim_set_copy_delay_us(20000);
+  uint8_t* dst = Device(0, 0);
+  uint8_t* arena = Host(0x5C);
+  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok());
+  engine_->SyncAndDropToken(*done);
+  std::memset(arena, 0, kBytes);  // the range's next use
+  sim_synchronize_all();
+  EXPECT_TRUE(AllAre(dst, kBytes, 0x5C)) << "the copy back read a range already reused";
+}
+
+// Issue 18 #4. Autograd runs unpack hooks on its own thread, which on torch
+// 2.x with CUDA 12 may have no current context yet, or the context of
+// another GPU than the tensor's: the wait must land on the legacy stream of
+// the tensor's device, and the thread's current context must be left as it
+// was (torch's own calls on that thread depend on it).
+TEST_F(CudaEngine, WaitOnStreamFromAThreadWithoutAContextGatesTheTensorsDevice) {
+  sim_set_copy_delay_us(200000);
+  uint8_t* dst = Device(0, 0);
+  uint8_t* arena = Host(0x5C);
+  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok());
+  Status waited = Internal("not run");
+  void* context_after = &waited;
+  std::thread autograd([&] {
+    waited = engine_->WaitOnStream(*done, 0);
+    cuCtxGetCurrent(&context_after);
+  });
+  autograd.join();
+  EXPECT_TRUE(waited.ok()) << waited.ToString();
+  EXPECT_EQ(context_after, nullptr) << "WaitOnStream left a context current on the thread";
+  std::vector<uint8_t>& seen = buffers_.emplace_back();
+  Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
+  sim_synchronize_all();
+  EXPECT_TRUE(AllAre(seen.data(), kBytes, 0x5C)) << "the consumer read before the copy back";
+  engine_->SyncAndDropToken(*done);
+}
+
+TEST_F(CudaEngine, WaitOnStreamGatesTheTensorsDeviceNotTheThreadsCurrentOne) {
+  sim_set_copy_delay_us(200000);
+  uint8_t* dst = Device(0, 0);
+  uint8_t* arena = Host(0x5C);
+  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok());
+  void* gpu1 = nullptr;
+  void* context_after = nullptr;
+  Status waited = Internal("not run");
+  std::thread autograd([&] {
+    int device = 0;
+    if (cuDeviceGet(&device, 1) != 0 || cuDevicePrimaryCtxRetain(&gpu1, device) != 0 ||
+        cuCtxSetCurrent(gpu1) != 0) {
+      return;
+    }
+    waited = engine_->WaitOnStream(*done, 0);
+    cuCtxGetCurrent(&context_after);
+  });
+  autograd.join();
+  ASSERT_NE(gpu1, nullptr);
+  EXPECT_TRUE(waited.ok()) << waited.ToString();
+  EXPECT_EQ(context_after, gpu1) << "WaitOnStream changed the thread's current context";
+  std::vector<uint8_t>& seen = buffers_.emplace_back();
+  Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
+  sim_synchronize_all();
+  EXPECT_TRUE(AllAre(seen.data(), kBytes, 0x5C))
+      << "the wait gated GPU 1's stream, not the tensor's (GPU 0)";
+  engine_->SyncAndDropToken(*done);
+}
+
+// MarkReady runs on the training thread too.
+TEST_F(CudaEngine, MarkReadyLeavesTheThreadsContextAsItWas) {
+  void* context_after = &context_after;
+  std::thread trainer([&] {
+    Result<ReadyToken> ready = engine_->MarkReady(c10::Device(c10::DeviceType::CUDA, 1), 0);
+    if (ready.ok()) engine_->DropToken(*ready);
+    cuCtxGetCurrent(&context_after);
+  });
+  trainer.join();
+  EXPECT_EQ(context_after, nullptr);
+}
+
+TEST_F(CudaEngine, RegistrationsAreOncePerMappingAndDroppedWithTheirOwner) {
+  uint8_t* a = Host(0, 3 * kBytes);
+  uint8_t* b = Host(0);
+  const int session1 = 0, session2 = 0;
+  engine_->PrepareHostRange(&session1, a, kBytes);
+  engine_->PrepareHostRange(&session1, a + kBytes, kBytes);
+  engine_->PrepareHostRange(&session1, a, kBytes);  // already: no second call
+  engine_->PrepareHostRange(&session2, b, kBytes);
+  EXPECT_EQ(sim_stats().registered_ranges, 3u);
+  EXPECT_EQ(sim_stats().register_calls, 3u);
+  engine_->ForgetHostRanges(&session1);  // its session reconnects
+  EXPECT_EQ(sim_stats().registered_ranges, 1u);
+  // A new mapping that lands on the same address is registered afresh.
+  const int session3 = 0;
+  engine_->PrepareHostRange(&session3, a, kBytes);
+  EXPECT_EQ(sim_stats().registered_ranges, 2u);
+  engine_->ForgetHostRanges(&session3);
+  engine_->ForgetHostRanges(&session2);
+  EXPECT_EQ(sim_stats().registered_ranges, 0u) << "registrations leaked";
+  EXPECT_EQ(sim_stats().unknown_unregisters, 0u);
+}
+
+// A registration CUDA refuses makes copies slower (pageable), never wrong,
+// and is not unregistered later.
+TEST_F(CudaEngine, AFailedRegistrationOnlyMakesCopiesSlower) {
+  uint8_t* arena = Host(0);
+  const int session = 0;
+  sim_fail_call("cuMemHostRegister", 1, 2);  // CUDA_ERROR_OUT_OF_MEMORY
+  engine_->PrepareHostRange(&session, arena, kBytes);
+  EXPECT_EQ(sim_stats().registered_ranges, 0u);
+  uint8_t* src = Device(0, 0x42);
+  ASSERT_TRUE(engine_->CopyOut(kGpu0, src, arena, kBytes, 0).ok());
+  EXPECT_TRUE(AllAre(arena, kBytes, 0x42));
+  EXPECT_EQ(sim_stats().copies_with_pageable_host, 1u);
+  engine_->ForgetHostRanges(&session);
+  EXPECT_EQ(sim_stats().unknown_unregisters, 0u);
+}
+
+// A copy the driver refuses is an error for the caller (which keeps the group
+// on the device and counts it), never bytes that look fine; the token is
+// dropped either way.
+TEST_F(CudaEngine, AFailedCopyIsAnErrorAndLeaksNoEvent) {
+  uint8_t* src = Device(0, 0x42);
+  uint8_t* host = Host(0);
+  Result<ReadyToken> ready = engine_->MarkReady(kGpu0, 0);
+  ASSERT_TRUE(ready.ok());
+  sim_fail_call("cuMemcpyDtoHAsync", 1, 999);
+  Status out = engine_->CopyOut(kGpu0, src, host, kBytes, *ready);
+  EXPECT_FALSE(out.ok());
+  EXPECT_NE(out.message().find("CUDA_ERROR_UNKNOWN"), std::string::npos) << out.ToString();
+  sim_fail_call("cuMemcpyHtoDAsync", 1, 999);
+  uint8_t* dst = Device(0, 0);
+  EXPECT_FALSE(engine_->CopyIn(kGpu0, host, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok());
+  engine_->SyncAndDropToken(*done);
+  sim_fail_call("cuEventRecord", 1, 999);
+  EXPECT_FALSE(engine_->MarkReady(kGpu0, 0).ok());
+}
+
+// cuda_engine_probe (the engine's loader alone, in a fresh process: the
+// driver is loaded once per process) with the simulated libcuda.so.1 found
+// by LD_LIBRARY_PATH, as a real one would be, and `env` set: "exit N: " and
+// the line it printed.
+std::string RunProbe(const std::string& env) {
+  const std::string command = "env LD_LIBRARY_PATH=" MEMOFFLOAD_CUDA_SIM_DIR " " + env +
+                              " " MEMOFFLOAD_BIN_DIR "/cuda_engine_probe 2>&1";
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) return "popen failed";
+  std::string text;
+  char buf[512];
+  while (std::fgets(buf, sizeof buf, p) != nullptr) text += buf;
+  const int status = pclose(p);
+  return "exit " + std::to_string(WIFEXITED(status) ? WEXITSTATUS(status) : -1) + ": " + text;
+}
+
+TEST(CudaEngineLoad, TheSimulatorIsFoundLikeARealDriver) {
+  const std::string ok = RunProbe("");
+  EXPECT_NE(ok.find("exit 0: cuda engine"), std::string::npos) << ok;
+}
+
+// Then the torch layer falls back to the host engine (CUDA storages stay on
+// the device); the message says why.
+TEST(CudaEngineLoad, NoDeviceOrAFailingInitIsUnavailableNamingTheCause) {
+  const std::string init = RunProbe("CUDA_SIM_INIT_RESULT=100");
+  EXPECT_NE(init.find("exit 3: UNAVAILABLE"), std::string::npos) << init;
+  EXPECT_NE(init.find("cuInit failed: CUDA_ERROR_NO_DEVICE (100)"), std::string::npos) << init;
+  const std::string none = RunProbe("CUDA_SIM_DEVICES=0");
+  EXPECT_NE(none.find("exit 3: UNAVAILABLE"), std::string::npos) << none;
+  EXPECT_NE(none.find("reports no device"), std::string::npos) << none;
+  const std::string missing = RunProbe("LD_LIBRARY_PATH=/nonexistent");
+  EXPECT_NE(missing.find("exit 3: UNAVAILABLE"), std::string::npos) << missing;
+  EXPECT_NE(missing.find("libcuda.so.1"), std::string::npos) << missing;
+}
+
+}  // namespace
+}  // namespace memoffload::torch
