@@ -12,7 +12,8 @@
 #      (allocator and session table, including the threaded waiting-reserve
 #      tests), torch_worker_tests (the torch layer's task worker) and
 #      client_threads_tests (one Client used from several threads against a
-#      TSan-built memoffloadd). TSAN=0 skips it.
+#      TSan-built memoffloadd) and cuda_engine_tests (the CUDA copy engine
+#      against the simulated driver; needs .venv for c10). TSAN=0 skips it.
 #
 # Exits non-zero on any failure; every step runs even after one failed.
 # Environment: FUZZ_SECONDS, TSAN, JOBS (default 2), CC/CXX (default clang-14).
@@ -95,7 +96,7 @@ done
 echo "   fuzzing done at $(elapsed)"
 
 if [[ $TSAN == 1 ]]; then
-  echo "== sanitize: ThreadSanitizer (build-tsan): daemon_tests, torch_worker_tests, client_threads_tests"
+  echo "== sanitize: ThreadSanitizer (build-tsan): daemon_tests, torch_worker_tests, client_threads_tests, cuda_engine_tests"
   tsan_started=$SECONDS
   # client_threads_tests runs one Client from several threads against a
   # TSan-built memoffloadd; DaemonProcess fails the test on any sanitizer
@@ -104,12 +105,28 @@ if [[ $TSAN == 1 ]]; then
   # inside them (without it, abseil's GraphCycles and gRPC's epoll poller
   # give false reports); tests/sanitizers/tsan.supp is empty today.
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1:suppressions=$ROOT/tests/sanitizers/tsan.supp"
-  if cmake -S . -B build-tsan "${GENERATOR[@]}" "${common_cmake[@]}" \
+  # The CUDA copy engine against the simulated driver needs c10 (the device
+  # type) from the project's torch: with .venv (scripts/venv.sh; test.sh makes
+  # it first) the build-tsan tree configures the torch layer and builds only
+  # the engine's tests.
+  tsan_torch=(-DMEMOFFLOAD_BUILD_TORCH=OFF)
+  tsan_targets=(daemon_tests torch_worker_tests client_threads_tests memoffloadd)
+  if [[ -x $ROOT/.venv/bin/python ]]; then
+    tsan_torch=(-DMEMOFFLOAD_BUILD_TORCH=ON -DMEMOFFLOAD_PYTHON="$ROOT/.venv/bin/python")
+    tsan_targets+=(cuda_engine_tests cuda_engine_probe)
+  else
+    fail "no .venv: cuda_engine_tests cannot run under ThreadSanitizer (run scripts/venv.sh)"
+  fi
+  if cmake -S . -B build-tsan "${GENERATOR[@]}" "${common_cmake[@]}" "${tsan_torch[@]}" \
     -DCMAKE_C_FLAGS="-fsanitize=thread" -DCMAKE_CXX_FLAGS="-fsanitize=thread" \
-    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" >/dev/null &&
-    nice cmake --build build-tsan -j "$JOBS" \
-      --target daemon_tests torch_worker_tests client_threads_tests memoffloadd; then
+    -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" -DCMAKE_SHARED_LINKER_FLAGS="-fsanitize=thread" \
+    >/dev/null &&
+    nice cmake --build build-tsan -j "$JOBS" --target "${tsan_targets[@]}"; then
     echo "   built in $((SECONDS - tsan_started))s"
+    if [[ -x build-tsan/bin/cuda_engine_tests ]]; then
+      build-tsan/bin/cuda_engine_tests --gtest_brief=1 ||
+        fail "cuda_engine_tests under ThreadSanitizer"
+    fi
     build-tsan/bin/daemon_tests --gtest_brief=1 || fail "daemon_tests under ThreadSanitizer"
     build-tsan/bin/torch_worker_tests --gtest_brief=1 ||
       fail "torch_worker_tests under ThreadSanitizer"

@@ -40,10 +40,13 @@ struct Event {
   uint64_t completed = 0;  // the highest record that completed
 };
 
+// One item of a stream's work: a wait (wait_for set), an event record
+// (record set; done under the lock) or anything else (run, without it).
 struct Work {
-  std::function<void()> run;        // null for a wait
-  const Event* wait_for = nullptr;  // a stream wait: until wait_for->completed >= target
+  std::function<void()> run;
+  const Event* wait_for = nullptr;  // until wait_for->completed >= target
   uint64_t target = 0;
+  Event* record = nullptr;  // record->completed = max(it, target)
 };
 
 struct Stream {
@@ -106,14 +109,15 @@ void RunStream(Stream* st) {
     Work w = std::move(st->queue.front());
     st->queue.pop_front();
     st->busy = true;
-    if (w.run == nullptr) {
+    if (w.wait_for != nullptr) {
       s.changed.wait(lock, [&] { return w.wait_for->completed >= w.target; });
     } else {
       const uint32_t delay = s.max_delay_us == 0 ? 0 : st->rng() % (s.max_delay_us + 1);
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      w.run();
+      if (w.run != nullptr) w.run();
       lock.lock();
+      if (w.record != nullptr) w.record->completed = std::max(w.record->completed, w.target);
     }
     st->busy = false;
     --s.stats.pending_work;
@@ -200,7 +204,7 @@ CUresult Copy(void* dst, const void* src, size_t n, void* stream, bool to_host, 
              std::this_thread::sleep_for(std::chrono::microseconds(delay));
              std::memcpy(dst, src, n);
            },
-           nullptr, 0});
+           nullptr, 0, nullptr});
   return kSuccess;
 }
 
@@ -329,7 +333,7 @@ CUresult cuStreamWaitEvent(void* stream, void* event, unsigned) {
   if (e == nullptr) return r;
   ++s.stats.stream_waits;
   // As CUDA: the wait is for the event's most recent record as of now.
-  if (e->records > 0) Enqueue(s, st, {nullptr, e, e->records});
+  if (e->records > 0) Enqueue(s, st, {nullptr, e, e->records, nullptr});
   return kSuccess;
 }
 
@@ -357,7 +361,7 @@ CUresult cuEventRecord(void* event, void* stream) {
   Stream* st = Resolve(s, stream, "cuEventRecord", &r);
   if (st == nullptr) return r;
   const uint64_t record = ++e->records;
-  Enqueue(s, st, {[e, record] { e->completed = std::max(e->completed, record); }, nullptr, 0});
+  Enqueue(s, st, {nullptr, nullptr, record, e});
   return kSuccess;
 }
 
@@ -463,7 +467,7 @@ void sim_launch(int device, void* stream, void (*fn)(void*), void* arg) {
   Sim& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   Stream* st = stream != nullptr ? static_cast<Stream*>(stream) : s.default_streams.at(device);
-  Enqueue(s, st, {[fn, arg] { fn(arg); }, nullptr, 0});
+  Enqueue(s, st, {[fn, arg] { fn(arg); }, nullptr, 0, nullptr});
 }
 
 void sim_synchronize_all() {
