@@ -74,6 +74,7 @@ struct Sim {
   std::map<uintptr_t, std::pair<int, size_t>> device_memory;  // base -> (device, bytes)
   std::map<uintptr_t, size_t> registered;                     // host base -> bytes
   std::map<std::string, std::pair<int, int>> failures;        // call -> (countdown, result)
+  std::set<std::string> blocked;                              // calls held at entry
   SimStats stats{};
   std::string last_misuse;
 };
@@ -378,6 +379,7 @@ CUresult cuEventSynchronize(void* event) {
   Sim& s = S();
   std::unique_lock<std::mutex> lock(s.mu);
   CUresult r = kSuccess;
+  if (Injected(s, "cuEventSynchronize", &r)) return r;
   Event* e = LiveEvent(s, event, "cuEventSynchronize", &r);
   if (e == nullptr) return r;
   const uint64_t target = e->records;
@@ -409,7 +411,9 @@ CUresult cuMemcpyHtoDAsync_v2(unsigned long long dst, const void* src, size_t n,
 
 CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned) {
   Sim& s = S();
-  std::lock_guard<std::mutex> lock(s.mu);
+  std::unique_lock<std::mutex> lock(s.mu);
+  // Pinning a large range takes long on a real driver: a test holds it here.
+  s.changed.wait(lock, [&] { return s.blocked.count("cuMemHostRegister") == 0; });
   CUresult r = kSuccess;
   if (Injected(s, "cuMemHostRegister", &r)) return r;
   if (current_context == nullptr) {
@@ -428,6 +432,8 @@ CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned) {
 CUresult cuMemHostUnregister(void* p) {
   Sim& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
+  CUresult r = kSuccess;
+  if (Injected(s, "cuMemHostUnregister", &r)) return r;  // and the range stays registered
   if (current_context == nullptr) {
     return Misuse(s, kInvalidContext, "cuMemHostUnregister without a current context");
   }
@@ -480,6 +486,17 @@ void sim_fail_call(const char* call, int nth, int result) {
   Sim& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   s.failures[call] = {nth, result};
+}
+
+void sim_block_call(const char* call, int blocked) {
+  Sim& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (blocked != 0) {
+    s.blocked.insert(call);
+  } else {
+    s.blocked.erase(call);
+  }
+  s.changed.notify_all();
 }
 
 void sim_set_max_delay_us(uint32_t us) {

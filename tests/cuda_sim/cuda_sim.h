@@ -62,6 +62,10 @@ void sim_synchronize_all();
 // `result` without doing anything.
 void sim_fail_call(const char* call, int nth, int result);
 
+// While `blocked` is non-zero, calls of `call` (today "cuMemHostRegister")
+// wait at entry: a slow driver call, held as long as the test wants.
+void sim_block_call(const char* call, int blocked);
+
 // Upper bound of the random delay before each item of stream work.
 void sim_set_max_delay_us(uint32_t us);
 

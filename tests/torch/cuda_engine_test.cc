@@ -12,11 +12,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <future>
 #include <thread>
 #include <vector>
 
 #include "cuda_sim.h"
 #include "memoffload/torch/copy_engine.h"
+#include "memoffload/torch/log.h"
 
 // The driver calls the tests make themselves (the simulated driver's).
 extern "C" {
@@ -68,6 +70,7 @@ class CudaEngine : public ::testing::Test {
     Result<std::unique_ptr<CopyEngine>> made = MakeCudaCopyEngine();
     ASSERT_TRUE(made.ok()) << made.status().ToString();
     engine_ = std::move(made).value().release();
+    EnableLogQueue(1000);  // the tests read what the engine logs
   }
   void SetUp() override {
     ASSERT_NE(engine_, nullptr);
@@ -272,6 +275,70 @@ TEST_F(CudaEngine, RegistrationsAreOncePerMappingAndDroppedWithTheirOwner) {
   engine_->ForgetHostRanges(&session2);
   EXPECT_EQ(sim_stats().registered_ranges, 0u) << "registrations leaked";
   EXPECT_EQ(sim_stats().unknown_unregisters, 0u);
+}
+
+// Issue 18 #10: pinning a 1 GiB chunk takes long; the pack hook's MarkReady
+// on the training thread must not wait for it.
+TEST_F(CudaEngine, ARegistrationInProgressDoesNotHoldUpMarkReady) {
+  uint8_t* arena = Host(0);
+  const int session = 0;
+  Result<ReadyToken> warm = engine_->MarkReady(kGpu0, 0);  // streams exist
+  ASSERT_TRUE(warm.ok());
+  engine_->DropToken(*warm);
+  sim_block_call("cuMemHostRegister", 1);
+  std::thread worker([&] { engine_->PrepareHostRange(&session, arena, kBytes); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // it is inside the call
+  auto marked = std::async(std::launch::async, [&] { return engine_->MarkReady(kGpu0, 0); });
+  const bool in_time = marked.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  sim_block_call("cuMemHostRegister", 0);
+  worker.join();
+  EXPECT_TRUE(in_time) << "MarkReady waited for a registration";
+  Result<ReadyToken> token = marked.get();
+  ASSERT_TRUE(token.ok());
+  engine_->DropToken(*token);
+  EXPECT_EQ(sim_stats().registered_ranges, 1u);
+  engine_->ForgetHostRanges(&session);
+}
+
+// Issue 18 #9: a registration left at an address (an unregister that failed)
+// would point the driver at the old pages of a new mapping there: the engine
+// replaces it rather than taking "already registered" as fine, and says so
+// when an unregister fails.
+TEST_F(CudaEngine, AStaleRegistrationAtTheSameAddressIsReplaced) {
+  uint8_t* arena = Host(0);
+  const int old_session = 0, new_session = 0;
+  engine_->PrepareHostRange(&old_session, arena, kBytes);
+  sim_fail_call("cuMemHostUnregister", 1, 999);
+  engine_->ForgetHostRanges(&old_session);  // the unmap follows; the driver keeps it
+  EXPECT_EQ(sim_stats().registered_ranges, 1u);
+  bool logged = false;
+  for (const LogRecord& r : DrainLog()) {
+    logged = logged || r.message.find("cuMemHostUnregister") != std::string::npos;
+  }
+  EXPECT_TRUE(logged) << "a failed unregister was not logged";
+  engine_->PrepareHostRange(&new_session, arena, kBytes);  // a new mapping, same address
+  EXPECT_EQ(sim_stats().register_calls, 2u) << "the stale registration was taken as ours";
+  engine_->ForgetHostRanges(&new_session);
+  EXPECT_EQ(sim_stats().registered_ranges, 0u) << "a registration outlived its mapping";
+  DrainLog();
+}
+
+// Issue 18 #9: if waiting for the copy back fails, the range may still be
+// read by the device; that is an error worth a line, never silence.
+TEST_F(CudaEngine, AFailedWaitForTheCopyBackIsLogged) {
+  uint8_t* dst = Device(0, 0);
+  uint8_t* arena = Host(0x5C);
+  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
+  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+  ASSERT_TRUE(done.ok());
+  sim_fail_call("cuEventSynchronize", 1, 700);  // CUDA_ERROR_ILLEGAL_ADDRESS
+  engine_->SyncAndDropToken(*done);
+  bool logged = false;
+  for (const LogRecord& r : DrainLog()) {
+    logged = logged || (r.level == LogLevel::kError &&
+                        r.message.find("CUDA_ERROR_ILLEGAL_ADDRESS") != std::string::npos);
+  }
+  EXPECT_TRUE(logged) << "a failed cuEventSynchronize was ignored";
 }
 
 // A registration CUDA refuses makes copies slower (pageable), never wrong,

@@ -168,22 +168,40 @@ class CudaCopyEngine final : public CopyEngine {
     if (token == 0) return;
     {
       ScopedContext current(cu_, ContextOf(token));
-      cu_->cuEventSynchronize(reinterpret_cast<CuEvent>(token));
+      const Status st = cu_->Check(cu_->cuEventSynchronize(reinterpret_cast<CuEvent>(token)),
+                                   "cuEventSynchronize");
+      if (!st.ok()) {
+        Log(LogLevel::kError, st.code(),
+            "waiting for a copy back to the GPU failed (" + st.message() +
+                "); the device may still read the arena range being released");
+      }
     }
     DropToken(token);
   }
 
+  // Registrations have their own lock, not mu_: pinning a 1 GiB chunk takes
+  // long, and the training thread's MarkReady takes mu_.
   void PrepareHostRange(const void* owner, uint8_t* base, size_t n) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(reg_mu_);
     // Keyed by address while `owner` keeps the range mapped: ForgetHostRanges
     // removes the entry before the unmap, so a new mapping that lands on the
     // same address is registered again.
     if (!registered_.emplace(base, Registration{owner, false}).second) return;
-    ScopedContext current(cu_, AnyContextLocked());
-    const CuResult r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+    ScopedContext current(cu_, AnyContext());
+    CuResult r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+    if (r == kCudaErrorHostMemoryAlreadyRegistered) {
+      // Not by this mapping (it has no entry yet): left by an earlier mapping
+      // at this address whose unregister failed. It would point the driver
+      // at that mapping's pages; replace it.
+      Log(LogLevel::kWarning, StatusCode::kOk,
+          "a CUDA registration of an earlier arena mapping was still in place at a new "
+          "mapping's address; replacing it");
+      r = cu_->cuMemHostUnregister(base);
+      if (r == kCudaSuccess) r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+    }
     if (r == kCudaSuccess) {
       registered_[base].by_us = true;
-    } else if (r != kCudaErrorHostMemoryAlreadyRegistered && !warned_register_) {
+    } else if (!warned_register_) {
       warned_register_ = true;
       const Status st = cu_->Check(r, "cuMemHostRegister");
       Log(LogLevel::kWarning, st.code(),
@@ -193,15 +211,20 @@ class CudaCopyEngine final : public CopyEngine {
   }
 
   void ForgetHostRanges(const void* owner) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(reg_mu_);
     for (auto it = registered_.begin(); it != registered_.end();) {
       if (it->second.owner != owner) {
         ++it;
         continue;
       }
       if (it->second.by_us) {
-        ScopedContext current(cu_, AnyContextLocked());
-        cu_->cuMemHostUnregister(it->first);
+        ScopedContext current(cu_, AnyContext());
+        const Status st = cu_->Check(cu_->cuMemHostUnregister(it->first), "cuMemHostUnregister");
+        if (!st.ok()) {
+          // The next mapping at this address replaces it (PrepareHostRange).
+          Log(LogLevel::kWarning, st.code(),
+              "unregistering an arena chunk from CUDA failed: " + st.message());
+        }
       }
       it = registered_.erase(it);
     }
@@ -252,7 +275,8 @@ class CudaCopyEngine final : public CopyEngine {
 
   // Registration calls need a current context; any device's primary context
   // will do (the registration is portable): a device in use, else device 0's.
-  CuContext AnyContextLocked() {
+  CuContext AnyContext() {
+    std::lock_guard<std::mutex> lock(mu_);
     if (!streams_.empty()) return streams_.begin()->second.context;
     if (any_context_ == nullptr) {
       CuDevice dev = 0;
@@ -271,10 +295,11 @@ class CudaCopyEngine final : public CopyEngine {
   const CudaDriver* cu_;
   std::mutex mu_;
   std::map<int, DeviceStreams> streams_;         // GUARDED_BY(mu_); never erased
-  std::map<uint8_t*, Registration> registered_;  // GUARDED_BY(mu_)
   std::map<CuEvent, CuContext> token_contexts_;  // GUARDED_BY(mu_); live tokens
   CuContext any_context_ = nullptr;              // GUARDED_BY(mu_)
-  bool warned_register_ = false;                 // GUARDED_BY(mu_)
+  std::mutex reg_mu_;                            // taken before mu_, never after
+  std::map<uint8_t*, Registration> registered_;  // GUARDED_BY(reg_mu_)
+  bool warned_register_ = false;                 // GUARDED_BY(reg_mu_)
 };
 
 }  // namespace
