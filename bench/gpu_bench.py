@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""memoffload on a GPU, each figure next to a baseline measured in the same run.
+
+    .venv/bin/python bench/gpu_bench.py [--runtime-dir DIR] [--device N] [--quick]
+
+Prints one JSON object per line:
+
+1. copies: D2H and H2D GB/s of one tensor through the arena (offload_group +
+   flush; prefetch_group + get_group), next to torch copies of the same bytes
+   into and out of a pinned host tensor and a pageable one.
+2. overlap: a matmul loop alone, arena D2H copies alone, and both at once.
+   overlap = (compute + copies - both) / min(compute, copies): 1 when the
+   copies hide entirely behind compute, 0 when they run one after the other.
+3. step: training step time and peak device memory of a small Llama-like
+   decoder (RMSNorm, rotary-free attention through scaled_dot_product_attention,
+   SwiGLU MLP, bf16) without offload, with offload_layers, and with a per-rank
+   pinned pool (torch.autograd.graph.save_on_cpu(pin_memory=True): what
+   torchtune's and TransformerEngine's CPU offload amount to), medians of
+   interleaved steps.
+
+Exit 77 with a message when there is no CUDA device (CTest: skipped, label
+gpu). --cpu-smoke runs the same code on the CPU with tiny sizes and no pinned
+memory, so the script itself is tested where there is no GPU; its numbers
+mean nothing. Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd
+(default build/bin) with an arena large enough for the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def emit(row: dict) -> None:
+    print(json.dumps(row), flush=True)
+
+
+class Device:
+    """The device under test and how to wait for it."""
+
+    def __init__(self, cpu_smoke: bool, index: int):
+        self.cuda = not cpu_smoke
+        self.torch = torch.device("cuda", index) if self.cuda else torch.device("cpu")
+        if self.cuda:
+            torch.cuda.set_device(index)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.torch)
+
+    def stream(self) -> int:
+        return torch.cuda.current_stream(self.torch).cuda_stream if self.cuda else 0
+
+    def host(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned and self.cuda)
+
+    def peak_bytes(self) -> int:
+        return torch.cuda.max_memory_allocated(self.torch) if self.cuda else 0
+
+    def reset_peak(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.torch)
+
+
+def timed(dev: Device, fn) -> float:
+    dev.sync()
+    start = time.perf_counter()
+    fn()
+    dev.sync()
+    return time.perf_counter() - start
+
+
+def bench_copies(dev: Device, off, nbytes: int, rounds: int) -> dict:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev.torch)
+    back = torch.empty_like(src)
+    pinned, pageable = dev.host(nbytes, True), dev.host(nbytes, False)
+    d2h = {"arena": [], "pinned": [], "pageable": []}
+    h2d = {"arena": [], "pinned": [], "pageable": []}
+    for r in range(rounds):
+        key = 9_000_000 + r
+        d2h["arena"].append(timed(dev, lambda: (off.offload_group(key, [src], dev.stream()),
+                                                off.flush())))
+        got = []
+        h2d["arena"].append(timed(dev, lambda: (off.prefetch_group(key),
+                                                got.extend(off.get_group(key, dev.stream())))))
+        if not torch.equal(got[0], src):
+            raise SystemExit("gpu_bench: the bytes that came back differ")
+        off.release_group(key)
+        for name, host in (("pinned", pinned), ("pageable", pageable)):
+            d2h[name].append(timed(dev, lambda: host.copy_(src, non_blocking=True)))
+            h2d[name].append(timed(dev, lambda: back.copy_(host, non_blocking=True)))
+    gbps = {f"{direction}_{name}_gbps": nbytes / statistics.median(v) / 1e9
+            for direction, table in (("d2h", d2h), ("h2d", h2d)) for name, v in table.items()}
+    row = {"bench": "gpu_copies", "bytes": nbytes, "rounds": rounds, **gbps}
+    row["d2h_arena_vs_pinned"] = gbps["d2h_arena_gbps"] / gbps["d2h_pinned_gbps"]
+    row["h2d_arena_vs_pinned"] = gbps["h2d_arena_gbps"] / gbps["h2d_pinned_gbps"]
+    return row
+
+
+def bench_overlap(dev: Device, off, nbytes: int, dim: int, rounds: int) -> dict:
+    a = torch.randn(dim, dim, device=dev.torch)
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev.torch)
+
+    def compute():
+        x = a
+        for _ in range(8):
+            x = x @ a
+            x = x / x.norm()
+
+    def copies(base_key):
+        off.offload_group(base_key, [src], dev.stream())
+
+    def both(base_key):
+        copies(base_key)
+        compute()
+        off.flush()
+
+    samples = {"compute": [], "copies": [], "both": []}
+    for r in range(rounds):
+        samples["compute"].append(timed(dev, compute))
+        samples["copies"].append(timed(dev, lambda: (copies(9_100_000 + r), off.flush())))
+        off.release_group(9_100_000 + r)
+        samples["both"].append(timed(dev, lambda: both(9_200_000 + r)))
+        off.release_group(9_200_000 + r)
+    c, x, b = (statistics.median(samples[k]) for k in ("compute", "copies", "both"))
+    return {"bench": "gpu_overlap", "bytes": nbytes, "compute_s": c, "copies_s": x, "both_s": b,
+            "overlap": (c + x - b) / min(c, x)}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+        hidden = 8 * dim // 3
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, d))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, layers: int, dim: int, heads: int, vocab: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, heads) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return F.cross_entropy(self.head(self.norm(x)).flatten(0, 1), tokens.flatten())
+
+
+def bench_step(dev: Device, runtime_dir: str, shape: dict, steps: int) -> dict:
+    """Two copies of one model: one with offload_layers installed once (as a
+    training script does), the other run plain and under save_on_cpu, timed
+    in interleaved steps after two warm-up rounds. Peak bytes are device
+    memory allocated during the step above what was allocated before it."""
+    import copy
+
+    import memoffload.torch as mot
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dev.cuda else torch.float32
+    model = Llama(shape["layers"], shape["dim"], shape["heads"], shape["vocab"]).to(dev.torch, dtype)
+    off_model = copy.deepcopy(model)
+    tokens = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), device=dev.torch)
+    handle = mot.offload_layers(off_model.layers, runtime_dir=runtime_dir)
+
+    def step(m: nn.Module) -> None:
+        m(tokens).backward()
+        m.zero_grad(set_to_none=True)
+
+    def pinned_pool() -> None:
+        with torch.autograd.graph.save_on_cpu(pin_memory=dev.cuda):
+            step(model)
+
+    def offload() -> None:
+        step(off_model)
+        handle.flush()  # queued Releases belong to this step
+
+    variants = {"none": lambda: step(model), "offload": offload, "pinned_pool": pinned_pool}
+    times = {k: [] for k in variants}
+    peaks = {k: 0 for k in variants}
+    for i in range(steps + 2):
+        for name, fn in variants.items():  # interleaved: noise hits all alike
+            dev.sync()
+            dev.reset_peak()
+            before = torch.cuda.memory_allocated(dev.torch) if dev.cuda else 0
+            t = timed(dev, fn)
+            if i >= 2:
+                times[name].append(t)
+                peaks[name] = max(peaks[name], dev.peak_bytes() - before)
+    stats = handle.stats()
+    handle.remove()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"bench": "gpu_step", **shape, "steps": steps, "dtype": str(dtype),
+            **{f"{k}_step_s": v for k, v in med.items()},
+            **{f"{k}_peak_bytes": v for k, v in peaks.items()},
+            "offload_vs_none": med["offload"] / med["none"],
+            "offload_vs_pinned_pool": med["offload"] / med["pinned_pool"],
+            "offloaded_bytes": stats["offloaded_bytes"], "engine": stats["engine"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runtime-dir")
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="run on the CPU with tiny sizes (tests the script only)")
+    args = parser.parse_args()
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_bench: no CUDA device (torch.cuda.is_available() is False): nothing measured",
+              file=sys.stderr)
+        return 77
+    dev = Device(args.cpu_smoke, args.device)
+    import memoffload.torch as mot
+    from torch_bench import start_daemon
+
+    small = args.cpu_smoke
+    rounds = 2 if small else (3 if args.quick else 7)
+    shape = (dict(layers=2, dim=64, heads=4, vocab=128, batch=2, seq=16) if small else
+             dict(layers=8, dim=2048, heads=16, vocab=32000, batch=4, seq=2048))
+    with tempfile.TemporaryDirectory() as tmp:
+        daemon = None
+        runtime_dir = args.runtime_dir
+        if runtime_dir is None:
+            runtime_dir = tmp
+            daemon = start_daemon(tmp, arena="256MiB" if small else "24GiB",
+                                  chunk="64MiB" if small else "1GiB")
+        try:
+            off = mot.get_offloader(runtime_dir)
+            emit({"bench": "gpu_info", "device": torch.cuda.get_device_name(dev.torch)
+                  if dev.cuda else "cpu (smoke run: numbers mean nothing)",
+                  "torch": torch.__version__, "engine": off.stats()["engine"]})
+            for nbytes in ([1 << 20] if small else [64 << 20, 512 << 20]):
+                emit(bench_copies(dev, off, nbytes, rounds))
+            emit(bench_overlap(dev, off, (1 << 20) if small else (256 << 20),
+                               64 if small else 8192, rounds))
+            emit(bench_step(dev, runtime_dir, shape, 2 if small else (5 if args.quick else 10)))
+        finally:
+            mot.forget_offloader(runtime_dir)
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
