@@ -96,6 +96,24 @@ class CudaEngine : public ::testing::Test {
     buffers_.emplace_back(n, fill);
     return buffers_.back().data();
   }
+  // A copy back of kBytes of 0x5C from a new arena buffer (*arena) into a
+  // new buffer of GPU 0 (*dst), queued; the token FinishCopyIn returned.
+  ReadyToken StartCopyBack(uint8_t** dst, uint8_t** arena_out = nullptr) {
+    *dst = Device(0, 0);
+    uint8_t* arena = Host(0x5C);
+    if (arena_out != nullptr) *arena_out = arena;
+    EXPECT_TRUE(engine_->CopyIn(kGpu0, arena, *dst, kBytes).ok());
+    Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
+    EXPECT_TRUE(done.ok()) << done.status().ToString();
+    return done.ok() ? *done : 0;
+  }
+  // Whether a "kernel" queued now on GPU 0's legacy stream reads 0x5C at dst.
+  bool ConsumerSeesTheCopy(const uint8_t* dst) {
+    std::vector<uint8_t>& seen = buffers_.emplace_back();
+    Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
+    sim_synchronize_all();
+    return AllAre(seen.data(), kBytes, 0x5C);
+  }
   // Queues a "kernel" on the legacy stream of `device`; its argument must be
   // one of the members below, which outlive the test's queued work.
   void Launch(int device, void (*fn)(void*), void* arg) { sim_launch(device, nullptr, fn, arg); }
@@ -155,30 +173,21 @@ TEST_F(CudaEngine, CopyInComesAfterWorkQueuedOnTheDefaultStream) {
 // the H2D is done: WaitOnStream orders it without blocking the thread.
 TEST_F(CudaEngine, TheConsumerStreamWaitsForTheCopyBack) {
   sim_set_copy_delay_us(200000);
-  uint8_t* dst = Device(0, 0);
-  uint8_t* arena = Host(0x5C);
-  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
-  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
-  ASSERT_TRUE(done.ok());
-  ASSERT_TRUE(engine_->WaitOnStream(*done, 0).ok());
+  uint8_t* dst = nullptr;
+  const ReadyToken done = StartCopyBack(&dst);
+  ASSERT_TRUE(engine_->WaitOnStream(done, 0).ok());
   EXPECT_TRUE(AllAre(dst, kBytes, 0)) << "WaitOnStream blocked the thread until the copy was done";
-  std::vector<uint8_t>& seen = buffers_.emplace_back();
-  Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
-  sim_synchronize_all();
-  EXPECT_TRUE(AllAre(seen.data(), kBytes, 0x5C)) << "the consumer read before the copy back";
-  engine_->SyncAndDropToken(*done);
+  EXPECT_TRUE(ConsumerSeesTheCopy(dst)) << "the consumer read before the copy back";
+  engine_->SyncAndDropToken(done);
 }
 
 // The arena range is handed back (and may be rewritten) right after
 // SyncAndDropToken: the copy must have read it by then.
 TEST_F(CudaEngine, SyncAndDropTokenReturnsOnlyAfterTheCopyBack) {
   sim_set_copy_delay_us(20000);
-  uint8_t* dst = Device(0, 0);
-  uint8_t* arena = Host(0x5C);
-  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
-  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
-  ASSERT_TRUE(done.ok());
-  engine_->SyncAndDropToken(*done);
+  uint8_t *dst = nullptr, *arena = nullptr;
+  const ReadyToken done = StartCopyBack(&dst, &arena);
+  engine_->SyncAndDropToken(done);
   std::memset(arena, 0, kBytes);  // the range's next use
   sim_synchronize_all();
   EXPECT_TRUE(AllAre(dst, kBytes, 0x5C)) << "the copy back read a range already reused";
@@ -191,34 +200,25 @@ TEST_F(CudaEngine, SyncAndDropTokenReturnsOnlyAfterTheCopyBack) {
 // was (torch's own calls on that thread depend on it).
 TEST_F(CudaEngine, WaitOnStreamFromAThreadWithoutAContextGatesTheTensorsDevice) {
   sim_set_copy_delay_us(200000);
-  uint8_t* dst = Device(0, 0);
-  uint8_t* arena = Host(0x5C);
-  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
-  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
-  ASSERT_TRUE(done.ok());
+  uint8_t* dst = nullptr;
+  const ReadyToken done = StartCopyBack(&dst);
   Status waited = Internal("not run");
   void* context_after = &waited;
   std::thread autograd([&] {
-    waited = engine_->WaitOnStream(*done, 0);
+    waited = engine_->WaitOnStream(done, 0);
     cuCtxGetCurrent(&context_after);
   });
   autograd.join();
   EXPECT_TRUE(waited.ok()) << waited.ToString();
   EXPECT_EQ(context_after, nullptr) << "WaitOnStream left a context current on the thread";
-  std::vector<uint8_t>& seen = buffers_.emplace_back();
-  Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
-  sim_synchronize_all();
-  EXPECT_TRUE(AllAre(seen.data(), kBytes, 0x5C)) << "the consumer read before the copy back";
-  engine_->SyncAndDropToken(*done);
+  EXPECT_TRUE(ConsumerSeesTheCopy(dst)) << "the consumer read before the copy back";
+  engine_->SyncAndDropToken(done);
 }
 
 TEST_F(CudaEngine, WaitOnStreamGatesTheTensorsDeviceNotTheThreadsCurrentOne) {
   sim_set_copy_delay_us(200000);
-  uint8_t* dst = Device(0, 0);
-  uint8_t* arena = Host(0x5C);
-  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
-  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
-  ASSERT_TRUE(done.ok());
+  uint8_t* dst = nullptr;
+  const ReadyToken done = StartCopyBack(&dst);
   void* gpu1 = nullptr;
   void* context_after = nullptr;
   Status waited = Internal("not run");
@@ -228,19 +228,16 @@ TEST_F(CudaEngine, WaitOnStreamGatesTheTensorsDeviceNotTheThreadsCurrentOne) {
         cuCtxSetCurrent(gpu1) != 0) {
       return;
     }
-    waited = engine_->WaitOnStream(*done, 0);
+    waited = engine_->WaitOnStream(done, 0);
     cuCtxGetCurrent(&context_after);
   });
   autograd.join();
   ASSERT_NE(gpu1, nullptr);
   EXPECT_TRUE(waited.ok()) << waited.ToString();
   EXPECT_EQ(context_after, gpu1) << "WaitOnStream changed the thread's current context";
-  std::vector<uint8_t>& seen = buffers_.emplace_back();
-  Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
-  sim_synchronize_all();
-  EXPECT_TRUE(AllAre(seen.data(), kBytes, 0x5C))
+  EXPECT_TRUE(ConsumerSeesTheCopy(dst))
       << "the wait gated GPU 1's stream, not the tensor's (GPU 0)";
-  engine_->SyncAndDropToken(*done);
+  engine_->SyncAndDropToken(done);
 }
 
 // MarkReady runs on the training thread too.
