@@ -5,7 +5,8 @@
 // A traffic generator against a running memoffloadd. Starts N client
 // processes (fork + exec of this binary with the hidden `load-worker`
 // subcommand, so no gRPC state crosses a fork). Each attaches as rank i of
-// job ID, waits until all have attached, then for S seconds runs cycles of
+// job ID, runs one untimed warm-up cycle (the first chunk mapping is not a
+// request-path cost), waits until all are ready, then for S seconds runs cycles of
 // Reserve / write / Commit, and, WINDOW groups later, Prefetch / read and
 // verify every byte / Release, with group sizes log-uniform in
 // [min-group, max-group]. --max-bytes asks for a lower session limit, so
