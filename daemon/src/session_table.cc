@@ -32,34 +32,6 @@ const char* CloseReasonName(CloseReason reason) {
   return "unknown";
 }
 
-const char* RejectReasonName(RejectReason reason) {
-  switch (reason) {
-    case RejectReason::kNone:
-      return "none";
-    case RejectReason::kTooLarge:
-      return "too_large";
-    case RejectReason::kSessionLimit:
-      return "session_limit";
-    case RejectReason::kJobLimit:
-      return "job_limit";
-    case RejectReason::kArenaFull:
-      return "arena_full";
-    case RejectReason::kWaitTimeout:
-      return "wait_timeout";
-    case RejectReason::kTooManyWaiters:
-      return "too_many_waiters";
-    case RejectReason::kDraining:
-      return "draining";
-    case RejectReason::kCancelled:
-      return "cancelled";
-    case RejectReason::kTooFragmented:
-      return "too_fragmented";
-    case RejectReason::kGroupLimit:
-      return "group_limit";
-  }
-  return "unknown";
-}
-
 namespace {
 std::string JobKey(uid_t uid, const std::string& job_id) {
   return std::to_string(uid) + ":" + job_id;
