@@ -136,7 +136,8 @@ uint64_t SessionTable::JobLimit(const Session& session) const {
   return limit;
 }
 
-Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer) {
+Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer,
+                                        std::shared_ptr<RankSeries> series) {
   Result<std::string> token = NewSessionToken();
   if (!token.ok()) return token.status();
   std::lock_guard<std::mutex> lock(mu_);
@@ -168,6 +169,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.grant.limit_bytes = SessionLimit(s);
   s.peer = peer;
   s.opened_at = Clock::now();
+  s.series = std::move(series);
   Job& job = jobs_[s.job_key];
   ++job.sessions;
   if (hello.job_max_bytes != 0 &&
@@ -202,10 +204,13 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     owner.holders.erase(std::remove(owner.holders.begin(), owner.holders.end(), session_id),
                         owner.holders.end());
   }
+  // Dropped after the lock: the last reference takes the metrics' lock.
+  std::shared_ptr<RankSeries> series = std::move(it->second.series);
   sessions_.erase(it);
   FailSessionWaiters(session_id, &done);
   DispatchWaiters(&done);
   lock.unlock();
+  series.reset();
   Run(&done);
   return reclaimed;
 }
@@ -423,10 +428,12 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   g.extent_crc32c = std::move(extent_crc32c);
   g.state = GroupState::kCommitted;
   g.committed_at = Clock::now();
+  // Copied under the lock: the session may end once it is released.
+  CommitResult result{kept_bytes, returned, (*session)->series};
   if (returned != 0) DispatchWaiters(&done);
   lock.unlock();
   Run(&done);
-  return CommitResult{kept_bytes, returned};
+  return result;
 }
 
 Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::string& token,
@@ -446,7 +453,7 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
     read_bytes_ += g.held_bytes;
     g.state = GroupState::kRead;
   }
-  return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c};
+  return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c, (*session)->series};
 }
 
 Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
@@ -525,15 +532,6 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
     out.push_back(std::move(snap));
   }
   return out;
-}
-
-bool SessionTable::SessionLabels(uint64_t session_id, std::string* job_id, int32_t* rank) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return false;
-  *job_id = it->second.hello.job_id;
-  *rank = it->second.hello.rank;
-  return true;
 }
 
 Status SessionTable::CheckInvariants() const {

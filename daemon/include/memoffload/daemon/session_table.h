@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -35,6 +36,9 @@
 #include "memoffload/shared_mem/status.h"
 
 namespace memoffload::daemon {
+
+// The metric series of a session's (job id, rank) (metrics.h); opaque here.
+struct RankSeries;
 
 struct PeerCredentials {
   pid_t pid = 0;
@@ -80,15 +84,19 @@ struct ReserveResult {
   uint64_t reserved_bytes = 0;
 };
 
+// `series` in these is the session's, as given to Open (may be null); the
+// copy keeps it alive while the caller counts the request's bytes.
 struct CommitResult {
   uint64_t committed_bytes = 0;
   uint64_t returned_bytes = 0;
+  std::shared_ptr<RankSeries> series;
 };
 
 struct PrefetchResult {
   std::vector<Extent> extents;
   uint64_t used_bytes = 0;
   std::vector<uint32_t> extent_crc32c;
+  std::shared_ptr<RankSeries> series;
 };
 
 struct ReleaseResult {
@@ -164,7 +172,10 @@ class SessionTable {
   SessionTable& operator=(const SessionTable&) = delete;
 
   // Creates a session for an attached peer with a fresh random token.
-  Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer);
+  // `series` (Metrics::SeriesFor of the hello's job id and rank; may be null)
+  // is kept with the session and handed back by Commit and Prefetch.
+  Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer,
+                            std::shared_ptr<RankSeries> series = nullptr);
 
   // Chunks whose fds a new session gets at attach: those its tenant owns
   // (every chunk with TenantMode::kNone). Records the session as a holder.
@@ -248,8 +259,6 @@ class SessionTable {
 
   ArenaSnapshot Snapshot() const;
   std::vector<SessionSnapshot> ListSessions() const;
-  // Job id and rank of a session, for metric labels; false if unknown.
-  bool SessionLabels(uint64_t session_id, std::string* job_id, int32_t* rank) const;
 
   // Runs the allocator's invariant check plus the table's own accounting.
   Status CheckInvariants() const;
@@ -282,6 +291,7 @@ class SessionTable {
     Clock::time_point opened_at;
     uint64_t held_bytes = 0;
     std::unordered_map<uint64_t, Group> groups;
+    std::shared_ptr<RankSeries> series;  // may be null
   };
 
   // Finds the session and checks its token. Requires mu_.
