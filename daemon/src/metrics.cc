@@ -233,6 +233,12 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                             "Of those, backings handed out before they were pre-faulted "
                             "(no spare was ready).",
                             static_cast<double>(s.unfaulted_backings)));
+    prometheus::MetricFamily internal =
+        CounterOf("memoffload_internal_errors_total",
+                  "Failures that mean a bug in the daemon (each is logged as an error), by where.",
+                  static_cast<double>(s.free_errors));
+    internal.metric[0].label = {{"where", "session_table_free"}};
+    out.push_back(std::move(internal));
     auto spares = GaugeFamily("memoffload_spare_backings",
                               "Pre-faulted memfds ready for the next change of tenant.");
     AddGauge(&spares, static_cast<double>(s.spare_backings));

@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "memoffload/daemon/log.h"
 #include "memoffload/shared_mem/units.h"
 
 namespace memoffload::daemon {
@@ -246,10 +247,14 @@ void SessionTable::AddStateBytes(GroupState state, int64_t delta) {
 
 void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
   for (const Extent& e : extents) {
-    // Extents in the table came from the allocator; a failure here is a bug
-    // in our bookkeeping, caught by CheckInvariants in tests.
-    Status st = arena_->allocator().Free(e);
-    (void)st;
+    // Extents in the table came from the allocator: a refusal is a bug in
+    // the bookkeeping (the extent stays as the allocator has it).
+    if (Status st = arena_->allocator().Free(e); !st.ok()) {
+      ++free_errors_;
+      MO_LOG_ERROR("internal error: freeing extent (chunk %u, offset %lu, %lu bytes): %s", e.chunk,
+                   static_cast<unsigned long>(e.offset), static_cast<unsigned long>(e.length),
+                   st.ToString().c_str());
+    }
   }
 }
 
@@ -504,6 +509,7 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.shutting_down = shutting_down_;
   for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
   a.replaced_backings = replaced_backings_;
+  a.free_errors = free_errors_;
   if (fresh_backing_ != nullptr) {
     const FreshBackingStats f = fresh_backing_->Stats();
     a.unfaulted_backings = f.taken_unfaulted;

@@ -217,6 +217,24 @@ TEST_F(MetricsTest, PruningRemovesOnlyPairsThatNoSessionOrRequestHolds) {
   EXPECT_EQ(Value("memoffload_offload_bytes_total"), 1 + 2 + 3 + 1 + 4 + 2.0 * kMaxRankSeries);
 }
 
+TEST_F(MetricsTest, AFreeTheAllocatorRefusesIsCountedAsAnInternalError) {
+  const std::string errors = "memoffload_internal_errors_total{where=\"session_table_free\"}";
+  EXPECT_EQ(Value(errors), 0);
+  const SessionGrant s = Open("train", 0);
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 64 * 1024, false).ok());
+  Result<ReserveResult> two = table_->Reserve(s.session_id, s.token, 2, 64 * 1024, true);
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  ASSERT_EQ(two->extents.size(), 1u);
+  // Bookkeeping corruption: group 2's extent freed behind the table's back,
+  // so the table's own Free of it is refused.
+  ASSERT_TRUE(arena_->allocator().Free(two->extents[0]).ok());
+  EXPECT_TRUE(table_->Release(s.session_id, s.token, 2).ok()) << "Release still answers";
+  EXPECT_EQ(Value(errors), 1);
+  EXPECT_EQ(table_->Snapshot().free_errors, 1u);
+  Close(s);  // frees group 1: no error
+  EXPECT_EQ(Value(errors), 1);
+}
+
 TEST_F(MetricsTest, ClientCopyRejectsNonsense) {
   using D = Metrics::CopyDirection;
   metrics_->RecordClientCopy(D::kOffload, 1 << 20, 0.001);

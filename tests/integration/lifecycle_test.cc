@@ -322,6 +322,8 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
   EXPECT_NE(metrics.find("\nmemoffload_rank_prefetch_bytes_total{job_id=\"lifecycle\",rank=\"3\"} "
                          "5000\n"),
             std::string::npos);
+  EXPECT_NE(metrics.find("\nmemoffload_internal_errors_total{where=\"session_table_free\"} 0\n"),
+            std::string::npos);
   EXPECT_NE(metrics.find("memoffload_arena_capacity_bytes 268435456"), std::string::npos)
       << metrics;
   EXPECT_NE(metrics.find("memoffload_arena_bytes{state=\"reserved\"} 1048576"), std::string::npos);

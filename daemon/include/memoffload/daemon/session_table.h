@@ -124,6 +124,9 @@ struct ArenaSnapshot {
   uint32_t spare_backings = 0;      // pre-faulted memfds ready now
   uint32_t stale_backings = 0;      // retired memfds some process still keeps
   uint64_t stale_bytes = 0;         // their size (outside the arena's capacity)
+  // Extents of groups that the allocator refused to free, total: each one
+  // is a bug in the table's bookkeeping (logged as an error).
+  uint64_t free_errors = 0;
 };
 
 // One chunk fd handed to a session: the chunk, the generation of its backing
@@ -351,10 +354,12 @@ class SessionTable {
   // The session limit in force: min(policy, what its hello asked for).
   uint64_t SessionLimit(const Session& session) const;  // requires mu_
   // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
-  uint64_t JobLimit(const Session& session) const;       // requires mu_
-  Job& JobOf(const Session& session);                    // requires mu_
-  void AddStateBytes(GroupState state, int64_t delta);   // requires mu_
-  void FreeExtents(const std::vector<Extent>& extents);  // requires mu_
+  uint64_t JobLimit(const Session& session) const;      // requires mu_
+  Job& JobOf(const Session& session);                   // requires mu_
+  void AddStateBytes(GroupState state, int64_t delta);  // requires mu_
+  // Returns extents the table holds to the allocator; a refusal is a bug,
+  // logged and counted in free_errors_. Requires mu_.
+  void FreeExtents(const std::vector<Extent>& extents);
 
   Arena* const arena_;
   mutable std::mutex mu_;
@@ -388,6 +393,7 @@ class SessionTable {
   uint64_t committed_bytes_ = 0;                    // guarded by mu_
   uint64_t read_bytes_ = 0;                         // guarded by mu_
   uint64_t groups_ = 0;                             // guarded by mu_
+  uint64_t free_errors_ = 0;                        // guarded by mu_
 
   std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
 };
