@@ -10,6 +10,7 @@
 #include <limits>
 #include <regex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "memoffload/shared_mem/units.h"
@@ -215,6 +216,53 @@ TEST_F(MetricsTest, PruningRemovesOnlyPairsThatNoSessionOrRequestHolds) {
   Offload(again, 4);
   EXPECT_EQ(Value(series("gone")), 4);
   EXPECT_EQ(Value("memoffload_offload_bytes_total"), 1 + 2 + 3 + 1 + 4 + 2.0 * kMaxRankSeries);
+}
+
+// Requests count through series they hold while sessions of their pair come
+// and go (a keeper session keeps each hot pair live) and other pairs are
+// pruned around them: the totals are exact. Under TSan this checks RankBook's
+// own locking (the system's prometheus-cpp is not instrumented).
+TEST_F(MetricsTest, ConcurrentRequestsCountExactlyWhilePairsArePruned) {
+  constexpr int kThreads = 2, kRequests = 1500;
+  std::vector<SessionGrant> keepers;  // one live session per hot pair
+  for (int t = 0; t < kThreads; ++t) keepers.push_back(Open("hot", t));
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([this, t] {
+      Hello hello;
+      hello.job_id = "hot";
+      hello.rank = t;
+      for (int i = 0; i < kRequests; ++i) {
+        // A session of the hot pair that ends while its request still counts.
+        Result<SessionGrant> s =
+            table_->Open(hello, PeerCredentials{1234, 1000, 1000}, metrics_->SeriesFor("hot", t));
+        ASSERT_TRUE(s.ok());
+        ASSERT_TRUE(table_->Reserve(s->session_id, s->token, 1, 4096, false).ok());
+        Result<CommitResult> c = table_->Commit(s->session_id, s->token, 1, 10);
+        ASSERT_TRUE(c.ok());
+        ASSERT_TRUE(table_->Close(s->session_id, CloseReason::kLifelineClosed).ok());
+        metrics_->RecordOffload(c->series.get(), 10);
+      }
+    });
+  }
+  threads.emplace_back([this] {
+    Hello hello;
+    for (int i = 0; i < 3 * static_cast<int>(kMaxRankSeries); ++i) {
+      hello.job_id = "churn-" + std::to_string(i);
+      Result<SessionGrant> s = table_->Open(hello, PeerCredentials{1234, 1000, 1000},
+                                            metrics_->SeriesFor(hello.job_id, 0));
+      ASSERT_TRUE(s.ok());
+      ASSERT_TRUE(table_->Close(s->session_id, CloseReason::kLifelineClosed).ok());
+    }
+  });
+  for (auto& t : threads) t.join();
+  for (int t = 0; t < kThreads; ++t) {
+    EXPECT_EQ(Value("memoffload_rank_offload_bytes_total{job_id=\"hot\",rank=\"" +
+                    std::to_string(t) + "\"}"),
+              10.0 * kRequests);
+  }
+  EXPECT_EQ(Value("memoffload_offload_bytes_total"), 10.0 * kThreads * kRequests);
+  EXPECT_LE(Samples("memoffload_rank_offload_bytes_total").size(), kMaxRankSeries);
 }
 
 TEST_F(MetricsTest, AFreeTheAllocatorRefusesIsCountedAsAnInternalError) {
