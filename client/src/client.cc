@@ -421,7 +421,7 @@ Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
   Reservation reservation{FromProto(resp.extents()), resp.reserved_bytes()};
   if (Status mapped = impl_->EnsureMapped(Impl::ChunksOf(reservation.extents)); !mapped.ok()) {
     Status ignored = Release(group_id);
-    (void)ignored;
+    (void)ignored;  // best effort: the mapping error is the answer; the session reclaims the group
     return mapped;
   }
   {

@@ -67,6 +67,7 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["rereads"] = s.rereads;
   d["reconnects"] = s.reconnects;
   d["rpc_errors"] = s.rpc_errors;
+  d["internal_errors"] = s.internal_errors;
   d["connected"] = s.connected;
   d["engine"] = s.engine;
   d["last_skip_reason"] = s.last_skip_reason;

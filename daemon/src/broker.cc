@@ -182,7 +182,8 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     Result<Hello> hello = DecodeHello(payload_);
     if (!hello.ok()) return Refuse("bad_hello", hello.status());
     hello_ = *hello;
-    Result<SessionGrant> grant = broker_->table_->Open(hello_, peer_);
+    Result<SessionGrant> grant = broker_->table_->Open(
+        hello_, peer_, broker_->metrics_->SeriesFor(hello_.job_id, hello_.rank));
     if (!grant.ok()) {
       return Refuse(
           grant.status().code() == StatusCode::kUnavailable ? "draining" : "session_error",

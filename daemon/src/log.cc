@@ -28,7 +28,7 @@ void Log(LogLevel level, const char* format, ...) {
   if (len > sizeof(line) - 2) len = sizeof(line) - 2;
   line[len++] = '\n';
   ssize_t ignored = write(STDERR_FILENO, line, len);
-  (void)ignored;
+  (void)ignored;  // a log line that cannot be written has nowhere else to go
 }
 
 bool LogRateLimiter::Allow(unsigned long* suppressed) {

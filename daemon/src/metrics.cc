@@ -3,11 +3,119 @@
 #include <prometheus/collectable.h>
 #include <prometheus/gauge.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <unordered_set>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace memoffload::daemon {
+
+// The (job id, rank) pairs with series in the rank families. A pair's slot
+// stays after its sessions end; Prune removes it only when no RankSeries of
+// it is alive, so no request can still increment a removed counter.
+class RankBook {
+ public:
+  using Key = std::pair<std::string, int32_t>;
+
+  RankBook(std::shared_ptr<prometheus::Registry> registry,
+           prometheus::Family<prometheus::Counter>* offload,
+           prometheus::Family<prometheus::Counter>* prefetch)
+      : registry_(std::move(registry)), offload_(offload), prefetch_(prefetch) {}
+
+  std::shared_ptr<RankSeries> SeriesFor(const std::shared_ptr<RankBook>& self,
+                                        const std::string& job_id, int32_t rank);
+  // From ~RankSeries: `series` is gone, with every request that held it.
+  void Unused(const Key& key, const RankSeries* series);
+
+ private:
+  struct Slot {
+    prometheus::Counter* offload_bytes = nullptr;
+    prometheus::Counter* prefetch_bytes = nullptr;
+    std::weak_ptr<RankSeries> series;
+    // The RankSeries whose destructor has not run yet; nullptr once it ran.
+    const RankSeries* alive = nullptr;
+  };
+  // Removes the slots without a RankSeries alive. Requires mu_.
+  void Prune();
+
+  const std::shared_ptr<prometheus::Registry> registry_;  // keeps the families alive
+  prometheus::Family<prometheus::Counter>* const offload_;
+  prometheus::Family<prometheus::Counter>* const prefetch_;
+  std::mutex mu_;
+  std::map<Key, Slot> slots_;         // guarded by mu_
+  size_t prune_at_ = kMaxRankSeries;  // guarded by mu_; Prune when slots_ reaches it
+};
+
+struct RankSeries {
+  RankSeries(std::shared_ptr<RankBook> book, RankBook::Key key, prometheus::Counter* offload,
+             prometheus::Counter* prefetch)
+      : offload_bytes(offload),
+        prefetch_bytes(prefetch),
+        book_(std::move(book)),
+        key_(std::move(key)) {}
+  // Runs after the last holder's last increment (shared_ptr orders them).
+  ~RankSeries() { book_->Unused(key_, this); }
+  RankSeries(const RankSeries&) = delete;
+  RankSeries& operator=(const RankSeries&) = delete;
+
+  prometheus::Counter* const offload_bytes;
+  prometheus::Counter* const prefetch_bytes;
+
+ private:
+  const std::shared_ptr<RankBook> book_;
+  const RankBook::Key key_;
+};
+
+std::shared_ptr<RankSeries> RankBook::SeriesFor(const std::shared_ptr<RankBook>& self,
+                                                const std::string& job_id, int32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Key key(job_id, rank);
+  auto it = slots_.find(key);
+  if (it == slots_.end()) {
+    if (slots_.size() >= prune_at_) Prune();
+    // The broker admits job ids of at most kMaxJobIdBytes printable bytes;
+    // cut here too, so that no label value is ever unbounded.
+    const prometheus::Labels labels = {{"job_id", job_id.substr(0, kMaxLabelValueBytes)},
+                                       {"rank", std::to_string(rank)}};
+    Slot slot;
+    slot.offload_bytes = &offload_->Add(labels);
+    slot.prefetch_bytes = &prefetch_->Add(labels);
+    it = slots_.emplace(key, slot).first;
+  }
+  Slot& slot = it->second;
+  std::shared_ptr<RankSeries> series = slot.series.lock();
+  if (!series) {
+    // None yet, or the last one is dying (its Unused waits for mu_ and will
+    // see that `alive` is not itself any more).
+    series =
+        std::make_shared<RankSeries>(self, std::move(key), slot.offload_bytes, slot.prefetch_bytes);
+    slot.series = series;
+    slot.alive = series.get();
+  }
+  return series;
+}
+
+void RankBook::Unused(const Key& key, const RankSeries* series) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(key);
+  if (it != slots_.end() && it->second.alive == series) it->second.alive = nullptr;
+}
+
+void RankBook::Prune() {
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    if (it->second.alive != nullptr) {
+      ++it;
+      continue;
+    }
+    offload_->Remove(it->second.offload_bytes);
+    prefetch_->Remove(it->second.prefetch_bytes);
+    it = slots_.erase(it);
+  }
+  // Amortised: with many live pairs, the next sweep waits for as many new ones.
+  prune_at_ = std::max(kMaxRankSeries, 2 * slots_.size());
+}
 
 const char* MethodName(Method method) {
   switch (method) {
@@ -125,6 +233,12 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                             "Of those, backings handed out before they were pre-faulted "
                             "(no spare was ready).",
                             static_cast<double>(s.unfaulted_backings)));
+    prometheus::MetricFamily internal =
+        CounterOf("memoffload_internal_errors_total",
+                  "Failures that mean a bug in the daemon (each is logged as an error), by where.",
+                  static_cast<double>(s.free_errors));
+    internal.metric[0].label = {{"where", "session_table_free"}};
+    out.push_back(std::move(internal));
     auto spares = GaugeFamily("memoffload_spare_backings",
                               "Pre-faulted memfds ready for the next change of tenant.");
     AddGauge(&spares, static_cast<double>(s.spare_backings));
@@ -155,8 +269,7 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
       arena_collector_(std::make_shared<ArenaCollector>(table, info)),
       max_copy_bytes_(info.chunks > 0 && info.chunk_size_bytes > 0
                           ? static_cast<uint64_t>(info.chunks) * info.chunk_size_bytes
-                          : (uint64_t{1} << 53)),
-      table_(table) {
+                          : (uint64_t{1} << 53)) {
   requests_ = &prometheus::BuildCounter()
                    .Name("memoffload_requests_total")
                    .Help("gRPC requests by method and status code.")
@@ -221,14 +334,15 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
                          .Help("Data bytes handed back for reading (Prefetch's used_bytes).")
                          .Register(*registry_)
                          .Add({});
-  rank_offload_bytes_ = &prometheus::BuildCounter()
-                             .Name("memoffload_rank_offload_bytes_total")
-                             .Help("Data bytes committed, by the session's job id and rank.")
-                             .Register(*registry_);
-  rank_prefetch_bytes_ = &prometheus::BuildCounter()
-                              .Name("memoffload_rank_prefetch_bytes_total")
-                              .Help("Data bytes prefetched, by the session's job id and rank.")
-                              .Register(*registry_);
+  auto& rank_offload_bytes = prometheus::BuildCounter()
+                                 .Name("memoffload_rank_offload_bytes_total")
+                                 .Help("Data bytes committed, by the session's job id and rank.")
+                                 .Register(*registry_);
+  auto& rank_prefetch_bytes = prometheus::BuildCounter()
+                                  .Name("memoffload_rank_prefetch_bytes_total")
+                                  .Help("Data bytes prefetched, by the session's job id and rank.")
+                                  .Register(*registry_);
+  rank_book_ = std::make_shared<RankBook>(registry_, &rank_offload_bytes, &rank_prefetch_bytes);
   residency_ = &prometheus::BuildHistogram()
                     .Name("memoffload_group_residency_seconds")
                     .Help("Time a group spent in the arena, from Commit to Release.")
@@ -284,6 +398,12 @@ void Metrics::Serve(std::unique_ptr<prometheus::Exposer> exposer) {
   exposer_->RegisterCollectable(arena_collector_);
 }
 
+std::vector<prometheus::MetricFamily> Metrics::Collect() const {
+  std::vector<prometheus::MetricFamily> out = registry_->Collect();
+  for (prometheus::MetricFamily& f : arena_collector_->Collect()) out.push_back(std::move(f));
+  return out;
+}
+
 prometheus::Counter& Metrics::RequestCounter(Method method, StatusCode code) {
   const int m = static_cast<int>(method);
   const int c = static_cast<int>(code);
@@ -328,67 +448,18 @@ void Metrics::AttachRefused(const std::string& reason) {
   attach_refusals_by_reason_[kAttachRefusalReasons.size() - 1]->Increment();
 }
 
-Metrics::RankSeries* Metrics::RankSeriesOf(uint64_t session_id) {
-  auto it = by_session_.find(session_id);
-  if (it != by_session_.end()) return it->second;
-  std::string job_id;
-  int32_t rank = -1;
-  if (!table_->SessionLabels(session_id, &job_id, &rank)) return nullptr;
-  if (by_session_.size() >= prune_at_sessions_) Prune();
-  auto key = std::make_pair(job_id, rank);
-  std::unique_ptr<RankSeries>& series = by_rank_[key];
-  if (!series) {
-    // The broker admits job ids of at most kMaxJobIdBytes printable bytes;
-    // cut here too, so that no label value is ever unbounded.
-    const prometheus::Labels labels = {{"job_id", job_id.substr(0, kMaxLabelValueBytes)},
-                                       {"rank", std::to_string(rank)}};
-    series = std::make_unique<RankSeries>();
-    series->offload_bytes = &rank_offload_bytes_->Add(labels);
-    series->prefetch_bytes = &rank_prefetch_bytes_->Add(labels);
-  }
-  by_session_[session_id] = series.get();
-  return series.get();
+std::shared_ptr<RankSeries> Metrics::SeriesFor(const std::string& job_id, int32_t rank) {
+  return rank_book_->SeriesFor(rank_book_, job_id, rank);
 }
 
-void Metrics::Prune() {
-  std::string job_id;
-  int32_t rank = 0;
-  std::unordered_set<const RankSeries*> live;
-  for (auto it = by_session_.begin(); it != by_session_.end();) {
-    if (table_->SessionLabels(it->first, &job_id, &rank)) {
-      live.insert(it->second);
-      ++it;
-    } else {
-      it = by_session_.erase(it);
-    }
-  }
-  prune_at_sessions_ = 2 * by_session_.size() + 64;
-  if (by_rank_.size() < kMaxRankSeries) return;
-  for (auto it = by_rank_.begin(); it != by_rank_.end();) {
-    if (live.count(it->second.get()) != 0) {
-      ++it;
-      continue;
-    }
-    rank_offload_bytes_->Remove(it->second->offload_bytes);
-    rank_prefetch_bytes_->Remove(it->second->prefetch_bytes);
-    it = by_rank_.erase(it);
-  }
-}
-
-void Metrics::RecordOffload(uint64_t session_id, uint64_t data_bytes) {
+void Metrics::RecordOffload(const RankSeries* series, uint64_t data_bytes) {
   offload_bytes_->Increment(static_cast<double>(data_bytes));
-  std::lock_guard<std::mutex> lock(rank_mu_);
-  if (RankSeries* series = RankSeriesOf(session_id)) {
-    series->offload_bytes->Increment(static_cast<double>(data_bytes));
-  }
+  if (series != nullptr) series->offload_bytes->Increment(static_cast<double>(data_bytes));
 }
 
-void Metrics::RecordPrefetch(uint64_t session_id, uint64_t data_bytes) {
+void Metrics::RecordPrefetch(const RankSeries* series, uint64_t data_bytes) {
   prefetch_bytes_->Increment(static_cast<double>(data_bytes));
-  std::lock_guard<std::mutex> lock(rank_mu_);
-  if (RankSeries* series = RankSeriesOf(session_id)) {
-    series->prefetch_bytes->Increment(static_cast<double>(data_bytes));
-  }
+  if (series != nullptr) series->prefetch_bytes->Increment(static_cast<double>(data_bytes));
 }
 
 void Metrics::RecordResidency(double resident_seconds) {

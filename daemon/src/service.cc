@@ -135,7 +135,7 @@ grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitReques
     if (r.ok()) {
       resp->set_committed_bytes(r->committed_bytes);
       resp->set_returned_bytes(r->returned_bytes);
-      metrics_->RecordOffload(req->session().session_id(), req->used_bytes());
+      metrics_->RecordOffload(r->series.get(), req->used_bytes());
       metrics_->RecordClientCopy(Metrics::CopyDirection::kOffload, req->copy().bytes(),
                                  req->copy().seconds());
     } else {
@@ -157,7 +157,7 @@ grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRe
       resp->set_used_bytes(r->used_bytes);
       for (uint32_t crc : r->extent_crc32c) resp->add_extent_crc32c(crc);
 
-      metrics_->RecordPrefetch(req->session().session_id(), r->used_bytes);
+      metrics_->RecordPrefetch(r->series.get(), r->used_bytes);
     } else {
       st = r.status();
     }

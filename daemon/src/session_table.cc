@@ -4,6 +4,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "memoffload/daemon/log.h"
 #include "memoffload/shared_mem/units.h"
 
 namespace memoffload::daemon {
@@ -28,34 +29,6 @@ const char* CloseReasonName(CloseReason reason) {
       return "process_exited";
     case CloseReason::kShutdown:
       return "shutdown";
-  }
-  return "unknown";
-}
-
-const char* RejectReasonName(RejectReason reason) {
-  switch (reason) {
-    case RejectReason::kNone:
-      return "none";
-    case RejectReason::kTooLarge:
-      return "too_large";
-    case RejectReason::kSessionLimit:
-      return "session_limit";
-    case RejectReason::kJobLimit:
-      return "job_limit";
-    case RejectReason::kArenaFull:
-      return "arena_full";
-    case RejectReason::kWaitTimeout:
-      return "wait_timeout";
-    case RejectReason::kTooManyWaiters:
-      return "too_many_waiters";
-    case RejectReason::kDraining:
-      return "draining";
-    case RejectReason::kCancelled:
-      return "cancelled";
-    case RejectReason::kTooFragmented:
-      return "too_fragmented";
-    case RejectReason::kGroupLimit:
-      return "group_limit";
   }
   return "unknown";
 }
@@ -164,7 +137,8 @@ uint64_t SessionTable::JobLimit(const Session& session) const {
   return limit;
 }
 
-Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer) {
+Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer,
+                                        std::shared_ptr<RankSeries> series) {
   Result<std::string> token = NewSessionToken();
   if (!token.ok()) return token.status();
   std::lock_guard<std::mutex> lock(mu_);
@@ -196,6 +170,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.grant.limit_bytes = SessionLimit(s);
   s.peer = peer;
   s.opened_at = Clock::now();
+  s.series = std::move(series);
   Job& job = jobs_[s.job_key];
   ++job.sessions;
   if (hello.job_max_bytes != 0 &&
@@ -230,10 +205,13 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     owner.holders.erase(std::remove(owner.holders.begin(), owner.holders.end(), session_id),
                         owner.holders.end());
   }
+  // Dropped after the lock: the last reference takes the metrics' lock.
+  std::shared_ptr<RankSeries> series = std::move(it->second.series);
   sessions_.erase(it);
   FailSessionWaiters(session_id, &done);
   DispatchWaiters(&done);
   lock.unlock();
+  series.reset();
   Run(&done);
   return reclaimed;
 }
@@ -269,10 +247,14 @@ void SessionTable::AddStateBytes(GroupState state, int64_t delta) {
 
 void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
   for (const Extent& e : extents) {
-    // Extents in the table came from the allocator; a failure here is a bug
-    // in our bookkeeping, caught by CheckInvariants in tests.
-    Status st = arena_->allocator().Free(e);
-    (void)st;
+    // Extents in the table came from the allocator: a refusal is a bug in
+    // the bookkeeping (the extent stays as the allocator has it).
+    if (Status st = arena_->allocator().Free(e); !st.ok()) {
+      ++free_errors_;
+      MO_LOG_ERROR("internal error: freeing extent (chunk %u, offset %lu, %lu bytes): %s", e.chunk,
+                   static_cast<unsigned long>(e.offset), static_cast<unsigned long>(e.length),
+                   st.ToString().c_str());
+    }
   }
 }
 
@@ -451,10 +433,12 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   g.extent_crc32c = std::move(extent_crc32c);
   g.state = GroupState::kCommitted;
   g.committed_at = Clock::now();
+  // Copied under the lock: the session may end once it is released.
+  CommitResult result{kept_bytes, returned, (*session)->series};
   if (returned != 0) DispatchWaiters(&done);
   lock.unlock();
   Run(&done);
-  return CommitResult{kept_bytes, returned};
+  return result;
 }
 
 Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::string& token,
@@ -474,7 +458,7 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
     read_bytes_ += g.held_bytes;
     g.state = GroupState::kRead;
   }
-  return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c};
+  return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c, (*session)->series};
 }
 
 Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
@@ -525,6 +509,7 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.shutting_down = shutting_down_;
   for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
   a.replaced_backings = replaced_backings_;
+  a.free_errors = free_errors_;
   if (fresh_backing_ != nullptr) {
     const FreshBackingStats f = fresh_backing_->Stats();
     a.unfaulted_backings = f.taken_unfaulted;
@@ -553,15 +538,6 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
     out.push_back(std::move(snap));
   }
   return out;
-}
-
-bool SessionTable::SessionLabels(uint64_t session_id, std::string* job_id, int32_t* rank) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = sessions_.find(session_id);
-  if (it == sessions_.end()) return false;
-  *job_id = it->second.hello.job_id;
-  *rank = it->second.hello.rank;
-  return true;
 }
 
 Status SessionTable::CheckInvariants() const {

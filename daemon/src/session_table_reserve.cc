@@ -16,6 +16,34 @@ std::string MillisecondsSince(std::chrono::steady_clock::time_point from) {
 
 }  // namespace
 
+const char* RejectReasonName(RejectReason reason) {
+  switch (reason) {
+    case RejectReason::kNone:
+      return "none";
+    case RejectReason::kTooLarge:
+      return "too_large";
+    case RejectReason::kSessionLimit:
+      return "session_limit";
+    case RejectReason::kJobLimit:
+      return "job_limit";
+    case RejectReason::kArenaFull:
+      return "arena_full";
+    case RejectReason::kWaitTimeout:
+      return "wait_timeout";
+    case RejectReason::kTooManyWaiters:
+      return "too_many_waiters";
+    case RejectReason::kDraining:
+      return "draining";
+    case RejectReason::kCancelled:
+      return "cancelled";
+    case RejectReason::kTooFragmented:
+      return "too_fragmented";
+    case RejectReason::kGroupLimit:
+      return "group_limit";
+  }
+  return "unknown";
+}
+
 ReserveQueue::Limits SessionTable::QueueLimits() const {
   ReserveQueue::Limits limits;
   limits.max_waiters = policy_.max_waiting_reserves;

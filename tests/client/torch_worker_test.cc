@@ -97,5 +97,18 @@ TEST(TorchWorker, AThrowingTaskThatOwesAPromiseDeliversItThroughOnThrow) {
   EXPECT_EQ(w.thrown(), 2u);
 }
 
+// The offloader reports the first throw through its log and exports thrown()
+// as stats()["internal_errors"].
+TEST(TorchWorker, TheFirstThrowIsReportedAndEveryThrowCounted) {
+  std::vector<std::string> reported;  // written by the worker only
+  Worker w([&reported](const char* what) { reported.push_back(what); });
+  w.Post([] { throw std::runtime_error("first"); });
+  w.Post([] { throw std::runtime_error("second"); });
+  w.Flush();
+  ASSERT_EQ(reported.size(), 1u);
+  EXPECT_EQ(reported[0], "first");
+  EXPECT_EQ(w.thrown(), 2u);
+}
+
 }  // namespace
 }  // namespace memoffload::torch

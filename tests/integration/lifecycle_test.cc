@@ -303,16 +303,32 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
   const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
   client::AttachOptions attach;
   attach.runtime_dir = daemon->runtime_dir();
+  attach.job_id = "lifecycle";
+  attach.rank = 3;
   auto c = client::Client::Attach(attach);
   ASSERT_TRUE(c.ok());
   ASSERT_TRUE((*c)->Reserve(1, 1 << 20).ok());
   EXPECT_EQ((*c)->Reserve(1, 1 << 20).status().code(), StatusCode::kFailedPrecondition);
+  // Counted under the session's job and rank (the series the session holds).
+  ASSERT_TRUE((*c)->Reserve(2, 8192).ok());
+  ASSERT_TRUE((*c)->Commit(2, 5000).ok());
+  ASSERT_TRUE((*c)->Prefetch(2).ok());
+  ASSERT_TRUE((*c)->Release(2).ok());
   const std::string metrics = HttpGet(port, "/metrics");
+  EXPECT_NE(metrics.find("\nmemoffload_rank_offload_bytes_total{job_id=\"lifecycle\",rank=\"3\"} "
+                         "5000\n"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("\nmemoffload_rank_prefetch_bytes_total{job_id=\"lifecycle\",rank=\"3\"} "
+                         "5000\n"),
+            std::string::npos);
+  EXPECT_NE(metrics.find("\nmemoffload_internal_errors_total{where=\"session_table_free\"} 0\n"),
+            std::string::npos);
   EXPECT_NE(metrics.find("memoffload_arena_capacity_bytes 268435456"), std::string::npos)
       << metrics;
   EXPECT_NE(metrics.find("memoffload_arena_bytes{state=\"reserved\"} 1048576"), std::string::npos);
   EXPECT_NE(metrics.find("memoffload_sessions 1"), std::string::npos);
-  EXPECT_NE(metrics.find("memoffload_requests_total{code=\"OK\",method=\"Reserve\"} 1"),
+  EXPECT_NE(metrics.find("memoffload_requests_total{code=\"OK\",method=\"Reserve\"} 2"),
             std::string::npos);
   EXPECT_NE(
       metrics.find("memoffload_requests_total{code=\"FAILED_PRECONDITION\",method=\"Reserve\"} 1"),

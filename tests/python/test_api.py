@@ -81,6 +81,7 @@ def test_stats_have_typed_last_skip_code(tiny_daemon):
     s = off.stats()
     assert isinstance(s["last_skip_code"], memoffload.StatusCode)
     assert s["last_skip_code"] == memoffload.StatusCode.RESOURCE_EXHAUSTED
+    assert s["internal_errors"] == 0  # no background task threw
     assert_arena_empty(tiny_daemon, off)
 
 

@@ -282,7 +282,11 @@ class GroupOffloader::Impl {
 
   void Flush() { worker_.Flush(); }
 
-  OffloaderStats stats() const { return stats_.Snapshot(); }
+  OffloaderStats stats() const {
+    OffloaderStats s = stats_.Snapshot();
+    s.internal_errors = worker_.thrown();
+    return s;
+  }
   SlotStats slot_stats(int64_t first, int64_t end) const { return stats_.SlotSum(first, end); }
 
  private:
@@ -366,7 +370,12 @@ class GroupOffloader::Impl {
   Session session_;
   GroupTransfer transfer_;
 
-  Worker worker_;  // last: destroyed (joined) first
+  // Last: destroyed (joined) first.
+  Worker worker_{[](const char* what) {
+    Log(LogLevel::kError, StatusCode::kInternal,
+        std::string("a background task threw (") + what +
+            "); this is a bug (logged once, counted in stats()[\"internal_errors\"])");
+  }};
 };
 
 std::shared_ptr<GroupOffloader> GroupOffloader::Create(const OffloaderOptions& options) {
@@ -401,7 +410,7 @@ Status GroupOffloader::OffloadGroup(uint64_t key, const std::vector<at::Tensor>&
     Result<int64_t> added = impl_->Add(key, t, stream);
     if (!added.ok()) {
       Status st = impl_->ReleaseGroup(key);
-      (void)st;
+      (void)st;  // always OK: the group was begun above, and an unknown key is OK too
       return added.status();
     }
   }

@@ -155,9 +155,7 @@ void GroupTransfer::Close(Group& g) {
   if (g.client && total > g.reserved_bytes) {
     // The group grew beyond last step's size: trade the reservation for
     // one of the full size (sources are still held; copy everything).
-    Status st = g.client->Release(g.daemon_id);
-    (void)st;
-    g.client.reset();
+    DropReservation(g);
     {
       std::lock_guard<std::mutex> lock(g.mu);
       for (auto& s : storages) s->copied = false;
@@ -180,11 +178,7 @@ void GroupTransfer::Close(Group& g) {
       kept += s->nbytes;
     }
   }
-  if (g.client && used == 0) {
-    Status st = g.client->Release(g.daemon_id);
-    (void)st;
-    g.client.reset();
-  }
+  if (g.client && used == 0) DropReservation(g);
   if (g.client) {
     Result<client::CommitInfo> commit =
         g.client->Commit(g.daemon_id, used, {stored, g.copy_out_seconds});
@@ -198,9 +192,7 @@ void GroupTransfer::Close(Group& g) {
       }
     } else {
       session_->NoteFailure(commit.status(), "Commit");
-      Status st = g.client->Release(g.daemon_id);
-      (void)st;
-      g.client.reset();
+      DropReservation(g);
       kept += stored;
       stored = 0;
     }
@@ -220,6 +212,12 @@ void GroupTransfer::Close(Group& g) {
     if (stored > 0) ++slot.groups_offloaded;
     if (kept > 0) ++slot.groups_skipped;
   });
+}
+
+void GroupTransfer::DropReservation(Group& g) {
+  Status st = g.client->Release(g.daemon_id);
+  if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
+  g.client.reset();
 }
 
 void GroupTransfer::Prefetch(Group& g) {

@@ -49,6 +49,11 @@ class GroupTransfer {
   void Release(Group& g);
 
  private:
+  // Gives back a reservation Close will not commit and drops g.client. A
+  // transport error is the daemon gone (it reclaims the group with the
+  // session); any other failure is noted (rpc_errors, logged once per code).
+  void DropReservation(Group& g);
+
   Session* const session_;
   StatsBook* const stats_;
   CopyEngine* const cuda_engine_;

@@ -14,12 +14,17 @@
 #include <future>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 namespace memoffload::torch {
 
 class Worker {
  public:
-  Worker() : thread_([this] { Run(); }) {}
+  // Reports what the first task that throws threw (on the worker thread);
+  // without one, a line on stderr.
+  using Report = std::function<void(const char* what)>;
+  explicit Worker(Report report = nullptr)
+      : report_(std::move(report)), thread_([this] { Run(); }) {}
   // Runs every task already posted, then joins.
   ~Worker() {
     {
@@ -37,8 +42,9 @@ class Worker {
   // never leaves a waiter hanging.
   using OnThrow = std::function<void(const char* what)>;
 
-  // Tasks should not throw. One that does is counted (thrown()), logged once
-  // on stderr, and its on_throw runs on the worker thread.
+  // Tasks should not throw. One that does is a bug: it is counted
+  // (thrown()), the first one is reported (see Report), and its on_throw runs
+  // on the worker thread.
   void Post(std::function<void()> task, OnThrow on_throw = nullptr) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -86,12 +92,17 @@ class Worker {
 
   void Thrown(const Task& task, const char* what) {
     if (thrown_.fetch_add(1, std::memory_order_relaxed) == 0) {
-      std::fprintf(stderr, "memoffload: a worker task threw (%s); this is a bug (logged once)\n",
-                   what);
+      if (report_) {
+        report_(what);
+      } else {
+        std::fprintf(stderr, "memoffload: a worker task threw (%s); this is a bug (logged once)\n",
+                     what);
+      }
     }
     if (task.on_throw) task.on_throw(what);
   }
 
+  const Report report_;
   std::mutex mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> thrown_{0};

@@ -1,9 +1,10 @@
 // Metrics: the daemon's Prometheus series and the /metrics endpoint.
 //
-// Counters and histograms are created once (at construction or on the first
-// use of a label set) and cached, never built per request. Arena and session
-// gauges are read from the SessionTable at scrape time, so they are always
-// exact and cost nothing on the request path. Thread-safe.
+// Counters and histograms are created once (at construction, on the first
+// use of a label set, or when a session opens) and cached, never built per
+// request; no request takes a lock of ours or looks anything up. Arena and
+// session gauges are read from the SessionTable at scrape time, so they are
+// always exact and cost nothing on the request path. Thread-safe.
 #ifndef MEMOFFLOAD_DAEMON_METRICS_H_
 #define MEMOFFLOAD_DAEMON_METRICS_H_
 
@@ -11,17 +12,15 @@
 #include <prometheus/exposer.h>
 #include <prometheus/family.h>
 #include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
 #include <prometheus/registry.h>
 
 #include <array>
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <unordered_map>
-#include <utility>
+#include <vector>
 
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/status.h"
@@ -57,6 +56,18 @@ inline constexpr std::array<const char*, 8> kAttachRefusalReasons = {
 inline constexpr size_t kMaxLabelValueBytes = 128;
 // RecordClientCopy ignores a copy reported to take longer than this.
 inline constexpr double kMaxClientCopySeconds = 3600;
+// Past this many (job id, rank) series pairs, pairs without a live session
+// are removed from /metrics (the node totals keep counting).
+inline constexpr size_t kMaxRankSeries = 1024;
+
+// The series of one (job id, rank) pair, shared by the live sessions of the
+// pair: the SessionTable keeps it in the session and hands it back with
+// Commit and Prefetch, so that a request counts its bytes without a lock or
+// a lookup. Defined in metrics.cc; forward-declared in session_table.h.
+struct RankSeries;
+// The pairs and their liveness (metrics.cc). Shared by Metrics and every
+// RankSeries: a session may outlive Metrics.
+class RankBook;
 
 class Metrics {
  public:
@@ -82,11 +93,21 @@ class Metrics {
   void SessionClosed(CloseReason reason, uint64_t reclaimed_bytes);
   void AttachRefused(const std::string& reason);
 
+  // The series of (job_id, rank), for a session about to open (the broker
+  // passes it to SessionTable::Open). Every live session of the pair shares
+  // one. Takes a lock, once per session, never per request. The pair's
+  // series appear in /metrics now (at 0) and stay after its sessions end;
+  // once kMaxRankSeries pairs exist, those that no session, and no request
+  // still counting, holds are removed (sessions of the pair opened later
+  // start the series again from 0).
+  std::shared_ptr<RankSeries> SeriesFor(const std::string& job_id, int32_t rank);
+
   // Data traffic. `data_bytes` is what the client wrote (Commit's used_bytes)
   // or may read (Prefetch's used_bytes). Counted in the node totals and, when
-  // the session is still known to the table, under its job id and rank.
-  void RecordOffload(uint64_t session_id, uint64_t data_bytes);
-  void RecordPrefetch(uint64_t session_id, uint64_t data_bytes);
+  // `series` (from the session, via CommitResult / PrefetchResult) is not
+  // null, under its job id and rank. Lock-free.
+  void RecordOffload(const RankSeries* series, uint64_t data_bytes);
+  void RecordPrefetch(const RankSeries* series, uint64_t data_bytes);
   // A group left the arena; `resident_seconds` > 0 when it had been committed.
   void RecordResidency(double resident_seconds);
   // Copy statistics a client reported with Commit (kOffload) or Release
@@ -95,23 +116,13 @@ class Metrics {
   enum class CopyDirection { kOffload, kPrefetch };
   void RecordClientCopy(CopyDirection direction, uint64_t bytes, double seconds);
 
-  // The registry, for tests that serialise it without HTTP.
-  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+  // What /metrics serves, but the HTTP exposer's own families: the registry
+  // and the scrape-time families. For tests that read it without HTTP.
+  std::vector<prometheus::MetricFamily> Collect() const;
 
  private:
   class ArenaCollector;
   prometheus::Counter& RequestCounter(Method method, StatusCode code);
-  // Series of one (job id, rank); owned by by_rank_, removed only by Prune.
-  struct RankSeries {
-    prometheus::Counter* offload_bytes = nullptr;
-    prometheus::Counter* prefetch_bytes = nullptr;
-  };
-  // The series of a session, created on its first use and cached; nullptr
-  // when the session is gone. Requires rank_mu_.
-  RankSeries* RankSeriesOf(uint64_t session_id);
-  // Forgets closed sessions and, past kMaxRankSeries, drops the series of
-  // (job, rank) pairs no live session uses. Requires rank_mu_.
-  void Prune();
 
   std::shared_ptr<prometheus::Registry> registry_;
   std::shared_ptr<ArenaCollector> arena_collector_;
@@ -131,24 +142,13 @@ class Metrics {
   std::array<prometheus::Counter*, kCloseReasonCount> sessions_reclaimed_{};
   prometheus::Counter* offload_bytes_ = nullptr;
   prometheus::Counter* prefetch_bytes_ = nullptr;
-  prometheus::Family<prometheus::Counter>* rank_offload_bytes_ = nullptr;
-  prometheus::Family<prometheus::Counter>* rank_prefetch_bytes_ = nullptr;
   prometheus::Histogram* residency_ = nullptr;
   std::array<prometheus::Counter*, 2> copy_bytes_{};    // [CopyDirection]
   std::array<prometheus::Counter*, 2> copy_seconds_{};  // [CopyDirection]
 
   const uint64_t max_copy_bytes_;  // the arena's capacity (2^53 when unknown)
-  const SessionTable* table_;
-  std::mutex rank_mu_;  // guards by_session_, by_rank_ and the increments of their series
-  std::unordered_map<uint64_t, RankSeries*> by_session_;  // guarded by rank_mu_
-  std::map<std::pair<std::string, int32_t>, std::unique_ptr<RankSeries>>
-      by_rank_;                    // guarded by rank_mu_
-  size_t prune_at_sessions_ = 64;  // guarded by rank_mu_; sweep by_session_ when it grows past this
+  std::shared_ptr<RankBook> rank_book_;
 };
-
-// Past this many (job id, rank) series pairs, pairs without a live session
-// are removed from /metrics (the node totals keep counting).
-inline constexpr size_t kMaxRankSeries = 1024;
 
 }  // namespace memoffload::daemon
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -35,6 +36,9 @@
 #include "memoffload/shared_mem/status.h"
 
 namespace memoffload::daemon {
+
+// The metric series of a session's (job id, rank) (metrics.h); opaque here.
+struct RankSeries;
 
 struct PeerCredentials {
   pid_t pid = 0;
@@ -80,15 +84,19 @@ struct ReserveResult {
   uint64_t reserved_bytes = 0;
 };
 
+// `series` in these is the session's, as given to Open (may be null); the
+// copy keeps it alive while the caller counts the request's bytes.
 struct CommitResult {
   uint64_t committed_bytes = 0;
   uint64_t returned_bytes = 0;
+  std::shared_ptr<RankSeries> series;
 };
 
 struct PrefetchResult {
   std::vector<Extent> extents;
   uint64_t used_bytes = 0;
   std::vector<uint32_t> extent_crc32c;
+  std::shared_ptr<RankSeries> series;
 };
 
 struct ReleaseResult {
@@ -116,6 +124,9 @@ struct ArenaSnapshot {
   uint32_t spare_backings = 0;      // pre-faulted memfds ready now
   uint32_t stale_backings = 0;      // retired memfds some process still keeps
   uint64_t stale_bytes = 0;         // their size (outside the arena's capacity)
+  // Extents of groups that the allocator refused to free, total: each one
+  // is a bug in the table's bookkeeping (logged as an error).
+  uint64_t free_errors = 0;
 };
 
 // One chunk fd handed to a session: the chunk, the generation of its backing
@@ -164,7 +175,10 @@ class SessionTable {
   SessionTable& operator=(const SessionTable&) = delete;
 
   // Creates a session for an attached peer with a fresh random token.
-  Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer);
+  // `series` (Metrics::SeriesFor of the hello's job id and rank; may be null)
+  // is kept with the session and handed back by Commit and Prefetch.
+  Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer,
+                            std::shared_ptr<RankSeries> series = nullptr);
 
   // Chunks whose fds a new session gets at attach: those its tenant owns
   // (every chunk with TenantMode::kNone). Records the session as a holder.
@@ -248,8 +262,6 @@ class SessionTable {
 
   ArenaSnapshot Snapshot() const;
   std::vector<SessionSnapshot> ListSessions() const;
-  // Job id and rank of a session, for metric labels; false if unknown.
-  bool SessionLabels(uint64_t session_id, std::string* job_id, int32_t* rank) const;
 
   // Runs the allocator's invariant check plus the table's own accounting.
   Status CheckInvariants() const;
@@ -282,6 +294,7 @@ class SessionTable {
     Clock::time_point opened_at;
     uint64_t held_bytes = 0;
     std::unordered_map<uint64_t, Group> groups;
+    std::shared_ptr<RankSeries> series;  // may be null
   };
 
   // Finds the session and checks its token. Requires mu_.
@@ -341,10 +354,12 @@ class SessionTable {
   // The session limit in force: min(policy, what its hello asked for).
   uint64_t SessionLimit(const Session& session) const;  // requires mu_
   // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
-  uint64_t JobLimit(const Session& session) const;       // requires mu_
-  Job& JobOf(const Session& session);                    // requires mu_
-  void AddStateBytes(GroupState state, int64_t delta);   // requires mu_
-  void FreeExtents(const std::vector<Extent>& extents);  // requires mu_
+  uint64_t JobLimit(const Session& session) const;      // requires mu_
+  Job& JobOf(const Session& session);                   // requires mu_
+  void AddStateBytes(GroupState state, int64_t delta);  // requires mu_
+  // Returns extents the table holds to the allocator; a refusal is a bug,
+  // logged and counted in free_errors_. Requires mu_.
+  void FreeExtents(const std::vector<Extent>& extents);
 
   Arena* const arena_;
   mutable std::mutex mu_;
@@ -379,6 +394,7 @@ class SessionTable {
   uint64_t committed_bytes_ = 0;                    // guarded by mu_
   uint64_t read_bytes_ = 0;                         // guarded by mu_
   uint64_t groups_ = 0;                             // guarded by mu_
+  uint64_t free_errors_ = 0;                        // guarded by mu_
 
   std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
 };

@@ -75,6 +75,8 @@ struct OffloaderStats {
   uint64_t rereads = 0;     // storages read again (a second backward)
   uint64_t reconnects = 0;  // sessions attached after a loss
   uint64_t rpc_errors = 0;
+  // Background tasks that threw: a bug (the first is logged as an error).
+  uint64_t internal_errors = 0;
   bool connected = false;
   std::string engine;  // "host" or "cuda"
   std::string last_skip_reason;
