@@ -95,10 +95,18 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   const uint64_t rounded = (size_bytes + page - 1) / page * page;
   if (Status st = CheckFitsAtAll(s, rounded, &reject); !st.ok()) return answer(st);
 
-  const std::string tenant = QueueTenant(s);
-  const auto now = Clock::now();
-  const ReserveQueue::Before before =
-      queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
+  // With nobody waiting (the common case) nobody is ahead: no queue walk,
+  // and the clock is read only if this request is about to wait.
+  const bool anyone_waiting = queue_.size() != 0;
+  std::string tenant;
+  Clock::time_point now;
+  ReserveQueue::Before before;
+  if (anyone_waiting) {
+    tenant = QueueTenant(s);
+    now = Clock::now();
+    before =
+        queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
+  }
   Status refusal;
   if (Status quota = CheckQuotas(s, rounded, &reject); !quota.ok()) {
     refusal = quota;  // its own quota: it waits without blocking anyone
@@ -112,6 +120,10 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
     refusal = r.status();
   }
   if (!wait_until.has_value()) return answer(refusal);
+  if (!anyone_waiting) {
+    tenant = QueueTenant(s);
+    now = Clock::now();
+  }
   if (*wait_until <= now) {
     reject = RejectReason::kWaitTimeout;
     return answer(
