@@ -7,8 +7,11 @@
 // p50/p99 latency of one Allocate plus the Free of everything it returned.
 // Each trace runs unrestricted and restricted (8 tenants, each allocating
 // only in the chunks it owns, as the daemon's default tenant mode does), and
-// with single_extent for the single-extent utilisation.
-// Only bookkeeping runs; no memory is touched.
+// with single_extent for the single-extent utilisation. A restricted trace
+// also runs through the old vector<bool> path (bitmap_*), same run: same
+// placement, the latency baseline of the chunk list (AllocateIn).
+// Only bookkeeping runs here; no memory is touched. Then the Reserve path
+// through SessionTable (reserve_path_bench.cc), over real arenas.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -100,9 +103,12 @@ struct Placement {
   // may use only the chunks it owns (Allocate with allowed_chunks) and, when
   // a request does not fit, takes over a wholly free chunk it does not own
   // (never-used chunks first) and retries, as SessionTable::TryReserve does.
-  // It passes its chunks as a list (AllocateIn).
+  // It passes its chunks as an ascending list (AllocateIn), as SessionTable
+  // keeps them; with `bitmap`, as SessionTable did before, it builds a
+  // vector<bool> over every chunk per request (timed) and calls Allocate.
   bool restricted = false;
   bool single_extent = false;
+  bool bitmap = false;
 };
 
 // Replays `trace` into a fresh ExtentAllocator up to the first failure, then
@@ -138,7 +144,9 @@ Outcome ReplayOurs(const Trace& trace, Placement placement, std::vector<uint64_t
       list.erase(std::find(list.begin(), list.end(), static_cast<uint32_t>(reused)));
     }
     owner[reused] = static_cast<int>(tenant);
-    owned[tenant].push_back(static_cast<uint32_t>(reused));
+    std::vector<uint32_t>& list = owned[tenant];
+    list.insert(std::upper_bound(list.begin(), list.end(), static_cast<uint32_t>(reused)),
+                static_cast<uint32_t>(reused));
     return true;
   };
   uint64_t live_bytes = 0;
@@ -162,9 +170,15 @@ Outcome ReplayOurs(const Trace& trace, Placement placement, std::vector<uint64_t
     Result<std::vector<Extent>> r = ResourceExhausted("not tried");
     while (true) {
       const Clock::time_point start = Clock::now();
-      r = placement.restricted
-              ? alloc.AllocateIn(ev.bytes, placement.single_extent, owned[ev.tenant])
-              : alloc.Allocate(ev.bytes, placement.single_extent);
+      if (!placement.restricted) {
+        r = alloc.Allocate(ev.bytes, placement.single_extent);
+      } else if (placement.bitmap) {
+        std::vector<bool> allowed(chunks);
+        for (uint32_t c = 0; c < chunks; ++c) allowed[c] = owner[c] == static_cast<int>(ev.tenant);
+        r = alloc.Allocate(ev.bytes, placement.single_extent, &allowed);
+      } else {
+        r = alloc.AllocateIn(ev.bytes, placement.single_extent, owned[ev.tenant]);
+      }
       ns += (Clock::now() - start).count();
       if (r.ok() || !placement.restricted || !take_over(ev.tenant)) break;
     }
@@ -192,7 +206,24 @@ struct Report {
   Outcome pow2;
   uint64_t p50_ns = 0;
   uint64_t p99_ns = 0;
+  // Restricted only: the same replay through the old vector<bool> path.
+  Outcome bitmap;
+  uint64_t bitmap_p50_ns = 0;
+  uint64_t bitmap_p99_ns = 0;
 };
+
+// Replays until at least `min_samples` latencies; returns the first replay's
+// outcome and the p50/p99.
+Outcome Timed(const Trace& trace, Placement placement, size_t min_samples, uint64_t* p50_ns,
+              uint64_t* p99_ns) {
+  std::vector<uint64_t> latencies;
+  const Outcome first = ReplayOurs(trace, placement, &latencies);
+  while (latencies.size() < min_samples) ReplayOurs(trace, placement, &latencies);
+  std::sort(latencies.begin(), latencies.end());
+  *p50_ns = latencies[latencies.size() / 2];
+  *p99_ns = latencies[latencies.size() * 99 / 100];
+  return first;
+}
 
 Report Measure(const Trace& trace, bool restricted, const Outcome& pow2,
                size_t min_latency_samples) {
@@ -201,15 +232,13 @@ Report Measure(const Trace& trace, bool restricted, const Outcome& pow2,
   report.restricted = restricted;
   report.capacity_gib = static_cast<double>(trace.capacity_bytes) / (1 << 30);
   report.pow2 = pow2;
-  report.single = ReplayOurs(trace, Placement{restricted, true}, nullptr);
-  std::vector<uint64_t> latencies;
-  report.ours = ReplayOurs(trace, Placement{restricted, false}, &latencies);
-  while (latencies.size() < min_latency_samples) {
-    ReplayOurs(trace, Placement{restricted, false}, &latencies);
+  report.single = ReplayOurs(trace, Placement{restricted, true, false}, nullptr);
+  report.ours = Timed(trace, Placement{restricted, false, false}, min_latency_samples,
+                      &report.p50_ns, &report.p99_ns);
+  if (restricted) {
+    report.bitmap = Timed(trace, Placement{true, false, true}, min_latency_samples,
+                          &report.bitmap_p50_ns, &report.bitmap_p99_ns);
   }
-  std::sort(latencies.begin(), latencies.end());
-  report.p50_ns = latencies[latencies.size() / 2];
-  report.p99_ns = latencies[latencies.size() * 99 / 100];
   return report;
 }
 
@@ -222,7 +251,9 @@ void PrintUsage() {
                "model, plus alloc+free latency percentiles (at least\n--samples "
                "alloc+free pairs, default 200000). Each trace runs twice: "
                "unrestricted,\nand restricted (8 tenants, each allocating only in "
-               "the chunks it owns).\n");
+               "the chunks it owns; also\nthrough the old vector<bool> path). Then "
+               "Reserve+Release through SessionTable,\nrestricted vs unrestricted "
+               "(latency and utilisation).\n");
 }
 
 bool ParseCount(const char* flag, const char* text, uint64_t* out) {
@@ -237,16 +268,30 @@ bool ParseCount(const char* flag, const char* text, uint64_t* out) {
 
 void Print(const Report& r, bool json) {
   const double extents_per_request = static_cast<double>(r.ours.extents) / r.ours.requests;
+  const double bitmap_p50_ratio =
+      static_cast<double>(r.p50_ns) / std::max<uint64_t>(1, r.bitmap_p50_ns);
+  const double bitmap_p99_ratio =
+      static_cast<double>(r.p99_ns) / std::max<uint64_t>(1, r.bitmap_p99_ns);
   if (json) {
+    char bitmap[256] = "";
+    if (r.restricted) {
+      std::snprintf(bitmap, sizeof(bitmap),
+                    ",\"bitmap_utilization\":%.4f,\"bitmap_alloc_free_p50_ns\":%llu,"
+                    "\"bitmap_alloc_free_p99_ns\":%llu,\"bitmap_p50_ratio\":%.3f,"
+                    "\"bitmap_p99_ratio\":%.3f",
+                    r.bitmap.utilization, static_cast<unsigned long long>(r.bitmap_p50_ns),
+                    static_cast<unsigned long long>(r.bitmap_p99_ns), bitmap_p50_ratio,
+                    bitmap_p99_ratio);
+    }
     std::printf(
         "{\"bench\":\"allocator\",\"trace\":\"%s\",\"restricted\":%s,\"tenants\":%u,"
         "\"utilization\":%.4f,\"pow2_utilization\":%.4f,\"single_extent_utilization\":%.4f,"
         "\"alloc_free_p50_ns\":%llu,\"alloc_free_p99_ns\":%llu,\"requests\":%u,"
-        "\"extents_per_request\":%.4f}\n",
+        "\"extents_per_request\":%.4f%s}\n",
         r.trace.c_str(), r.restricted ? "true" : "false", r.restricted ? kTraceTenants : 1,
         r.ours.utilization, r.pow2.utilization, r.single.utilization,
         static_cast<unsigned long long>(r.p50_ns), static_cast<unsigned long long>(r.p99_ns),
-        r.ours.requests, extents_per_request);
+        r.ours.requests, extents_per_request, bitmap);
   } else {
     std::printf("%-14s %-10s %5.0fGiB %9u %8.4f %8.4f %8.4f %7.2fx %11.2f %8llu %8llu\n",
                 r.trace.c_str(), r.restricted ? "8 tenants" : "-", r.capacity_gib, r.ours.requests,
@@ -254,6 +299,13 @@ void Print(const Report& r, bool json) {
                 r.ours.utilization / r.pow2.utilization, extents_per_request,
                 static_cast<unsigned long long>(r.p50_ns),
                 static_cast<unsigned long long>(r.p99_ns));
+    if (r.restricted) {
+      std::printf(
+          "%-14s %-10s %8s %9u %8.4f %8s %8s %8s %11s %8llu %8llu  (p99 list/bitmap %.2fx)\n", "",
+          " bitmap", "", r.bitmap.requests, r.bitmap.utilization, "", "", "", "",
+          static_cast<unsigned long long>(r.bitmap_p50_ns),
+          static_cast<unsigned long long>(r.bitmap_p99_ns), bitmap_p99_ratio);
+    }
   }
   std::fflush(stdout);
 }
@@ -289,7 +341,7 @@ int RunAllocatorBench(int argc, char** argv) {
     const Outcome pow2 = ReplayPow2(trace);
     for (bool restricted : {false, true}) Print(Measure(trace, restricted, pow2, samples), json);
   }
-  return 0;
+  return PrintReservePathBench(json, seed, samples);
 }
 
 }  // namespace memoffload::bench

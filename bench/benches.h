@@ -4,9 +4,14 @@
 #ifndef MEMOFFLOAD_BENCH_BENCHES_H_
 #define MEMOFFLOAD_BENCH_BENCHES_H_
 
+#include <cstdint>
+
 namespace memoffload::bench {
 
 int RunAllocatorBench(int argc, char** argv);
+// Part of `allocator`: Reserve+Release through SessionTable, tenant-restricted
+// vs unrestricted, latency (at least `samples` pairs each) and utilisation.
+int PrintReservePathBench(bool json, uint64_t seed, uint64_t samples);
 int RunStartupBench(int argc, char** argv);
 int RunAttachBench(int argc, char** argv);
 int RunLoadBench(int argc, char** argv);

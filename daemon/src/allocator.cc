@@ -3,16 +3,15 @@
 // Every chunk is tiled by nodes, free or allocated, linked in address order
 // (prev_phys/next_phys). A chunk's first node is node number `chunk` and is
 // never released: splits create the new node on the right and merges release
-// the right-hand node. Free nodes sit in segregated lists indexed by (first
-// level = log2 class, second level = one of kSlCount linear sub-classes) and
-// summarised by a two-level bitmap. Allocated nodes are indexed by their
-// start in a hash map, which makes validating a Free O(1) when the extent
-// begins where an allocated extent begins.
+// the right-hand node. Free nodes sit in segregated size-class lists
+// (SizeClassLists). Allocated nodes are indexed by their start in a hash
+// map, which makes validating a Free O(1) when the extent begins where an
+// allocated extent begins.
 //
-// Every free node is also listed in its chunk's own class lists (a second
-// pair of links) under a per-chunk two-level bitmap, so a search restricted
-// to some chunks (allowed_chunks) asks each allowed chunk in O(1) instead of
-// scanning the global lists for members in allowed chunks.
+// Every free node is listed twice: in the arena's class lists and in its
+// chunk's own, so a search restricted to some chunks (allowed_chunks) asks
+// each allowed chunk in O(1) instead of scanning the arena's lists for
+// members in allowed chunks.
 #include "memoffload/daemon/allocator.h"
 
 #include <algorithm>
@@ -20,29 +19,14 @@
 #include <cstdlib>
 #include <string>
 
+#include "size_class_lists.h"
+
 namespace memoffload::daemon {
 namespace {
 
-constexpr int kSlLog2 = 5;
-constexpr int kSlCount = 1 << kSlLog2;
-constexpr int kFlCount = 64 - kSlLog2 + 1;
-constexpr uint32_t kNone = UINT32_MAX;
+constexpr uint32_t kNone = kNoNode;
 // A start key packs (chunk, page offset) as chunk << kKeyShift | offset.
 constexpr int kKeyShift = 40;
-
-int Log2Floor(uint64_t v) { return 63 - __builtin_clzll(v); }
-
-// Size class of a free extent of `pages` pages.
-void Mapping(uint64_t pages, int* fl, int* sl) {
-  if (pages < static_cast<uint64_t>(kSlCount)) {
-    *fl = 0;
-    *sl = static_cast<int>(pages);
-    return;
-  }
-  const int top = Log2Floor(pages);
-  *fl = top - kSlLog2 + 1;
-  *sl = static_cast<int>((pages >> (top - kSlLog2)) - kSlCount);
-}
 
 [[noreturn]] void Die(const char* what) {
   std::fprintf(stderr, "ExtentAllocator: %s\n", what);
@@ -106,35 +90,43 @@ class StartIndex {
   size_t size_ = 0;
 };
 
+// Checks the constructor's arguments (dies on a bad one) and returns the
+// longest chunk in pages.
+uint64_t ValidatedMaxPages(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes) {
+  if (page_bytes == 0 || (page_bytes & (page_bytes - 1)) != 0) {
+    Die("page_bytes must be a power of two");
+  }
+  if (chunk_sizes.empty() || chunk_sizes.size() >= (1u << 23)) {
+    Die("chunk count must be in [1, 2^23)");
+  }
+  uint64_t max_pages = 0;
+  for (uint64_t bytes : chunk_sizes) {
+    const uint64_t pages = bytes / page_bytes;
+    if (pages == 0 || bytes % page_bytes != 0 || pages >= (uint64_t{1} << kKeyShift)) {
+      Die("chunk sizes must be non-zero multiples of page_bytes");
+    }
+    max_pages = std::max(max_pages, pages);
+  }
+  return max_pages;
+}
+
 }  // namespace
 
 class ExtentAllocator::Impl {
  public:
   Impl(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
-      : page_bytes_(page_bytes), index_(chunk_sizes.size() * 8 + 1024) {
-    if (page_bytes == 0 || (page_bytes & (page_bytes - 1)) != 0) {
-      Die("page_bytes must be a power of two");
-    }
-    if (chunk_sizes.empty() || chunk_sizes.size() >= (1u << 23)) {
-      Die("chunk count must be in [1, 2^23)");
-    }
+      : page_bytes_(page_bytes),
+        arena_lists_(ValidatedMaxPages(chunk_sizes, page_bytes), kArenaLists),
+        index_(chunk_sizes.size() * 8 + 1024) {
     page_shift_ = Log2Floor(page_bytes);
-    for (auto& row : heads_) std::fill(row, row + kSlCount, kNone);
     nodes_.reserve(chunk_sizes.size() * 8 + 1024);
-    chunk_classes_.reserve(chunk_sizes.size());
+    chunk_lists_.reserve(chunk_sizes.size());
     for (uint32_t c = 0; c < chunk_sizes.size(); ++c) {
       const uint64_t pages = chunk_sizes[c] >> page_shift_;
-      if (pages == 0 || chunk_sizes[c] % page_bytes != 0 || pages >= (uint64_t{1} << kKeyShift)) {
-        Die("chunk sizes must be non-zero multiples of page_bytes");
-      }
-      nodes_.push_back(Node{0, pages, c, kNone, kNone, kNone, kNone, kNone, kNone, true});
-      int fl, sl;
-      Mapping(pages, &fl, &sl);
-      ChunkClasses& cc = chunk_classes_.emplace_back();
-      cc.fl_count = fl + 1;
-      cc.sl_bitmap.assign(cc.fl_count, 0);
-      cc.heads.assign(static_cast<size_t>(cc.fl_count) * kSlCount, kNone);
-      cc.class_max.assign(static_cast<size_t>(cc.fl_count) * kSlCount, 0);
+      ExtentNode& n = nodes_.emplace_back();
+      n.length = pages;
+      n.chunk = c;
+      chunk_lists_.emplace_back(pages, kChunkLists);
       chunk_pages_.push_back(pages);
       chunk_free_pages_.push_back(pages);
       capacity_pages_ += pages;
@@ -169,33 +161,6 @@ class ExtentAllocator::Impl {
   std::vector<uint64_t> chunk_free_pages_;
 
  private:
-  struct Node {
-    uint64_t offset;  // pages from the chunk start
-    uint64_t length;  // pages
-    uint32_t chunk;
-    uint32_t prev_phys;
-    uint32_t next_phys;
-    uint32_t prev_free;  // class-list links, meaningful while is_free
-    uint32_t next_free;
-    uint32_t prev_chunk_free;  // links in the chunk's own class list
-    uint32_t next_chunk_free;
-    bool is_free;
-  };
-
-  // One chunk's segregated free lists: classes (fl, sl) with fl < fl_count
-  // (no free extent of a chunk is longer than the chunk), flattened as
-  // fl * kSlCount + sl.
-  struct ChunkClasses {
-    int fl_count = 0;
-    uint64_t fl_bitmap = 0;
-    std::vector<uint32_t> sl_bitmap;
-    std::vector<uint32_t> heads;
-    std::vector<uint64_t> class_max;  // as class_max_, for this chunk
-  };
-
-  // The class of a restricted search's candidate: smaller is a better fit.
-  static int ClassRank(int fl, int sl) { return fl * kSlCount + sl; }
-
   static uint64_t Key(uint32_t chunk, uint64_t offset) {
     return (uint64_t{chunk} << kKeyShift) | offset;
   }
@@ -207,7 +172,7 @@ class ExtentAllocator::Impl {
 
   uint32_t NewNode() {
     if (spare_nodes_.empty()) {
-      nodes_.push_back(Node{});
+      nodes_.emplace_back();
       return static_cast<uint32_t>(nodes_.size() - 1);
     }
     const uint32_t i = spare_nodes_.back();
@@ -215,63 +180,23 @@ class ExtentAllocator::Impl {
     return i;
   }
 
+  // Lists free node i in the arena's and its chunk's class lists.
   void InsertFree(uint32_t i) {
-    int fl, sl;
-    Node& n = nodes_[i];
-    Mapping(n.length, &fl, &sl);
-    n.is_free = true;
-    n.prev_free = kNone;
-    n.next_free = heads_[fl][sl];
-    if (n.next_free != kNone) nodes_[n.next_free].prev_free = i;
-    heads_[fl][sl] = i;
-    class_max_[fl][sl] = std::max(class_max_[fl][sl], n.length);
-    fl_bitmap_ |= uint64_t{1} << fl;
-    sl_bitmap_[fl] |= 1u << sl;
-    ChunkClasses& cc = chunk_classes_[n.chunk];
-    const int k = ClassRank(fl, sl);
-    n.prev_chunk_free = kNone;
-    n.next_chunk_free = cc.heads[k];
-    if (n.next_chunk_free != kNone) nodes_[n.next_chunk_free].prev_chunk_free = i;
-    cc.heads[k] = i;
-    cc.class_max[k] = std::max(cc.class_max[k], n.length);
-    cc.fl_bitmap |= uint64_t{1} << fl;
-    cc.sl_bitmap[fl] |= 1u << sl;
+    arena_lists_.Insert(nodes_, i);
+    chunk_lists_[nodes_[i].chunk].Insert(nodes_, i);
   }
-
-  // Unlinks free node i from its class list; is_free is the caller's.
+  // Unlinks free node i from both; is_free is the caller's.
   void RemoveFree(uint32_t i) {
-    int fl, sl;
-    const Node& n = nodes_[i];
-    Mapping(n.length, &fl, &sl);
-    if (n.next_free != kNone) nodes_[n.next_free].prev_free = n.prev_free;
-    if (n.prev_free != kNone) {
-      nodes_[n.prev_free].next_free = n.next_free;
-    } else {
-      heads_[fl][sl] = n.next_free;
-      if (n.next_free == kNone) {
-        sl_bitmap_[fl] &= ~(1u << sl);
-        if (sl_bitmap_[fl] == 0) fl_bitmap_ &= ~(uint64_t{1} << fl);
-      }
-    }
-    ChunkClasses& cc = chunk_classes_[n.chunk];
-    if (n.next_chunk_free != kNone) nodes_[n.next_chunk_free].prev_chunk_free = n.prev_chunk_free;
-    if (n.prev_chunk_free != kNone) {
-      nodes_[n.prev_chunk_free].next_chunk_free = n.next_chunk_free;
-      return;
-    }
-    cc.heads[ClassRank(fl, sl)] = n.next_chunk_free;
-    if (n.next_chunk_free == kNone) {
-      cc.sl_bitmap[fl] &= ~(1u << sl);
-      if (cc.sl_bitmap[fl] == 0) cc.fl_bitmap &= ~(uint64_t{1} << fl);
-    }
+    arena_lists_.Remove(nodes_, i);
+    chunk_lists_[nodes_[i].chunk].Remove(nodes_, i);
   }
 
   // Splits node i after `pages` pages and returns the new right-hand node,
   // which inherits i's state (indexed when allocated, not listed when free).
   uint32_t SplitAt(uint32_t i, uint64_t pages) {
     const uint32_t r = NewNode();
-    Node& left = nodes_[i];
-    Node& right = nodes_[r] = left;  // list links are set when listed
+    ExtentNode& left = nodes_[i];
+    ExtentNode& right = nodes_[r] = left;  // list links are set when listed
     right.offset += pages;
     right.length -= pages;
     right.prev_phys = i;
@@ -289,135 +214,70 @@ class ExtentAllocator::Impl {
   // does the same in each allowed chunk's own lists and takes the smallest
   // class found: O(allowed chunks), independent of the free extent count.
   uint32_t FindFit(uint64_t pages, bool exact, const std::vector<uint32_t>* allowed) {
-    int fl, sl;
-    Mapping(pages, &fl, &sl);
-    if (allowed != nullptr) return FindFitRestricted(pages, fl, sl, exact, *allowed);
-    const uint32_t head = heads_[fl][sl];
+    const int own = SizeClassOf(pages);
+    if (allowed != nullptr) return FindFitRestricted(pages, own, exact, *allowed);
+    const uint32_t head = arena_lists_.Head(own);
     if (head != kNone && nodes_[head].length >= pages) return head;
     // Every member of a class above the own one is long enough.
-    int f = fl;
-    uint32_t map = sl + 1 < kSlCount ? sl_bitmap_[fl] & (~0u << (sl + 1)) : 0;
-    if (map == 0) {
-      const uint64_t fl_map = fl + 1 < 64 ? fl_bitmap_ & (~uint64_t{0} << (fl + 1)) : 0;
-      if (fl_map != 0) {
-        f = __builtin_ctzll(fl_map);
-        map = sl_bitmap_[f];
-      }
-    }
-    if (map != 0) return heads_[f][__builtin_ctz(map)];
-    // class_max_ is an upper bound made exact by each failed scan, so a
-    // repeated miss costs O(1).
-    if (exact && class_max_[fl][sl] >= pages) {
-      uint64_t longest = 0;
-      for (uint32_t i = head; i != kNone; i = nodes_[i].next_free) {
-        if (nodes_[i].length >= pages) return i;
-        longest = std::max(longest, nodes_[i].length);
-      }
-      class_max_[fl][sl] = longest;
-    }
-    return kNone;
+    const int above = arena_lists_.FirstAtOrAbove(own + 1);
+    if (above != kNoClass) return arena_lists_.Head(above);
+    return exact ? arena_lists_.FindIn(nodes_, own, pages) : kNone;
   }
 
-  // The first non-empty class of chunk cc at or above (fl, sl) as a
-  // ClassRank, or INT32_MAX.
-  static int FirstClassAtOrAbove(const ChunkClasses& cc, int fl, int sl) {
-    if (fl >= cc.fl_count) return INT32_MAX;
-    uint32_t map = cc.sl_bitmap[fl] & (~0u << sl);
-    int f = fl;
-    if (map == 0) {
-      const uint64_t fl_map = fl + 1 < 64 ? cc.fl_bitmap & (~uint64_t{0} << (fl + 1)) : 0;
-      if (fl_map == 0) return INT32_MAX;
-      f = __builtin_ctzll(fl_map);
-      map = cc.sl_bitmap[f];
-    }
-    return ClassRank(f, __builtin_ctz(map));
-  }
-
-  uint32_t FindFitRestricted(uint64_t pages, int fl, int sl, bool exact,
+  uint32_t FindFitRestricted(uint64_t pages, int own, bool exact,
                              const std::vector<uint32_t>& allowed) {
-    const int own = ClassRank(fl, sl);
-    int best_rank = INT32_MAX;
+    int best_rank = kNoClass;
     uint32_t best = kNone;
     for (uint32_t c : allowed) {
       if (chunk_free_pages_[c] < pages) continue;
-      const ChunkClasses& cc = chunk_classes_[c];
-      const int rank = FirstClassAtOrAbove(cc, fl, sl);
+      const SizeClassLists& lists = chunk_lists_[c];
+      int rank = lists.FirstAtOrAbove(own);
       if (rank == own) {
         // Own class: only the head is checked here (members vary in length).
-        const uint32_t head = cc.heads[own];
+        const uint32_t head = lists.Head(own);
         if (nodes_[head].length >= pages) return head;
-        const int above = sl + 1 < kSlCount ? FirstClassAtOrAbove(cc, fl, sl + 1)
-                                            : FirstClassAtOrAbove(cc, fl + 1, 0);
-        if (above < best_rank) best_rank = above, best = c;
-      } else if (rank < best_rank) {
+        rank = lists.FirstAtOrAbove(own + 1);
+      }
+      if (rank < best_rank) {
         best_rank = rank;
         best = c;
       }
     }
-    if (best != kNone) return chunk_classes_[best].heads[best_rank];
+    if (best != kNone) return chunk_lists_[best].Head(best_rank);
     if (!exact) return kNone;
     for (uint32_t c : allowed) {
       if (chunk_free_pages_[c] < pages) continue;
-      ChunkClasses& cc = chunk_classes_[c];
-      if (fl >= cc.fl_count || cc.class_max[own] < pages) continue;
-      uint64_t longest = 0;
-      for (uint32_t i = cc.heads[own]; i != kNone; i = nodes_[i].next_chunk_free) {
-        if (nodes_[i].length >= pages) return i;
-        longest = std::max(longest, nodes_[i].length);
-      }
-      cc.class_max[own] = longest;
+      const uint32_t i = chunk_lists_[c].FindIn(nodes_, own, pages);
+      if (i != kNone) return i;
     }
     return kNone;
-  }
-
-  // As Largest, over the allowed chunks' own lists.
-  uint32_t LargestRestricted(const std::vector<uint32_t>& allowed, bool longest) const {
-    int top = -1;
-    for (uint32_t c : allowed) {
-      const ChunkClasses& cc = chunk_classes_[c];
-      if (cc.fl_bitmap == 0) continue;
-      const int fl = Log2Floor(cc.fl_bitmap);
-      top = std::max(top, ClassRank(fl, 31 - __builtin_clz(cc.sl_bitmap[fl])));
-    }
-    if (top < 0) return kNone;
-    uint32_t best = kNone;
-    for (uint32_t c : allowed) {
-      const ChunkClasses& cc = chunk_classes_[c];
-      if (top / kSlCount >= cc.fl_count) continue;
-      for (uint32_t i = cc.heads[top]; i != kNone; i = nodes_[i].next_chunk_free) {
-        if (!longest) return i;
-        if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
-      }
-    }
-    return best;
   }
 
   // A node of the highest non-empty class holding an allowed node: the
   // longest of that class with `longest`, else the first (O(1) unrestricted).
   uint32_t Largest(const std::vector<uint32_t>* allowed, bool longest) const {
-    if (allowed != nullptr) return LargestRestricted(*allowed, longest);
-    for (uint64_t fl_map = fl_bitmap_; fl_map != 0;) {
-      const int fl = Log2Floor(fl_map);
-      fl_map &= ~(uint64_t{1} << fl);
-      for (uint32_t map = sl_bitmap_[fl]; map != 0;) {
-        const int sl = 31 - __builtin_clz(map);
-        map &= ~(1u << sl);
-        uint32_t best = kNone;
-        for (uint32_t i = heads_[fl][sl]; i != kNone; i = nodes_[i].next_free) {
-          if (!longest) return i;
-          if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
-        }
-        if (best != kNone) return best;
-      }
+    if (allowed == nullptr) {
+      const int top = arena_lists_.Top();
+      return longest ? arena_lists_.LongestIn(nodes_, top) : arena_lists_.Head(top);
     }
-    return kNone;
+    int top = -1;
+    for (uint32_t c : *allowed) top = std::max(top, chunk_lists_[c].Top());
+    uint32_t best = kNone;
+    for (uint32_t c : *allowed) {
+      const uint32_t i =
+          longest ? chunk_lists_[c].LongestIn(nodes_, top) : chunk_lists_[c].Head(top);
+      if (i == kNone) continue;
+      if (!longest) return i;
+      if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
+    }
+    return best;
   }
 
   // Allocates the first `pages` pages of free node i.
   Extent Carve(uint32_t i, uint64_t pages) {
     RemoveFree(i);
     if (nodes_[i].length > pages) InsertFree(SplitAt(i, pages));
-    Node& n = nodes_[i];
+    ExtentNode& n = nodes_[i];
     n.is_free = false;
     index_.Put(Key(n.chunk, n.offset), i);
     free_pages_ -= pages;
@@ -463,18 +323,13 @@ class ExtentAllocator::Impl {
 
   Status Locate(const Extent& extent, uint32_t* node) const;
 
-  std::vector<Node> nodes_;
+  std::vector<ExtentNode> nodes_;
   std::vector<uint32_t> spare_nodes_;
-  uint64_t fl_bitmap_ = 0;
-  uint32_t sl_bitmap_[kFlCount] = {};
-  uint32_t heads_[kFlCount][kSlCount];
-  // Upper bound of the longest free extent per class: raised on insert,
-  // made exact by a failed scan.
-  uint64_t class_max_[kFlCount][kSlCount] = {};
-  std::vector<ChunkClasses> chunk_classes_;
-  std::vector<uint32_t> allowed_list_;  // scratch for ToList
-  std::vector<uint8_t> allowed_mark_;   // scratch for ToList: 1 = listed
-  StartIndex index_;                    // start key -> allocated node
+  SizeClassLists arena_lists_;               // every free node
+  std::vector<SizeClassLists> chunk_lists_;  // by chunk: that chunk's free nodes
+  std::vector<uint32_t> allowed_list_;       // scratch for ToList
+  std::vector<uint8_t> allowed_mark_;        // scratch for ToList: 1 = listed
+  StartIndex index_;                         // start key -> allocated node
 };
 
 Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
@@ -523,14 +378,15 @@ Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
 Result<std::vector<Extent>> ExtentAllocator::Impl::Allocate(uint64_t bytes, bool single_extent,
                                                             const std::vector<uint32_t>* allowed) {
   if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
+  const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
+  const uint32_t fit = FindFit(pages, /*exact=*/true, allowed);
+  if (fit != kNone) return std::vector<Extent>{Carve(fit, pages)};
+  // Only now the free pages the caller may use (a fit implies enough).
   uint64_t free_pages = free_pages_;
   if (allowed != nullptr) {
     free_pages = 0;
     for (uint32_t c : *allowed) free_pages += chunk_free_pages_[c];
   }
-  const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
-  const uint32_t fit = pages <= free_pages ? FindFit(pages, /*exact=*/true, allowed) : kNone;
-  if (fit != kNone) return std::vector<Extent>{Carve(fit, pages)};
   if (pages > free_pages || single_extent) {
     return ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes (" +
                              std::to_string(pages) + " pages of " + std::to_string(page_bytes_) +
@@ -575,7 +431,7 @@ Status ExtentAllocator::Impl::Locate(const Extent& e, uint32_t* node) const {
   // Not where an allocated extent starts: walk the chunk in address order.
   if (i == kNone) i = e.chunk;
   while (nodes_[i].offset + nodes_[i].length <= offset) i = nodes_[i].next_phys;
-  const Node& n = nodes_[i];
+  const ExtentNode& n = nodes_[i];
   if (n.is_free) {
     return FailedPrecondition(what() + " overlaps free extent " +
                               Describe(n.chunk, n.offset, n.length) +
@@ -633,7 +489,7 @@ Status ExtentAllocator::Impl::CheckInvariants() const {
   for (uint32_t c = 0; c < chunk_pages_.size(); ++c) {
     uint64_t end = 0, chunk_free = 0;
     for (uint32_t i = c, prev = kNone; i != kNone; prev = i, i = nodes_[i].next_phys) {
-      const Node& n = nodes_[i];
+      const ExtentNode& n = nodes_[i];
       const char* broken = nullptr;
       if (n.chunk != c || n.prev_phys != prev || n.length == 0 || n.offset != end ||
           n.length > chunk_pages_[c] - end) {
@@ -663,54 +519,17 @@ Status ExtentAllocator::Impl::CheckInvariants() const {
                     std::to_string(index_.size()));
   }
   // Well-formed lists of free nodes of the right class, as many as there are
-  // free nodes, mean every free extent is listed in its class exactly once.
-  uint64_t listed = 0;
-  for (int fl = 0; fl < kFlCount; ++fl) {
-    for (int sl = 0; sl < kSlCount; ++sl) {
-      bool ok = ((sl_bitmap_[fl] >> sl & 1) != 0) == (heads_[fl][sl] != kNone) &&
-                ((fl_bitmap_ >> fl & 1) != 0) == (sl_bitmap_[fl] != 0);
-      for (uint32_t i = heads_[fl][sl], prev = kNone; ok && i != kNone;
-           prev = i, i = nodes_[i].next_free, ++listed) {
-        int f, s;
-        Mapping(nodes_[i].length, &f, &s);
-        ok = nodes_[i].is_free && nodes_[i].prev_free == prev && f == fl && s == sl &&
-             nodes_[i].length <= class_max_[fl][sl];
-      }
-      if (!ok) {
-        return Internal("size class (" + std::to_string(fl) + ", " + std::to_string(sl) +
-                        ") has a bad list or bitmap");
-      }
-    }
-  }
+  // free nodes, mean every free extent is listed in its class exactly once;
+  // likewise each chunk's own lists hold exactly that chunk's free nodes.
+  uint64_t listed = 0, chunk_listed = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(arena_lists_.Check(nodes_, kNone, "the arena", &listed));
   if (listed != free_nodes) {
     return Internal("class lists hold " + std::to_string(listed) + " extents; the chunks hold " +
                     std::to_string(free_nodes) + " free extents");
   }
-  // Each chunk's own lists hold exactly that chunk's free nodes, likewise.
-  uint64_t chunk_listed = 0;
-  for (uint32_t c = 0; c < chunk_classes_.size(); ++c) {
-    const ChunkClasses& cc = chunk_classes_[c];
-    if (cc.fl_count < 64 && (cc.fl_bitmap >> cc.fl_count) != 0) {
-      return Internal("chunk " + std::to_string(c) + " has a class bit above its largest class");
-    }
-    for (int fl = 0; fl < cc.fl_count; ++fl) {
-      for (int sl = 0; sl < kSlCount; ++sl) {
-        const int k = ClassRank(fl, sl);
-        bool ok = ((cc.sl_bitmap[fl] >> sl & 1) != 0) == (cc.heads[k] != kNone) &&
-                  ((cc.fl_bitmap >> fl & 1) != 0) == (cc.sl_bitmap[fl] != 0);
-        for (uint32_t i = cc.heads[k], prev = kNone; ok && i != kNone;
-             prev = i, i = nodes_[i].next_chunk_free, ++chunk_listed) {
-          int f, s;
-          Mapping(nodes_[i].length, &f, &s);
-          ok = nodes_[i].is_free && nodes_[i].chunk == c && nodes_[i].prev_chunk_free == prev &&
-               f == fl && s == sl && nodes_[i].length <= cc.class_max[k];
-        }
-        if (!ok) {
-          return Internal("chunk " + std::to_string(c) + " size class (" + std::to_string(fl) +
-                          ", " + std::to_string(sl) + ") has a bad list or bitmap");
-        }
-      }
-    }
+  for (uint32_t c = 0; c < chunk_lists_.size(); ++c) {
+    MEMOFFLOAD_RETURN_IF_ERROR(
+        chunk_lists_[c].Check(nodes_, c, "chunk " + std::to_string(c), &chunk_listed));
   }
   if (chunk_listed != free_nodes) {
     return Internal("per-chunk class lists hold " + std::to_string(chunk_listed) +

@@ -125,15 +125,12 @@ uint64_t SessionTable::SessionLimit(const Session& session) const {
   return limit;
 }
 
-SessionTable::Job& SessionTable::JobOf(const Session& session) { return jobs_[session.job_key]; }
+SessionTable::Job& SessionTable::JobOf(const Session& session) { return *session.job; }
 
 uint64_t SessionTable::JobLimit(const Session& session) const {
   uint64_t limit = policy_.job_max_bytes;
-  auto it = jobs_.find(session.job_key);
-  if (it != jobs_.end() && it->second.requested_limit != 0 &&
-      (limit == 0 || it->second.requested_limit < limit)) {
-    limit = it->second.requested_limit;
-  }
+  const uint64_t asked = session.job->requested_limit;
+  if (asked != 0 && (limit == 0 || asked < limit)) limit = asked;
   return limit;
 }
 
@@ -172,11 +169,13 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.opened_at = Clock::now();
   s.series = std::move(series);
   Job& job = jobs_[s.job_key];
+  s.job = &job;
   ++job.sessions;
   if (hello.job_max_bytes != 0 &&
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
     job.requested_limit = hello.job_max_bytes;
   }
+  JoinTenant(&s);
   SessionGrant grant = s.grant;
   sessions_.emplace(grant.session_id, std::move(s));
   return grant;
@@ -207,6 +206,7 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
   }
   // Dropped after the lock: the last reference takes the metrics' lock.
   std::shared_ptr<RankSeries> series = std::move(it->second.series);
+  LeaveTenant(it->second);
   sessions_.erase(it);
   FailSessionWaiters(session_id, &done);
   DispatchWaiters(&done);
@@ -275,8 +275,7 @@ Status SessionTable::CheckQuotas(const Session& s, uint64_t rounded, RejectReaso
                              " more would exceed it by " +
                              FormatSize(s.held_bytes + rounded - session_limit));
   }
-  auto job = jobs_.find(s.job_key);
-  const uint64_t job_held = job == jobs_.end() ? 0 : job->second.held_bytes;
+  const uint64_t job_held = s.job->held_bytes;
   const uint64_t job_limit = JobLimit(s);
   if (job_limit != 0 && job_held + rounded > job_limit) {
     *reject = RejectReason::kJobLimit;
@@ -306,83 +305,6 @@ Status SessionTable::CheckFitsAtAll(const Session& s, uint64_t rounded,
                              FormatSize(rounded - job_limit) + "); it can never fit");
   }
   return Status::Ok();
-}
-
-Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
-                                               uint64_t rounded, bool single_extent,
-                                               uint64_t keep_free_bytes, RejectReason* reject) {
-  Session& s = *session;
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckQuotas(s, rounded, reject));
-  Job& job = JobOf(s);
-  const ExtentAllocator& alloc = arena_->allocator();
-  const uint64_t usable = UsableBytes();
-  // keep_free_bytes holds back only what the aged waiter could use: any free
-  // byte with TenantMode::kNone, else the empty chunks a tenant may claim
-  // (bytes in a tenant's own chunks are of no use to another tenant).
-  auto arena_full = [&](uint64_t keep_free) {
-    *reject = RejectReason::kArenaFull;
-    const uint64_t available = usable > alloc.used_bytes() ? usable - alloc.used_bytes() : 0;
-    const uint64_t needed = rounded + keep_free;
-    return ResourceExhausted(
-        "arena full: " + FormatSize(rounded) + " requested, " + FormatSize(available) +
-        " available (" + FormatSize(alloc.used_bytes()) + " in use of " + FormatSize(usable) +
-        " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
-        (keep_free == 0 ? std::string()
-                        : "; " + FormatSize(keep_free) +
-                              " kept free for an older waiting reserve of another tenant "
-                              "(quotas.reserve_aging)") +
-        "), short by " + FormatSize(needed > available ? needed - available : 0));
-  };
-  if (alloc.used_bytes() + rounded > usable) return arena_full(0);
-  Result<std::vector<Extent>> extents = Internal("not allocated yet");
-  if (tenant_mode_ == TenantMode::kNone) {
-    if (alloc.used_bytes() + rounded + keep_free_bytes > usable) return arena_full(keep_free_bytes);
-    extents = arena_->allocator().Allocate(rounded, single_extent);
-  } else {
-    // Only the tenant's own chunks; take over empty ones until it fits.
-    std::vector<bool> allowed(chunk_owners_.size());
-    for (size_t c = 0; c < allowed.size(); ++c) allowed[c] = chunk_owners_[c].tenant == s.tenant;
-    while (true) {
-      extents = arena_->allocator().Allocate(rounded, single_extent, &allowed);
-      if (extents.ok()) break;
-      if (alloc.used_bytes() + rounded + keep_free_bytes > usable) {
-        return arena_full(keep_free_bytes);
-      }
-      const int64_t c = Claimable(s.tenant);
-      if (c < 0) break;
-      if (!Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
-      allowed[c] = true;
-    }
-  }
-  if (!extents.ok()) {
-    *reject = RejectReason::kArenaFull;
-    return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) +
-                             (tenant_mode_ == TenantMode::kNone
-                                  ? ""
-                                  : " in the chunks of tenant " + s.tenant +
-                                        " (chunks of other tenants are not shared)") +
-                             ": " + extents.status().message());
-  }
-  if (extents->size() > policy_.max_extents_per_reserve) {
-    const size_t count = extents->size();
-    FreeExtents(*extents);
-    *reject = RejectReason::kTooFragmented;
-    return ResourceExhausted(
-        "arena fragmented: " + FormatSize(rounded) + " would take " + std::to_string(count) +
-        " extents, more than quotas.max_extents_per_reserve (" +
-        std::to_string(policy_.max_extents_per_reserve) +
-        "); nothing was reserved: reserve smaller groups, or wait for space to coalesce");
-  }
-  Group g;
-  g.extents = std::move(extents).value();
-  g.held_bytes = rounded;
-  s.held_bytes += rounded;
-  job.held_bytes += rounded;
-  reserved_bytes_ += rounded;
-  ++groups_;
-  ReserveResult result{g.extents, rounded};
-  s.groups.emplace(group_id, std::move(g));
-  return result;
 }
 
 Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string& token,
@@ -543,8 +465,12 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
 Status SessionTable::CheckInvariants() const {
   std::lock_guard<std::mutex> lock(mu_);
   MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
   uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
   for (const auto& [id, s] : sessions_) {
+    if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
+      return Internal("session " + std::to_string(id) + " does not point at its job " + s.job_key);
+    }
     uint64_t session_held = 0;
     for (const auto& [gid, g] : s.groups) {
       uint64_t sum = 0;

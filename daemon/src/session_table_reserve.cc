@@ -1,6 +1,6 @@
-// SessionTable's Reserve path: admission, the waiting reserves and their
-// deadlines. Which waiter goes first is ReserveQueue's business; this file
-// decides whether one fits, and answers it.
+// SessionTable's Reserve path: admission, placement (TryReserve), the waiting
+// reserves and their deadlines. Which waiter goes first is ReserveQueue's
+// business; this file decides whether one fits, and answers it.
 #include <future>
 
 #include "memoffload/daemon/session_table.h"
@@ -123,10 +123,18 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   const uint64_t rounded = (size_bytes + page - 1) / page * page;
   if (Status st = CheckFitsAtAll(s, rounded, &reject); !st.ok()) return answer(st);
 
-  const std::string tenant = QueueTenant(s);
-  const auto now = Clock::now();
-  const ReserveQueue::Before before =
-      queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
+  // With nobody waiting (the common case) nobody is ahead: no queue walk,
+  // and the clock is read only if this request is about to wait.
+  const bool anyone_waiting = queue_.size() != 0;
+  std::string tenant;
+  Clock::time_point now;
+  ReserveQueue::Before before;
+  if (anyone_waiting) {
+    tenant = QueueTenant(s);
+    now = Clock::now();
+    before =
+        queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
+  }
   Status refusal;
   if (Status quota = CheckQuotas(s, rounded, &reject); !quota.ok()) {
     refusal = quota;  // its own quota: it waits without blocking anyone
@@ -140,6 +148,10 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
     refusal = r.status();
   }
   if (!wait_until.has_value()) return answer(refusal);
+  if (!anyone_waiting) {
+    tenant = QueueTenant(s);
+    now = Clock::now();
+  }
   if (*wait_until <= now) {
     reject = RejectReason::kWaitTimeout;
     return answer(
@@ -162,6 +174,78 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   lock.unlock();
   Run(&others);
   return *ticket;
+}
+
+Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
+                                               uint64_t rounded, bool single_extent,
+                                               uint64_t keep_free_bytes, RejectReason* reject) {
+  Session& s = *session;
+  ExtentAllocator& alloc = arena_->allocator();
+  const uint64_t usable = UsableBytes();
+  const uint64_t used = alloc.used_bytes();
+  auto arena_full = [&](uint64_t keep_free) {
+    *reject = RejectReason::kArenaFull;
+    const uint64_t available = usable > used ? usable - used : 0;
+    const uint64_t needed = rounded + keep_free;
+    return ResourceExhausted(
+        "arena full: " + FormatSize(rounded) + " requested, " + FormatSize(available) +
+        " available (" + FormatSize(used) + " in use of " + FormatSize(usable) +
+        " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
+        (keep_free == 0 ? std::string()
+                        : "; " + FormatSize(keep_free) +
+                              " kept free for an older waiting reserve of another tenant "
+                              "(quotas.reserve_aging)") +
+        "), short by " + FormatSize(needed > available ? needed - available : 0));
+  };
+  if (used + rounded > usable) return arena_full(0);
+  // keep_free_bytes holds back only what the aged waiter could use: any free
+  // byte with TenantMode::kNone, else the empty chunks a tenant may claim
+  // (bytes in a tenant's own chunks are of no use to another tenant).
+  const bool leaves_kept_free = used + rounded + keep_free_bytes <= usable;
+  Result<std::vector<Extent>> extents = Internal("not allocated yet");
+  if (tenant_mode_ == TenantMode::kNone) {
+    if (!leaves_kept_free) return arena_full(keep_free_bytes);
+    extents = alloc.Allocate(rounded, single_extent);
+  } else {
+    // Only the tenant's own chunks; take over empty ones until it fits.
+    const std::vector<uint32_t>& owned = s.owned->chunks;
+    extents = alloc.AllocateIn(rounded, single_extent, owned);
+    while (!extents.ok()) {
+      if (!leaves_kept_free) return arena_full(keep_free_bytes);
+      const int64_t c = Claimable(s.tenant);
+      if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
+      extents = alloc.AllocateIn(rounded, single_extent, owned);  // Claim listed c
+    }
+  }
+  if (!extents.ok()) {
+    *reject = RejectReason::kArenaFull;
+    return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) +
+                             (tenant_mode_ == TenantMode::kNone
+                                  ? ""
+                                  : " in the chunks of tenant " + s.tenant +
+                                        " (chunks of other tenants are not shared)") +
+                             ": " + extents.status().message());
+  }
+  if (extents->size() > policy_.max_extents_per_reserve) {
+    const size_t count = extents->size();
+    FreeExtents(*extents);
+    *reject = RejectReason::kTooFragmented;
+    return ResourceExhausted(
+        "arena fragmented: " + FormatSize(rounded) + " would take " + std::to_string(count) +
+        " extents, more than quotas.max_extents_per_reserve (" +
+        std::to_string(policy_.max_extents_per_reserve) +
+        "); nothing was reserved: reserve smaller groups, or wait for space to coalesce");
+  }
+  Group g;
+  g.extents = std::move(extents).value();
+  g.held_bytes = rounded;
+  s.held_bytes += rounded;
+  JobOf(s).held_bytes += rounded;
+  reserved_bytes_ += rounded;
+  ++groups_;
+  ReserveResult result{g.extents, rounded};
+  s.groups.emplace(group_id, std::move(g));
+  return result;
 }
 
 Status SessionTable::CancelledStatus(Clock::time_point waited_from) {

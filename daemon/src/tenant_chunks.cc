@@ -62,7 +62,67 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
     owner.holders.clear();  // only dead sessions could be left
     owner.recipients.clear();
   }
+  if (owner.tenant == tenant) return Status::Ok();
+  if (!owner.tenant.empty()) {
+    auto old = tenant_chunks_.find(owner.tenant);
+    std::vector<uint32_t>& list = old->second.chunks;
+    list.erase(std::lower_bound(list.begin(), list.end(), chunk));
+    if (list.empty() && old->second.sessions == 0) tenant_chunks_.erase(old);
+  }
+  std::vector<uint32_t>& list = tenant_chunks_[tenant].chunks;
+  list.insert(std::upper_bound(list.begin(), list.end(), chunk), chunk);
   owner.tenant = tenant;
+  return Status::Ok();
+}
+
+void SessionTable::JoinTenant(Session* session) {
+  if (tenant_mode_ == TenantMode::kNone) return;
+  TenantChunks& entry = tenant_chunks_[session->tenant];
+  ++entry.sessions;
+  session->owned = &entry;
+}
+
+void SessionTable::LeaveTenant(const Session& session) {
+  if (session.owned == nullptr) return;
+  if (--session.owned->sessions == 0 && session.owned->chunks.empty()) {
+    tenant_chunks_.erase(session.tenant);
+  }
+}
+
+Status SessionTable::CheckTenantChunks() const {
+  std::unordered_map<std::string, uint32_t> sessions;
+  for (const auto& [id, s] : sessions_) {
+    if (s.owned != nullptr) ++sessions[s.tenant];
+    auto entry = tenant_chunks_.find(s.tenant);
+    if ((s.owned == nullptr) != (tenant_mode_ == TenantMode::kNone) ||
+        (s.owned != nullptr && (entry == tenant_chunks_.end() || &entry->second != s.owned))) {
+      return Internal("session " + std::to_string(id) + " does not point at the chunk list of " +
+                      "its tenant '" + s.tenant + "'");
+    }
+  }
+  size_t listed = 0, owned = 0;
+  for (const auto& [tenant, entry] : tenant_chunks_) {
+    auto count = sessions.find(tenant);
+    if (entry.sessions != (count == sessions.end() ? 0 : count->second) ||
+        (entry.sessions == 0 && entry.chunks.empty())) {
+      return Internal("tenant '" + tenant + "' counts " + std::to_string(entry.sessions) +
+                      " sessions and lists " + std::to_string(entry.chunks.size()) + " chunks");
+    }
+    for (size_t k = 0; k < entry.chunks.size(); ++k) {
+      const uint32_t c = entry.chunks[k];
+      if (c >= chunk_owners_.size() || chunk_owners_[c].tenant != tenant ||
+          (k > 0 && entry.chunks[k - 1] >= c)) {
+        return Internal("tenant '" + tenant + "' lists chunk " + std::to_string(c) +
+                        " out of order or not its own");
+      }
+    }
+    listed += entry.chunks.size();
+  }
+  for (const ChunkOwner& owner : chunk_owners_) owned += owner.tenant.empty() ? 0 : 1;
+  if (listed != owned) {
+    return Internal("tenant chunk lists hold " + std::to_string(listed) + " chunks; " +
+                    std::to_string(owned) + " chunks have a tenant");
+  }
   return Status::Ok();
 }
 

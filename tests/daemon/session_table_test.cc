@@ -521,6 +521,15 @@ TEST(ConstantTimeEquals, Basics) {
   EXPECT_FALSE(ConstantTimeEquals("abc", "abd"));
   EXPECT_FALSE(ConstantTimeEquals("abc", "ab"));
   EXPECT_TRUE(ConstantTimeEquals("", ""));
+  // Tokens are compared eight bytes at a time, then the tail: a difference
+  // anywhere counts.
+  const std::string token = "0123456789abcdef0123456789abcdef1";
+  EXPECT_TRUE(ConstantTimeEquals(token, token));
+  for (size_t i = 0; i < token.size(); ++i) {
+    std::string other = token;
+    other[i] ^= 1;
+    EXPECT_FALSE(ConstantTimeEquals(token, other)) << "byte " << i;
+  }
 }
 
 }  // namespace

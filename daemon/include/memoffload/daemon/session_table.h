@@ -284,11 +284,19 @@ class SessionTable {
     uint32_t sessions = 0;
     uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
   };
+  // The chunks a tenant owns, ascending (the order the allocator's
+  // restricted search breaks ties in), and how many open sessions it has.
+  struct TenantChunks {
+    std::vector<uint32_t> chunks;
+    uint32_t sessions = 0;
+  };
   struct Session {
     SessionGrant grant;
     Hello hello;
     std::string tenant;
-    std::string job_key;  // "<uid>:<job_id>", the key of jobs_
+    TenantChunks* owned = nullptr;  // tenant_chunks_[tenant]; null with TenantMode::kNone
+    std::string job_key;            // "<uid>:<job_id>", the key of jobs_
+    Job* job = nullptr;             // jobs_[job_key], which outlives the session
 
     PeerCredentials peer;
     Clock::time_point opened_at;
@@ -301,7 +309,10 @@ class SessionTable {
   Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
   Result<Group*> FindGroup(Session* session, uint64_t group_id);
   // One attempt to place the group now, leaving keep_free_bytes of the
-  // usable arena free (for an aged waiter of another tenant). Requires mu_.
+  // usable arena free (for an aged waiter of another tenant). The caller has
+  // checked the quotas (CheckQuotas); this checks capacity, once. Places only
+  // in the tenant's chunks (its TenantChunks list: no pass over every
+  // chunk), claiming empty ones when they are full. Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
                                    bool single_extent, uint64_t keep_free_bytes,
                                    RejectReason* reject);
@@ -378,13 +389,24 @@ class SessionTable {
     std::vector<pid_t> recipients;  // their processes, since the current backing
   };
   // Marks `chunk` as the tenant's, giving it a new memfd when it belonged to
-  // another tenant (never faults pages: see FreshBacking). Fails, changing
-  // nothing, only when no memfd can be created. Requires mu_.
+  // another tenant (never faults pages: see FreshBacking), and moves it to
+  // the tenant's list in tenant_chunks_. Fails, changing nothing, only when
+  // no memfd can be created. Requires mu_.
   Status Claim(uint32_t chunk, const std::string& tenant);
+  // Adds a session to its tenant's entry of tenant_chunks_ (Open), or
+  // removes it (Close), dropping an entry with no chunk and no session.
+  void JoinTenant(Session* session);
+  void LeaveTenant(const Session& session);
+  // tenant_chunks_ agrees with chunk_owners_ and the sessions. Requires mu_.
+  Status CheckTenantChunks() const;
   // A chunk the tenant may take over now, or -1. Requires mu_.
   int64_t Claimable(const std::string& tenant) const;
   const TenantMode tenant_mode_;
   std::vector<ChunkOwner> chunk_owners_;  // guarded by mu_; one per chunk
+  // By tenant; the inverse of chunk_owners_[c].tenant, kept by Claim so a
+  // Reserve asks the allocator for the tenant's chunks without a pass over
+  // every chunk. Entries are stable (sessions point at theirs). Guarded by mu_.
+  std::unordered_map<std::string, TenantChunks> tenant_chunks_;
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ = 0;  // guarded by mu_
 

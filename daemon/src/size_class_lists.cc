@@ -1,0 +1,120 @@
+#include "size_class_lists.h"
+
+#include <algorithm>
+
+namespace memoffload::daemon {
+namespace {
+
+constexpr int kSlLog2 = 5;
+constexpr int kSlCount = 1 << kSlLog2;
+
+}  // namespace
+
+int SizeClassOf(uint64_t pages) {
+  if (pages < static_cast<uint64_t>(kSlCount)) return static_cast<int>(pages);
+  const int top = Log2Floor(pages);
+  const int fl = top - kSlLog2 + 1;
+  return fl * kSlCount + static_cast<int>((pages >> (top - kSlLog2)) - kSlCount);
+}
+
+SizeClassLists::SizeClassLists(uint64_t max_pages, ListKind kind) : kind_(kind) {
+  const int fl_count = SizeClassOf(max_pages) / kSlCount + 1;
+  sl_bitmap_.assign(fl_count, 0);
+  heads_.assign(static_cast<size_t>(fl_count) * kSlCount, kNoNode);
+  class_max_.assign(heads_.size(), 0);
+}
+
+void SizeClassLists::Insert(std::vector<ExtentNode>& nodes, uint32_t i) {
+  ExtentNode& n = nodes[i];
+  const int rank = SizeClassOf(n.length);
+  const int fl = rank / kSlCount;
+  n.is_free = true;
+  ListLinks& links = n.links[kind_];
+  links.prev = kNoNode;
+  links.next = heads_[rank];
+  if (links.next != kNoNode) nodes[links.next].links[kind_].prev = i;
+  heads_[rank] = i;
+  class_max_[rank] = std::max(class_max_[rank], n.length);
+  fl_bitmap_ |= uint64_t{1} << fl;
+  sl_bitmap_[fl] |= 1u << (rank % kSlCount);
+}
+
+void SizeClassLists::Remove(std::vector<ExtentNode>& nodes, uint32_t i) {
+  const ListLinks links = nodes[i].links[kind_];
+  if (links.next != kNoNode) nodes[links.next].links[kind_].prev = links.prev;
+  if (links.prev != kNoNode) {
+    nodes[links.prev].links[kind_].next = links.next;
+    return;
+  }
+  const int rank = SizeClassOf(nodes[i].length);
+  heads_[rank] = links.next;
+  if (links.next == kNoNode) {
+    const int fl = rank / kSlCount;
+    sl_bitmap_[fl] &= ~(1u << (rank % kSlCount));
+    if (sl_bitmap_[fl] == 0) fl_bitmap_ &= ~(uint64_t{1} << fl);
+  }
+}
+
+int SizeClassLists::FirstAtOrAbove(int rank) const {
+  if (rank >= class_count()) return kNoClass;
+  int fl = rank / kSlCount;
+  uint32_t map = sl_bitmap_[fl] & (~0u << (rank % kSlCount));
+  if (map == 0) {
+    const uint64_t fl_map = fl + 1 < 64 ? fl_bitmap_ & (~uint64_t{0} << (fl + 1)) : 0;
+    if (fl_map == 0) return kNoClass;
+    fl = __builtin_ctzll(fl_map);
+    map = sl_bitmap_[fl];
+  }
+  return fl * kSlCount + __builtin_ctz(map);
+}
+
+int SizeClassLists::Top() const {
+  if (fl_bitmap_ == 0) return -1;
+  const int fl = Log2Floor(fl_bitmap_);
+  return fl * kSlCount + 31 - __builtin_clz(sl_bitmap_[fl]);
+}
+
+uint32_t SizeClassLists::FindIn(const std::vector<ExtentNode>& nodes, int rank, uint64_t pages) {
+  if (rank < 0 || rank >= class_count() || class_max_[rank] < pages) return kNoNode;
+  uint64_t longest = 0;
+  for (uint32_t i = heads_[rank]; i != kNoNode; i = nodes[i].links[kind_].next) {
+    if (nodes[i].length >= pages) return i;
+    longest = std::max(longest, nodes[i].length);
+  }
+  class_max_[rank] = longest;
+  return kNoNode;
+}
+
+uint32_t SizeClassLists::LongestIn(const std::vector<ExtentNode>& nodes, int rank) const {
+  uint32_t best = kNoNode;
+  for (uint32_t i = Head(rank); i != kNoNode; i = nodes[i].links[kind_].next) {
+    if (best == kNoNode || nodes[i].length > nodes[best].length) best = i;
+  }
+  return best;
+}
+
+Status SizeClassLists::Check(const std::vector<ExtentNode>& nodes, uint32_t chunk,
+                             const std::string& where, uint64_t* listed) const {
+  const int fl_count = static_cast<int>(sl_bitmap_.size());
+  if (fl_count < 64 && (fl_bitmap_ >> fl_count) != 0) {
+    return Internal(where + " has a class bit above its largest class");
+  }
+  for (int rank = 0; rank < class_count(); ++rank) {
+    const int fl = rank / kSlCount, sl = rank % kSlCount;
+    bool ok = ((sl_bitmap_[fl] >> sl & 1) != 0) == (heads_[rank] != kNoNode) &&
+              ((fl_bitmap_ >> fl & 1) != 0) == (sl_bitmap_[fl] != 0);
+    for (uint32_t i = heads_[rank], prev = kNoNode; ok && i != kNoNode;
+         prev = i, i = nodes[i].links[kind_].next, ++*listed) {
+      const ExtentNode& n = nodes[i];
+      ok = n.is_free && (chunk == kNoNode || n.chunk == chunk) && n.links[kind_].prev == prev &&
+           SizeClassOf(n.length) == rank && n.length <= class_max_[rank];
+    }
+    if (!ok) {
+      return Internal(where + " size class (" + std::to_string(fl) + ", " + std::to_string(sl) +
+                      ") has a bad list or bitmap");
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,103 @@
+// SizeClassLists: the segregated free lists of ExtentAllocator (TLSF class).
+//
+// The allocator tiles each chunk with ExtentNodes, free or allocated, held in
+// one node array and named by their index in it. A SizeClassLists indexes
+// free nodes by size class: a class is (first level = log2 of the length,
+// second level = one of kSlCount linear sub-classes), flattened to a rank
+// fl * kSlCount + sl, so a higher rank holds longer extents. A two-level
+// bitmap finds the first non-empty class at or above a rank in O(1).
+//
+// The allocator keeps one SizeClassLists for the whole arena and one per
+// chunk (for searches restricted to some chunks); a free node is a member of
+// both, through its own pair of links for each (ExtentNode::links[kind]).
+// Lengths are in pages. Not thread-safe: the allocator's owner serialises.
+#ifndef MEMOFFLOAD_DAEMON_SRC_SIZE_CLASS_LISTS_H_
+#define MEMOFFLOAD_DAEMON_SRC_SIZE_CLASS_LISTS_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::daemon {
+
+inline constexpr uint32_t kNoNode = UINT32_MAX;
+inline constexpr int kNoClass = INT32_MAX;
+
+inline int Log2Floor(uint64_t v) { return 63 - __builtin_clzll(v); }
+
+// Which lists a pair of links belongs to.
+enum ListKind : int { kArenaLists = 0, kChunkLists = 1 };
+
+struct ListLinks {
+  uint32_t prev = kNoNode;
+  uint32_t next = kNoNode;
+};
+
+// A range of one chunk, free or allocated, in address order with its
+// neighbours (prev_phys/next_phys).
+struct ExtentNode {
+  uint64_t offset = 0;  // pages from the chunk start
+  uint64_t length = 0;  // pages
+  uint32_t chunk = 0;
+  uint32_t prev_phys = kNoNode;
+  uint32_t next_phys = kNoNode;
+  ListLinks links[2];  // by ListKind; meaningful while is_free
+  bool is_free = false;
+};
+
+// The rank of the size class of a free extent of `pages` (> 0) pages. Every
+// member of a class of a higher rank is at least `pages` long; members of
+// the class itself may be shorter.
+int SizeClassOf(uint64_t pages);
+
+class SizeClassLists {
+ public:
+  // Lists for free extents of 1 to max_pages pages, linked through
+  // ExtentNode::links[kind].
+  SizeClassLists(uint64_t max_pages, ListKind kind);
+
+  // Lists free node i in its class (sets is_free). Its length must be
+  // <= max_pages.
+  void Insert(std::vector<ExtentNode>& nodes, uint32_t i);
+  // Unlinks node i, listed here; is_free is the caller's.
+  void Remove(std::vector<ExtentNode>& nodes, uint32_t i);
+
+  // The first non-empty class of rank >= `rank`, or kNoClass. O(1).
+  int FirstAtOrAbove(int rank) const;
+  // The highest non-empty class, or -1 when nothing is listed. O(1).
+  int Top() const;
+  // The first member of class `rank`, or kNoNode.
+  uint32_t Head(int rank) const {
+    return rank >= 0 && rank < class_count() ? heads_[rank] : kNoNode;
+  }
+  // A member of class `rank` of at least `pages` pages, or kNoNode. Scans
+  // the class unless its bound says none is long enough; a miss makes the
+  // bound exact, so a repeated miss costs O(1).
+  uint32_t FindIn(const std::vector<ExtentNode>& nodes, int rank, uint64_t pages);
+  // The longest member of class `rank`, or kNoNode. O(class members).
+  uint32_t LongestIn(const std::vector<ExtentNode>& nodes, int rank) const;
+
+  // Verifies the bitmaps against the lists, the links, and that every
+  // member is free, of its class, within the class bound and (unless chunk
+  // is kNoNode) in `chunk`. Adds the members to *listed. INTERNAL naming
+  // `where` and the class on a violation.
+  Status Check(const std::vector<ExtentNode>& nodes, uint32_t chunk, const std::string& where,
+               uint64_t* listed) const;
+
+ private:
+  int class_count() const { return static_cast<int>(heads_.size()); }
+
+  ListKind kind_;
+  uint64_t fl_bitmap_ = 0;           // bit fl: sl_bitmap_[fl] != 0
+  std::vector<uint32_t> sl_bitmap_;  // per first level; bit sl: heads_[rank] listed
+  std::vector<uint32_t> heads_;      // by rank
+  // Upper bound of the longest member per class: raised on insert, made
+  // exact by a failed FindIn.
+  std::vector<uint64_t> class_max_;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_SRC_SIZE_CLASS_LISTS_H_
