@@ -229,9 +229,11 @@ TEST(GrpcServices, SigintExitsZeroAndRemovesSockets) {
   ASSERT_NE(daemon, nullptr) << error;
   const std::string dir = daemon->runtime_dir();
   const auto start = Clock::now();
-  const int status = daemon->Stop(SIGINT, 10000);
+  const int status = daemon->Stop(SIGINT, 20000);
   ASSERT_NE(status, -1) << "daemon did not stop on SIGINT";
-  EXPECT_LT(Clock::now() - start, std::chrono::seconds(2));
+  // At once, not after the drain deadline (30 s); generous for a loaded
+  // machine under ASan (it failed at 2 s with both cores busy).
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(10)) << "SIGINT waited as SIGTERM does";
   ASSERT_TRUE(WIFEXITED(status)) << "wait status " << status << "\n" << daemon->Log();
   EXPECT_EQ(WEXITSTATUS(status), 0) << daemon->Log();
   EXPECT_FALSE(std::filesystem::exists(dir + "/broker.sock"));
