@@ -68,14 +68,21 @@ def clone_unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) -> dict:
+def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int,
+                reserve_ahead: bool = False) -> dict:
     """Per saved tensor, what the training thread spends in pack + unpack
     (and in dropping the handle and the unpacked tensor, as autograd does in
     backward) for memoffload's hooks and for a clone-only hook, alternating
     rounds; p50 over rounds of each round's mean per tensor. The group's own
     work (Reserve, Commit, Prefetch, Release on the worker, which overlaps
     with compute in training) is outside the per-tensor time and reported
-    per group: begin + close + prefetch wait + release wait."""
+    per group: begin + close + prefetch wait + release wait.
+
+    The group's Reserve is posted when it begins; CPU tensors packed before it
+    returns are copied by the worker at close, the others by the training
+    thread. ``reserve_ahead`` waits for the Reserve before the first pack (in
+    the group time), as when the reservation is made before the forward: then
+    every copy is the training thread's, one copy against the clone's one."""
     off = mot.get_offloader(runtime_dir)
     src = [torch.randn(size_bytes // 4) for _ in range(tensors)]
     ns = time.perf_counter_ns
@@ -84,6 +91,8 @@ def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) ->
         g0 = ns()
         ctx = mot.offload_activations(runtime_dir=runtime_dir, slot=size_bytes)
         ctx.__enter__()
+        if reserve_ahead:
+            off.flush()
         pack = _make_pack(off, ctx.key, 0, _ParamSkip([]), _Counters())
         t0 = ns()
         handles = [pack(t) for t in src]
@@ -124,6 +133,7 @@ def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int) ->
         "bench": "hooks",
         "tensor_bytes": size_bytes,
         "tensors_per_group": tensors,
+        "reservation": "ahead" if reserve_ahead else "at_begin",
         "rounds": rounds,
         "memoffload_p50_us_per_tensor": round(m / 1e3, 2),
         "clone_p50_us_per_tensor": round(c / 1e3, 2),
@@ -304,7 +314,9 @@ def main() -> int:
         sizes = [int(x) for x in args.sizes.split(",")]
         for size in sizes:
             tensors = max(2, min(64, (32 << 20) // size))
-            print(json.dumps(bench_hooks(runtime_dir, size, tensors, args.rounds)), flush=True)
+            for ahead in (False, True):
+                print(json.dumps(bench_hooks(runtime_dir, size, tensors, args.rounds, ahead)),
+                      flush=True)
         for row in bench_saved_sizes(sorted(set(sizes) | {1024, 1 << 20})):
             print(json.dumps(row), flush=True)
         if not args.no_step:
