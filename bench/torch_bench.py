@@ -117,9 +117,9 @@ def bench_hooks(runtime_dir: str, size_bytes: int, tensors: int, rounds: int,
 
     times = {"memoffload": [], "clone": []}
     group_ns = []
-    before = off.stats()
     for fn in (ours, clone):  # warm-up (the first ours learns the group size)
         fn()
+    before = off.stats()
     for _ in range(rounds):
         for name, fn in (("memoffload", ours), ("clone", clone)):
             per_tensor, group = fn()
