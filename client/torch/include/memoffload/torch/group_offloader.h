@@ -136,7 +136,8 @@ class GroupOffloader {
   // The entry will not be asked for again; the group is released when its
   // last entry is dropped.
   Status DropEntry(uint64_t key, int64_t entry);
-  // Forgets the group and returns its space (asynchronous). Unknown keys are
+  // Forgets the group and returns its space (asynchronous; once the last
+  // tensor Get handed out over its arena bytes is gone). Unknown keys are
   // ignored.
   Status ReleaseGroup(uint64_t key);
 
