@@ -72,8 +72,8 @@ struct OffloaderStats {
   // Storages copied into the arena by the thread that added them (CPU, the
   // group's reservation already in place); the worker copies the others.
   uint64_t caller_copies = 0;
-  uint64_t blocking_rpcs = 0;     // RPCs the calling thread waited for
-  uint64_t prefetch_waits = 0;    // Get calls that waited for a prefetch
+  uint64_t blocking_rpcs = 0;   // RPCs the calling thread waited for
+  uint64_t prefetch_waits = 0;  // Get calls that waited for a prefetch
   double prefetch_wait_seconds = 0;
   uint64_t rereads = 0;     // storages read again (a second backward)
   uint64_t reconnects = 0;  // sessions attached after a loss
