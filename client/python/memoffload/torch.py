@@ -94,8 +94,9 @@ _keys = itertools.count(1)
 _slot_bases = itertools.count(1)
 _SLOT_STRIDE = 1 << 20
 _ACTIVATIONS_SLOT = 0
-# Saved tensors below this size stay in place: each costs ~20 us of fixed
-# bookkeeping, more than its copy below ~16 KiB (docs/torch.md, "Measured").
+# Saved tensors below this size stay in place: each cost ~20 us of fixed
+# bookkeeping before the native hooks, more than its copy below ~16 KiB; the
+# threshold was not re-derived since (docs/torch_measured.md).
 DEFAULT_MIN_TENSOR_BYTES = 16 << 10
 
 
