@@ -2,7 +2,8 @@
 // status query. Errors become Python exceptions here, at the edge: a Status
 // becomes the memoffload.errors class of its code (memoffload.Error and one
 // subclass per code, each with .code; InvalidArgument is also a ValueError).
-// Blocking calls release the GIL. The torch layer's messages are queued
+// Blocking calls release the GIL. The saved-tensor hooks are in
+// python_hooks.cc. The torch layer's messages are queued
 // (memoffload/torch/log.h) and drained by Python into its logger.
 #include <torch/extension.h>
 
@@ -13,6 +14,8 @@
 #include "memoffload/client/daemon_status.h"
 #include "memoffload/torch/group_offloader.h"
 #include "memoffload/torch/log.h"
+#include "python_errors.h"
+#include "python_hooks.h"
 
 namespace py = pybind11;
 using memoffload::Result;
@@ -22,6 +25,8 @@ using memoffload::torch::GroupOffloader;
 using memoffload::torch::OffloaderOptions;
 using memoffload::torch::OffloaderStats;
 using memoffload::torch::SlotStats;
+using memoffload::torch::python::Check;
+using memoffload::torch::python::Take;
 
 namespace {
 
@@ -30,24 +35,6 @@ constexpr size_t kLogQueueRecords = 1000;
 
 py::object StatusCodeOf(StatusCode code) {
   return py::module_::import("memoffload.errors").attr("StatusCode")(static_cast<int>(code));
-}
-
-// Raises the memoffload.errors exception of st's code (needs the GIL).
-[[noreturn]] void Raise(const Status& st) {
-  py::object exc = py::module_::import("memoffload.errors")
-                       .attr("error_from_status")(static_cast<int>(st.code()), st.message());
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
-  throw py::error_already_set();
-}
-
-void Check(const Status& st) {
-  if (!st.ok()) Raise(st);
-}
-
-template <typename T>
-T Take(Result<T> r) {
-  if (!r.ok()) Raise(r.status());
-  return std::move(r).value();
 }
 
 py::dict StatsDict(const OffloaderStats& s) {
@@ -61,6 +48,7 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["groups_live"] = s.groups_live;
   d["tensors"] = s.tensors;
   d["deduplicated"] = s.deduplicated;
+  d["caller_copies"] = s.caller_copies;
   d["blocking_rpcs"] = s.blocking_rpcs;
   d["prefetch_waits"] = s.prefetch_waits;
   d["prefetch_wait_seconds"] = s.prefetch_wait_seconds;
@@ -224,6 +212,8 @@ PYBIND11_MODULE(_C, m) {
             return SlotStatsDict(o.slot_stats(first_slot, end_slot));
           },
           py::arg("first_slot"), py::arg("end_slot"));
+
+  memoffload::torch::python::BindSavedTensorHooks(m);
 
   // Messages go to Python's "memoffload" logger (memoffload.torch drains
   // them), not to stderr.

@@ -163,6 +163,27 @@ def test_zero_size_noncontiguous_offset_and_expanded(daemon):
     assert_arena_empty(daemon)
 
 
+def test_unpacked_tensor_over_the_arena_holds_its_group(daemon):
+    """On CPU an unpacked tensor is a view of the arena bytes themselves: its
+    group's space stays reserved while the tensor lives (here past the end of
+    backward), and writing into it changes nothing in another group."""
+    a = torch.randn(256, 64)
+    b = torch.randn(256, 64)
+    run_saving(daemon, a)
+    kept = SaveAndCheck.seen[0]
+    SaveAndCheck.seen = None
+    mot.get_offloader(daemon.runtime_dir).flush()
+    s = daemon.status()
+    assert s["groups"] == 1 and s["used_bytes"] > 0, s  # held by `kept` alone
+    kept.add_(1.0)  # writes into the first group's bytes only
+    run_saving(daemon, b)  # backward compares b bit for bit
+    assert bit_equal(SaveAndCheck.seen[0], b)
+    SaveAndCheck.seen = None
+    assert bit_equal(kept, a + 1.0)
+    del kept
+    assert_arena_empty(daemon)
+
+
 def test_small_tensors_stay(daemon):
     t = torch.randn(4)
     before = mot.get_offloader(daemon.runtime_dir).stats()["offloaded_bytes"]

@@ -200,7 +200,13 @@ TEST_F(GroupOffloaderTest, SlotReservesAheadAndGroupsStayApart) {
   EXPECT_EQ(offloader_->stats().blocking_rpcs, 1u);  // the attach only
   ASSERT_TRUE(offloader_->ReleaseGroup(1).ok());
   ASSERT_TRUE(offloader_->ReleaseGroup(2).ok());
+  // Group 2 (BeginGroup) came back over the arena bytes: its space stays
+  // until its tensor dies; group 1 (OffloadGroup) came back as a copy.
+  offloader_->Flush();
+  EXPECT_EQ(Status().groups, 1u);
+  got_b = Result<std::vector<at::Tensor>>(std::vector<at::Tensor>{});
   ExpectArenaEmpty();
+  EXPECT_TRUE(BitwiseEqual((*got_a)[0], a));
 }
 
 TEST_F(GroupOffloaderTest, ReleaseWithoutPrefetchFreesTheArena) {

@@ -16,16 +16,30 @@ _GROUP_COUNTERS = (
 
 
 class _Counters:
-    """A handle's own counts of what its pack hook kept where it was."""
+    """A handle's own counts of what its pack hook kept where it was. The byte
+    counts live in ``native`` (``_C.PackCounters``), which the native pack
+    hooks of the handle's groups update."""
 
-    __slots__ = ("small_bytes", "param_bytes", "weight_copy_bytes", "steps", "stepped_aside")
+    __slots__ = ("native", "steps", "stepped_aside")
 
     def __init__(self) -> None:
-        self.small_bytes = 0
-        self.param_bytes = 0  # parameters and buffers, weight copies included
-        self.weight_copy_bytes = 0  # of which low-precision copies of weights
+        from . import _C
+
+        self.native = _C.PackCounters()
         self.steps = 0  # forward passes through the first layer
         self.stepped_aside = 0  # layer calls under foreign hooks or in backward
+
+    @property
+    def small_bytes(self) -> int:
+        return self.native.small_bytes
+
+    @property
+    def param_bytes(self) -> int:  # parameters and buffers, weight copies included
+        return self.native.param_bytes
+
+    @property
+    def weight_copy_bytes(self) -> int:  # of which low-precision copies of weights
+        return self.native.weight_copy_bytes
 
     def as_dict(self) -> Dict[str, int]:
         return {

@@ -83,6 +83,16 @@ class _ParamSkip:
             self._keys = _module_storages(self._modules)
         return self._keys
 
+    @property
+    def offload_weights(self) -> bool:
+        return self._weights
+
+    def storage_keys(self) -> Set[int]:
+        """The modules' parameter and buffer storage identities (taken at the
+        first call). The native pack hook asks for them, then applies the same
+        rules as ``__call__``."""
+        return self._storages()
+
     def _is_param(self, t: torch.Tensor) -> bool:
         return isinstance(t, nn.Parameter) or _storage_key(t) in self._storages()
 

@@ -94,8 +94,9 @@ _keys = itertools.count(1)
 _slot_bases = itertools.count(1)
 _SLOT_STRIDE = 1 << 20
 _ACTIVATIONS_SLOT = 0
-# Saved tensors below this size stay in place: each costs ~20 us of fixed
-# bookkeeping, more than its copy below ~16 KiB (docs/torch.md, "Measured").
+# Saved tensors below this size stay in place: each cost ~20 us of fixed
+# bookkeeping before the native hooks, more than its copy below ~16 KiB; the
+# threshold was not re-derived since (docs/torch_measured.md).
 DEFAULT_MIN_TENSOR_BYTES = 16 << 10
 
 
@@ -144,22 +145,21 @@ def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> 
 
 from .counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
 from .selection import LayerSelection, _selected  # noqa: E402
-from .param_skip import NOT_PARAM, WEIGHT_COPY, _ParamSkip  # noqa: E402
+from .param_skip import _ParamSkip  # noqa: E402
 
 
 class _Packed:
-    """What autograd keeps for an offloaded saved tensor. When autograd drops
-    it, the entry is dropped; the group goes when its last entry does."""
+    """What autograd keeps for an offloaded saved CUDA tensor (CPU tensors get
+    a native ``_C.SavedEntry``). When autograd drops it, the entry is dropped;
+    the group goes when its last entry does."""
 
     __slots__ = ("off", "key", "entry", "device", "__weakref__")
 
-    def __init__(
-        self, off: "_C.GroupOffloader", key: int, entry: int, device: Optional[torch.device]
-    ) -> None:
+    def __init__(self, off: "_C.GroupOffloader", key: int, entry: int, device: torch.device) -> None:
         self.off = off
         self.key = key
         self.entry = entry
-        self.device = device  # CUDA tensors: the device whose stream will use it
+        self.device = device  # the device whose stream will use it
 
     def __del__(self) -> None:
         try:
@@ -168,10 +168,8 @@ class _Packed:
             pass
 
 
-def _unpack(packed: Any) -> torch.Tensor:
+def _unpack_cuda(packed: Any) -> torch.Tensor:
     if isinstance(packed, _Packed):
-        if packed.device is None:
-            return packed.off.get(packed.key, packed.entry)
         # The consumer stream waits (on the GPU) for the copy back; the block
         # is not reused before that stream is done with it.
         stream = torch.cuda.current_stream(packed.device)
@@ -182,35 +180,43 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed
 
 
-def _make_pack(
-    off: "_C.GroupOffloader",
-    key: int,
-    min_tensor_bytes: int,
-    is_param: Callable[[torch.Tensor], int],
-    counters: _Counters,
-) -> Callable[[torch.Tensor], Any]:
+def _cuda_pack(off: "_C.GroupOffloader", key: int) -> Callable[[torch.Tensor], Any]:
     def pack(t: torch.Tensor) -> Any:
-        if t.layout != torch.strided:
-            return t
-        nbytes = t.numel() * t.element_size()
-        if nbytes < min_tensor_bytes:
-            counters.small_bytes += nbytes
-            return t
-        kind = is_param(t)
-        if kind != NOT_PARAM:
-            counters.param_bytes += nbytes
-            if kind == WEIGHT_COPY:
-                counters.weight_copy_bytes += nbytes
-            return t
         stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
         # -1: the offloader cannot take this tensor; it counted it as skipped.
         entry = off.add(key, t, stream)
         if entry < 0:
             return t
-        return _Packed(off, key, entry, t.device if t.is_cuda else None)
+        return _Packed(off, key, entry, t.device)
 
-    setattr(pack, OWN_HOOK_ATTR, True)
     return pack
+
+
+# The unpack hook (native): a CPU tensor's entry comes back from the arena
+# without a Python frame; CUDA handles go through _unpack_cuda.
+_unpack = _C.UnpackHook(_unpack_cuda)
+
+
+def _make_pack(
+    off: "_C.GroupOffloader",
+    key: int,
+    min_tensor_bytes: int,
+    is_param: _ParamSkip,
+    counters: _Counters,
+) -> Callable[[torch.Tensor], Any]:
+    """The pack hook of group ``key`` (native, see client/torch/python_hooks.cc):
+    small tensors, parameters, buffers and weight copies (``is_param``'s
+    rules) stay in place and are counted in ``counters``; the rest goes into
+    the group."""
+    return _C.PackHook(
+        off,
+        key,
+        min_tensor_bytes,
+        is_param.storage_keys,
+        is_param.offload_weights,
+        counters.native,
+        _cuda_pack(off, key),
+    )
 
 
 def _first_grad_tensor(out: Any) -> Optional[torch.Tensor]:

@@ -12,7 +12,9 @@
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -46,7 +48,7 @@ struct StoredStorage {
   // the storage was freed or reallocated in place since (FSDP frees its
   // gathered weights with resize_(0) at the end of a forward).
   const void* data_at_add = nullptr;
-  bool copy_queued = false;  // training side: a copy task was posted at Add
+  bool copy_queued = false;  // training side: copied (CPU) or posted at Add
   // Written by the worker; read by Get under Group::mu.
   bool copied = false;     // bytes are in the reservation (not yet committed)
   bool offloaded = false;  // committed; `source` dropped
@@ -78,6 +80,10 @@ struct Group {
   uint64_t daemon_id = 0;
   // Training side, guarded by the offloader's mutex.
   bool open = true;
+  // Unpack may hand out CPU storages over the arena bytes (the saved-tensor
+  // hooks). The explicit API (OffloadGroup) gets copies: its ReleaseGroup
+  // returns the space at once, whoever still holds the tensors.
+  bool arena_views_allowed = true;
   uint64_t planned_bytes = 0;  // reserved at Begin (0: reserve at close)
   uint64_t bump = 0;
   std::unordered_map<c10::StorageImpl*, int32_t> by_impl;  // while open
@@ -88,11 +94,20 @@ struct Group {
   bool prefetch_issued = false;
   std::shared_future<Status> prefetched;
   std::promise<Status> prefetch_promise;
+  // Set (release) by the worker once the reservation at Begin succeeded;
+  // from then until Close, `client`, `write_extents` and `reserved_bytes`
+  // do not change, so the training thread may copy CPU storages into the
+  // reservation itself (acquire).
+  std::atomic<bool> reserved{false};
+  // Training side: time of the copies made on the training thread (read by
+  // Close, which is posted after them).
+  double inline_copy_seconds = 0;
   // Worker side; read by Get only after `prefetched` is ready.
   std::shared_ptr<client::Client> client;  // set once the reservation succeeded
   std::vector<Extent> write_extents;
   uint64_t reserved_bytes = 0;
   bool reserve_tried = false;
+  bool reserve_closed = false;  // Close began: no more copies on the training thread
   Status reserve_status;
   bool in_arena = false;  // committed
   std::vector<Extent> read_extents;
@@ -104,6 +119,15 @@ struct Group {
 
   // Guards StoredStorage::{copied, offloaded, source, restored, restored_ready}.
   std::mutex mu;
+
+  // Storages handed out over the arena bytes themselves (CPU zero-copy
+  // unpack), alive until their last tensor dies. The group's space goes back
+  // to the daemon only once none is left: a release asked for earlier waits
+  // in `deferred_release`. Lock order: mu (or the offloader's) before
+  // views_mu; nothing is taken after views_mu but the worker's queue.
+  std::mutex views_mu;
+  int64_t arena_views = 0;                 // GUARDED_BY(views_mu)
+  std::function<void()> deferred_release;  // GUARDED_BY(views_mu)
 };
 
 }  // namespace memoffload::torch

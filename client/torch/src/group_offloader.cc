@@ -55,6 +55,7 @@ class GroupOffloader::Impl {
     }
     for (auto& g : groups) PostRelease(g);
     worker_.Flush();
+    sink_->Close();
   }
 
   void AttachNow() {
@@ -63,10 +64,11 @@ class GroupOffloader::Impl {
     worker_.Flush();
   }
 
-  Status BeginGroup(uint64_t key, int64_t slot) {
+  Status BeginGroup(uint64_t key, int64_t slot, bool arena_views_allowed = true) {
     auto g = std::make_shared<Group>();
     g->key = key;
     g->slot = slot;
+    g->arena_views_allowed = arena_views_allowed;
     g->prefetched = g->prefetch_promise.get_future().share();
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -108,17 +110,26 @@ class GroupOffloader::Impl {
       if (!added.ok()) return added.status();
       packed = std::move(added).value();
     }
-    const bool dedup = packed.dedup;
-    stats_.Count([dedup](OffloaderStats& s) {
-      ++s.tensors;
-      if (dedup) ++s.deduplicated;
-    });
     // Counted in skipped_bytes when the group closes, like any storage that
     // did not make it into the arena.
     if (!packed.kept.ok()) NoteKept(packed.kept);
+    bool copied_here = false;
     if (std::shared_ptr<StoredStorage> s = packed.copy_now) {
-      worker_.Post([this, g, s] { transfer_.CopyOut(*g, *s); });
+      // CPU: one memcpy on this thread, like a clone, instead of waking the
+      // worker for every tensor; before the reservation is in place, Close
+      // copies it (the source is held until Commit either way). A device
+      // storage's copy starts now, on the engine's stream.
+      copied_here = CopyOutInline(*g, *s);
+      if (!copied_here && !s->device.is_cpu()) {
+        worker_.Post([this, g, s] { transfer_.CopyOut(*g, *s); });
+      }
     }
+    const bool dedup = packed.dedup;
+    stats_.Count([dedup, copied_here](OffloaderStats& s) {
+      ++s.tensors;
+      if (dedup) ++s.deduplicated;
+      if (copied_here) ++s.caller_copies;
+    });
     return packed.index;
   }
 
@@ -145,6 +156,15 @@ class GroupOffloader::Impl {
     if (it == groups_.end() || it->second->open) return Status::Ok();
     IssuePrefetchLocked(it->second);
     return Status::Ok();
+  }
+
+  bool WouldNotWait(uint64_t key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = groups_.find(key);
+    if (it == groups_.end()) return true;
+    const Group& g = *it->second;
+    return g.open || (g.prefetch_issued &&
+                      g.prefetched.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
   }
 
   Result<at::Tensor> Get(uint64_t key, int64_t index, uintptr_t stream) {
@@ -202,7 +222,7 @@ class GroupOffloader::Impl {
         // A second backward over the same graph: the round's copy was
         // dropped, the arena still holds the data until the group dies.
         ReadyToken copied = 0;
-        Result<c10::Storage> again = RestoreStorage(*g, *s, &copied);
+        Result<c10::Storage> again = RestoreOrView(g, *s, &copied);
         if (!again.ok()) return again.status();
         s->restored = *again;
         s->engine->SyncAndDropToken(s->restored_ready);
@@ -321,7 +341,7 @@ class GroupOffloader::Impl {
     g->prefetch_issued = true;
     // Prefetch owes the group's prefetch promise: if it throws, the unpack
     // waiting on it gets an error instead of hanging.
-    worker_.Post([this, g] { transfer_.Prefetch(*g); },
+    worker_.Post([this, g] { transfer_.Prefetch(g); },
                  [g](const char* what) {
                    try {
                      g->prefetch_promise.set_value(
@@ -351,10 +371,54 @@ class GroupOffloader::Impl {
     for (auto& s : g.storages) s->restored = c10::Storage();
   }
 
+  // The group's space goes back once autograd (or the caller) is done with
+  // it and no storage over its arena bytes is alive any more.
   void PostRelease(const std::shared_ptr<Group>& g) {
     stats_.Count([](OffloaderStats& s) { --s.groups_live; });
+    std::vector<c10::Storage> views;
+    {
+      std::lock_guard<std::mutex> lock(g->mu);
+      for (auto& s : g->storages) {
+        // CPU restored storages (arena views among them) are not needed by
+        // the group any more; CUDA ones wait for Release's sync.
+        if (s->device.is_cpu() && s->restored) views.push_back(std::move(s->restored));
+      }
+    }
+    views.clear();  // may drop views: outside the group's locks
+    {
+      std::lock_guard<std::mutex> lock(g->views_mu);
+      if (g->arena_views > 0) {
+        std::shared_ptr<ReleaseSink> sink = sink_;
+        g->deferred_release = [sink, g] { sink->Post(g); };
+        return;
+      }
+    }
+    PostReleaseNow(g);
+  }
+
+  void PostReleaseNow(const std::shared_ptr<Group>& g) {
     worker_.Post([this, g] { transfer_.Release(*g); });
   }
+
+  // Where the last arena view of a group posts its deferred release; after
+  // the offloader is gone, nowhere (the session ends when the last group
+  // holding its client dies, and the daemon reclaims the space).
+  class ReleaseSink {
+   public:
+    explicit ReleaseSink(Impl* impl) : impl_(impl) {}
+    void Post(const std::shared_ptr<Group>& g) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (impl_ != nullptr) impl_->PostReleaseNow(g);
+    }
+    void Close() {
+      std::lock_guard<std::mutex> lock(mu_);
+      impl_ = nullptr;
+    }
+
+   private:
+    std::mutex mu_;
+    Impl* impl_;  // GUARDED_BY(mu_)
+  };
 
   std::unique_ptr<CopyEngine> host_engine_;
   std::unique_ptr<CopyEngine> cuda_engine_;
@@ -369,6 +433,8 @@ class GroupOffloader::Impl {
   // Worker-only.
   Session session_;
   GroupTransfer transfer_;
+
+  std::shared_ptr<ReleaseSink> sink_ = std::make_shared<ReleaseSink>(this);
 
   // Last: destroyed (joined) first.
   Worker worker_{[](const char* what) {
@@ -402,10 +468,11 @@ Status GroupOffloader::DropEntry(uint64_t key, int64_t entry) {
   return impl_->DropEntry(key, entry);
 }
 Status GroupOffloader::ReleaseGroup(uint64_t key) { return impl_->ReleaseGroup(key); }
+bool GroupOffloader::WouldNotWait(uint64_t key) { return impl_->WouldNotWait(key); }
 
 Status GroupOffloader::OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors,
                                     uintptr_t stream, int64_t slot) {
-  MEMOFFLOAD_RETURN_IF_ERROR(impl_->BeginGroup(key, slot));
+  MEMOFFLOAD_RETURN_IF_ERROR(impl_->BeginGroup(key, slot, /*arena_views_allowed=*/false));
   for (const at::Tensor& t : tensors) {
     Result<int64_t> added = impl_->Add(key, t, stream);
     if (!added.ok()) {

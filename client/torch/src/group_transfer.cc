@@ -4,6 +4,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -43,7 +46,78 @@ Status ForEachPiece(const Client& c, const std::vector<Extent>& extents, uint64_
   return Status::Ok();
 }
 
+// What an arena view's DataPtr holds: its group, whose space stays reserved
+// (and mapped, through g->client) while the view lives.
+struct ArenaViewRef {
+  std::shared_ptr<Group> group;
+};
+
+void DropArenaView(void* context) {
+  std::unique_ptr<ArenaViewRef> ref(static_cast<ArenaViewRef*>(context));
+  std::function<void()> release;
+  {
+    std::lock_guard<std::mutex> lock(ref->group->views_mu);
+    if (--ref->group->arena_views == 0) {
+      release = std::move(ref->group->deferred_release);
+      ref->group->deferred_release = nullptr;
+    }
+  }
+  if (release) release();
+}
+
+// The arena address of [offset, offset + length) of the group's byte stream
+// when it lies in one extent; nullptr otherwise.
+uint8_t* ContiguousAddress(const Client& c, const std::vector<Extent>& extents, uint64_t offset,
+                           uint64_t length) {
+  uint64_t pos = 0;
+  for (const Extent& e : extents) {
+    if (offset < pos + e.length) {
+      if (offset + length > pos + e.length) return nullptr;
+      uint8_t* base = c.Address(e);
+      return base == nullptr ? nullptr : base + (offset - pos);
+    }
+    pos += e.length;
+  }
+  return nullptr;
+}
+
 }  // namespace
+
+Result<c10::Storage> RestoreOrView(const std::shared_ptr<Group>& g, const StoredStorage& s,
+                                   ReadyToken* copied) {
+  *copied = 0;
+  if (g->arena_views_allowed && s.device.is_cpu() && s.nbytes > 0) {
+    uint8_t* data = ContiguousAddress(*g->client, g->read_extents, s.offset, s.nbytes);
+    if (data != nullptr) {
+      {
+        std::lock_guard<std::mutex> lock(g->views_mu);
+        ++g->arena_views;
+      }
+      auto* ref = new ArenaViewRef{g};
+      c10::DataPtr ptr(data, ref, &DropArenaView, c10::Device(c10::kCPU));
+      return c10::Storage(c10::Storage::use_byte_size_t(), s.nbytes, std::move(ptr),
+                          /*allocator=*/nullptr, /*resizable=*/false);
+    }
+  }
+  return RestoreStorage(*g, s, copied);
+}
+
+bool CopyOutInline(Group& g, StoredStorage& s) {
+  if (s.keep || !s.device.is_cpu() || !g.reserved.load(std::memory_order_acquire)) return false;
+  if (s.offset + s.nbytes > g.reserved_bytes) return false;
+  const uint8_t* src = static_cast<const uint8_t*>(s.source.data());
+  const auto start = std::chrono::steady_clock::now();
+  Status st = ForEachPiece(*g.client, g.write_extents, s.offset, s.nbytes,
+                           [&](uint8_t* dst, uint64_t done, uint64_t n) {
+                             return s.engine->CopyOut(s.device, src + done, dst, n, 0);
+                           });
+  g.inline_copy_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!st.ok()) return false;  // the worker tries again at Close and reports
+  std::lock_guard<std::mutex> lock(g.mu);
+  s.copied = true;
+  return true;
+}
 
 Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, ReadyToken* copied) {
   *copied = 0;
@@ -91,6 +165,9 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   g.client = c;
   g.write_extents = r->extents;
   g.reserved_bytes = r->reserved_bytes;
+  // Only the reservation made while the group is open: Close's never meets a
+  // copy on the training thread.
+  if (!g.reserve_closed) g.reserved.store(true, std::memory_order_release);
   if (cuda_engine_) {
     // Each chunk at its own size from the attach reply (the last one may be
     // smaller), so every chunk a group lands in gets registered.
@@ -151,6 +228,8 @@ void GroupTransfer::Close(Group& g) {
     storages = g.storages;
     total = g.bump;
   }
+  g.reserve_closed = true;
+  g.copy_out_seconds += g.inline_copy_seconds;
   if (!g.reserve_tried && total > 0) Reserve(g, AlignUp(total, kAlignBytes));
   if (g.client && total > g.reserved_bytes) {
     // The group grew beyond last step's size: trade the reservation for
@@ -220,7 +299,8 @@ void GroupTransfer::DropReservation(Group& g) {
   g.client.reset();
 }
 
-void GroupTransfer::Prefetch(Group& g) {
+void GroupTransfer::Prefetch(const std::shared_ptr<Group>& group) {
+  Group& g = *group;
   if (!g.in_arena) {
     g.prefetch_promise.set_value(Status::Ok());
     return;
@@ -254,7 +334,7 @@ void GroupTransfer::Prefetch(Group& g) {
   for (auto& s : storages) {
     if (!s->offloaded) continue;
     ReadyToken copied = 0;
-    Result<c10::Storage> restored = RestoreStorage(g, *s, &copied);
+    Result<c10::Storage> restored = RestoreOrView(group, *s, &copied);
     if (!restored.ok()) {
       g.prefetch_promise.set_value(restored.status());
       return;

@@ -28,6 +28,18 @@ namespace memoffload::torch {
 // second backward, once the group's prefetch is complete.
 Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, ReadyToken* copied);
 
+// The storage `s` of `g` for a backward round: on CPU, when the group allows
+// it and `s` lies in one extent, a storage over the arena bytes themselves
+// (no copy; it holds `g`, and with it the group's space, until it dies);
+// otherwise a copy (RestoreStorage). Needs g.read_extents.
+Result<c10::Storage> RestoreOrView(const std::shared_ptr<Group>& g, const StoredStorage& s,
+                                   ReadyToken* copied);
+
+// Training thread, while `g` is open: copies the CPU storage `s` into the
+// group's reservation when the reservation is in place and holds it.
+// Returns whether it did (else the worker copies it later).
+bool CopyOutInline(Group& g, StoredStorage& s);
+
 class GroupTransfer {
  public:
   // `cuda_engine` (may be null) pins the chunks of each reservation;
@@ -43,8 +55,8 @@ class GroupTransfer {
   void CopyOut(Group& g, StoredStorage& s);
   // Copies what is left, commits and drops the sources that made it.
   void Close(Group& g);
-  // Restores every offloaded storage and fulfils g.prefetch_promise.
-  void Prefetch(Group& g);
+  // Restores every offloaded storage and fulfils g->prefetch_promise.
+  void Prefetch(const std::shared_ptr<Group>& g);
   // Returns the group's space and drops unconsumed ready tokens.
   void Release(Group& g);
 

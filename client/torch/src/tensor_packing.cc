@@ -1,7 +1,7 @@
 #include "tensor_packing.h"
 
 #include <ATen/ATen.h>
-#include <ATen/core/grad_mode.h>
+#include <c10/core/TensorOptions.h>
 
 #include <exception>
 #include <sstream>
@@ -97,15 +97,17 @@ Status CheckUnmodified(const Entry& e, uint64_t key) {
 }
 
 Result<at::Tensor> Unpack(const Entry& e, const c10::Storage& storage) {
-  at::Tensor out;
+  // The TensorImpl is made directly (not at::empty + set_, two dispatcher
+  // round trips): this runs once per saved tensor in backward.
   try {
-    at::NoGradGuard no_grad;
-    out = at::empty({0}, at::TensorOptions().dtype(e.dtype).device(e.device));
-    out.set_(storage, e.storage_offset, e.sizes, e.strides);
+    const c10::DispatchKeySet keys(
+        c10::computeDispatchKey(e.dtype.toScalarType(), c10::kStrided, e.device));
+    at::Tensor out = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(storage), keys, e.dtype);
+    out.unsafeGetTensorImpl()->set_sizes_and_strides(e.sizes, e.strides, e.storage_offset);
+    return out;
   } catch (const std::exception& ex) {
     return Internal(std::string("restoring a tensor failed: ") + ex.what());
   }
-  return out;
 }
 
 }  // namespace memoffload::torch

@@ -69,8 +69,11 @@ struct OffloaderStats {
   uint64_t groups_live = 0;       // groups not yet released
   uint64_t tensors = 0;           // entries added
   uint64_t deduplicated = 0;      // entries that shared an already added storage
-  uint64_t blocking_rpcs = 0;     // RPCs the calling thread waited for
-  uint64_t prefetch_waits = 0;    // Get calls that waited for a prefetch
+  // Storages copied into the arena by the thread that added them (CPU, the
+  // group's reservation already in place); the worker copies the others.
+  uint64_t caller_copies = 0;
+  uint64_t blocking_rpcs = 0;   // RPCs the calling thread waited for
+  uint64_t prefetch_waits = 0;  // Get calls that waited for a prefetch
   double prefetch_wait_seconds = 0;
   uint64_t rereads = 0;     // storages read again (a second backward)
   uint64_t reconnects = 0;  // sessions attached after a loss
@@ -113,6 +116,8 @@ class GroupOffloader {
   // counted in skipped_bytes, the reason logged once. INVALID_ARGUMENT for
   // an undefined or non-strided tensor.
   Result<int64_t> Add(uint64_t key, const at::Tensor& tensor, uintptr_t stream = 0);
+  // Add and CloseGroup of one group are called from one thread: Add may copy
+  // a CPU storage into the group's reservation on the calling thread.
   Status CloseGroup(uint64_t key);
   // Starts bringing the group back (asynchronous). Unknown keys are ignored.
   Status PrefetchGroup(uint64_t key);
@@ -121,15 +126,25 @@ class GroupOffloader {
   // that will use it. That stream waits (an event, not the calling thread)
   // for the copy back; the caller records the tensor on it
   // (record_stream) if it may be freed on another.
+  //
+  // CPU tensors of groups made with BeginGroup come back without a copy: as
+  // views of a storage over the arena bytes themselves, which holds the
+  // group's space until it dies (the group's Release waits for its last such
+  // storage). Writes to one stay inside its own storage's bytes.
   Result<at::Tensor> Get(uint64_t key, int64_t entry, uintptr_t stream = 0);
+  // Whether Get(key, ...) returns without waiting for the worker (the group
+  // is open, unknown, or its prefetch is complete).
+  bool WouldNotWait(uint64_t key);
   // The entry will not be asked for again; the group is released when its
   // last entry is dropped.
   Status DropEntry(uint64_t key, int64_t entry);
-  // Forgets the group and returns its space (asynchronous). Unknown keys are
+  // Forgets the group and returns its space (asynchronous; once the last
+  // tensor Get handed out over its arena bytes is gone). Unknown keys are
   // ignored.
   Status ReleaseGroup(uint64_t key);
 
-  // Explicit API for C++ trainers: Begin + Add each + Close. `slot` as in
+  // Explicit API for C++ trainers: Begin + Add each + Close. GetGroup
+  // returns copies: ReleaseGroup gives the space back at once. `slot` as in
   // BeginGroup (e.g. the layer index) enables reservation ahead of the copies.
   Status OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors, uintptr_t stream = 0,
                       int64_t slot = -1);
