@@ -24,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_arena.h"
 #include "benches.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/units.h"
@@ -52,18 +53,10 @@ struct Live {
 class Table {
  public:
   static std::unique_ptr<Table> Make(daemon::TenantMode mode) {
-    daemon::ArenaOptions options;
-    options.size_bytes = kChunkBytes * kChunks;
-    options.chunk_size_bytes = kChunkBytes;
-    options.mlock = false;  // as an unprivileged run; pages are pre-faulted either way
-    daemon::ArenaBuildReport report;
-    auto arena = daemon::Arena::Build(options, &report);
-    if (!arena.ok()) {
-      std::fprintf(stderr, "allocator: arena: %s\n", arena.status().ToString().c_str());
-      return nullptr;
-    }
+    std::unique_ptr<daemon::Arena> arena = BuildBenchArena("allocator", kChunkBytes, kChunks);
+    if (arena == nullptr) return nullptr;
     auto t = std::unique_ptr<Table>(new Table);
-    t->arena_ = std::move(arena).value();
+    t->arena_ = std::move(arena);
     t->table_ = std::make_unique<daemon::SessionTable>(t->arena_.get(), daemon::Policy{}, mode);
     for (uint32_t s = 0; s < kSessions; ++s) {
       Hello hello;

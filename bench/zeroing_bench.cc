@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_arena.h"
 #include "benches.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/units.h"
@@ -54,20 +55,12 @@ int RunZeroingBench(int argc, char** argv) {
   }
   if (chunks == 0 || rounds <= 0) return Usage();
 
-  daemon::ArenaOptions options;
-  options.size_bytes = chunk_bytes * chunks;
-  options.chunk_size_bytes = chunk_bytes;
-  options.mlock = false;  // as an unprivileged run; pages are pre-faulted either way
-  daemon::ArenaBuildReport report;
-  auto arena = daemon::Arena::Build(options, &report);
-  if (!arena.ok()) {
-    std::fprintf(stderr, "memoffload-bench zeroing: %s\n", arena.status().ToString().c_str());
-    return 1;
-  }
+  std::unique_ptr<daemon::Arena> arena = BuildBenchArena("zeroing", chunk_bytes, chunks);
+  if (arena == nullptr) return 1;
   daemon::FreshBackingOptions fresh_options;
   fresh_options.chunk_size_bytes = chunk_bytes;
   daemon::FreshBacking fresh(fresh_options);
-  daemon::SessionTable table(arena->get(), daemon::Policy{}, daemon::TenantMode::kUid, &fresh);
+  daemon::SessionTable table(arena.get(), daemon::Policy{}, daemon::TenantMode::kUid, &fresh);
   double claim_seconds = 0;
 
   // Round r: tenant (uid 1000 + r % 2) reserves the whole arena, then
