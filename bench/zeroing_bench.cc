@@ -75,7 +75,7 @@ int RunZeroingBench(int argc, char** argv) {
       return 1;
     }
     const auto start = Clock::now();
-    auto g = table.Reserve(s->session_id, s->token, 1, options.size_bytes, false);
+    auto g = table.Reserve(s->session_id, s->token, 1, chunk_bytes * chunks, false);
     if (r > 0) claim_seconds += std::chrono::duration<double>(Clock::now() - start).count();
     if (!g.ok()) {
       std::fprintf(stderr, "reserve: %s\n", g.status().ToString().c_str());
