@@ -46,7 +46,7 @@ def images(podman, timings, tmp_path_factory):
     """Names of this session's images: the base, the Dockerfile's build stage
     and its runtime image. Everything the builds made is removed at the end:
     the tagged images and the untagged intermediate layers they left."""
-    before = _all_image_ids(podman)
+    before = _untagged_image_ids(podman)
     names = {}
     try:
         names["base"] = cc.import_base_image(podman, timings)
@@ -69,13 +69,15 @@ def images(podman, timings, tmp_path_factory):
     finally:
         for name in reversed(list(names.values())):
             podman.remove_image(name)
-        for image_id in _all_image_ids(podman) - before:
+        # Untagged layers only: an image someone else tagged meanwhile stays.
+        for image_id in _untagged_image_ids(podman) - before:
             podman.run("rmi", image_id, check=False, timeout_s=120)
 
 
-def _all_image_ids(podman: cc.Podman) -> set[str]:
-    out = podman.run("images", "--all", "--quiet", "--no-trunc").stdout
-    return set(out.split())
+def _untagged_image_ids(podman: cc.Podman) -> set[str]:
+    out = podman.run("images", "--all", "--no-trunc", "--format",
+                     "{{.ID}} {{.Repository}}").stdout
+    return {line.split()[0] for line in out.splitlines() if line.endswith(" <none>")}
 
 
 @pytest.fixture(scope="session")
