@@ -17,9 +17,22 @@ DEPS_TORCH=(python3-dev pybind11-dev)
 DEPS_TEST=(ccache ninja-build googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
   yamllint systemd strace python3-yaml
   clang-14 libclang-rt-14-dev)
+# The container tests (CTest label container, tests/deploy/test_container.py
+# and test_systemd_boot.py): podman with runc (crun fails on hybrid cgroups),
+# and debootstrap for the base image, since no registry is reachable.
+# Installed with --with-container, which scripts/test.sh passes.
+DEPS_CONTAINER=(podman buildah runc debootstrap)
 
 want=("${DEPS_BUILD[@]}" "${DEPS_TORCH[@]}" "${DEPS_TEST[@]}")
-if [[ "${1:-}" == "--print" ]]; then
+print=0
+for arg in "$@"; do
+  case "$arg" in
+    --print) print=1 ;;
+    --with-container) want+=("${DEPS_CONTAINER[@]}") ;;
+    *) echo "usage: scripts/setup-deps.sh [--with-container] [--print]" >&2; exit 2 ;;
+  esac
+done
+if ((print)); then
   printf '%s\n' "${want[@]}"
   exit 0
 fi

@@ -9,7 +9,7 @@
 # the output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-deps.sh
+scripts/setup-deps.sh --with-container
 python=$(scripts/venv.sh | tail -n 1)
 scripts/build.sh -DMEMOFFLOAD_BUILD_TORCH=ON -DMEMOFFLOAD_PYTHON="$python"
 export MEMOFFLOAD_BIN_DIR="$PWD/build/bin"

@@ -3,6 +3,7 @@ is built from, for the deploy tests."""
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tomllib
@@ -167,3 +168,46 @@ def recorded_exposure() -> float:
     m = re.search(r"Recorded exposure score:\s*\*\*(\d+\.\d+)\*\*", _read(DEPLOY_DOC))
     assert m, "docs/deploy.md must contain 'Recorded exposure score: **N.N**'"
     return float(m.group(1))
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined, comments dropped."""
+    out, pending = [], ""
+    for raw in DOCKERFILE.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Stage name -> its instructions, in order."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for word, rest in dockerfile_instructions():
+        if word == "FROM":
+            current = rest.split()[-1]
+            stages[current] = []
+        elif current is not None:
+            stages[current].append((word, rest))
+    return stages
+
+
+def apt_packages(stage: list[tuple[str, str]]) -> list[str]:
+    """Packages named by the stage's `apt-get install` commands."""
+    packages = []
+    for word, rest in stage:
+        if word != "RUN" or "apt-get install" not in rest:
+            continue
+        for command in rest.split("&&"):
+            tokens = shlex.split(command)
+            if "install" in tokens and "apt-get" in tokens:
+                args = tokens[tokens.index("install") + 1:]
+                packages += [a for a in args if not a.startswith("-")]
+    return packages

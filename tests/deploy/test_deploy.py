@@ -4,7 +4,6 @@ defaults (read from its sources), and the image's packages match
 scripts/setup-deps.sh."""
 
 import re
-import shlex
 import tomllib
 import subprocess
 from pathlib import Path
@@ -139,7 +138,7 @@ def test_pod_user_and_group_ids_match_the_dockerfile_user():
     keeps that group (socket ownership) and runs as that user or, for
     CAP_IPC_LOCK (see the comment in daemonset.yaml), as uid 0 with only
     IPC_LOCK added."""
-    runtime = _stages()["runtime"]
+    runtime = dc.dockerfile_stages()["runtime"]
     (user,) = [rest for word, rest in runtime if word == "USER"]
     uid, gid = (int(x) for x in user.split(":"))
     commands = " ".join(rest for word, rest in runtime if word == "RUN")
@@ -196,49 +195,8 @@ def test_sample_trainer_pod_mounts_the_socket_dir_and_can_attach():
 # ---------------------------------------------------------------- Dockerfile
 
 
-def _dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) with continuation lines joined, comments dropped."""
-    out, pending = [], ""
-    for raw in dc.DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line, pending = pending + line, ""
-        word, _, rest = line.partition(" ")
-        out.append((word.upper(), rest.strip()))
-    return out
-
-
-def _stages() -> dict[str, list[tuple[str, str]]]:
-    stages: dict[str, list[tuple[str, str]]] = {}
-    current = None
-    for word, rest in _dockerfile_instructions():
-        if word == "FROM":
-            current = rest.split()[-1]
-            stages[current] = []
-        elif current is not None:
-            stages[current].append((word, rest))
-    return stages
-
-
-def _apt_packages(stage: list[tuple[str, str]]) -> list[str]:
-    packages = []
-    for word, rest in stage:
-        if word != "RUN" or "apt-get install" not in rest:
-            continue
-        for command in rest.split("&&"):
-            tokens = shlex.split(command)
-            if "install" in tokens and "apt-get" in tokens:
-                args = tokens[tokens.index("install") + 1:]
-                packages += [a for a in args if not a.startswith("-")]
-    return packages
-
-
 def test_dockerfile_is_multistage_debian_bookworm():
-    instructions = _dockerfile_instructions()
+    instructions = dc.dockerfile_instructions()
     args = dict(rest.split("=", 1) for word, rest in instructions if word == "ARG")
     assert args["DEBIAN_IMAGE"].startswith("debian:bookworm")
     froms = [rest for word, rest in instructions if word == "FROM"]
@@ -246,7 +204,7 @@ def test_dockerfile_is_multistage_debian_bookworm():
 
 
 def test_dockerfile_build_packages_equal_setup_deps_build_array():
-    packages = _apt_packages(_stages()["build"])
+    packages = dc.apt_packages(dc.dockerfile_stages()["build"])
     deps = dc.deps_array("DEPS_BUILD")
     assert sorted(packages) == sorted(deps), (
         f"only in Dockerfile: {sorted(set(packages) - set(deps))}, "
@@ -254,8 +212,8 @@ def test_dockerfile_build_packages_equal_setup_deps_build_array():
 
 
 def test_dockerfile_runtime_stage_has_no_build_packages_and_a_non_root_user():
-    runtime = _stages()["runtime"]
-    packages = _apt_packages(runtime)
+    runtime = dc.dockerfile_stages()["runtime"]
+    packages = dc.apt_packages(runtime)
     assert packages and not [p for p in packages if p.endswith("-dev")]
     assert not set(packages) & set(dc.deps_array("DEPS_BUILD"))
     user = [rest for word, rest in runtime if word == "USER"]
@@ -289,12 +247,12 @@ def test_dockerfile_runtime_packages_cover_the_built_binaries_libraries():
                 break
         else:
             pytest.fail(f"no Debian package owns {lib}")
-    packages = set(_apt_packages(_stages()["runtime"]))
+    packages = set(dc.apt_packages(dc.dockerfile_stages()["runtime"]))
     assert needed <= packages, f"runtime stage lacks {sorted(needed - packages)}"
 
 
 def test_dockerfile_paths_ports_and_run_line_match_the_daemon():
-    runtime = _stages()["runtime"]
+    runtime = dc.dockerfile_stages()["runtime"]
     run_dir = dc.default_runtime_dir()
     port = dc.default_metrics_port()
     env = [rest for word, rest in runtime if word == "ENV"]

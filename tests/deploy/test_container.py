@@ -1,0 +1,179 @@
+"""The image of deploy/docker/Dockerfile, built here on a base image the test
+makes itself (no registry is reachable), run as a node's daemon: a trainer
+on the host attaches through the runtime dir volume and offloads and
+prefetches bit-exact, Prometheus' scrape works on the configured port, the
+runtime image holds no compiler, and `podman stop` drains and exits 0.
+
+With --network=host (the only network podman has here), "published" means
+reachable on the daemon's configured loopback address."""
+
+import os
+import re
+import signal
+import subprocess
+import urllib.request
+
+import pytest
+
+import container_common as cc
+import deploy_common as dc
+
+pytestmark = pytest.mark.container
+
+ARENA_BYTES = 64 * 1024 * 1024
+# The image's user (deploy/docker/Dockerfile: USER 10001:10001).
+IMAGE_UID = 10001
+
+
+def _tool(name: str) -> str:
+    path = dc.bin_dir() / name
+    if not path.is_file():
+        pytest.fail(f"{path} not built: scripts/build.sh builds {name}")
+    return str(path)
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        return reply.read().decode()
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of an unlabelled sample `name` in Prometheus text format."""
+    match = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match, f"{name} not in the scrape:\n{text[:2000]}"
+    return float(match.group(1))
+
+
+class DaemonContainer:
+    """memoffloadd in the image, its runtime dir a host directory (the volume
+    trainers share) and its metrics on a free loopback port.
+
+    The volume is mounted at the same path inside as outside, as docs/deploy.md
+    requires: the attach reply names the gRPC socket by the daemon's path, and
+    a trainer that mounted the directory elsewhere fails its first Reserve
+    with UNAVAILABLE ("... memoffload.sock: No such file or directory")."""
+
+    def __init__(self, podman: cc.Podman, image: str, runtime_dir):
+        self.podman = podman
+        self.name = f"{cc.RUN_PREFIX}-daemon"
+        self.runtime_dir = runtime_dir
+        self.metrics_port = cc.free_tcp_port()
+        # As docs/deploy.md says: the directory belongs to the image's user.
+        runtime_dir.mkdir(mode=0o750)
+        os.chown(runtime_dir, IMAGE_UID, IMAGE_UID)
+        podman.run("run", "-d", "--name", self.name, "--network=host",
+                   "-v", f"{runtime_dir}:{runtime_dir}", image,
+                   f"--runtime-dir={runtime_dir}",
+                   f"--metrics-address=127.0.0.1:{self.metrics_port}",
+                   f"--arena-size={ARENA_BYTES // (1024 * 1024)}MiB")
+
+    def logs(self) -> str:
+        result = self.podman.run("logs", self.name, check=False)
+        return result.stdout + result.stderr
+
+    def remove(self) -> None:
+        self.podman.remove_container(self.name)
+
+
+@pytest.fixture(scope="module")
+def daemon(podman, images, tmp_path_factory):
+    container = DaemonContainer(podman, images["app"], tmp_path_factory.mktemp("rt") / "rt")
+    try:
+        broker, _ = dc.socket_names()
+        cc.wait_for("the daemon's broker socket on the volume",
+                    lambda: (container.runtime_dir / broker).exists()
+                    and "arena ready" in container.logs(), timeout_s=120)
+        yield container
+    finally:
+        print(container.logs()[-3000:])
+        container.remove()
+
+
+def test_runtime_image_holds_no_compiler(podman, images, timings):
+    result = podman.run(
+        "run", "--rm", "--network=host", "--entrypoint", "/bin/sh", images["app"], "-c",
+        "for t in gcc g++ cc c++ cpp clang ld as make cmake; do command -v $t; done; "
+        # gcc-12-base (copyright files that libgcc-s1 depends on) is no compiler.
+        "dpkg-query -W -f '${Package}\\n' | grep -E '^((gcc|g\\+\\+|cpp)(-[0-9]+)?|binutils.*)$'"
+        " || true")
+    assert result.stdout.strip() == "", f"compiler parts in the runtime image:\n{result.stdout}"
+    size = podman.image_size_bytes(images["app"])
+    print(f"runtime image {images['app']}: {size / 1e6:.0f} MB")
+    # The Debian minbase alone is about 200 MB; the libraries add about 120.
+    assert size < 450e6, f"runtime image is {size / 1e6:.0f} MB"
+
+
+def test_daemon_runs_as_the_image_user_with_sockets_on_the_volume(podman, daemon):
+    user = podman.exec(daemon.name, "id", "-u").stdout.strip()
+    assert user == str(IMAGE_UID)
+    for name in dc.socket_names():
+        path = daemon.runtime_dir / name
+        assert path.exists(), f"{path} missing on the host side of the volume"
+        assert path.stat().st_uid == IMAGE_UID
+
+
+def test_host_trainer_offloads_and_prefetches_bit_exact(daemon):
+    """offload_worker verify (tests/integration): random groups offloaded,
+    prefetched and compared byte for byte, two in flight."""
+    result = subprocess.run(
+        [_tool("offload_worker"), "verify", str(daemon.runtime_dir), "7", "40", "4096",
+         str(4 * 1024 * 1024)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr + daemon.logs()[-2000:]
+    assert re.search(r"verified 40 groups, \d+ bytes", result.stdout), result.stdout
+    print(result.stdout)
+    status = subprocess.run(
+        [_tool("memoffloadctl"), "--runtime-dir", str(daemon.runtime_dir), "status"],
+        capture_output=True, text=True, timeout=30)
+    assert status.returncode == 0, status.stderr
+    print(status.stdout)
+
+
+def test_metrics_are_scraped_on_the_configured_port(daemon):
+    # After the trainer above: what it offloaded and prefetched is counted.
+    text = _metrics(daemon.metrics_port)
+    assert _sample(text, "memoffload_arena_capacity_bytes") == ARENA_BYTES
+    assert _sample(text, "memoffload_offload_bytes_total") > 0
+    assert _sample(text, "memoffload_prefetch_bytes_total") > 0
+    assert _sample(text, "memoffload_draining") == 0
+    print("\n".join(line for line in text.splitlines()
+                    if re.match(r"memoffload_(arena_capacity|offload|prefetch|draining)", line)))
+
+
+def test_podman_stop_drains_and_exits_zero(podman, daemon):
+    """A trainer holds groups while `podman stop` sends SIGTERM: the daemon
+    drains (waits for it), and exits 0 once the trainer is gone."""
+    # The client's notes ("memoffload: session N on ...") go to stderr.
+    holder = subprocess.Popen(
+        [_tool("offload_worker"), "hold", str(daemon.runtime_dir), "2", str(1024 * 1024)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stopper = None
+    try:
+        assert holder.stdout.readline().startswith("HELD"), daemon.logs()[-2000:]
+        stopper = subprocess.Popen(
+            [podman.executable, "--runtime", "runc", "stop", "-t", "45", daemon.name],
+            env=podman.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cc.wait_for("the daemon to log its drain",
+                    lambda: "draining (1 sessions" in daemon.logs(), timeout_s=30)
+        assert _sample(_metrics(daemon.metrics_port), "memoffload_draining") == 1
+        # podman calls a container that got its stop signal "stopping".
+        assert podman.state(daemon.name)["Status"] == "stopping", \
+            "the daemon left before its session did"
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(10)
+        out, _ = stopper.communicate(timeout=60)
+        assert stopper.returncode == 0, out
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        if stopper is not None and stopper.poll() is None:
+            stopper.kill()
+            stopper.wait()
+    state = podman.state(daemon.name)
+    assert not state["Running"]
+    assert state["ExitCode"] == 0, state
+    logs = daemon.logs()
+    assert "drained: no groups held" in logs, logs[-2000:]
+    assert "stopped cleanly" in logs, logs[-2000:]
+    print(f"podman stop: {out.strip()}; exit code {state['ExitCode']}\n{logs[-1200:]}")
