@@ -175,6 +175,10 @@ class Daemon {
     Result<gid_t> socket_gid = ResolveGroup(config_.socket_group);
     if (!socket_gid.ok()) return socket_gid.status();
     socket_gid_ = *socket_gid;
+    // Who may connect to the 0660 sockets may attach: the socket group's
+    // members (docs/deploy.md: usermod -aG memoffload alice).
+    config_.policy.socket_gid = socket_gid_ != static_cast<gid_t>(-1) ? socket_gid_ : getegid();
+    grpc_listener_.SetPolicy(config_.policy);
     if (!config_.config_file.empty()) MO_LOG_INFO("config file %s", config_.config_file.c_str());
     RaiseDescriptorLimit(config_);
 
@@ -371,7 +375,9 @@ class Daemon {
       return;
     }
     LogConfigChanges(config_, *fresh);
+    const int64_t socket_gid = config_.policy.socket_gid;  // fixed at start
     config_.policy = fresh->policy;
+    config_.policy.socket_gid = socket_gid;
     // Sources of the applied settings only: the others keep the value (and
     // so the source) they started with.
     for (const auto& [key, source] : fresh->sources) {

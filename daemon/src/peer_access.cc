@@ -13,10 +13,23 @@ std::string AccessDenied(const Policy& policy, const PeerCredentials& peer) {
   const auto& uids = policy.allowed_uids;
   const auto& gids = policy.allowed_gids;
   if (std::find(uids.begin(), uids.end(), peer.uid) != uids.end()) return "";
-  if (std::find(gids.begin(), gids.end(), peer.gid) != gids.end()) return "";
+  auto allowed_gid = [&](gid_t g) {
+    return (policy.socket_gid >= 0 && g == static_cast<gid_t>(policy.socket_gid)) ||
+           std::find(gids.begin(), gids.end(), g) != gids.end();
+  };
+  if (allowed_gid(peer.gid)) return "";
+  for (gid_t g : peer.groups) {
+    if (allowed_gid(g)) return "";
+  }
+  std::string groups;
+  for (gid_t g : peer.groups) groups += (groups.empty() ? "" : ",") + std::to_string(g);
   return "uid " + std::to_string(peer.uid) + " (gid " + std::to_string(peer.gid) +
+         (groups.empty() ? "" : ", groups " + groups) +
          ") may not use this daemon: allowed are root, the daemon's uid " +
          std::to_string(geteuid()) +
+         (policy.socket_gid >= 0
+              ? ", members of the socket group " + std::to_string(policy.socket_gid)
+              : std::string()) +
          " and access.allowed_uids / access.allowed_gids in the daemon's config";
 }
 
@@ -26,7 +39,21 @@ Result<PeerCredentials> PeerOf(int fd) {
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
     return ErrnoStatus("reading SO_PEERCRED of the peer", errno);
   }
-  return PeerCredentials{cred.pid, cred.uid, cred.gid};
+  PeerCredentials peer{cred.pid, cred.uid, cred.gid, {}};
+  // The supplementary groups the peer had when it connected: a trainer that
+  // joined the socket group (usermod -aG) has it there, not as its primary.
+  std::vector<gid_t> groups(64);
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    socklen_t bytes = static_cast<socklen_t>(groups.size() * sizeof(gid_t));
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &bytes) == 0) {
+      groups.resize(bytes / sizeof(gid_t));
+      peer.groups = std::move(groups);
+      return peer;
+    }
+    if (errno != ERANGE) return ErrnoStatus("reading SO_PEERGROUPS of the peer", errno);
+    groups.resize(bytes / sizeof(gid_t) + 1);  // the kernel said how many
+  }
+  return Internal("reading SO_PEERGROUPS of the peer: its group list kept growing");
 }
 
 std::string ConnectionLimits::Admit(uid_t uid) {

@@ -62,6 +62,16 @@ TEST(AccessDenied, RootOwnUidListedUidsAndGroupsOnly) {
   policy.allowed_uids.clear();
   policy.allowed_gids = {4242};
   EXPECT_EQ(AccessDenied(policy, {1, 65534, 4242}), "");
+  // A supplementary group counts as the primary does (usermod -aG).
+  EXPECT_EQ(AccessDenied(policy, {1, 65534, 65534, {27, 4242}}), "");
+  const std::string other = AccessDenied(policy, {1, 65534, 65534, {27, 100}});
+  EXPECT_NE(other.find("(gid 65534, groups 27,100) may not use"), std::string::npos) << other;
+  // The socket group's members, by primary or supplementary gid.
+  policy.socket_gid = 100;
+  EXPECT_EQ(AccessDenied(policy, {1, 65534, 65534, {27, 100}}), "");
+  EXPECT_EQ(AccessDenied(policy, {1, 65534, 100}), "");
+  EXPECT_NE(AccessDenied(policy, {1, 65534, 65534, {27}}).find("members of the socket group 100"),
+            std::string::npos);
 }
 
 TEST(LogRateLimiter, AdmitsABurstThenCountsWhatItDrops) {

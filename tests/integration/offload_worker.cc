@@ -24,9 +24,10 @@
 //     with CRC32C checksums for SECONDS. RESOURCE_EXHAUSTED is expected under
 //     contention; any other error or a mismatch exits 1. Prints
 //     "DONE cycles=N verified=N exhausted=N".
-//   offload_worker attach-as RUNTIME_DIR UID
-//     Drops to UID (and its gid), attaches, reserves and releases one page;
-//     prints "OK" or "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
+//   offload_worker attach-as RUNTIME_DIR UID [GID]
+//     Drops to UID (and its gid; GID, if given, as its one supplementary
+//     group), attaches, reserves and releases one page; prints "OK" or
+//     "ERR <CODE> <message>". Exit 0 on OK, 1 otherwise.
 //   offload_worker job-as RUNTIME_DIR UID JOB BYTES JOB_MAX_BYTES
 //     Drops to UID, attaches as job JOB asking for a JOB_MAX_BYTES job limit
 //     (0: the default), asks for every chunk's fd and reserves BYTES. Prints
@@ -181,8 +182,9 @@ int ForkHold(const std::string& dir, uint64_t bytes) {
   while (true) pause();
 }
 
-bool DropTo(uid_t uid) {
-  if (setgroups(0, nullptr) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
+// Becomes uid (primary gid = uid), with `groups` as its supplementary groups.
+bool DropTo(uid_t uid, const std::vector<gid_t>& groups = {}) {
+  if (setgroups(groups.size(), groups.data()) != 0 || setgid(uid) != 0 || setuid(uid) != 0) {
     std::printf("ERR SETUID cannot drop to uid %u\n", uid);
     return false;
   }
@@ -351,8 +353,8 @@ int Soak(const std::string& dir, uint64_t seed, int seconds) {
   return 0;
 }
 
-int AttachAs(const std::string& dir, uid_t uid) {
-  if (!DropTo(uid)) return 1;
+int AttachAs(const std::string& dir, uid_t uid, const std::vector<gid_t>& groups) {
+  if (!DropTo(uid, groups)) return 1;
   AttachOptions options;
   options.runtime_dir = dir;
   options.job_id = "other-user";
@@ -467,8 +469,10 @@ int main(int argc, char** argv) {
     return JobAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])), argv[4], std::stoull(argv[5]),
                  std::stoull(argv[6]));
   }
-  if (argc == 4 && std::strcmp(argv[1], "attach-as") == 0) {
-    return AttachAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])));
+  if ((argc == 4 || argc == 5) && std::strcmp(argv[1], "attach-as") == 0) {
+    std::vector<gid_t> groups;
+    if (argc == 5) groups.push_back(static_cast<gid_t>(std::stoul(argv[4])));
+    return AttachAs(argv[2], static_cast<uid_t>(std::stoul(argv[3])), groups);
   }
 
   if (argc == 7 && std::strcmp(argv[1], "verify") == 0) {

@@ -52,6 +52,31 @@ TEST(Access, OtherUidIsRefusedWithReasonUnlessAllowed) {
                     &out);
   EXPECT_EQ(code, 0) << out << allowing->Log();
   EXPECT_EQ(out, "OK\n");
+
+  // A member of an allowed group by a supplementary group (what `usermod -aG
+  // memoffload alice` makes) is let in; the same uid without it is not.
+  options.extra_args = {"--allowed-gids=4242"};
+  auto by_group = DaemonProcess::Start(options, &error);
+  ASSERT_NE(by_group, nullptr) << error;
+  code = RunCapture(
+      {BinDir() + "/offload_worker", "attach-as", by_group->runtime_dir(), "65534", "4242"}, &out);
+  EXPECT_EQ(code, 0) << out << by_group->Log();
+  EXPECT_EQ(out, "OK\n");
+  code = RunCapture({BinDir() + "/offload_worker", "attach-as", by_group->runtime_dir(), "65534"},
+                    &out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_EQ(out.rfind("ERR PERMISSION_DENIED", 0), 0u) << out;
+
+  // The socket group's members need no access list: the 0660 sockets let
+  // them connect, so they may attach.
+  options.extra_args = {"--socket-group=4243"};
+  auto by_socket_group = DaemonProcess::Start(options, &error);
+  ASSERT_NE(by_socket_group, nullptr) << error;
+  code = RunCapture(
+      {BinDir() + "/offload_worker", "attach-as", by_socket_group->runtime_dir(), "65534", "4243"},
+      &out);
+  EXPECT_EQ(code, 0) << out << by_socket_group->Log();
+  EXPECT_EQ(out, "OK\n");
 }
 
 TEST(Quotas, SessionAndJobLimitsAndNodeReserveNameTheLimit) {

@@ -50,6 +50,10 @@ struct Policy {
   uint64_t reserve_aging_ms = 2000;                // then a waiter's bytes are kept free for it
   uint64_t max_extents_per_reserve = 16384;        // a reply of about 400 KiB
   uint64_t max_groups_per_session = 16384;         // about 490 B of daemon memory each
+  // The sockets' group (server.socket_group, else the daemon's gid): its
+  // members may attach, by primary or supplementary gid, as the 0660 sockets
+  // already let them connect. Set by the daemon at start, not from the file.
+  int64_t socket_gid = -1;
 };
 
 struct DaemonConfig {

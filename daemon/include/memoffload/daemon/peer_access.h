@@ -17,11 +17,12 @@
 namespace memoffload::daemon {
 
 // Empty when the peer may use the daemon, else why not. Allowed: root, the
-// daemon's uid, Policy::allowed_uids, and a primary gid in
-// Policy::allowed_gids.
+// daemon's uid, Policy::allowed_uids, and a primary or supplementary gid
+// that is the socket group (Policy::socket_gid) or in Policy::allowed_gids.
 std::string AccessDenied(const Policy& policy, const PeerCredentials& peer);
 
-// The credentials of the peer of a connected Unix socket.
+// The credentials of the peer of a connected Unix socket, supplementary
+// groups included.
 Result<PeerCredentials> PeerOf(int fd);
 
 // Open connections on one socket, per peer uid and in total. Not

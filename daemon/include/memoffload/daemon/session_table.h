@@ -43,7 +43,8 @@ struct RankSeries;
 struct PeerCredentials {
   pid_t pid = 0;
   uid_t uid = 0;
-  gid_t gid = 0;
+  gid_t gid = 0;                // primary
+  std::vector<gid_t> groups{};  // supplementary (SO_PEERGROUPS)
 };
 
 enum class GroupState { kReserved, kCommitted, kRead };
