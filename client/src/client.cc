@@ -10,6 +10,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -55,23 +56,32 @@ std::vector<Extent> FromProto(const google::protobuf::RepeatedPtrField<v1::Exten
   return out;
 }
 
-// One line on stderr when this process first attaches, and when the daemon
-// it attaches to is another instance than last time (it restarted).
-void LogInstance(uint64_t instance_id, uint64_t session_id) {
-  static std::atomic<uint64_t> last{0};
-  const uint64_t before = last.exchange(instance_id);
+// One line on stderr when this process first attaches to the daemon of a
+// runtime directory, and when that daemon is another instance than last time
+// (it restarted). Kept per runtime directory: a process that talks to two
+// daemons (tests, or two arenas) is not told that either restarted.
+void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t session_id) {
+  static std::mutex mu;
+  static std::map<std::string, uint64_t> last;
+  uint64_t before = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    uint64_t& seen = last[runtime_dir];
+    before = seen;
+    seen = instance_id;
+  }
   if (before == instance_id) return;
   if (before == 0) {
-    std::fprintf(stderr, "memoffload: session %llu on memoffloadd instance %016llx\n",
+    std::fprintf(stderr, "memoffload: session %llu on memoffloadd instance %016llx (%s)\n",
                  static_cast<unsigned long long>(session_id),
-                 static_cast<unsigned long long>(instance_id));
+                 static_cast<unsigned long long>(instance_id), runtime_dir.c_str());
   } else {
     std::fprintf(stderr,
                  "memoffload: session %llu on memoffloadd instance %016llx (was %016llx: the "
-                 "daemon restarted)\n",
+                 "daemon of %s restarted)\n",
                  static_cast<unsigned long long>(session_id),
                  static_cast<unsigned long long>(instance_id),
-                 static_cast<unsigned long long>(before));
+                 static_cast<unsigned long long>(before), runtime_dir.c_str());
   }
 }
 
@@ -374,7 +384,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   impl->checksums = options.checksums;
   impl->chunks.resize(impl->reply.chunks.size());
   impl->generations.assign(impl->reply.chunks.size(), 0);
-  LogInstance(impl->reply.instance_id, impl->reply.session_id);
+  LogInstance(impl->runtime_dir, impl->reply.instance_id, impl->reply.session_id);
   impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
   impl->first_block.reserve(impl->reply.chunks.size());
   uint64_t blocks = 0;

@@ -171,10 +171,11 @@ def _restart(d) -> None:
     d.start()
 
 
-def test_daemon_restarted_between_steps(own_daemon):
+def test_daemon_restarted_between_steps(own_daemon, capfd):
     """Restart between two steps: the next step's first call finds its
     session gone (UNAVAILABLE), the client attaches again, and offload goes
-    on in the same run; `connected` and `reconnects` say so."""
+    on in the same run; `connected` and `reconnects` say so, and stderr
+    names the restarted daemon (by its runtime dir) once."""
     torch.manual_seed(0)
     model = DecoderStack(layers=4)
     ref = clone_model(model)
@@ -184,6 +185,11 @@ def test_daemon_restarted_between_steps(own_daemon):
     handle.flush()
     before = handle.stats()
     assert before["connected"]
+    first = capfd.readouterr().err
+    # This process attached to other daemons before (the shared fixtures):
+    # none of that is reported as a restart of this one.
+    assert "(was " not in first, first
+    assert "memoffloadd instance" in first and str(own_daemon.runtime_dir) in first, first
     _restart(own_daemon)
     time.sleep(1.1)  # the reconnect interval
     for _ in range(3):
@@ -200,6 +206,8 @@ def test_daemon_restarted_between_steps(own_daemon):
     assert handle.stats()["offloaded_bytes"] > after_reconnect["offloaded_bytes"]
     handle.remove()
     assert_arena_empty(own_daemon)
+    restarted = [line for line in capfd.readouterr().err.splitlines() if "(was " in line]
+    assert len(restarted) == 1 and str(own_daemon.runtime_dir) in restarted[0], restarted
 
 
 def test_daemon_restarted_between_forward_and_backward(own_daemon):
