@@ -101,7 +101,7 @@ Result<std::shared_ptr<Chunk>> FreshBacking::Create(uint64_t size_bytes, bool pr
   }
   // Best effort, like the arena: a backing that cannot be locked still isolates.
   if (options_.mlock) (void)c->LockOnFault().ok();
-  if (prefault) MEMOFFLOAD_RETURN_IF_ERROR(c->Prefault(0, c->size_bytes()));
+  if (prefault) MEMOFFLOAD_RETURN_IF_ERROR(c->Prefault(0, c->size_bytes(), Chunk::kMmapLockPiece));
   return c;
 }
 
@@ -234,7 +234,7 @@ void FreshBacking::Run() {
       std::shared_ptr<Chunk> c = std::move(to_fault_.back());
       to_fault_.pop_back();
       lock.unlock();
-      if (Status st = c->Prefault(0, c->size_bytes()); !st.ok()) {
+      if (Status st = c->Prefault(0, c->size_bytes(), Chunk::kMmapLockPiece); !st.ok()) {
         MO_LOG_WARN("faulting in a fresh chunk backing: %s", st.ToString().c_str());
       }
       c.reset();

@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -146,7 +147,17 @@ Chunk& Chunk::operator=(Chunk&& other) noexcept {
 }
 
 void Chunk::Reset() {
-  if (data_ != nullptr) munmap(data_, size_bytes_);
+  if (data_ != nullptr) {
+    // An unmap holds the process's mmap lock while it runs (a populated
+    // 1 GiB mapping: a tenth of a second), and the daemon drops old backings
+    // while Reserves map new ones under its session table's lock: in pieces.
+    // Whatever a piece cannot do (a 1 GiB hugepage mapping) goes in one call.
+    uint64_t done = 0;
+    while (size_bytes_ - done > kMmapLockPiece && munmap(data_ + done, kMmapLockPiece) == 0) {
+      done += kMmapLockPiece;
+    }
+    munmap(data_ + done, size_bytes_ - done);
+  }
   if (fd_ >= 0) close(fd_);
   data_ = nullptr;
   fd_ = -1;
@@ -154,19 +165,22 @@ void Chunk::Reset() {
   locked_ = false;
 }
 
-Status Chunk::Prefault(uint64_t offset, uint64_t length) {
+Status Chunk::Prefault(uint64_t offset, uint64_t length, uint64_t piece_bytes) {
   if (offset > size_bytes_ || length > size_bytes_ - offset) {
     return InvalidArgument("prefault range beyond chunk");
   }
-  if (length == 0) return Status::Ok();
-  if (madvise(data_ + offset, length, MADV_POPULATE_WRITE) == 0) {
-    return Status::Ok();
+  uint64_t done = 0;
+  while (done < length) {
+    const uint64_t n = piece_bytes == 0 ? length : std::min(piece_bytes, length - done);
+    if (madvise(data_ + offset + done, n, MADV_POPULATE_WRITE) != 0) break;
+    done += n;
   }
-  // Older kernels: rewrite one byte per page with its own value, which
-  // faults the page in for writing and keeps the contents.
+  // Older kernels (or a piece a hugepage mapping refuses): rewrite one byte
+  // per page with its own value, which faults the page in for writing and
+  // keeps the contents.
   const uint64_t page = SystemPageBytes();
   volatile uint8_t* p = data_ + offset;
-  for (uint64_t i = 0; i < length; i += page) p[i] = p[i];
+  for (uint64_t i = done; i < length; i += page) p[i] = p[i];
   return Status::Ok();
 }
 

@@ -2,7 +2,11 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <vector>
 
 #include "memoffload/shared_mem/units.h"
 
@@ -48,6 +52,44 @@ TEST(Chunk, PrefaultKeepsContents) {
   c->data()[4096 * 3] = 77;
   ASSERT_TRUE(c->Prefault(0, kMiB).ok());
   EXPECT_EQ(c->data()[4096 * 3], 77);
+}
+
+// Pages of [data, data + length) that this process has mapped and resident.
+size_t ResidentPages(const uint8_t* data, uint64_t length) {
+  const uint64_t page = SystemPageBytes();
+  std::vector<unsigned char> v((length + page - 1) / page);
+  if (mincore(const_cast<uint8_t*>(data), length, v.data()) != 0) return 0;
+  size_t n = 0;
+  for (unsigned char b : v) n += b & 1;
+  return n;
+}
+
+TEST(Chunk, PrefaultInPiecesFaultsEveryPageOfAnUnevenRangeAndKeepsContents) {
+  const uint64_t page = SystemPageBytes();
+  const uint64_t size = 5 * Chunk::kMmapLockPiece + 3 * page;  // not a whole number of pieces
+  Result<Chunk> c = Chunk::Create("pieces", size, false);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  c->data()[size - 1] = 9;
+  ASSERT_TRUE(c->Prefault(page, size - page, Chunk::kMmapLockPiece).ok());
+  EXPECT_EQ(ResidentPages(c->data() + page, size - page), (size - page) / page);
+  EXPECT_EQ(c->data()[size - 1], 9);
+}
+
+TEST(Chunk, ResetUnmapsTheWholeMapping) {
+  const uint64_t size = 3 * Chunk::kMmapLockPiece + 4 * SystemPageBytes();
+  Result<Chunk> c = Chunk::Create("unmap", size, false);
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(c->Prefault(0, size).ok());
+  uint8_t* data = c->data();
+  { Chunk gone = std::move(c).value(); }
+  // Every page of the old range, the tail after the last whole piece
+  // included, is unmapped: mincore says ENOMEM for any unmapped page.
+  const uint64_t page = SystemPageBytes();
+  for (uint64_t off = 0; off < size; off += page) {
+    unsigned char v = 0;
+    ASSERT_EQ(mincore(data + off, page, &v), -1) << "page at " << off << " still mapped";
+    ASSERT_EQ(errno, ENOMEM);
+  }
 }
 
 TEST(Chunk, MoveTransfersOwnership) {

@@ -30,6 +30,10 @@ class Chunk {
   // (MAP_POPULATE), otherwise lazily on first touch.
   static Result<Chunk> Map(int fd, uint64_t size_bytes, bool populate);
 
+  // Pieces small enough that a thread waiting for the mmap lock behind a
+  // populate or an unmap waits about a millisecond (one 2 MiB hugepage).
+  static constexpr uint64_t kMmapLockPiece = 2ull << 20;
+
   Chunk() = default;
   ~Chunk();
   Chunk(Chunk&& other) noexcept;
@@ -40,7 +44,11 @@ class Chunk {
   // Faults in pages [offset, offset + length) for writing (page-aligned
   // range), with MADV_POPULATE_WRITE where the kernel has it, else by touching
   // a byte per page. Safe to call from several threads on disjoint ranges.
-  Status Prefault(uint64_t offset, uint64_t length);
+  // With piece_bytes > 0 (a multiple of the page size), in calls of that
+  // many bytes: a populate holds the process's mmap lock for as long as one
+  // call runs, so the process's other threads' mmap, munmap and large
+  // mallocs then wait for one piece at most (kMmapLockPiece).
+  Status Prefault(uint64_t offset, uint64_t length, uint64_t piece_bytes = 0);
 
   // Fills this mapping's page tables for [offset, offset + length) (offset
   // page-aligned) without changing the contents: MADV_POPULATE_READ, which on
