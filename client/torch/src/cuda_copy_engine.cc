@@ -5,6 +5,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/cuda_driver.h"
@@ -46,7 +47,8 @@ class ScopedContext {
 
 class CudaCopyEngine final : public CopyEngine {
  public:
-  explicit CudaCopyEngine(const CudaDriver* driver) : cu_(driver) {}
+  CudaCopyEngine(const CudaDriver* driver, std::unique_ptr<DeviceAllocator> allocator)
+      : cu_(driver), allocator_(std::move(allocator)) {}
 
   const char* name() const override { return "cuda"; }
   bool Handles(c10::Device device) const override { return device.is_cuda() || device.is_cpu(); }
@@ -103,6 +105,19 @@ class CudaCopyEngine final : public CopyEngine {
     return st;
   }
 
+  Result<c10::DataPtr> AllocateForCopyIn(c10::Device device, size_t n) override {
+    Result<DeviceStreams*> streams = Streams(device);
+    if (!streams.ok()) return streams.status();
+    ScopedContext current(cu_, (*streams)->context);
+    MEMOFFLOAD_RETURN_IF_ERROR(current.status());
+    return allocator_->Allocate(device, n, reinterpret_cast<uintptr_t>((*streams)->h2d));
+  }
+
+  Status RecordUse(c10::Device device, const c10::DataPtr& data, uintptr_t stream) override {
+    if (device.is_cpu()) return Status::Ok();
+    return allocator_->RecordStream(data, stream);
+  }
+
   Status CopyIn(c10::Device device, const uint8_t* src, void* dst, size_t n) override {
     if (device.is_cpu()) {
       if (n != 0) std::memcpy(dst, src, n);
@@ -113,22 +128,10 @@ class CudaCopyEngine final : public CopyEngine {
     CuStream s = (*streams)->h2d;
     ScopedContext current(cu_, (*streams)->context);
     MEMOFFLOAD_RETURN_IF_ERROR(current.status());
-    // `dst` was just allocated by the caching allocator on the legacy default
-    // stream, where kernels still queued may use the block's previous life:
-    // the copy waits for them.
-    CuEvent allocated = nullptr;
-    MEMOFFLOAD_RETURN_IF_ERROR(
-        cu_->Check(cu_->cuEventCreate(&allocated, kCuEventDisableTiming), "cuEventCreate"));
-    Status st = cu_->Check(cu_->cuEventRecord(allocated, nullptr), "cuEventRecord");
-    if (st.ok()) st = cu_->Check(cu_->cuStreamWaitEvent(s, allocated, 0), "cuStreamWaitEvent");
-    if (st.ok() && n != 0) {
-      st = cu_->Check(cu_->cuMemcpyHtoDAsync(reinterpret_cast<CuDevicePtr>(dst), src, n, s),
+    // `dst` came from AllocateForCopyIn, for this stream: nothing to wait for.
+    if (n == 0) return Status::Ok();
+    return cu_->Check(cu_->cuMemcpyHtoDAsync(reinterpret_cast<CuDevicePtr>(dst), src, n, s),
                       "cuMemcpyHtoDAsync");
-    }
-    // Destroying a recorded event is safe: the driver keeps what the wait
-    // needs until it completes.
-    cu_->cuEventDestroy(allocated);
-    return st;
   }
 
   Result<ReadyToken> FinishCopyIn(c10::Device device) override {
@@ -293,6 +296,7 @@ class CudaCopyEngine final : public CopyEngine {
   };
 
   const CudaDriver* cu_;
+  const std::unique_ptr<DeviceAllocator> allocator_;
   std::mutex mu_;
   std::map<int, DeviceStreams> streams_;         // GUARDED_BY(mu_); never erased
   std::map<CuEvent, CuContext> token_contexts_;  // GUARDED_BY(mu_); live tokens
@@ -304,10 +308,11 @@ class CudaCopyEngine final : public CopyEngine {
 
 }  // namespace
 
-Result<std::unique_ptr<CopyEngine>> MakeCudaCopyEngine() {
+Result<std::unique_ptr<CopyEngine>> MakeCudaCopyEngine(std::unique_ptr<DeviceAllocator> allocator) {
   Result<const CudaDriver*> driver = LoadCudaDriver();
   if (!driver.ok()) return driver.status();
-  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(*driver));
+  if (allocator == nullptr) allocator = MakeTorchDeviceAllocator();
+  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(*driver, std::move(allocator)));
 }
 
 }  // namespace memoffload::torch

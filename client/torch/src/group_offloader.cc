@@ -231,10 +231,14 @@ class GroupOffloader::Impl {
         stats_.Count([](OffloaderStats& st) { ++st.rereads; });
       }
       if (storage.unsafeGetStorageImpl() == s->restored.unsafeGetStorageImpl() &&
-          s->restored_ready != 0) {
+          !s->device.is_cpu()) {
         // CUDA: the consumer stream waits for the H2D copy, the training
-        // thread does not.
-        MEMOFFLOAD_RETURN_IF_ERROR(s->engine->WaitOnStream(s->restored_ready, stream));
+        // thread does not; the consumer's use is recorded, so the block is
+        // not handed to the next copy back before that stream is done.
+        if (s->restored_ready != 0) {
+          MEMOFFLOAD_RETURN_IF_ERROR(s->engine->WaitOnStream(s->restored_ready, stream));
+        }
+        MEMOFFLOAD_RETURN_IF_ERROR(s->engine->RecordUse(s->device, storage.data_ptr(), stream));
       }
     }
     Result<at::Tensor> out = Unpack(e, storage);
@@ -362,7 +366,11 @@ class GroupOffloader::Impl {
   }
 
   // Every live entry was unpacked once: this backward no longer needs the
-  // restored copies (autograd holds what it still uses).
+  // restored copies (autograd holds what it still uses). A CUDA copy may
+  // still be queued into one (its entry died unread): its memory came from
+  // AllocateForCopyIn, whose block serves only later copies on the same
+  // stream, so dropping it here is safe; Release waits for the copy before
+  // the arena range goes back.
   void MaybeEndRoundLocked(Group& g) {
     if (g.live == 0 || g.unpacked < g.live) return;
     for (Entry& e : g.entries) e.unpacked = false;

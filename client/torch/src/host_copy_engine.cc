@@ -16,6 +16,10 @@ class HostCopyEngine final : public CopyEngine {
     if (n != 0) std::memcpy(dst, src, n);
     return Status::Ok();
   }
+  Result<c10::DataPtr> AllocateForCopyIn(c10::Device device, size_t) override {
+    return InvalidArgument("the host engine restores CPU storages only, not " + device.str());
+  }
+  Status RecordUse(c10::Device, const c10::DataPtr&, uintptr_t) override { return Status::Ok(); }
   Status CopyIn(c10::Device, const uint8_t* src, void* dst, size_t n) override {
     if (n != 0) std::memcpy(dst, src, n);
     return Status::Ok();
