@@ -25,13 +25,21 @@ struct DeviceStreams {
 // trainer's threads call MarkReady and WaitOnStream: torch's own calls on
 // them rely on their current context, and a thread without one would make
 // a legacy-stream call fail or land on another GPU.
+//
+// The thread's stream capture mode is relaxed for the scope too: while the
+// trainer captures a CUDA graph in global mode (torch.cuda.graph's default),
+// an allocation (cudaMalloc behind the caching allocator), a registration or
+// a synchronisation from a thread in global mode would invalidate the
+// capture. None of the engine's work goes into a capture.
 class ScopedContext {
  public:
   ScopedContext(const CudaDriver* cu, CuContext context) : cu_(cu) {
     saved_ = cu_->cuCtxGetCurrent(&previous_) == kCudaSuccess;
     status_ = cu_->Check(cu_->cuCtxSetCurrent(context), "cuCtxSetCurrent");
+    relaxed_ = cu_->cuThreadExchangeStreamCaptureMode(&mode_) == kCudaSuccess;
   }
   ~ScopedContext() {
+    if (relaxed_) cu_->cuThreadExchangeStreamCaptureMode(&mode_);
     if (saved_) cu_->cuCtxSetCurrent(previous_);
   }
   ScopedContext(const ScopedContext&) = delete;
@@ -42,6 +50,8 @@ class ScopedContext {
   const CudaDriver* cu_;
   CuContext previous_ = nullptr;
   bool saved_ = false;
+  int mode_ = kCuStreamCaptureModeRelaxed;  // the thread's own while relaxed_
+  bool relaxed_ = false;
   Status status_;
 };
 
@@ -59,6 +69,15 @@ class CudaCopyEngine final : public CopyEngine {
     if (!streams.ok()) return streams.status();
     ScopedContext current(cu_, (*streams)->context);
     MEMOFFLOAD_RETURN_IF_ERROR(current.status());
+    // An event recorded on a capturing stream is a node of the graph, and
+    // CopyOut's wait on it would pull the D2H stream into the capture.
+    int capture = kCuStreamCaptureStatusNone;
+    MEMOFFLOAD_RETURN_IF_ERROR(
+        cu_->Check(cu_->cuStreamIsCapturing(reinterpret_cast<CuStream>(stream), &capture),
+                   "cuStreamIsCapturing"));
+    if (capture != kCuStreamCaptureStatusNone) {
+      return FailedPrecondition("the stream is capturing a CUDA graph");
+    }
     CuEvent event = nullptr;
     MEMOFFLOAD_RETURN_IF_ERROR(
         cu_->Check(cu_->cuEventCreate(&event, kCuEventDisableTiming), "cuEventCreate"));

@@ -113,6 +113,9 @@ class GroupOffloader::Impl {
     // Counted in skipped_bytes when the group closes, like any storage that
     // did not make it into the arena.
     if (!packed.kept.ok()) NoteKept(packed.kept);
+    // The engine's MarkReady contract: FAILED_PRECONDITION is a stream that
+    // is capturing a CUDA graph.
+    const bool capturing = packed.kept.code() == StatusCode::kFailedPrecondition;
     bool copied_here = false;
     if (std::shared_ptr<StoredStorage> s = packed.copy_now) {
       // CPU: one memcpy on this thread, like a clone, instead of waking the
@@ -125,8 +128,9 @@ class GroupOffloader::Impl {
       }
     }
     const bool dedup = packed.dedup;
-    stats_.Count([dedup, copied_here](OffloaderStats& s) {
+    stats_.Count([dedup, copied_here, capturing](OffloaderStats& s) {
       ++s.tensors;
+      if (capturing) ++s.capture_skipped;
       if (dedup) ++s.deduplicated;
       if (copied_here) ++s.caller_copies;
     });

@@ -39,7 +39,8 @@ class CopyEngine {
   // Training thread: the storage's content is final once the work queued so
   // far on `stream` (a cudaStream_t as integer; 0 is the legacy default
   // stream) is done. The token must be passed to exactly one CopyOut or
-  // DropToken.
+  // DropToken. FAILED_PRECONDITION (and nothing recorded) while `stream` is
+  // capturing a CUDA graph: the storage must stay where it is.
   virtual Result<ReadyToken> MarkReady(c10::Device device, uintptr_t stream) = 0;
   virtual void DropToken(ReadyToken token) = 0;
 

@@ -31,6 +31,8 @@ inline constexpr CuResult kCudaErrorHostMemoryAlreadyRegistered = 712;
 inline constexpr unsigned kCuStreamNonBlocking = 0x1;
 inline constexpr unsigned kCuEventDisableTiming = 0x2;
 inline constexpr unsigned kCuMemHostRegisterPortable = 0x1;
+inline constexpr int kCuStreamCaptureStatusNone = 0;
+inline constexpr int kCuStreamCaptureModeRelaxed = 2;
 
 // Function table filled by Load(). Members are null until then.
 struct CudaDriver {
@@ -52,6 +54,8 @@ struct CudaDriver {
   CuResult (*cuMemcpyHtoDAsync)(CuDevicePtr, const void*, size_t, CuStream) = nullptr;
   CuResult (*cuMemHostRegister)(void*, size_t, unsigned) = nullptr;
   CuResult (*cuMemHostUnregister)(void*) = nullptr;
+  CuResult (*cuStreamIsCapturing)(CuStream, int*) = nullptr;  // *status: kCuStreamCaptureStatus*
+  CuResult (*cuThreadExchangeStreamCaptureMode)(int*) = nullptr;
 
   // "cuFoo failed: CUDA_ERROR_... (code)"; kOk for kCudaSuccess.
   Status Check(CuResult result, const char* what) const;
