@@ -243,6 +243,44 @@ TEST_F(CudaEngine, AFailedRegistrationOnlyMakesCopiesSlower) {
   EXPECT_EQ(sim_stats().unknown_unregisters, 0u);
 }
 
+// Issue 18 #7. A registration refused for want of a context (the first
+// chunk prepared before any device was used) is tried again on the next use
+// of the range, not remembered as failed for the mapping's life.
+TEST_F(CudaEngine, ARegistrationRefusedForWantOfAContextIsRetried) {
+  uint8_t* arena = Host(0);
+  const int session = 0;
+  sim_fail_call("cuMemHostRegister", 1, 201);  // CUDA_ERROR_INVALID_CONTEXT
+  engine_->PrepareHostRange(&session, arena, kBytes);
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), kBytes);
+  engine_->PrepareHostRange(&session, arena, kBytes);  // the next group in this chunk
+  EXPECT_EQ(sim_stats().registered_ranges, 1u) << "the registration was never tried again";
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), 0u);
+  engine_->ForgetHostRanges(&session);
+  DrainLog();
+}
+
+// Issue 18 #7. Every chunk that stays unpinned says so once (not only the
+// first of the process), and its bytes are counted until it is unmapped.
+TEST_F(CudaEngine, EachUnpinnedChunkIsLoggedOnceAndCounted) {
+  uint8_t* a = Host(0);
+  uint8_t* b = Host(0);
+  const int session = 0;
+  DrainLog();
+  for (uint8_t* chunk : {a, b}) {
+    sim_fail_call("cuMemHostRegister", 1, 2);  // CUDA_ERROR_OUT_OF_MEMORY
+    engine_->PrepareHostRange(&session, chunk, kBytes);
+    engine_->PrepareHostRange(&session, chunk, kBytes);  // no second line
+  }
+  int lines = 0;
+  for (const LogRecord& r : DrainLog()) {
+    if (r.message.find("CUDA_ERROR_OUT_OF_MEMORY") != std::string::npos) ++lines;
+  }
+  EXPECT_EQ(lines, 2) << "each chunk that stays unpinned is logged once";
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), 2 * kBytes);
+  engine_->ForgetHostRanges(&session);
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), 0u);
+}
+
 // A copy the driver refuses is an error for the caller (which keeps the group
 // on the device and counts it), never bytes that look fine; the token is
 // dropped either way.

@@ -2,9 +2,11 @@
 // non-blocking streams per device, ordered with events against the trainer's
 // stream. Host chunks are registered (page-locked for the device) once per
 // process, as they are first used.
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 #include <utility>
 
 #include "memoffload/torch/copy_engine.h"
@@ -208,29 +210,48 @@ class CudaCopyEngine final : public CopyEngine {
     // Keyed by address while `owner` keeps the range mapped: ForgetHostRanges
     // removes the entry before the unmap, so a new mapping that lands on the
     // same address is registered again.
-    if (!registered_.emplace(base, Registration{owner, false}).second) return;
-    ScopedContext current(cu_, AnyContext());
-    CuResult r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
-    if (r == kCudaErrorHostMemoryAlreadyRegistered) {
-      // Not by this mapping (it has no entry yet): left by an earlier mapping
-      // at this address whose unregister failed. It would point the driver
-      // at that mapping's pages; replace it.
-      Log(LogLevel::kWarning, StatusCode::kOk,
-          "a CUDA registration of an earlier arena mapping was still in place at a new "
-          "mapping's address; replacing it");
-      r = cu_->cuMemHostUnregister(base);
-      if (r == kCudaSuccess) r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+    auto [it, fresh] = registered_.emplace(base, Registration{owner, n});
+    Registration& reg = it->second;
+    if (!fresh && !reg.retry) return;
+    if (fresh) unpinned_bytes_ += n;
+    CuContext context = AnyContext();
+    CuResult r = kCudaErrorInvalidContext;
+    if (context != nullptr) {
+      ScopedContext current(cu_, context);
+      r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+      if (r == kCudaErrorHostMemoryAlreadyRegistered) {
+        // Not by this mapping (it had no entry): left by an earlier mapping
+        // at this address whose unregister failed. It would point the driver
+        // at that mapping's pages; replace it.
+        Log(LogLevel::kWarning, StatusCode::kOk,
+            "a CUDA registration of an earlier arena mapping was still in place at a new "
+            "mapping's address; replacing it");
+        r = cu_->cuMemHostUnregister(base);
+        if (r == kCudaSuccess) r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+      }
     }
     if (r == kCudaSuccess) {
-      registered_[base].by_us = true;
-    } else if (!warned_register_) {
-      warned_register_ = true;
-      const Status st = cu_->Check(r, "cuMemHostRegister");
-      Log(LogLevel::kWarning, st.code(),
-          "registering an arena chunk with CUDA failed (" + st.message() +
-              "); copies use pageable memory and are slower");
+      reg.by_us = true;
+      reg.retry = false;
+      unpinned_bytes_ -= n;
+      return;
     }
+    // Without a context (no device retained yet, or none current) the
+    // registration is tried again at the next use of the range; any other
+    // refusal holds for the mapping's life. Each range says so once.
+    reg.retry = r == kCudaErrorInvalidContext;
+    if (reg.logged) return;
+    reg.logged = true;
+    const Status st = context == nullptr ? Unavailable("no CUDA context to register with")
+                                         : cu_->Check(r, "cuMemHostRegister");
+    Log(LogLevel::kWarning, st.code(),
+        "registering an arena chunk of " + std::to_string(n) + " bytes with CUDA failed (" +
+            st.message() + "); copies through it use pageable memory and are slower" +
+            (reg.retry ? " until a later attempt succeeds" : "") +
+            " (counted in stats()[\"unpinned_bytes\"])");
   }
+
+  uint64_t UnpinnedHostBytes() const override { return unpinned_bytes_.load(); }
 
   void ForgetHostRanges(const void* owner) override {
     std::lock_guard<std::mutex> lock(reg_mu_);
@@ -248,6 +269,7 @@ class CudaCopyEngine final : public CopyEngine {
               "unregistering an arena chunk from CUDA failed: " + st.message());
         }
       }
+      if (!it->second.by_us) unpinned_bytes_ -= it->second.bytes;
       it = registered_.erase(it);
     }
   }
@@ -311,7 +333,10 @@ class CudaCopyEngine final : public CopyEngine {
 
   struct Registration {
     const void* owner = nullptr;  // the session whose mapping it is
-    bool by_us = false;           // cuMemHostRegister succeeded: unregister
+    size_t bytes = 0;
+    bool by_us = false;   // cuMemHostRegister succeeded: unregister
+    bool retry = false;   // refused for want of a context: try at the next use
+    bool logged = false;  // its failure was logged
   };
 
   const CudaDriver* cu_;
@@ -322,7 +347,7 @@ class CudaCopyEngine final : public CopyEngine {
   CuContext any_context_ = nullptr;              // GUARDED_BY(mu_)
   std::mutex reg_mu_;                            // taken before mu_, never after
   std::map<uint8_t*, Registration> registered_;  // GUARDED_BY(reg_mu_)
-  bool warned_register_ = false;                 // GUARDED_BY(reg_mu_)
+  std::atomic<uint64_t> unpinned_bytes_{0};      // written under reg_mu_
 };
 
 }  // namespace

@@ -313,6 +313,7 @@ class GroupOffloader::Impl {
   OffloaderStats stats() const {
     OffloaderStats s = stats_.Snapshot();
     s.internal_errors = worker_.thrown();
+    if (cuda_engine_) s.unpinned_bytes = cuda_engine_->UnpinnedHostBytes();
     return s;
   }
   SlotStats slot_stats(int64_t first, int64_t end) const { return stats_.SlotSum(first, end); }

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "memoffload/torch/log.h"
+
 namespace memoffload::torch {
 namespace {
 
@@ -183,7 +185,17 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
     for (const Extent& e : g.write_extents) {
       const uint64_t chunk_bytes = c->chunk_size_bytes(e.chunk);
       uint8_t* base = chunk_bytes > 0 ? c->Address(Extent{e.chunk, 0, chunk_bytes}) : nullptr;
-      if (base != nullptr) cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
+      if (base != nullptr) {
+        cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
+      } else if (!warned_unsized_chunk_) {
+        // The attach reply lacks the chunk (a daemon bug): copies through it
+        // stay pageable.
+        warned_unsized_chunk_ = true;
+        Log(LogLevel::kWarning, StatusCode::kInternal,
+            "arena chunk " + std::to_string(e.chunk) +
+                " has no size or mapping in the attach reply; it is not registered with CUDA "
+                "(logged once)");
+      }
     }
   }
 }

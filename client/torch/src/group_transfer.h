@@ -71,6 +71,7 @@ class GroupTransfer {
   StatsBook* const stats_;
   CopyEngine* const cuda_engine_;
   std::mutex* const training_mu_;
+  bool warned_unsized_chunk_ = false;  // worker only
 };
 
 }  // namespace memoffload::torch

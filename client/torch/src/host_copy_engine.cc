@@ -28,6 +28,7 @@ class HostCopyEngine final : public CopyEngine {
   Status WaitOnStream(ReadyToken, uintptr_t) override { return Status::Ok(); }
   void SyncAndDropToken(ReadyToken) override {}
   void PrepareHostRange(const void*, uint8_t*, size_t) override {}
+  uint64_t UnpinnedHostBytes() const override { return 0; }
   void ForgetHostRanges(const void*) override {}
 };
 

@@ -86,6 +86,10 @@ class CopyEngine {
   // registers it with the driver once per mapping; a failure only makes
   // copies slower, so it is logged, not returned.
   virtual void PrepareHostRange(const void* owner, uint8_t* base, size_t n) = 0;
+  // Bytes of the ranges prepared (and not forgotten) that are not registered
+  // with the driver: copies through them are pageable. Any thread; never
+  // waits for a registration in progress.
+  virtual uint64_t UnpinnedHostBytes() const = 0;
   // The mappings of `owner` are about to be unmapped: unregisters every range
   // registered for it, so that a later mapping at the same address (a new
   // session after a reconnect) is registered afresh. Any thread.

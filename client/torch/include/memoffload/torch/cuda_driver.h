@@ -26,6 +26,7 @@ using CuEvent = struct CuEventOpaque*;
 using CuDevicePtr = unsigned long long;  // NOLINT: the driver's CUdeviceptr
 
 inline constexpr CuResult kCudaSuccess = 0;
+inline constexpr CuResult kCudaErrorInvalidContext = 201;
 inline constexpr CuResult kCudaErrorNotReady = 600;
 inline constexpr CuResult kCudaErrorHostMemoryAlreadyRegistered = 712;
 inline constexpr unsigned kCuStreamNonBlocking = 0x1;

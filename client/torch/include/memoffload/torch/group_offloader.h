@@ -79,6 +79,9 @@ struct OffloaderStats {
   // Storages kept in place because their stream was capturing a CUDA graph
   // (also in skipped_bytes; logged once).
   uint64_t capture_skipped = 0;
+  // Bytes of arena chunks in use for CUDA copies that are not registered
+  // with the driver (copies through them are pageable, slower).
+  uint64_t unpinned_bytes = 0;
   uint64_t reconnects = 0;  // sessions attached after a loss
   uint64_t rpc_errors = 0;
   // Background tasks that threw: a bug (the first is logged as an error).
