@@ -53,6 +53,8 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["prefetch_waits"] = s.prefetch_waits;
   d["prefetch_wait_seconds"] = s.prefetch_wait_seconds;
   d["rereads"] = s.rereads;
+  d["capture_skipped"] = s.capture_skipped;
+  d["unpinned_bytes"] = s.unpinned_bytes;
   d["reconnects"] = s.reconnects;
   d["rpc_errors"] = s.rpc_errors;
   d["internal_errors"] = s.internal_errors;

@@ -2,183 +2,14 @@
 // cuda_sim.h for the model and what it checks.
 #include "cuda_sim.h"
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
-#include <functional>
-#include <map>
-#include <mutex>
-#include <random>
-#include <set>
-#include <string>
-#include <thread>
-#include <vector>
+
+#include "sim_internal.h"
 
 namespace {
 
-using CUresult = int;
-constexpr CUresult kSuccess = 0;
-constexpr CUresult kInvalidValue = 1;
-constexpr CUresult kNotInitialized = 3;
-constexpr CUresult kNoDevice = 100;
-constexpr CUresult kInvalidDevice = 101;
-constexpr CUresult kInvalidContext = 201;
-constexpr CUresult kInvalidHandle = 400;
-constexpr CUresult kNotReady = 600;
-constexpr CUresult kAlreadyRegistered = 712;
-constexpr CUresult kNotRegistered = 713;
-
-struct Context {
-  int device;
-};
-
-struct Event {
-  int device = 0;
-  uint64_t records = 0;    // records queued so far
-  uint64_t completed = 0;  // the highest record that completed
-};
-
-// One item of a stream's work: a wait (wait_for set), an event record
-// (record set; done under the lock) or anything else (run, without it).
-struct Work {
-  std::function<void()> run;
-  const Event* wait_for = nullptr;  // until wait_for->completed >= target
-  uint64_t target = 0;
-  Event* record = nullptr;  // record->completed = max(it, target)
-};
-
-struct Stream {
-  int device = 0;
-  std::deque<Work> queue;
-  bool busy = false;
-  std::mt19937 rng;
-};
-
-// Everything lives as long as the process (stream threads may still run at
-// exit), under one lock; `changed` is notified whenever work completes.
-struct Sim {
-  std::mutex mu;
-  std::condition_variable changed;
-  bool initialized = false;
-  int devices = 2;
-  uint32_t max_delay_us = 2000;
-  uint32_t copy_delay_us = 0;  // on top, before every copy
-  uint32_t seed = 1;
-  std::vector<Context*> contexts;                             // primary context per device
-  std::vector<Stream*> default_streams;                       // legacy stream per device
-  std::set<Stream*> streams;                                  // created by cuStreamCreate
-  std::set<Event*> events;                                    // live
-  std::vector<Event*> destroyed;                              // queued work may still use them
-  std::map<uintptr_t, std::pair<int, size_t>> device_memory;  // base -> (device, bytes)
-  std::map<uintptr_t, size_t> registered;                     // host base -> bytes
-  std::map<std::string, std::pair<int, int>> failures;        // call -> (countdown, result)
-  std::set<std::string> blocked;                              // calls held at entry
-  SimStats stats{};
-  std::string last_misuse;
-};
-
-Sim& S() {
-  static Sim* sim = new Sim;  // never destroyed: see above
-  return *sim;
-}
-
-thread_local Context* current_context = nullptr;
-
-CUresult Misuse(Sim& s, CUresult result, const std::string& what) {
-  ++s.stats.misuse;
-  s.last_misuse = what;
-  return result;
-}
-
-// Consumes one injected failure of `call`, if one is due: its result.
-bool Injected(Sim& s, const char* call, CUresult* result) {
-  auto it = s.failures.find(call);
-  if (it == s.failures.end()) return false;
-  if (--it->second.first > 0) return false;
-  *result = it->second.second;
-  s.failures.erase(it);
-  return true;
-}
-
-void RunStream(Stream* st) {
-  Sim& s = S();
-  std::unique_lock<std::mutex> lock(s.mu);
-  while (true) {
-    s.changed.wait(lock, [&] { return !st->queue.empty(); });
-    Work w = std::move(st->queue.front());
-    st->queue.pop_front();
-    st->busy = true;
-    if (w.wait_for != nullptr) {
-      s.changed.wait(lock, [&] { return w.wait_for->completed >= w.target; });
-    } else {
-      const uint32_t delay = s.max_delay_us == 0 ? 0 : st->rng() % (s.max_delay_us + 1);
-      lock.unlock();
-      std::this_thread::sleep_for(std::chrono::microseconds(delay));
-      if (w.run != nullptr) w.run();
-      lock.lock();
-      if (w.record != nullptr) w.record->completed = std::max(w.record->completed, w.target);
-    }
-    st->busy = false;
-    --s.stats.pending_work;
-    s.changed.notify_all();
-  }
-}
-
-Stream* NewStream(Sim& s, int device) {
-  auto* st = new Stream;
-  st->device = device;
-  st->rng.seed(s.seed + static_cast<uint32_t>(s.streams.size() * 7919 + device));
-  std::thread(RunStream, st).detach();
-  return st;
-}
-
-void Enqueue(Sim& s, Stream* st, Work w) {
-  ++s.stats.pending_work;
-  st->queue.push_back(std::move(w));
-  s.changed.notify_all();
-}
-
-// The stream a handle names (null: the legacy stream of the current
-// context's device), or null after recording a misuse in *result.
-Stream* Resolve(Sim& s, void* handle, const char* call, CUresult* result) {
-  if (current_context == nullptr) {
-    *result = Misuse(s, kInvalidContext, std::string(call) + " without a current context");
-    return nullptr;
-  }
-  if (handle == nullptr) return s.default_streams[current_context->device];
-  auto* st = static_cast<Stream*>(handle);
-  if (s.streams.count(st) == 0) {
-    *result = Misuse(s, kInvalidHandle, std::string(call) + " on an unknown stream");
-    return nullptr;
-  }
-  return st;
-}
-
-Event* LiveEvent(Sim& s, void* handle, const char* call, CUresult* result) {
-  auto* e = static_cast<Event*>(handle);
-  if (s.events.count(e) == 0) {
-    *result = Misuse(s, kInvalidHandle, std::string(call) + " on a destroyed or unknown event");
-    return nullptr;
-  }
-  return e;
-}
-
-// Whether [p, p + n) lies in device memory of some device.
-bool IsDeviceMemory(const Sim& s, uintptr_t p, size_t n) {
-  auto it = s.device_memory.upper_bound(p);
-  if (it == s.device_memory.begin()) return false;
-  --it;
-  return p + n <= it->first + it->second.second;
-}
-
-bool IsRegistered(const Sim& s, uintptr_t p, size_t n) {
-  auto it = s.registered.upper_bound(p);
-  if (it == s.registered.begin()) return false;
-  --it;
-  return p + n <= it->first + it->second;
-}
+using namespace cuda_sim;  // NOLINT: the one namespace of the simulator
 
 uint64_t EnvNumber(const char* name, uint64_t fallback) {
   const char* v = std::getenv(name);
@@ -197,6 +28,9 @@ CUresult Copy(void* dst, const void* src, size_t n, void* stream, bool to_host, 
   if (!IsDeviceMemory(s, dev, n)) {
     return Misuse(s, kInvalidValue, std::string(call) + " with memory that is not device memory");
   }
+  r = CaptureCheck(s, st);
+  if (r == kCaptured) return kSuccess;  // a node of the graph: not run now
+  if (r != kSuccess) return r;
   ++(to_host ? s.stats.dtoh_copies : s.stats.htod_copies);
   if (!IsRegistered(s, host, n)) ++s.stats.copies_with_pageable_host;
   const uint32_t delay = s.copy_delay_us;
@@ -244,6 +78,8 @@ CUresult cuGetErrorString(CUresult error, const char** text) {
       {700, "CUDA_ERROR_ILLEGAL_ADDRESS"},
       {kAlreadyRegistered, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"},
       {kNotRegistered, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED"},
+      {kStreamCaptureUnsupported, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"},
+      {kStreamCaptureInvalidated, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"},
       {999, "CUDA_ERROR_UNKNOWN"}};
   auto it = names.find(error);
   if (it == names.end()) {
@@ -319,6 +155,10 @@ CUresult cuStreamSynchronize(void* stream) {
   CUresult r = kSuccess;
   Stream* st = Resolve(s, stream, "cuStreamSynchronize", &r);
   if (st == nullptr) return r;
+  if (st->capture_status == kCaptureActive) {  // as CUDA: not permitted, breaks the capture
+    InvalidateCapture(s, st->capture_origin);
+    return kStreamCaptureUnsupported;
+  }
   s.changed.wait(lock, [&] { return st->queue.empty() && !st->busy; });
   return kSuccess;
 }
@@ -333,6 +173,17 @@ CUresult cuStreamWaitEvent(void* stream, void* event, unsigned) {
   Event* e = LiveEvent(s, event, "cuStreamWaitEvent", &r);
   if (e == nullptr) return r;
   ++s.stats.stream_waits;
+  if (e->captured_by != nullptr && e->captured_by->capture_status == kCaptureActive &&
+      st->capture_status == kCaptureNone) {
+    // Waiting on an event recorded in a capture pulls the stream into it.
+    auto* origin = const_cast<Stream*>(e->captured_by);
+    st->capture_status = kCaptureActive;
+    st->capture_mode = origin->capture_mode;
+    st->capture_origin = origin;
+  }
+  r = CaptureCheck(s, st);
+  if (r == kCaptured) return kSuccess;
+  if (r != kSuccess) return r;
   // As CUDA: the wait is for the event's most recent record as of now.
   if (e->records > 0) Enqueue(s, st, {nullptr, e, e->records, nullptr});
   return kSuccess;
@@ -361,6 +212,13 @@ CUresult cuEventRecord(void* event, void* stream) {
   if (e == nullptr) return r;
   Stream* st = Resolve(s, stream, "cuEventRecord", &r);
   if (st == nullptr) return r;
+  r = CaptureCheck(s, st);
+  if (r == kCaptured) {
+    e->captured_by = st->capture_origin;
+    return kSuccess;
+  }
+  if (r != kSuccess) return r;
+  e->captured_by = nullptr;
   const uint64_t record = ++e->records;
   Enqueue(s, st, {nullptr, nullptr, record, e});
   return kSuccess;
@@ -382,6 +240,10 @@ CUresult cuEventSynchronize(void* event) {
   if (Injected(s, "cuEventSynchronize", &r)) return r;
   Event* e = LiveEvent(s, event, "cuEventSynchronize", &r);
   if (e == nullptr) return r;
+  if (e->captured_by != nullptr && e->captured_by->capture_status == kCaptureActive) {
+    InvalidateCapture(s, e->captured_by);
+    return kStreamCaptureUnsupported;
+  }
   const uint64_t target = e->records;
   s.changed.wait(lock, [&] { return e->completed >= target; });
   return kSuccess;
@@ -473,6 +335,7 @@ void sim_launch(int device, void* stream, void (*fn)(void*), void* arg) {
   Sim& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   Stream* st = stream != nullptr ? static_cast<Stream*>(stream) : s.default_streams.at(device);
+  if (CaptureCheck(s, st) != kSuccess) return;  // captured, or the capture is broken
   Enqueue(s, st, {[fn, arg] { fn(arg); }, nullptr, 0, nullptr});
 }
 

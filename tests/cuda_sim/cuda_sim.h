@@ -14,6 +14,19 @@
 // (CUDA_ERROR_INVALID_CONTEXT), destroyed or unknown handles, copies from or
 // to device memory that was not handed out, unregistering an unknown range.
 //
+// Device memory also comes from cuMemAlloc / cuMemFree (host heap memory
+// recorded as the current context's device's).
+//
+// Graph capture (cuStreamBeginCapture_v2, cuStreamEndCapture,
+// cuStreamIsCapturing, cuThreadExchangeStreamCaptureMode), as CUDA does it:
+// work queued on a capturing stream becomes a node and does not run; an event
+// recorded there is a captured event, and a stream that waits on it joins
+// the capture; synchronising a capturing stream or a captured event fails
+// with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture, as
+// does cuMemAlloc/cuMemFree from a thread not in relaxed mode while a global
+// capture (or this thread's thread-local one) is active; cuStreamEndCapture
+// of an invalidated capture returns CUDA_ERROR_STREAM_CAPTURE_INVALIDATED.
+//
 // Environment, read at cuInit: CUDA_SIM_DEVICES (default 2),
 // CUDA_SIM_INIT_RESULT (cuInit's result, default 0), CUDA_SIM_MAX_DELAY_US
 // (default 2000), CUDA_SIM_SEED (default 1).
@@ -41,6 +54,9 @@ struct SimStats {
   uint64_t htod_copies;
   uint64_t copies_with_pageable_host;  // host side not registered
   uint64_t stream_waits;               // cuStreamWaitEvent calls
+  uint64_t captured_nodes;             // work added to a graph being captured
+  uint64_t captures_invalidated;       // captures broken by a prohibited call
+  uint64_t device_allocations;         // successful cuMemAlloc
 };
 
 SimStats sim_stats();

@@ -29,7 +29,8 @@ class SimStats(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
         "live_events", "pending_work", "registered_ranges", "register_calls",
         "unknown_unregisters", "misuse", "dtoh_copies", "htod_copies",
-        "copies_with_pageable_host", "stream_waits")]
+        "copies_with_pageable_host", "stream_waits", "captured_nodes",
+        "captures_invalidated", "device_allocations")]  # as tests/cuda_sim/cuda_sim.h
 
 runtime_dir = sys.argv[1]
 off = mot.get_offloader(runtime_dir)
@@ -50,6 +51,7 @@ mot.forget_offloader(runtime_dir)  # the last reference: the offloader goes
 gc.collect()
 after = sim.sim_stats()
 print(json.dumps({"engine": stats["engine"], "same": same,
+                  "unpinned_bytes": stats["unpinned_bytes"],
                   "registered_during": during.registered_ranges,
                   "register_calls": after.register_calls,
                   "registered_after": after.registered_ranges,
@@ -112,5 +114,6 @@ def test_attach_with_the_cuda_engine_is_one_round_trip_and_registers_every_chunk
     # used at least two, each registered once at its own size.
     assert got["registered_during"] >= 2, got
     assert got["register_calls"] == got["registered_during"], got
+    assert got["unpinned_bytes"] == 0, f"a chunk stayed unregistered: {got}"
     assert got["registered_after"] == 0, f"registrations outlived the offloader: {got}"
     assert got["unknown_unregisters"] == 0 and got["misuse"] == 0, got

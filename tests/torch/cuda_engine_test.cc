@@ -16,113 +16,17 @@
 #include <thread>
 #include <vector>
 
+#include "cuda_engine_fixture.h"
 #include "cuda_sim.h"
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/log.h"
 
-// The driver calls the tests make themselves (the simulated driver's).
-extern "C" {
-int cuDeviceGet(int* device, int ordinal);
-int cuDevicePrimaryCtxRetain(void** context, int device);
-int cuCtxSetCurrent(void* context);
-int cuCtxGetCurrent(void** context);
-}
-
 namespace memoffload::torch {
-namespace {
 
-constexpr size_t kBytes = 1 << 20;
-const c10::Device kGpu0(c10::DeviceType::CUDA, 0);
-
-bool AllAre(const uint8_t* p, size_t n, uint8_t value) {
-  for (size_t i = 0; i < n; ++i) {
-    if (p[i] != value) return false;
-  }
-  return true;
-}
-
-// A "kernel": after sleep_ms, fills n bytes at p.
-struct Fill {
-  uint8_t* p;
-  size_t n;
-  uint8_t value;
-  int sleep_ms;
-};
-void RunFill(void* arg) {
-  auto* f = static_cast<Fill*>(arg);
-  std::this_thread::sleep_for(std::chrono::milliseconds(f->sleep_ms));
-  std::memset(f->p, f->value, f->n);
-}
-
-// A "kernel" that reads device memory into `seen`.
-struct Read {
-  const uint8_t* p;
-  std::vector<uint8_t>* seen;
-};
-void RunRead(void* arg) {
-  auto* r = static_cast<Read*>(arg);
-  r->seen->assign(r->p, r->p + kBytes);
-}
-
-class CudaEngine : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    Result<std::unique_ptr<CopyEngine>> made = MakeCudaCopyEngine();
-    ASSERT_TRUE(made.ok()) << made.status().ToString();
-    engine_ = std::move(made).value().release();
-    EnableLogQueue(1000);  // the tests read what the engine logs
-  }
-  void SetUp() override {
-    ASSERT_NE(engine_, nullptr);
-    sim_set_max_delay_us(2000);
-    sim_set_copy_delay_us(0);
-    sim_reset_counters();
-  }
-  void TearDown() override {
-    // Before the buffers go: a broken engine may still have copies queued.
-    sim_synchronize_all();
-    const SimStats s = sim_stats();
-    EXPECT_EQ(s.live_events, 0u) << "the engine leaked events (tokens never dropped)";
-    EXPECT_EQ(s.misuse, 0u) << "the engine made a call CUDA would reject: " << sim_last_misuse();
-  }
-  // kBytes of device `device`'s memory (in the simulation) or of host memory,
-  // filled with `fill`, alive until after TearDown.
-  uint8_t* Device(int device, uint8_t fill) {
-    uint8_t* p = Host(fill);
-    sim_add_device_memory(device, p, kBytes);
-    return p;
-  }
-  uint8_t* Host(uint8_t fill, size_t n = kBytes) {
-    buffers_.emplace_back(n, fill);
-    return buffers_.back().data();
-  }
-  // A copy back of kBytes of 0x5C from a new arena buffer (*arena) into a
-  // new buffer of GPU 0 (*dst), queued; the token FinishCopyIn returned.
-  ReadyToken StartCopyBack(uint8_t** dst, uint8_t** arena_out = nullptr) {
-    *dst = Device(0, 0);
-    uint8_t* arena = Host(0x5C);
-    if (arena_out != nullptr) *arena_out = arena;
-    EXPECT_TRUE(engine_->CopyIn(kGpu0, arena, *dst, kBytes).ok());
-    Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
-    EXPECT_TRUE(done.ok()) << done.status().ToString();
-    return done.ok() ? *done : 0;
-  }
-  // Whether a "kernel" queued now on GPU 0's legacy stream reads 0x5C at dst.
-  bool ConsumerSeesTheCopy(const uint8_t* dst) {
-    std::vector<uint8_t>& seen = buffers_.emplace_back();
-    Launch(0, RunRead, &reads_.emplace_back(Read{dst, &seen}));
-    sim_synchronize_all();
-    return AllAre(seen.data(), kBytes, 0x5C);
-  }
-  // Queues a "kernel" on the legacy stream of `device`; its argument must be
-  // one of the members below, which outlive the test's queued work.
-  void Launch(int device, void (*fn)(void*), void* arg) { sim_launch(device, nullptr, fn, arg); }
-  static CopyEngine* engine_;
-  std::deque<std::vector<uint8_t>> buffers_;
-  std::deque<Fill> fills_;
-  std::deque<Read> reads_;
-};
 CopyEngine* CudaEngine::engine_ = nullptr;
+SimCachingAllocator* CudaEngine::allocator_ = nullptr;
+
+namespace {
 
 TEST_F(CudaEngine, IsTheSimulatedDriver) {
   EXPECT_STREQ(engine_->name(), "cuda");
@@ -152,21 +56,6 @@ TEST_F(CudaEngine, CopyOutReturnsOnlyOnceTheBytesAreInTheArena) {
   uint8_t* host = Host(0);
   ASSERT_TRUE(engine_->CopyOut(kGpu0, src, host, kBytes, 0).ok());
   EXPECT_TRUE(AllAre(host, kBytes, 0x3C)) << "CopyOut returned before its copy finished";
-}
-
-// The block CopyIn writes was just allocated; kernels of its previous life
-// may still be queued on the default stream. The H2D must come after them.
-TEST_F(CudaEngine, CopyInComesAfterWorkQueuedOnTheDefaultStream) {
-  uint8_t* dst = Device(0, 0);
-  Launch(0, RunFill, &fills_.emplace_back(Fill{dst, kBytes, 0xEE, 30}));  // its previous life
-  uint8_t* arena = Host(0x5C);
-  ASSERT_TRUE(engine_->CopyIn(kGpu0, arena, dst, kBytes).ok());
-  Result<ReadyToken> done = engine_->FinishCopyIn(kGpu0);
-  ASSERT_TRUE(done.ok()) << done.status().ToString();
-  engine_->SyncAndDropToken(*done);
-  sim_synchronize_all();
-  EXPECT_TRUE(AllAre(dst, kBytes, 0x5C))
-      << "the restored bytes were overwritten by work queued before the copy";
 }
 
 // The consumer (backward) stream must not read the restored tensor before
@@ -352,6 +241,44 @@ TEST_F(CudaEngine, AFailedRegistrationOnlyMakesCopiesSlower) {
   EXPECT_EQ(sim_stats().copies_with_pageable_host, 1u);
   engine_->ForgetHostRanges(&session);
   EXPECT_EQ(sim_stats().unknown_unregisters, 0u);
+}
+
+// Issue 18 #7. A registration refused for want of a context (the first
+// chunk prepared before any device was used) is tried again on the next use
+// of the range, not remembered as failed for the mapping's life.
+TEST_F(CudaEngine, ARegistrationRefusedForWantOfAContextIsRetried) {
+  uint8_t* arena = Host(0);
+  const int session = 0;
+  sim_fail_call("cuMemHostRegister", 1, 201);  // CUDA_ERROR_INVALID_CONTEXT
+  engine_->PrepareHostRange(&session, arena, kBytes);
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), kBytes);
+  engine_->PrepareHostRange(&session, arena, kBytes);  // the next group in this chunk
+  EXPECT_EQ(sim_stats().registered_ranges, 1u) << "the registration was never tried again";
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), 0u);
+  engine_->ForgetHostRanges(&session);
+  DrainLog();
+}
+
+// Issue 18 #7. Every chunk that stays unpinned says so once (not only the
+// first of the process), and its bytes are counted until it is unmapped.
+TEST_F(CudaEngine, EachUnpinnedChunkIsLoggedOnceAndCounted) {
+  uint8_t* a = Host(0);
+  uint8_t* b = Host(0);
+  const int session = 0;
+  DrainLog();
+  for (uint8_t* chunk : {a, b}) {
+    sim_fail_call("cuMemHostRegister", 1, 2);  // CUDA_ERROR_OUT_OF_MEMORY
+    engine_->PrepareHostRange(&session, chunk, kBytes);
+    engine_->PrepareHostRange(&session, chunk, kBytes);  // no second line
+  }
+  int lines = 0;
+  for (const LogRecord& r : DrainLog()) {
+    if (r.message.find("CUDA_ERROR_OUT_OF_MEMORY") != std::string::npos) ++lines;
+  }
+  EXPECT_EQ(lines, 2) << "each chunk that stays unpinned is logged once";
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), 2 * kBytes);
+  engine_->ForgetHostRanges(&session);
+  EXPECT_EQ(engine_->UnpinnedHostBytes(), 0u);
 }
 
 // A copy the driver refuses is an error for the caller (which keeps the group

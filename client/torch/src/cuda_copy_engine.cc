@@ -2,9 +2,12 @@
 // non-blocking streams per device, ordered with events against the trainer's
 // stream. Host chunks are registered (page-locked for the device) once per
 // process, as they are first used.
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
+#include <utility>
 
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/cuda_driver.h"
@@ -24,13 +27,21 @@ struct DeviceStreams {
 // trainer's threads call MarkReady and WaitOnStream: torch's own calls on
 // them rely on their current context, and a thread without one would make
 // a legacy-stream call fail or land on another GPU.
+//
+// The thread's stream capture mode is relaxed for the scope too: while the
+// trainer captures a CUDA graph in global mode (torch.cuda.graph's default),
+// an allocation (cudaMalloc behind the caching allocator), a registration or
+// a synchronisation from a thread in global mode would invalidate the
+// capture. None of the engine's work goes into a capture.
 class ScopedContext {
  public:
   ScopedContext(const CudaDriver* cu, CuContext context) : cu_(cu) {
     saved_ = cu_->cuCtxGetCurrent(&previous_) == kCudaSuccess;
     status_ = cu_->Check(cu_->cuCtxSetCurrent(context), "cuCtxSetCurrent");
+    relaxed_ = cu_->cuThreadExchangeStreamCaptureMode(&mode_) == kCudaSuccess;
   }
   ~ScopedContext() {
+    if (relaxed_) cu_->cuThreadExchangeStreamCaptureMode(&mode_);
     if (saved_) cu_->cuCtxSetCurrent(previous_);
   }
   ScopedContext(const ScopedContext&) = delete;
@@ -41,12 +52,15 @@ class ScopedContext {
   const CudaDriver* cu_;
   CuContext previous_ = nullptr;
   bool saved_ = false;
+  int mode_ = kCuStreamCaptureModeRelaxed;  // the thread's own while relaxed_
+  bool relaxed_ = false;
   Status status_;
 };
 
 class CudaCopyEngine final : public CopyEngine {
  public:
-  explicit CudaCopyEngine(const CudaDriver* driver) : cu_(driver) {}
+  CudaCopyEngine(const CudaDriver* driver, std::unique_ptr<DeviceAllocator> allocator)
+      : cu_(driver), allocator_(std::move(allocator)) {}
 
   const char* name() const override { return "cuda"; }
   bool Handles(c10::Device device) const override { return device.is_cuda() || device.is_cpu(); }
@@ -57,6 +71,15 @@ class CudaCopyEngine final : public CopyEngine {
     if (!streams.ok()) return streams.status();
     ScopedContext current(cu_, (*streams)->context);
     MEMOFFLOAD_RETURN_IF_ERROR(current.status());
+    // An event recorded on a capturing stream is a node of the graph, and
+    // CopyOut's wait on it would pull the D2H stream into the capture.
+    int capture = kCuStreamCaptureStatusNone;
+    MEMOFFLOAD_RETURN_IF_ERROR(
+        cu_->Check(cu_->cuStreamIsCapturing(reinterpret_cast<CuStream>(stream), &capture),
+                   "cuStreamIsCapturing"));
+    if (capture != kCuStreamCaptureStatusNone) {
+      return FailedPrecondition("the stream is capturing a CUDA graph");
+    }
     CuEvent event = nullptr;
     MEMOFFLOAD_RETURN_IF_ERROR(
         cu_->Check(cu_->cuEventCreate(&event, kCuEventDisableTiming), "cuEventCreate"));
@@ -103,6 +126,19 @@ class CudaCopyEngine final : public CopyEngine {
     return st;
   }
 
+  Result<c10::DataPtr> AllocateForCopyIn(c10::Device device, size_t n) override {
+    Result<DeviceStreams*> streams = Streams(device);
+    if (!streams.ok()) return streams.status();
+    ScopedContext current(cu_, (*streams)->context);
+    MEMOFFLOAD_RETURN_IF_ERROR(current.status());
+    return allocator_->Allocate(device, n, reinterpret_cast<uintptr_t>((*streams)->h2d));
+  }
+
+  Status RecordUse(c10::Device device, const c10::DataPtr& data, uintptr_t stream) override {
+    if (device.is_cpu()) return Status::Ok();
+    return allocator_->RecordStream(data, stream);
+  }
+
   Status CopyIn(c10::Device device, const uint8_t* src, void* dst, size_t n) override {
     if (device.is_cpu()) {
       if (n != 0) std::memcpy(dst, src, n);
@@ -113,22 +149,10 @@ class CudaCopyEngine final : public CopyEngine {
     CuStream s = (*streams)->h2d;
     ScopedContext current(cu_, (*streams)->context);
     MEMOFFLOAD_RETURN_IF_ERROR(current.status());
-    // `dst` was just allocated by the caching allocator on the legacy default
-    // stream, where kernels still queued may use the block's previous life:
-    // the copy waits for them.
-    CuEvent allocated = nullptr;
-    MEMOFFLOAD_RETURN_IF_ERROR(
-        cu_->Check(cu_->cuEventCreate(&allocated, kCuEventDisableTiming), "cuEventCreate"));
-    Status st = cu_->Check(cu_->cuEventRecord(allocated, nullptr), "cuEventRecord");
-    if (st.ok()) st = cu_->Check(cu_->cuStreamWaitEvent(s, allocated, 0), "cuStreamWaitEvent");
-    if (st.ok() && n != 0) {
-      st = cu_->Check(cu_->cuMemcpyHtoDAsync(reinterpret_cast<CuDevicePtr>(dst), src, n, s),
+    // `dst` came from AllocateForCopyIn, for this stream: nothing to wait for.
+    if (n == 0) return Status::Ok();
+    return cu_->Check(cu_->cuMemcpyHtoDAsync(reinterpret_cast<CuDevicePtr>(dst), src, n, s),
                       "cuMemcpyHtoDAsync");
-    }
-    // Destroying a recorded event is safe: the driver keeps what the wait
-    // needs until it completes.
-    cu_->cuEventDestroy(allocated);
-    return st;
   }
 
   Result<ReadyToken> FinishCopyIn(c10::Device device) override {
@@ -186,29 +210,48 @@ class CudaCopyEngine final : public CopyEngine {
     // Keyed by address while `owner` keeps the range mapped: ForgetHostRanges
     // removes the entry before the unmap, so a new mapping that lands on the
     // same address is registered again.
-    if (!registered_.emplace(base, Registration{owner, false}).second) return;
-    ScopedContext current(cu_, AnyContext());
-    CuResult r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
-    if (r == kCudaErrorHostMemoryAlreadyRegistered) {
-      // Not by this mapping (it has no entry yet): left by an earlier mapping
-      // at this address whose unregister failed. It would point the driver
-      // at that mapping's pages; replace it.
-      Log(LogLevel::kWarning, StatusCode::kOk,
-          "a CUDA registration of an earlier arena mapping was still in place at a new "
-          "mapping's address; replacing it");
-      r = cu_->cuMemHostUnregister(base);
-      if (r == kCudaSuccess) r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+    auto [it, fresh] = registered_.emplace(base, Registration{owner, n});
+    Registration& reg = it->second;
+    if (!fresh && !reg.retry) return;
+    if (fresh) unpinned_bytes_ += n;
+    CuContext context = AnyContext();
+    CuResult r = kCudaErrorInvalidContext;
+    if (context != nullptr) {
+      ScopedContext current(cu_, context);
+      r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+      if (r == kCudaErrorHostMemoryAlreadyRegistered) {
+        // Not by this mapping (it had no entry): left by an earlier mapping
+        // at this address whose unregister failed. It would point the driver
+        // at that mapping's pages; replace it.
+        Log(LogLevel::kWarning, StatusCode::kOk,
+            "a CUDA registration of an earlier arena mapping was still in place at a new "
+            "mapping's address; replacing it");
+        r = cu_->cuMemHostUnregister(base);
+        if (r == kCudaSuccess) r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
+      }
     }
     if (r == kCudaSuccess) {
-      registered_[base].by_us = true;
-    } else if (!warned_register_) {
-      warned_register_ = true;
-      const Status st = cu_->Check(r, "cuMemHostRegister");
-      Log(LogLevel::kWarning, st.code(),
-          "registering an arena chunk with CUDA failed (" + st.message() +
-              "); copies use pageable memory and are slower");
+      reg.by_us = true;
+      reg.retry = false;
+      unpinned_bytes_ -= n;
+      return;
     }
+    // Without a context (no device retained yet, or none current) the
+    // registration is tried again at the next use of the range; any other
+    // refusal holds for the mapping's life. Each range says so once.
+    reg.retry = r == kCudaErrorInvalidContext;
+    if (reg.logged) return;
+    reg.logged = true;
+    const Status st = context == nullptr ? Unavailable("no CUDA context to register with")
+                                         : cu_->Check(r, "cuMemHostRegister");
+    Log(LogLevel::kWarning, st.code(),
+        "registering an arena chunk of " + std::to_string(n) + " bytes with CUDA failed (" +
+            st.message() + "); copies through it use pageable memory and are slower" +
+            (reg.retry ? " until a later attempt succeeds" : "") +
+            " (counted in stats()[\"unpinned_bytes\"])");
   }
+
+  uint64_t UnpinnedHostBytes() const override { return unpinned_bytes_.load(); }
 
   void ForgetHostRanges(const void* owner) override {
     std::lock_guard<std::mutex> lock(reg_mu_);
@@ -226,6 +269,7 @@ class CudaCopyEngine final : public CopyEngine {
               "unregistering an arena chunk from CUDA failed: " + st.message());
         }
       }
+      if (!it->second.by_us) unpinned_bytes_ -= it->second.bytes;
       it = registered_.erase(it);
     }
   }
@@ -289,25 +333,30 @@ class CudaCopyEngine final : public CopyEngine {
 
   struct Registration {
     const void* owner = nullptr;  // the session whose mapping it is
-    bool by_us = false;           // cuMemHostRegister succeeded: unregister
+    size_t bytes = 0;
+    bool by_us = false;   // cuMemHostRegister succeeded: unregister
+    bool retry = false;   // refused for want of a context: try at the next use
+    bool logged = false;  // its failure was logged
   };
 
   const CudaDriver* cu_;
+  const std::unique_ptr<DeviceAllocator> allocator_;
   std::mutex mu_;
   std::map<int, DeviceStreams> streams_;         // GUARDED_BY(mu_); never erased
   std::map<CuEvent, CuContext> token_contexts_;  // GUARDED_BY(mu_); live tokens
   CuContext any_context_ = nullptr;              // GUARDED_BY(mu_)
   std::mutex reg_mu_;                            // taken before mu_, never after
   std::map<uint8_t*, Registration> registered_;  // GUARDED_BY(reg_mu_)
-  bool warned_register_ = false;                 // GUARDED_BY(reg_mu_)
+  std::atomic<uint64_t> unpinned_bytes_{0};      // written under reg_mu_
 };
 
 }  // namespace
 
-Result<std::unique_ptr<CopyEngine>> MakeCudaCopyEngine() {
+Result<std::unique_ptr<CopyEngine>> MakeCudaCopyEngine(std::unique_ptr<DeviceAllocator> allocator) {
   Result<const CudaDriver*> driver = LoadCudaDriver();
   if (!driver.ok()) return driver.status();
-  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(*driver));
+  if (allocator == nullptr) allocator = MakeTorchDeviceAllocator();
+  return std::unique_ptr<CopyEngine>(new CudaCopyEngine(*driver, std::move(allocator)));
 }
 
 }  // namespace memoffload::torch

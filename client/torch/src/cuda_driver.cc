@@ -44,7 +44,10 @@ Result<const CudaDriver*> LoadOnce() {
       Resolve(lib, "cuMemcpyDtoHAsync_v2", &driver.cuMemcpyDtoHAsync, &missing) &&
       Resolve(lib, "cuMemcpyHtoDAsync_v2", &driver.cuMemcpyHtoDAsync, &missing) &&
       Resolve(lib, "cuMemHostRegister_v2", &driver.cuMemHostRegister, &missing) &&
-      Resolve(lib, "cuMemHostUnregister", &driver.cuMemHostUnregister, &missing);
+      Resolve(lib, "cuMemHostUnregister", &driver.cuMemHostUnregister, &missing) &&
+      Resolve(lib, "cuStreamIsCapturing", &driver.cuStreamIsCapturing, &missing) &&
+      Resolve(lib, "cuThreadExchangeStreamCaptureMode", &driver.cuThreadExchangeStreamCaptureMode,
+              &missing);
   if (!ok) return Unavailable("CUDA driver lacks symbol " + missing);
   MEMOFFLOAD_RETURN_IF_ERROR(driver.Check(driver.cuInit(0), "cuInit"));
   int count = 0;

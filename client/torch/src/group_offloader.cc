@@ -113,6 +113,9 @@ class GroupOffloader::Impl {
     // Counted in skipped_bytes when the group closes, like any storage that
     // did not make it into the arena.
     if (!packed.kept.ok()) NoteKept(packed.kept);
+    // The engine's MarkReady contract: FAILED_PRECONDITION is a stream that
+    // is capturing a CUDA graph.
+    const bool capturing = packed.kept.code() == StatusCode::kFailedPrecondition;
     bool copied_here = false;
     if (std::shared_ptr<StoredStorage> s = packed.copy_now) {
       // CPU: one memcpy on this thread, like a clone, instead of waking the
@@ -125,8 +128,9 @@ class GroupOffloader::Impl {
       }
     }
     const bool dedup = packed.dedup;
-    stats_.Count([dedup, copied_here](OffloaderStats& s) {
+    stats_.Count([dedup, copied_here, capturing](OffloaderStats& s) {
       ++s.tensors;
+      if (capturing) ++s.capture_skipped;
       if (dedup) ++s.deduplicated;
       if (copied_here) ++s.caller_copies;
     });
@@ -231,10 +235,14 @@ class GroupOffloader::Impl {
         stats_.Count([](OffloaderStats& st) { ++st.rereads; });
       }
       if (storage.unsafeGetStorageImpl() == s->restored.unsafeGetStorageImpl() &&
-          s->restored_ready != 0) {
+          !s->device.is_cpu()) {
         // CUDA: the consumer stream waits for the H2D copy, the training
-        // thread does not.
-        MEMOFFLOAD_RETURN_IF_ERROR(s->engine->WaitOnStream(s->restored_ready, stream));
+        // thread does not; the consumer's use is recorded, so the block is
+        // not handed to the next copy back before that stream is done.
+        if (s->restored_ready != 0) {
+          MEMOFFLOAD_RETURN_IF_ERROR(s->engine->WaitOnStream(s->restored_ready, stream));
+        }
+        MEMOFFLOAD_RETURN_IF_ERROR(s->engine->RecordUse(s->device, storage.data_ptr(), stream));
       }
     }
     Result<at::Tensor> out = Unpack(e, storage);
@@ -305,6 +313,7 @@ class GroupOffloader::Impl {
   OffloaderStats stats() const {
     OffloaderStats s = stats_.Snapshot();
     s.internal_errors = worker_.thrown();
+    if (cuda_engine_) s.unpinned_bytes = cuda_engine_->UnpinnedHostBytes();
     return s;
   }
   SlotStats slot_stats(int64_t first, int64_t end) const { return stats_.SlotSum(first, end); }
@@ -362,7 +371,11 @@ class GroupOffloader::Impl {
   }
 
   // Every live entry was unpacked once: this backward no longer needs the
-  // restored copies (autograd holds what it still uses).
+  // restored copies (autograd holds what it still uses). A CUDA copy may
+  // still be queued into one (its entry died unread): its memory came from
+  // AllocateForCopyIn, whose block serves only later copies on the same
+  // stream, so dropping it here is safe; Release waits for the copy before
+  // the arena range goes back.
   void MaybeEndRoundLocked(Group& g) {
     if (g.live == 0 || g.unpacked < g.live) return;
     for (Entry& e : g.entries) e.unpacked = false;

@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "memoffload/torch/log.h"
+
 namespace memoffload::torch {
 namespace {
 
@@ -122,12 +124,21 @@ bool CopyOutInline(Group& g, StoredStorage& s) {
 Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, ReadyToken* copied) {
   *copied = 0;
   c10::Storage out;
-  try {
-    out = at::empty({static_cast<int64_t>(s.nbytes)},
-                    at::TensorOptions().dtype(at::kByte).device(s.device))
-              .storage();
-  } catch (const std::exception& ex) {
-    return Internal(std::string("allocating a restored storage failed: ") + ex.what());
+  if (s.device.is_cpu()) {
+    try {
+      out = at::empty({static_cast<int64_t>(s.nbytes)},
+                      at::TensorOptions().dtype(at::kByte).device(s.device))
+                .storage();
+    } catch (const std::exception& ex) {
+      return Internal(std::string("allocating a restored storage failed: ") + ex.what());
+    }
+  } else {
+    // The engine decides where device memory comes from (the CUDA engine:
+    // torch's caching allocator, for the stream its copy runs on).
+    Result<c10::DataPtr> data = s.engine->AllocateForCopyIn(s.device, s.nbytes);
+    if (!data.ok()) return data.status();
+    out = c10::Storage(c10::Storage::use_byte_size_t(), s.nbytes, std::move(data).value(),
+                       /*allocator=*/nullptr, /*resizable=*/false);
   }
   uint8_t* dst = static_cast<uint8_t*>(out.mutable_data());
   Status st = ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
@@ -174,7 +185,17 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
     for (const Extent& e : g.write_extents) {
       const uint64_t chunk_bytes = c->chunk_size_bytes(e.chunk);
       uint8_t* base = chunk_bytes > 0 ? c->Address(Extent{e.chunk, 0, chunk_bytes}) : nullptr;
-      if (base != nullptr) cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
+      if (base != nullptr) {
+        cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
+      } else if (!warned_unsized_chunk_) {
+        // The attach reply lacks the chunk (a daemon bug): copies through it
+        // stay pageable.
+        warned_unsized_chunk_ = true;
+        Log(LogLevel::kWarning, StatusCode::kInternal,
+            "arena chunk " + std::to_string(e.chunk) +
+                " has no size or mapping in the attach reply; it is not registered with CUDA "
+                "(logged once)");
+      }
     }
   }
 }
@@ -325,14 +346,23 @@ void GroupTransfer::Prefetch(const std::shared_ptr<Group>& group) {
     return;
   }
   std::vector<std::shared_ptr<StoredStorage>> storages;
+  std::vector<bool> read_later;  // by storage: some entry is still live
   {
     std::lock_guard<std::mutex> lock(*training_mu_);
     storages = g.storages;
+    read_later.assign(storages.size(), false);
+    for (const Entry& e : g.entries) {
+      if (e.live) read_later[e.storage] = true;
+    }
   }
   uint64_t bytes = 0;
   const auto start = std::chrono::steady_clock::now();
-  for (auto& s : storages) {
-    if (!s->offloaded) continue;
+  for (size_t i = 0; i < storages.size(); ++i) {
+    auto& s = storages[i];
+    // A device storage whose entries all died unread (a discarded branch) is
+    // not copied back: nothing will read it. (CPU storages keep their
+    // behaviour.)
+    if (!s->offloaded || (!s->device.is_cpu() && !read_later[i])) continue;
     ReadyToken copied = 0;
     Result<c10::Storage> restored = RestoreOrView(group, *s, &copied);
     if (!restored.ok()) {

@@ -55,7 +55,8 @@ class GroupTransfer {
   void CopyOut(Group& g, StoredStorage& s);
   // Copies what is left, commits and drops the sources that made it.
   void Close(Group& g);
-  // Restores every offloaded storage and fulfils g->prefetch_promise.
+  // Restores the offloaded storages (on a device: those a live entry still
+  // views) and fulfils g->prefetch_promise.
   void Prefetch(const std::shared_ptr<Group>& g);
   // Returns the group's space and drops unconsumed ready tokens.
   void Release(Group& g);
@@ -70,6 +71,7 @@ class GroupTransfer {
   StatsBook* const stats_;
   CopyEngine* const cuda_engine_;
   std::mutex* const training_mu_;
+  bool warned_unsized_chunk_ = false;  // worker only
 };
 
 }  // namespace memoffload::torch

@@ -16,6 +16,10 @@ class HostCopyEngine final : public CopyEngine {
     if (n != 0) std::memcpy(dst, src, n);
     return Status::Ok();
   }
+  Result<c10::DataPtr> AllocateForCopyIn(c10::Device device, size_t) override {
+    return InvalidArgument("the host engine restores CPU storages only, not " + device.str());
+  }
+  Status RecordUse(c10::Device, const c10::DataPtr&, uintptr_t) override { return Status::Ok(); }
   Status CopyIn(c10::Device, const uint8_t* src, void* dst, size_t n) override {
     if (n != 0) std::memcpy(dst, src, n);
     return Status::Ok();
@@ -24,6 +28,7 @@ class HostCopyEngine final : public CopyEngine {
   Status WaitOnStream(ReadyToken, uintptr_t) override { return Status::Ok(); }
   void SyncAndDropToken(ReadyToken) override {}
   void PrepareHostRange(const void*, uint8_t*, size_t) override {}
+  uint64_t UnpinnedHostBytes() const override { return 0; }
   void ForgetHostRanges(const void*) override {}
 };
 

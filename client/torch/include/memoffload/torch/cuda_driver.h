@@ -26,11 +26,14 @@ using CuEvent = struct CuEventOpaque*;
 using CuDevicePtr = unsigned long long;  // NOLINT: the driver's CUdeviceptr
 
 inline constexpr CuResult kCudaSuccess = 0;
+inline constexpr CuResult kCudaErrorInvalidContext = 201;
 inline constexpr CuResult kCudaErrorNotReady = 600;
 inline constexpr CuResult kCudaErrorHostMemoryAlreadyRegistered = 712;
 inline constexpr unsigned kCuStreamNonBlocking = 0x1;
 inline constexpr unsigned kCuEventDisableTiming = 0x2;
 inline constexpr unsigned kCuMemHostRegisterPortable = 0x1;
+inline constexpr int kCuStreamCaptureStatusNone = 0;
+inline constexpr int kCuStreamCaptureModeRelaxed = 2;
 
 // Function table filled by Load(). Members are null until then.
 struct CudaDriver {
@@ -52,6 +55,8 @@ struct CudaDriver {
   CuResult (*cuMemcpyHtoDAsync)(CuDevicePtr, const void*, size_t, CuStream) = nullptr;
   CuResult (*cuMemHostRegister)(void*, size_t, unsigned) = nullptr;
   CuResult (*cuMemHostUnregister)(void*) = nullptr;
+  CuResult (*cuStreamIsCapturing)(CuStream, int*) = nullptr;  // *status: kCuStreamCaptureStatus*
+  CuResult (*cuThreadExchangeStreamCaptureMode)(int*) = nullptr;
 
   // "cuFoo failed: CUDA_ERROR_... (code)"; kOk for kCudaSuccess.
   Status Check(CuResult result, const char* what) const;

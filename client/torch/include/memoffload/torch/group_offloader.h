@@ -75,7 +75,13 @@ struct OffloaderStats {
   uint64_t blocking_rpcs = 0;   // RPCs the calling thread waited for
   uint64_t prefetch_waits = 0;  // Get calls that waited for a prefetch
   double prefetch_wait_seconds = 0;
-  uint64_t rereads = 0;     // storages read again (a second backward)
+  uint64_t rereads = 0;  // storages read again (a second backward)
+  // Storages kept in place because their stream was capturing a CUDA graph
+  // (also in skipped_bytes; logged once).
+  uint64_t capture_skipped = 0;
+  // Bytes of arena chunks in use for CUDA copies that are not registered
+  // with the driver (copies through them are pageable, slower).
+  uint64_t unpinned_bytes = 0;
   uint64_t reconnects = 0;  // sessions attached after a loss
   uint64_t rpc_errors = 0;
   // Background tasks that threw: a bug (the first is logged as an error).
