@@ -30,6 +30,7 @@
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
 #include "memoffload/daemon/fresh_backing.h"
+#include "memoffload/daemon/quota_policy.h"
 #include "memoffload/daemon/reserve_queue.h"
 #include "memoffload/daemon/session_token.h"
 #include "memoffload/shared_mem/attach_wire.h"
@@ -56,23 +57,6 @@ const char* GroupStateName(GroupState state);
 enum class CloseReason { kLifelineClosed, kProcessExited, kShutdown };
 inline constexpr int kCloseReasonCount = 3;
 const char* CloseReasonName(CloseReason reason);
-
-// Why a Reserve was refused; a label of the rejections metric.
-enum class RejectReason {
-  kNone,
-  kTooLarge,  // larger than the usable arena: can never fit
-  kSessionLimit,
-  kJobLimit,
-  kArenaFull,    // usable arena (capacity - node reserve) is full
-  kWaitTimeout,  // waited until the deadline
-  kTooManyWaiters,
-  kDraining,
-  kCancelled,      // the caller cancelled (or its deadline passed) while waiting
-  kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
-  kGroupLimit,     // the session holds quotas.max_groups_per_session groups
-};
-inline constexpr int kRejectReasonCount = 11;
-const char* RejectReasonName(RejectReason reason);
 
 struct SessionGrant {
   uint64_t session_id = 0;
@@ -198,10 +182,12 @@ class SessionTable {
   // (UNAUTHENTICATED), then the group and its state.
   //
   // Reserve checks, in order: the usable arena (capacity - node reserve),
-  // the session limit, the job limit, the session's group count, free space,
-  // and the extent count (quotas.max_extents_per_reserve; over it nothing is
-  // reserved). A request larger than the usable arena, its session limit or
-  // its job limit can never fit and fails at once, waiting or not.
+  // the session limit, the job limit, the session's group count (the quotas:
+  // QuotaPolicy, asked once per try), free space (QuotaPolicy::Room, once
+  // per placement) and the extent count (quotas.max_extents_per_reserve;
+  // over it nothing is reserved). A request larger than the usable arena,
+  // its session limit or its job limit can never fit and fails at once,
+  // waiting or not.
   // Otherwise, without wait_until, a request that does not fit fails at once
   // with RESOURCE_EXHAUSTED naming the limit and the shortfall.
   //
@@ -311,17 +297,15 @@ class SessionTable {
   Result<Group*> FindGroup(Session* session, uint64_t group_id);
   // One attempt to place the group now, leaving keep_free_bytes of the
   // usable arena free (for an aged waiter of another tenant). The caller has
-  // checked the quotas (CheckQuotas); this checks capacity, once. Places only
-  // in the tenant's chunks (its TenantChunks list: no pass over every
-  // chunk), claiming empty ones when they are full. Requires mu_.
+  // had the quotas checked (quota_.Check); this checks capacity, once
+  // (quota_.Room). Places only in the tenant's chunks (its TenantChunks list:
+  // no pass over every chunk), claiming empty ones when they are full.
+  // Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
                                    bool single_extent, uint64_t keep_free_bytes,
                                    RejectReason* reject);
-  // Whether the session's and its job's quotas allow `rounded` more bytes
-  // now; RESOURCE_EXHAUSTED naming the limit and the excess if not.
-  Status CheckQuotas(const Session& session, uint64_t rounded, RejectReason* reject) const;
-  // RESOURCE_EXHAUSTED when `rounded` exceeds a limit outright (can never fit).
-  Status CheckFitsAtAll(const Session& session, uint64_t rounded, RejectReason* reject) const;
+  // What the session and its job hold, for quota_. Requires mu_.
+  QuotaUsage UsageOf(const Session& session) const;
   // RESOURCE_EXHAUSTED for a request queued behind capacity waiters of its
   // own tenant, naming the arena and the shortfall. Requires mu_.
   Status QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
@@ -362,11 +346,7 @@ class SessionTable {
   void ExpireWaitersLoop();
   static void Run(Completions* completions);
   // capacity - node reserve, or 0 when the reserve covers the arena.
-  uint64_t UsableBytes() const;  // requires mu_
-  // The session limit in force: min(policy, what its hello asked for).
-  uint64_t SessionLimit(const Session& session) const;  // requires mu_
-  // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
-  uint64_t JobLimit(const Session& session) const;      // requires mu_
+  uint64_t UsableBytes() const;                         // requires mu_
   Job& JobOf(const Session& session);                   // requires mu_
   void AddStateBytes(GroupState state, int64_t delta);  // requires mu_
   // Returns extents the table holds to the allocator; a refusal is a bug,
@@ -375,7 +355,7 @@ class SessionTable {
 
   Arena* const arena_;
   mutable std::mutex mu_;
-  Policy policy_;                                         // guarded by mu_
+  QuotaPolicy quota_;                                     // guarded by mu_
   bool draining_ = false;                                 // guarded by mu_
   bool shutting_down_ = false;                            // guarded by mu_
   ReserveQueue queue_;                                    // guarded by mu_
