@@ -43,8 +43,7 @@ SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant
                            FreshBacking* fresh_backing)
     : arena_(arena),
       quota_(policy),
-      tenant_mode_(tenant_mode),
-      chunk_owners_(arena->chunk_count()),
+      tenant_chunks_(arena->chunk_count(), tenant_mode),
       fresh_backing_(fresh_backing) {
   queue_.SetLimits(QueueLimits());
   deadline_thread_ = std::thread([this] { ExpireWaitersLoop(); });
@@ -146,7 +145,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
   s.hello = hello;
-  switch (tenant_mode_) {
+  switch (tenant_chunks_.mode()) {
     case TenantMode::kUid:
       s.tenant = "uid:" + std::to_string(peer.uid);
       break;
@@ -170,7 +169,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
     job.requested_limit = hello.job_max_bytes;
   }
-  JoinTenant(&s);
+  s.owned = tenant_chunks_.Join(s.tenant);
   SessionGrant grant = s.grant;
   sessions_.emplace(grant.session_id, std::move(s));
   return grant;
@@ -195,13 +194,10 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     job->second.held_bytes -= reclaimed;
     if (--job->second.sessions == 0) jobs_.erase(job);
   }
-  for (ChunkOwner& owner : chunk_owners_) {
-    owner.holders.erase(std::remove(owner.holders.begin(), owner.holders.end(), session_id),
-                        owner.holders.end());
-  }
+  tenant_chunks_.Forget(session_id);
   // Dropped after the lock: the last reference takes the metrics' lock.
   std::shared_ptr<RankSeries> series = std::move(it->second.series);
-  LeaveTenant(it->second);
+  tenant_chunks_.Leave(it->second.tenant);
   sessions_.erase(it);
   FailSessionWaiters(session_id, &done);
   DispatchWaiters(&done);
@@ -375,7 +371,7 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.waiting_reserves = static_cast<uint32_t>(queue_.size());
   a.draining = draining_;
   a.shutting_down = shutting_down_;
-  for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
+  a.owned_chunks = tenant_chunks_.owned_chunks();
   a.replaced_backings = replaced_backings_;
   a.free_errors = free_errors_;
   if (fresh_backing_ != nullptr) {
@@ -422,10 +418,11 @@ Status SessionTable::CheckInvariants() const {
       uint64_t sum = 0;
       for (const Extent& e : g.extents) {
         sum += e.length;
-        if (tenant_mode_ != TenantMode::kNone && chunk_owners_[e.chunk].tenant != s.tenant) {
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != s.tenant) {
           return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
                           " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
-                          chunk_owners_[e.chunk].tenant);
+                          owner);
         }
       }
 

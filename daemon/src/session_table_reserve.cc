@@ -169,16 +169,19 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   // (bytes in a tenant's own chunks are of no use to another tenant).
   const bool leaves_kept_free = room.leaves_kept_free;
   Result<std::vector<Extent>> extents = Internal("not allocated yet");
-  if (tenant_mode_ == TenantMode::kNone) {
+  if (tenant_chunks_.mode() == TenantMode::kNone) {
     if (!leaves_kept_free) return arena_full(keep_free_bytes);
     extents = alloc.Allocate(rounded, single_extent);
   } else {
     // Only the tenant's own chunks; take over empty ones until it fits.
+    auto empty = [this, &alloc](uint32_t c) {
+      return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
+    };
     const std::vector<uint32_t>& owned = s.owned->chunks;
     extents = alloc.AllocateIn(rounded, single_extent, owned);
     while (!extents.ok()) {
       if (!leaves_kept_free) return arena_full(keep_free_bytes);
-      const int64_t c = Claimable(s.tenant);
+      const int64_t c = tenant_chunks_.Claimable(s.tenant, empty);
       if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
       extents = alloc.AllocateIn(rounded, single_extent, owned);  // Claim listed c
     }
@@ -186,7 +189,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   if (!extents.ok()) {
     *reject = RejectReason::kArenaFull;
     return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) +
-                             (tenant_mode_ == TenantMode::kNone
+                             (tenant_chunks_.mode() == TenantMode::kNone
                                   ? ""
                                   : " in the chunks of tenant " + s.tenant +
                                         " (chunks of other tenants are not shared)") +

@@ -33,6 +33,7 @@
 #include "memoffload/daemon/quota_policy.h"
 #include "memoffload/daemon/reserve_queue.h"
 #include "memoffload/daemon/session_token.h"
+#include "memoffload/daemon/tenant_chunks.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/status.h"
 
@@ -121,19 +122,6 @@ struct ChunkGrant {
   uint64_t generation = 0;
   std::shared_ptr<const Chunk> backing;
 };
-
-// Who may share a chunk. Chunks belong to one tenant at a time; a session is
-// handed the fds of its tenant's chunks only, and a chunk changes tenant only
-// when it is empty and no live session of its old tenant has it mapped. A
-// chunk that changes tenant gets a new memfd (fresh backing, FreshBacking):
-// whatever a process of the old tenant kept (a mapping, an fd passed on)
-// reaches the old pages only, never the new tenant's.
-enum class TenantMode {
-  kUid,   // tenant = the peer's uid (default)
-  kJob,   // tenant = the peer's uid and the hello's job id ("job:<uid>:<job_id>")
-  kNone,  // one tenant: every session gets every chunk (trusted nodes)
-};
-Result<TenantMode> ParseTenantMode(const std::string& text);
 
 struct SessionSnapshot {
   uint64_t session_id = 0;
@@ -271,19 +259,13 @@ class SessionTable {
     uint32_t sessions = 0;
     uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
   };
-  // The chunks a tenant owns, ascending (the order the allocator's
-  // restricted search breaks ties in), and how many open sessions it has.
-  struct TenantChunks {
-    std::vector<uint32_t> chunks;
-    uint32_t sessions = 0;
-  };
   struct Session {
     SessionGrant grant;
     Hello hello;
     std::string tenant;
-    TenantChunks* owned = nullptr;  // tenant_chunks_[tenant]; null with TenantMode::kNone
-    std::string job_key;            // "<uid>:<job_id>", the key of jobs_
-    Job* job = nullptr;             // jobs_[job_key], which outlives the session
+    const TenantChunks::Owned* owned = nullptr;  // its tenant's; null with TenantMode::kNone
+    std::string job_key;                         // "<uid>:<job_id>", the key of jobs_
+    Job* job = nullptr;                          // jobs_[job_key], which outlives the session
 
     PeerCredentials peer;
     Clock::time_point opened_at;
@@ -364,30 +346,14 @@ class SessionTable {
   bool stopping_ = false;                                 // guarded by mu_
   std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
 
-  struct ChunkOwner {
-    std::string tenant;             // "" while never used
-    std::vector<uint64_t> holders;  // sessions that were handed the fd
-    std::vector<pid_t> recipients;  // their processes, since the current backing
-  };
-  // Marks `chunk` as the tenant's, giving it a new memfd when it belonged to
-  // another tenant (never faults pages: see FreshBacking), and moves it to
-  // the tenant's list in tenant_chunks_. Fails, changing nothing, only when
-  // no memfd can be created. Requires mu_.
+  // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
+  // memfd when it belonged to another tenant (never faults pages: see
+  // FreshBacking) and retiring the old one to its recipients. Fails,
+  // changing nothing, only when no memfd can be created. Requires mu_.
   Status Claim(uint32_t chunk, const std::string& tenant);
-  // Adds a session to its tenant's entry of tenant_chunks_ (Open), or
-  // removes it (Close), dropping an entry with no chunk and no session.
-  void JoinTenant(Session* session);
-  void LeaveTenant(const Session& session);
-  // tenant_chunks_ agrees with chunk_owners_ and the sessions. Requires mu_.
+  // tenant_chunks_ agrees with the sessions. Requires mu_.
   Status CheckTenantChunks() const;
-  // A chunk the tenant may take over now, or -1. Requires mu_.
-  int64_t Claimable(const std::string& tenant) const;
-  const TenantMode tenant_mode_;
-  std::vector<ChunkOwner> chunk_owners_;  // guarded by mu_; one per chunk
-  // By tenant; the inverse of chunk_owners_[c].tenant, kept by Claim so a
-  // Reserve asks the allocator for the tenant's chunks without a pass over
-  // every chunk. Entries are stable (sessions point at theirs). Guarded by mu_.
-  std::unordered_map<std::string, TenantChunks> tenant_chunks_;
+  TenantChunks tenant_chunks_;  // guarded by mu_
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ = 0;  // guarded by mu_
 
