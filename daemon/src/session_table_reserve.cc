@@ -83,8 +83,10 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
                        : "memoffloadd is draining: new reservations are refused until "
                          "'memoffloadctl undrain'"));
   }
-  // The quotas, once: a request over a whole limit fails now; one its own
-  // quota holds back may wait (below).
+  // Each rule once. The usable arena and every quota (QuotaPolicy::Check:
+  // session and job limits, group count) are asked here and nowhere else on
+  // this path: a request over a whole limit fails now, one its own quota
+  // holds back may wait (below). Free space is asked once, in TryReserve.
   if (Status st = quota_.CheckFitsArena(size_bytes, arena_->capacity_bytes(), &reject); !st.ok()) {
     return answer(st);
   }
@@ -167,10 +169,9 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   // keep_free_bytes holds back only what the aged waiter could use: any free
   // byte with TenantMode::kNone, else the empty chunks a tenant may claim
   // (bytes in a tenant's own chunks are of no use to another tenant).
-  const bool leaves_kept_free = room.leaves_kept_free;
   Result<std::vector<Extent>> extents = Internal("not allocated yet");
   if (tenant_chunks_.mode() == TenantMode::kNone) {
-    if (!leaves_kept_free) return arena_full(keep_free_bytes);
+    if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
     extents = alloc.Allocate(rounded, single_extent);
   } else {
     // Only the tenant's own chunks; take over empty ones until it fits.
@@ -180,7 +181,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
     const std::vector<uint32_t>& owned = s.owned->chunks;
     extents = alloc.AllocateIn(rounded, single_extent, owned);
     while (!extents.ok()) {
-      if (!leaves_kept_free) return arena_full(keep_free_bytes);
+      if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
       const int64_t c = tenant_chunks_.Claimable(s.tenant, empty);
       if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
       extents = alloc.AllocateIn(rounded, single_extent, owned);  // Claim listed c
