@@ -19,12 +19,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "size_class_lists.h"
-
 namespace memoffload::daemon {
 namespace {
 
-constexpr uint32_t kNone = kNoNode;
 // A start key packs (chunk, page offset) as chunk << kKeyShift | offset.
 constexpr int kKeyShift = 40;
 
@@ -32,63 +29,6 @@ constexpr int kKeyShift = 40;
   std::fprintf(stderr, "ExtentAllocator: %s\n", what);
   std::abort();
 }
-
-// Open-addressing hash map from a start key to a node (linear probing,
-// backward-shift deletion, grows at half load). Find returns kNone if absent.
-class StartIndex {
- public:
-  explicit StartIndex(size_t expected) { Rehash(expected * 2); }
-  size_t size() const { return size_; }
-  uint32_t Find(uint64_t key) const { return slots_[Probe(key)].node; }
-  void Put(uint64_t key, uint32_t node) {
-    if (2 * (size_ + 1) > slots_.size()) Rehash(slots_.size() * 2);
-    const size_t i = Probe(key);
-    size_ += slots_[i].node == kNone;
-    slots_[i] = Slot{key, node};
-  }
-  void Erase(uint64_t key) {
-    size_t i = Probe(key);
-    if (slots_[i].node == kNone) return;
-    --size_;
-    // Pull later members of the probe run back so no lookup meets a hole.
-    for (size_t j = (i + 1) & mask_; slots_[j].node != kNone; j = (j + 1) & mask_) {
-      if (((j - Home(slots_[j].key)) & mask_) >= ((j - i) & mask_)) {
-        slots_[i] = slots_[j];
-        i = j;
-      }
-    }
-    slots_[i].node = kNone;
-  }
-
- private:
-  struct Slot {
-    uint64_t key = 0;
-    uint32_t node = kNone;
-  };
-  size_t Home(uint64_t key) const { return (key * 0x9E3779B97F4A7C15ull) >> shift_; }
-  // The slot holding `key`, or the empty slot ending its probe run.
-  size_t Probe(uint64_t key) const {
-    size_t i = Home(key);
-    while (slots_[i].node != kNone && slots_[i].key != key) i = (i + 1) & mask_;
-    return i;
-  }
-  void Rehash(size_t min_slots) {
-    size_t n = 16;
-    while (n < min_slots) n *= 2;
-    std::vector<Slot> old(n);
-    old.swap(slots_);
-    mask_ = n - 1;
-    shift_ = 64 - Log2Floor(n);
-    size_ = 0;
-    for (const Slot& s : old) {
-      if (s.node != kNone) Put(s.key, s.node);
-    }
-  }
-  std::vector<Slot> slots_;
-  size_t mask_ = 0;
-  int shift_ = 0;
-  size_t size_ = 0;
-};
 
 // Checks the constructor's arguments (dies on a bad one) and returns the
 // longest chunk in pages.
@@ -110,230 +50,196 @@ uint64_t ValidatedMaxPages(const std::vector<uint64_t>& chunk_sizes, uint64_t pa
   return max_pages;
 }
 
+uint64_t Key(uint32_t chunk, uint64_t offset) { return (uint64_t{chunk} << kKeyShift) | offset; }
+
 }  // namespace
 
-class ExtentAllocator::Impl {
- public:
-  Impl(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
-      : page_bytes_(page_bytes),
-        arena_lists_(ValidatedMaxPages(chunk_sizes, page_bytes), kArenaLists),
-        index_(chunk_sizes.size() * 8 + 1024) {
-    page_shift_ = Log2Floor(page_bytes);
-    nodes_.reserve(chunk_sizes.size() * 8 + 1024);
-    chunk_lists_.reserve(chunk_sizes.size());
-    for (uint32_t c = 0; c < chunk_sizes.size(); ++c) {
-      const uint64_t pages = chunk_sizes[c] >> page_shift_;
-      ExtentNode& n = nodes_.emplace_back();
-      n.length = pages;
-      n.chunk = c;
-      chunk_lists_.emplace_back(pages, kChunkLists);
-      chunk_pages_.push_back(pages);
-      chunk_free_pages_.push_back(pages);
-      capacity_pages_ += pages;
-      InsertFree(c);
+ExtentAllocator::ExtentAllocator(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
+    : page_bytes_(page_bytes),
+      arena_lists_(ValidatedMaxPages(chunk_sizes, page_bytes), kArenaLists),
+      index_(chunk_sizes.size() * 8 + 1024) {
+  page_shift_ = Log2Floor(page_bytes);
+  nodes_.reserve(chunk_sizes.size() * 8 + 1024);
+  chunk_lists_.reserve(chunk_sizes.size());
+  for (uint32_t c = 0; c < chunk_sizes.size(); ++c) {
+    const uint64_t pages = chunk_sizes[c] >> page_shift_;
+    ExtentNode& n = nodes_.emplace_back();
+    n.length = pages;
+    n.chunk = c;
+    chunk_lists_.emplace_back(pages, kChunkLists);
+    chunk_pages_.push_back(pages);
+    chunk_free_pages_.push_back(pages);
+    capacity_pages_ += pages;
+    InsertFree(c);
+  }
+  free_pages_ = capacity_pages_;
+}
+
+// Pages of the longest free extent (in allowed chunks when non-null).
+uint64_t ExtentAllocator::LongestFreePages(const std::vector<uint32_t>* allowed) const {
+  const uint32_t i = Largest(allowed, /*longest=*/true);
+  return i == kNoNode ? 0 : nodes_[i].length;
+}
+std::string ExtentAllocator::Bytes(uint64_t pages) const {
+  return std::to_string(ToBytes(pages)) + " bytes";
+}
+std::string ExtentAllocator::Describe(uint32_t chunk, uint64_t offset, uint64_t len) const {
+  return "[chunk " + std::to_string(chunk) + " offset " + Bytes(offset) + " length " + Bytes(len) +
+         "]";
+}
+
+uint32_t ExtentAllocator::NewNode() {
+  if (spare_nodes_.empty()) {
+    nodes_.emplace_back();
+    return static_cast<uint32_t>(nodes_.size() - 1);
+  }
+  const uint32_t i = spare_nodes_.back();
+  spare_nodes_.pop_back();
+  return i;
+}
+
+// Lists free node i in the arena's and its chunk's class lists.
+void ExtentAllocator::InsertFree(uint32_t i) {
+  arena_lists_.Insert(nodes_, i);
+  chunk_lists_[nodes_[i].chunk].Insert(nodes_, i);
+}
+// Unlinks free node i from both; is_free is the caller's.
+void ExtentAllocator::RemoveFree(uint32_t i) {
+  arena_lists_.Remove(nodes_, i);
+  chunk_lists_[nodes_[i].chunk].Remove(nodes_, i);
+}
+
+// Splits node i after `pages` pages and returns the new right-hand node,
+// which inherits i's state (indexed when allocated, not listed when free).
+uint32_t ExtentAllocator::SplitAt(uint32_t i, uint64_t pages) {
+  const uint32_t r = NewNode();
+  ExtentNode& left = nodes_[i];
+  ExtentNode& right = nodes_[r] = left;  // list links are set when listed
+  right.offset += pages;
+  right.length -= pages;
+  right.prev_phys = i;
+  if (left.next_phys != kNoNode) nodes_[left.next_phys].prev_phys = r;
+  left.next_phys = r;
+  left.length = pages;
+  if (!right.is_free) index_.Put(Key(right.chunk, right.offset), r);
+  return r;
+}
+
+// Good fit: a free node of >= pages in an allowed chunk, or kNoNode. The
+// unrestricted search is O(1) (own class head, then the first non-empty
+// class above the request's, found by find-first-set); with `exact` it then
+// scans the own class, so kNoNode means nothing fits. A restricted search
+// does the same in each allowed chunk's own lists and takes the smallest
+// class found: O(allowed chunks), independent of the free extent count.
+uint32_t ExtentAllocator::FindFit(uint64_t pages, bool exact,
+                                  const std::vector<uint32_t>* allowed) {
+  const int own = SizeClassOf(pages);
+  if (allowed != nullptr) return FindFitRestricted(pages, own, exact, *allowed);
+  const uint32_t head = arena_lists_.Head(own);
+  if (head != kNoNode && nodes_[head].length >= pages) return head;
+  // Every member of a class above the own one is long enough.
+  const int above = arena_lists_.FirstAtOrAbove(own + 1);
+  if (above != kNoClass) return arena_lists_.Head(above);
+  return exact ? arena_lists_.FindIn(nodes_, own, pages) : kNoNode;
+}
+
+uint32_t ExtentAllocator::FindFitRestricted(uint64_t pages, int own, bool exact,
+                                            const std::vector<uint32_t>& allowed) {
+  int best_rank = kNoClass;
+  uint32_t best = kNoNode;
+  for (uint32_t c : allowed) {
+    if (chunk_free_pages_[c] < pages) continue;
+    const SizeClassLists& lists = chunk_lists_[c];
+    int rank = lists.FirstAtOrAbove(own);
+    if (rank == own) {
+      // Own class: only the head is checked here (members vary in length).
+      const uint32_t head = lists.Head(own);
+      if (nodes_[head].length >= pages) return head;
+      rank = lists.FirstAtOrAbove(own + 1);
     }
-    free_pages_ = capacity_pages_;
-  }
-
-  // `allowed`: distinct chunk indices, or nullptr for every chunk.
-  Result<std::vector<Extent>> Allocate(uint64_t bytes, bool single_extent,
-                                       const std::vector<uint32_t>* allowed);
-  // Checks `allowed` (size, or range and duplicates) and turns it into a
-  // chunk list in allowed_list_; nullptr when it allows every chunk.
-  Result<const std::vector<uint32_t>*> ToList(const std::vector<bool>* allowed);
-  Result<const std::vector<uint32_t>*> ToList(const std::vector<uint32_t>& allowed);
-  Status Free(const Extent& extent);
-  Result<std::vector<Extent>> Trim(const std::vector<Extent>& extents, uint64_t keep_bytes);
-  Status CheckInvariants() const;
-
-  // Pages of the longest free extent (in allowed chunks when non-null).
-  uint64_t LongestFreePages(const std::vector<uint32_t>* allowed) const {
-    const uint32_t i = Largest(allowed, /*longest=*/true);
-    return i == kNone ? 0 : nodes_[i].length;
-  }
-  uint64_t ToBytes(uint64_t pages) const { return pages << page_shift_; }
-
-  uint64_t page_bytes_;
-  int page_shift_ = 0;
-  uint64_t capacity_pages_ = 0;
-  uint64_t free_pages_ = 0;
-  std::vector<uint64_t> chunk_pages_;
-  std::vector<uint64_t> chunk_free_pages_;
-
- private:
-  static uint64_t Key(uint32_t chunk, uint64_t offset) {
-    return (uint64_t{chunk} << kKeyShift) | offset;
-  }
-  std::string Bytes(uint64_t pages) const { return std::to_string(ToBytes(pages)) + " bytes"; }
-  std::string Describe(uint32_t chunk, uint64_t offset, uint64_t len) const {
-    return "[chunk " + std::to_string(chunk) + " offset " + Bytes(offset) + " length " +
-           Bytes(len) + "]";
-  }
-
-  uint32_t NewNode() {
-    if (spare_nodes_.empty()) {
-      nodes_.emplace_back();
-      return static_cast<uint32_t>(nodes_.size() - 1);
+    if (rank < best_rank) {
+      best_rank = rank;
+      best = c;
     }
-    const uint32_t i = spare_nodes_.back();
-    spare_nodes_.pop_back();
-    return i;
   }
-
-  // Lists free node i in the arena's and its chunk's class lists.
-  void InsertFree(uint32_t i) {
-    arena_lists_.Insert(nodes_, i);
-    chunk_lists_[nodes_[i].chunk].Insert(nodes_, i);
+  if (best != kNoNode) return chunk_lists_[best].Head(best_rank);
+  if (!exact) return kNoNode;
+  for (uint32_t c : allowed) {
+    if (chunk_free_pages_[c] < pages) continue;
+    const uint32_t i = chunk_lists_[c].FindIn(nodes_, own, pages);
+    if (i != kNoNode) return i;
   }
-  // Unlinks free node i from both; is_free is the caller's.
-  void RemoveFree(uint32_t i) {
-    arena_lists_.Remove(nodes_, i);
-    chunk_lists_[nodes_[i].chunk].Remove(nodes_, i);
+  return kNoNode;
+}
+
+// A node of the highest non-empty class holding an allowed node: the
+// longest of that class with `longest`, else the first (O(1) unrestricted).
+uint32_t ExtentAllocator::Largest(const std::vector<uint32_t>* allowed, bool longest) const {
+  if (allowed == nullptr) {
+    const int top = arena_lists_.Top();
+    return longest ? arena_lists_.LongestIn(nodes_, top) : arena_lists_.Head(top);
   }
-
-  // Splits node i after `pages` pages and returns the new right-hand node,
-  // which inherits i's state (indexed when allocated, not listed when free).
-  uint32_t SplitAt(uint32_t i, uint64_t pages) {
-    const uint32_t r = NewNode();
-    ExtentNode& left = nodes_[i];
-    ExtentNode& right = nodes_[r] = left;  // list links are set when listed
-    right.offset += pages;
-    right.length -= pages;
-    right.prev_phys = i;
-    if (left.next_phys != kNone) nodes_[left.next_phys].prev_phys = r;
-    left.next_phys = r;
-    left.length = pages;
-    if (!right.is_free) index_.Put(Key(right.chunk, right.offset), r);
-    return r;
+  int top = -1;
+  for (uint32_t c : *allowed) top = std::max(top, chunk_lists_[c].Top());
+  uint32_t best = kNoNode;
+  for (uint32_t c : *allowed) {
+    const uint32_t i = longest ? chunk_lists_[c].LongestIn(nodes_, top) : chunk_lists_[c].Head(top);
+    if (i == kNoNode) continue;
+    if (!longest) return i;
+    if (best == kNoNode || nodes_[i].length > nodes_[best].length) best = i;
   }
+  return best;
+}
 
-  // Good fit: a free node of >= pages in an allowed chunk, or kNone. The
-  // unrestricted search is O(1) (own class head, then the first non-empty
-  // class above the request's, found by find-first-set); with `exact` it then
-  // scans the own class, so kNone means nothing fits. A restricted search
-  // does the same in each allowed chunk's own lists and takes the smallest
-  // class found: O(allowed chunks), independent of the free extent count.
-  uint32_t FindFit(uint64_t pages, bool exact, const std::vector<uint32_t>* allowed) {
-    const int own = SizeClassOf(pages);
-    if (allowed != nullptr) return FindFitRestricted(pages, own, exact, *allowed);
-    const uint32_t head = arena_lists_.Head(own);
-    if (head != kNone && nodes_[head].length >= pages) return head;
-    // Every member of a class above the own one is long enough.
-    const int above = arena_lists_.FirstAtOrAbove(own + 1);
-    if (above != kNoClass) return arena_lists_.Head(above);
-    return exact ? arena_lists_.FindIn(nodes_, own, pages) : kNone;
+// Allocates the first `pages` pages of free node i.
+Extent ExtentAllocator::Carve(uint32_t i, uint64_t pages) {
+  RemoveFree(i);
+  if (nodes_[i].length > pages) InsertFree(SplitAt(i, pages));
+  ExtentNode& n = nodes_[i];
+  n.is_free = false;
+  index_.Put(Key(n.chunk, n.offset), i);
+  free_pages_ -= pages;
+  chunk_free_pages_[n.chunk] -= pages;
+  return Extent{n.chunk, ToBytes(n.offset), ToBytes(pages)};
+}
+
+// Frees allocated node i and coalesces it with its free neighbours.
+void ExtentAllocator::FreeNode(uint32_t i) {
+  index_.Erase(Key(nodes_[i].chunk, nodes_[i].offset));
+  free_pages_ += nodes_[i].length;
+  chunk_free_pages_[nodes_[i].chunk] += nodes_[i].length;
+  const uint32_t left = nodes_[i].prev_phys;
+  if (left != kNoNode && nodes_[left].is_free) {
+    RemoveFree(left);
+    Absorb(left, i);
+    i = left;
   }
-
-  uint32_t FindFitRestricted(uint64_t pages, int own, bool exact,
-                             const std::vector<uint32_t>& allowed) {
-    int best_rank = kNoClass;
-    uint32_t best = kNone;
-    for (uint32_t c : allowed) {
-      if (chunk_free_pages_[c] < pages) continue;
-      const SizeClassLists& lists = chunk_lists_[c];
-      int rank = lists.FirstAtOrAbove(own);
-      if (rank == own) {
-        // Own class: only the head is checked here (members vary in length).
-        const uint32_t head = lists.Head(own);
-        if (nodes_[head].length >= pages) return head;
-        rank = lists.FirstAtOrAbove(own + 1);
-      }
-      if (rank < best_rank) {
-        best_rank = rank;
-        best = c;
-      }
-    }
-    if (best != kNone) return chunk_lists_[best].Head(best_rank);
-    if (!exact) return kNone;
-    for (uint32_t c : allowed) {
-      if (chunk_free_pages_[c] < pages) continue;
-      const uint32_t i = chunk_lists_[c].FindIn(nodes_, own, pages);
-      if (i != kNone) return i;
-    }
-    return kNone;
+  const uint32_t right = nodes_[i].next_phys;
+  if (right != kNoNode && nodes_[right].is_free) {
+    RemoveFree(right);
+    Absorb(i, right);
   }
+  InsertFree(i);
+}
 
-  // A node of the highest non-empty class holding an allowed node: the
-  // longest of that class with `longest`, else the first (O(1) unrestricted).
-  uint32_t Largest(const std::vector<uint32_t>* allowed, bool longest) const {
-    if (allowed == nullptr) {
-      const int top = arena_lists_.Top();
-      return longest ? arena_lists_.LongestIn(nodes_, top) : arena_lists_.Head(top);
-    }
-    int top = -1;
-    for (uint32_t c : *allowed) top = std::max(top, chunk_lists_[c].Top());
-    uint32_t best = kNone;
-    for (uint32_t c : *allowed) {
-      const uint32_t i =
-          longest ? chunk_lists_[c].LongestIn(nodes_, top) : chunk_lists_[c].Head(top);
-      if (i == kNone) continue;
-      if (!longest) return i;
-      if (best == kNone || nodes_[i].length > nodes_[best].length) best = i;
-    }
-    return best;
+// Merges node `right` into its left neighbour `left` and releases it.
+void ExtentAllocator::Absorb(uint32_t left, uint32_t right) {
+  nodes_[left].length += nodes_[right].length;
+  nodes_[left].next_phys = nodes_[right].next_phys;
+  if (nodes_[right].next_phys != kNoNode) {
+    nodes_[nodes_[right].next_phys].prev_phys = left;
   }
+  spare_nodes_.push_back(right);
+}
 
-  // Allocates the first `pages` pages of free node i.
-  Extent Carve(uint32_t i, uint64_t pages) {
-    RemoveFree(i);
-    if (nodes_[i].length > pages) InsertFree(SplitAt(i, pages));
-    ExtentNode& n = nodes_[i];
-    n.is_free = false;
-    index_.Put(Key(n.chunk, n.offset), i);
-    free_pages_ -= pages;
-    chunk_free_pages_[n.chunk] -= pages;
-    return Extent{n.chunk, ToBytes(n.offset), ToBytes(pages)};
-  }
+// Frees pages [offset, offset + pages) of allocated node i.
+void ExtentAllocator::FreeRange(uint32_t i, uint64_t offset, uint64_t pages) {
+  if (nodes_[i].offset < offset) i = SplitAt(i, offset - nodes_[i].offset);
+  if (nodes_[i].length > pages) SplitAt(i, pages);
+  FreeNode(i);
+}
 
-  // Frees allocated node i and coalesces it with its free neighbours.
-  void FreeNode(uint32_t i) {
-    index_.Erase(Key(nodes_[i].chunk, nodes_[i].offset));
-    free_pages_ += nodes_[i].length;
-    chunk_free_pages_[nodes_[i].chunk] += nodes_[i].length;
-    const uint32_t left = nodes_[i].prev_phys;
-    if (left != kNone && nodes_[left].is_free) {
-      RemoveFree(left);
-      Absorb(left, i);
-      i = left;
-    }
-    const uint32_t right = nodes_[i].next_phys;
-    if (right != kNone && nodes_[right].is_free) {
-      RemoveFree(right);
-      Absorb(i, right);
-    }
-    InsertFree(i);
-  }
-
-  // Merges node `right` into its left neighbour `left` and releases it.
-  void Absorb(uint32_t left, uint32_t right) {
-    nodes_[left].length += nodes_[right].length;
-    nodes_[left].next_phys = nodes_[right].next_phys;
-    if (nodes_[right].next_phys != kNone) {
-      nodes_[nodes_[right].next_phys].prev_phys = left;
-    }
-    spare_nodes_.push_back(right);
-  }
-
-  // Frees pages [offset, offset + pages) of allocated node i.
-  void FreeRange(uint32_t i, uint64_t offset, uint64_t pages) {
-    if (nodes_[i].offset < offset) i = SplitAt(i, offset - nodes_[i].offset);
-    if (nodes_[i].length > pages) SplitAt(i, pages);
-    FreeNode(i);
-  }
-
-  Status Locate(const Extent& extent, uint32_t* node) const;
-
-  std::vector<ExtentNode> nodes_;
-  std::vector<uint32_t> spare_nodes_;
-  SizeClassLists arena_lists_;               // every free node
-  std::vector<SizeClassLists> chunk_lists_;  // by chunk: that chunk's free nodes
-  std::vector<uint32_t> allowed_list_;       // scratch for ToList
-  std::vector<uint8_t> allowed_mark_;        // scratch for ToList: 1 = listed
-  StartIndex index_;                         // start key -> allocated node
-};
-
-Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
-    const std::vector<bool>* allowed) {
+Result<const std::vector<uint32_t>*> ExtentAllocator::ToList(const std::vector<bool>* allowed) {
   if (allowed == nullptr) return static_cast<const std::vector<uint32_t>*>(nullptr);
   if (allowed->size() != chunk_pages_.size()) {
     return InvalidArgument("allowed_chunks has " + std::to_string(allowed->size()) +
@@ -349,8 +255,7 @@ Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
   return static_cast<const std::vector<uint32_t>*>(&allowed_list_);
 }
 
-Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
-    const std::vector<uint32_t>& allowed) {
+Result<const std::vector<uint32_t>*> ExtentAllocator::ToList(const std::vector<uint32_t>& allowed) {
   allowed_mark_.resize(chunk_pages_.size(), 0);
   Status bad = Status::Ok();
   size_t marked = 0;
@@ -375,12 +280,12 @@ Result<const std::vector<uint32_t>*> ExtentAllocator::Impl::ToList(
   return &allowed;
 }
 
-Result<std::vector<Extent>> ExtentAllocator::Impl::Allocate(uint64_t bytes, bool single_extent,
-                                                            const std::vector<uint32_t>* allowed) {
+Result<std::vector<Extent>> ExtentAllocator::AllocateFrom(uint64_t bytes, bool single_extent,
+                                                          const std::vector<uint32_t>* allowed) {
   if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
   const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
   const uint32_t fit = FindFit(pages, /*exact=*/true, allowed);
-  if (fit != kNone) return std::vector<Extent>{Carve(fit, pages)};
+  if (fit != kNoNode) return std::vector<Extent>{Carve(fit, pages)};
   // Only now the free pages the caller may use (a fit implies enough).
   uint64_t free_pages = free_pages_;
   if (allowed != nullptr) {
@@ -401,14 +306,14 @@ Result<std::vector<Extent>> ExtentAllocator::Impl::Allocate(uint64_t bytes, bool
   out.reserve(4);
   for (uint64_t remaining = pages; remaining > 0;) {
     uint32_t i = FindFit(remaining, /*exact=*/false, allowed);
-    if (i == kNone) i = Largest(allowed, /*longest=*/false);
+    if (i == kNoNode) i = Largest(allowed, /*longest=*/false);
     out.push_back(Carve(i, std::min(remaining, nodes_[i].length)));
     remaining -= out.back().length >> page_shift_;
   }
   return out;
 }
 
-Status ExtentAllocator::Impl::Locate(const Extent& e, uint32_t* node) const {
+Status ExtentAllocator::Locate(const Extent& e, uint32_t* node) const {
   if (e.chunk >= chunk_pages_.size()) {
     return FailedPrecondition("extent chunk " + std::to_string(e.chunk) +
                               " out of range: the arena has " +
@@ -429,7 +334,7 @@ Status ExtentAllocator::Impl::Locate(const Extent& e, uint32_t* node) const {
   }
   uint32_t i = index_.Find(Key(e.chunk, offset));
   // Not where an allocated extent starts: walk the chunk in address order.
-  if (i == kNone) i = e.chunk;
+  if (i == kNoNode) i = e.chunk;
   while (nodes_[i].offset + nodes_[i].length <= offset) i = nodes_[i].next_phys;
   const ExtentNode& n = nodes_[i];
   if (n.is_free) {
@@ -445,15 +350,15 @@ Status ExtentAllocator::Impl::Locate(const Extent& e, uint32_t* node) const {
   return Status::Ok();
 }
 
-Status ExtentAllocator::Impl::Free(const Extent& extent) {
+Status ExtentAllocator::Free(const Extent& extent) {
   uint32_t i;
   MEMOFFLOAD_RETURN_IF_ERROR(Locate(extent, &i));
   FreeRange(i, extent.offset >> page_shift_, extent.length >> page_shift_);
   return Status::Ok();
 }
 
-Result<std::vector<Extent>> ExtentAllocator::Impl::Trim(const std::vector<Extent>& extents,
-                                                        uint64_t keep_bytes) {
+Result<std::vector<Extent>> ExtentAllocator::Trim(const std::vector<Extent>& extents,
+                                                  uint64_t keep_bytes) {
   // Validate everything first so that a bad list changes nothing.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;  // (start key, pages)
   for (const Extent& e : extents) {
@@ -484,17 +389,17 @@ Result<std::vector<Extent>> ExtentAllocator::Impl::Trim(const std::vector<Extent
   return kept;
 }
 
-Status ExtentAllocator::Impl::CheckInvariants() const {
+Status ExtentAllocator::CheckInvariants() const {
   uint64_t free_total = 0, free_nodes = 0, allocated_nodes = 0;
   for (uint32_t c = 0; c < chunk_pages_.size(); ++c) {
     uint64_t end = 0, chunk_free = 0;
-    for (uint32_t i = c, prev = kNone; i != kNone; prev = i, i = nodes_[i].next_phys) {
+    for (uint32_t i = c, prev = kNoNode; i != kNoNode; prev = i, i = nodes_[i].next_phys) {
       const ExtentNode& n = nodes_[i];
       const char* broken = nullptr;
       if (n.chunk != c || n.prev_phys != prev || n.length == 0 || n.offset != end ||
           n.length > chunk_pages_[c] - end) {
         broken = "breaks the address-ordered tiling of its chunk";
-      } else if (n.is_free && prev != kNone && nodes_[prev].is_free) {
+      } else if (n.is_free && prev != kNoNode && nodes_[prev].is_free) {
         broken = "is free next to a free extent";
       } else if (!n.is_free && index_.Find(Key(c, n.offset)) != i) {
         broken = "is allocated but not indexed";
@@ -522,7 +427,7 @@ Status ExtentAllocator::Impl::CheckInvariants() const {
   // free nodes, mean every free extent is listed in its class exactly once;
   // likewise each chunk's own lists hold exactly that chunk's free nodes.
   uint64_t listed = 0, chunk_listed = 0;
-  MEMOFFLOAD_RETURN_IF_ERROR(arena_lists_.Check(nodes_, kNone, "the arena", &listed));
+  MEMOFFLOAD_RETURN_IF_ERROR(arena_lists_.Check(nodes_, kNoNode, "the arena", &listed));
   if (listed != free_nodes) {
     return Internal("class lists hold " + std::to_string(listed) + " extents; the chunks hold " +
                     std::to_string(free_nodes) + " free extents");
@@ -538,39 +443,22 @@ Status ExtentAllocator::Impl::CheckInvariants() const {
   return Status::Ok();
 }
 
-ExtentAllocator::ExtentAllocator(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
-    : impl_(std::make_unique<Impl>(chunk_sizes, page_bytes)) {}
-ExtentAllocator::~ExtentAllocator() = default;
-
 Result<std::vector<Extent>> ExtentAllocator::Allocate(uint64_t bytes, bool single_extent,
                                                       const std::vector<bool>* allowed_chunks) {
-  Result<const std::vector<uint32_t>*> list = impl_->ToList(allowed_chunks);
+  Result<const std::vector<uint32_t>*> list = ToList(allowed_chunks);
   if (!list.ok()) return list.status();
-  return impl_->Allocate(bytes, single_extent, *list);
+  return AllocateFrom(bytes, single_extent, *list);
 }
+
 Result<std::vector<Extent>> ExtentAllocator::AllocateIn(
     uint64_t bytes, bool single_extent, const std::vector<uint32_t>& allowed_chunks) {
-  Result<const std::vector<uint32_t>*> list = impl_->ToList(allowed_chunks);
+  Result<const std::vector<uint32_t>*> list = ToList(allowed_chunks);
   if (!list.ok()) return list.status();
-  return impl_->Allocate(bytes, single_extent, *list);
+  return AllocateFrom(bytes, single_extent, *list);
 }
-Status ExtentAllocator::Free(const Extent& extent) { return impl_->Free(extent); }
-Result<std::vector<Extent>> ExtentAllocator::Trim(const std::vector<Extent>& extents,
-                                                  uint64_t keep_bytes) {
-  return impl_->Trim(extents, keep_bytes);
-}
-uint64_t ExtentAllocator::capacity_bytes() const { return impl_->ToBytes(impl_->capacity_pages_); }
-uint64_t ExtentAllocator::free_bytes() const { return impl_->ToBytes(impl_->free_pages_); }
-uint64_t ExtentAllocator::largest_free_extent_bytes() const {
-  return impl_->ToBytes(impl_->LongestFreePages(nullptr));
-}
-uint64_t ExtentAllocator::page_bytes() const { return impl_->page_bytes_; }
-uint32_t ExtentAllocator::chunk_count() const {
-  return static_cast<uint32_t>(impl_->chunk_pages_.size());
-}
+
 uint64_t ExtentAllocator::chunk_free_bytes(uint32_t chunk) const {
-  return chunk < impl_->chunk_pages_.size() ? impl_->ToBytes(impl_->chunk_free_pages_[chunk]) : 0;
+  return chunk < chunk_pages_.size() ? ToBytes(chunk_free_pages_[chunk]) : 0;
 }
-Status ExtentAllocator::CheckInvariants() const { return impl_->CheckInvariants(); }
 
 }  // namespace memoffload::daemon

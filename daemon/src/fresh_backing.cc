@@ -70,6 +70,17 @@ std::unordered_set<ino_t> HeldInodes(const std::unordered_set<ino_t>& wanted) {
 
 }  // namespace
 
+bool FreshBacking::ProcShows(pid_t pid) const {
+  if (options_.proc_shows) return options_.proc_shows(pid);
+  // A process whose maps the scan could read was judged by them (access(2)
+  // would not do: the kernel's ptrace check is made at open).
+  const std::string maps = "/proc/" + std::to_string(pid) + "/maps";
+  const int fd = open(maps.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  close(fd);
+  return true;
+}
+
 FreshBacking::FreshBacking(const FreshBackingOptions& options) : options_(options) {
   thread_ = std::thread([this] { Run(); });
 }
@@ -169,46 +180,72 @@ void FreshBacking::Scan() {
   std::lock_guard<std::mutex> scan_lock(scan_mu_);
   std::unordered_set<ino_t> wanted;
   std::vector<std::shared_ptr<Chunk>> drop;
+  size_t scanned = 0;  // retired_[0, scanned) are looked for
   {
     std::lock_guard<std::mutex> lock(mu_);
     // The daemon's own references go first: a backing is stale only when
     // someone else keeps it.
     drop.swap(to_drop_);
+    scanned = retired_.size();
     for (const Retired& r : retired_) wanted.insert(r.inode);
   }
   drop.clear();  // munmap + close without mu_ (Take waits for it under the table lock)
   if (wanted.empty()) return;
   const std::unordered_set<ino_t> held = HeldInodes(wanted);
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto it = retired_.begin(); it != retired_.end();) {
-    if (wanted.count(it->inode) == 0 || held.count(it->inode) > 0 || UnseenRecipientLives(&*it)) {
-      ++it;
-      continue;
+  // Backings nobody was seen keeping: their recipients are looked at next.
+  // Only Scan (under scan_mu_) changes or erases entries of retired_ and
+  // Retire only appends, so these indices and pidfds stay valid without mu_.
+  struct Look {
+    size_t index = 0;
+    std::vector<Recipient> recipients;
+    std::vector<int> exited;  // pidfds of recipients that exited
+    bool unseen_lives = false;
+  };
+  std::vector<Look> looks;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t k = 0; k < scanned; ++k) {
+      if (held.count(retired_[k].inode) == 0)
+        looks.push_back({k, retired_[k].recipients, {}, false});
     }
-    CloseRecipients(&*it);
-    it = retired_.erase(it);
   }
+  // The poll and /proc open of each recipient, without mu_: Take waits on
+  // mu_ under the session table's lock, so a Reserve never waits for them.
+  for (Look& look : looks) {
+    look.unseen_lives = UnseenRecipientLives(look.recipients, &look.exited);
+  }
+  std::vector<int> to_close;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto look = looks.rbegin(); look != looks.rend(); ++look) {  // erasing from the back
+      Retired& r = retired_[look->index];
+      auto exited = [&](const Recipient& c) {
+        return std::find(look->exited.begin(), look->exited.end(), c.pidfd) != look->exited.end();
+      };
+      auto gone = std::stable_partition(r.recipients.begin(), r.recipients.end(),
+                                        [&](const Recipient& c) { return !exited(c); });
+      if (look->unseen_lives) {
+        for (auto it = gone; it != r.recipients.end(); ++it) to_close.push_back(it->pidfd);
+        r.recipients.erase(gone, r.recipients.end());
+        continue;
+      }
+      for (const Recipient& c : r.recipients) to_close.push_back(c.pidfd);
+      retired_.erase(retired_.begin() + static_cast<std::ptrdiff_t>(look->index));
+    }
+  }
+  for (int fd : to_close) close(fd);
 }
 
-bool FreshBacking::UnseenRecipientLives(Retired* r) {
+bool FreshBacking::UnseenRecipientLives(const std::vector<Recipient>& recipients,
+                                        std::vector<int>* exited) const {
   bool lives = false;
-  for (auto it = r->recipients.begin(); it != r->recipients.end();) {
-    pollfd p{it->pidfd, POLLIN, 0};
+  for (const Recipient& c : recipients) {
+    pollfd p{c.pidfd, POLLIN, 0};
     if (poll(&p, 1, 0) != 0) {  // exited (or the pidfd is unusable): keeps nothing
-      close(it->pidfd);
-      it = r->recipients.erase(it);
+      exited->push_back(c.pidfd);
       continue;
     }
-    // A process whose maps the scan could read was judged by them (access(2)
-    // would not do: the kernel's ptrace check is made at open).
-    const std::string maps = "/proc/" + std::to_string(it->pid) + "/maps";
-    const int fd = open(maps.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-      lives = true;
-    } else {
-      close(fd);
-    }
-    ++it;
+    if (!ProcShows(c.pid)) lives = true;
   }
   return lives;
 }

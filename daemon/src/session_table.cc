@@ -42,9 +42,8 @@ std::string JobKey(uid_t uid, const std::string& job_id) {
 SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode,
                            FreshBacking* fresh_backing)
     : arena_(arena),
-      policy_(policy),
-      tenant_mode_(tenant_mode),
-      chunk_owners_(arena->chunk_count()),
+      quota_(policy),
+      tenant_chunks_(arena->chunk_count(), tenant_mode),
       fresh_backing_(fresh_backing) {
   queue_.SetLimits(QueueLimits());
   deadline_thread_ = std::thread([this] { ExpireWaitersLoop(); });
@@ -67,7 +66,7 @@ void SessionTable::SetPolicy(const Policy& policy) {
   Completions done;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    policy_ = policy;
+    quota_ = QuotaPolicy(policy);
     queue_.SetLimits(QueueLimits());
     DispatchWaiters(&done);
   }
@@ -112,26 +111,21 @@ bool SessionTable::draining() const {
   return draining_;
 }
 
-uint64_t SessionTable::UsableBytes() const {
-  const uint64_t capacity = arena_->capacity_bytes();
-  // A reserve at or above the arena leaves nothing (never wraps around).
-  return policy_.node_reserve_bytes >= capacity ? 0 : capacity - policy_.node_reserve_bytes;
-}
-
-uint64_t SessionTable::SessionLimit(const Session& session) const {
-  uint64_t limit = policy_.session_max_bytes;
-  const uint64_t asked = session.hello.max_bytes;
-  if (asked != 0 && (limit == 0 || asked < limit)) limit = asked;
-  return limit;
-}
+uint64_t SessionTable::UsableBytes() const { return quota_.UsableBytes(arena_->capacity_bytes()); }
 
 SessionTable::Job& SessionTable::JobOf(const Session& session) { return *session.job; }
 
-uint64_t SessionTable::JobLimit(const Session& session) const {
-  uint64_t limit = policy_.job_max_bytes;
-  const uint64_t asked = session.job->requested_limit;
-  if (asked != 0 && (limit == 0 || asked < limit)) limit = asked;
-  return limit;
+QuotaUsage SessionTable::UsageOf(const Session& s) const {
+  QuotaUsage u;
+  u.session_id = s.grant.session_id;
+  u.session_held_bytes = s.held_bytes;
+  u.session_groups = s.groups.size();
+  u.session_asked_bytes = s.hello.max_bytes;
+  u.job_id = s.hello.job_id;
+  u.uid = s.peer.uid;
+  u.job_held_bytes = s.job->held_bytes;
+  u.job_asked_bytes = s.job->requested_limit;
+  return u;
 }
 
 Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer,
@@ -151,7 +145,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
   s.hello = hello;
-  switch (tenant_mode_) {
+  switch (tenant_chunks_.mode()) {
     case TenantMode::kUid:
       s.tenant = "uid:" + std::to_string(peer.uid);
       break;
@@ -164,7 +158,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   }
 
   s.job_key = JobKey(peer.uid, hello.job_id);
-  s.grant.limit_bytes = SessionLimit(s);
+  s.grant.limit_bytes = quota_.SessionLimit(hello.max_bytes);
   s.peer = peer;
   s.opened_at = Clock::now();
   s.series = std::move(series);
@@ -175,7 +169,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
     job.requested_limit = hello.job_max_bytes;
   }
-  JoinTenant(&s);
+  s.owned = tenant_chunks_.Join(s.tenant);
   SessionGrant grant = s.grant;
   sessions_.emplace(grant.session_id, std::move(s));
   return grant;
@@ -200,13 +194,10 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     job->second.held_bytes -= reclaimed;
     if (--job->second.sessions == 0) jobs_.erase(job);
   }
-  for (ChunkOwner& owner : chunk_owners_) {
-    owner.holders.erase(std::remove(owner.holders.begin(), owner.holders.end(), session_id),
-                        owner.holders.end());
-  }
+  tenant_chunks_.Forget(session_id);
   // Dropped after the lock: the last reference takes the metrics' lock.
   std::shared_ptr<RankSeries> series = std::move(it->second.series);
-  LeaveTenant(it->second);
+  tenant_chunks_.Leave(it->second.tenant);
   sessions_.erase(it);
   FailSessionWaiters(session_id, &done);
   DispatchWaiters(&done);
@@ -256,55 +247,6 @@ void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
                    st.ToString().c_str());
     }
   }
-}
-
-Status SessionTable::CheckQuotas(const Session& s, uint64_t rounded, RejectReason* reject) const {
-  if (s.groups.size() >= policy_.max_groups_per_session) {
-    *reject = RejectReason::kGroupLimit;
-    return ResourceExhausted(
-        "group limit: session " + std::to_string(s.grant.session_id) + " holds " +
-        std::to_string(s.groups.size()) + " groups, the limit quotas.max_groups_per_session is " +
-        std::to_string(policy_.max_groups_per_session) + "; Release groups before reserving more");
-  }
-  const uint64_t session_limit = SessionLimit(s);
-  if (session_limit != 0 && s.held_bytes + rounded > session_limit) {
-    *reject = RejectReason::kSessionLimit;
-    return ResourceExhausted("session limit: session " + std::to_string(s.grant.session_id) +
-                             " holds " + FormatSize(s.held_bytes) + " of its " +
-                             FormatSize(session_limit) + " limit; " + FormatSize(rounded) +
-                             " more would exceed it by " +
-                             FormatSize(s.held_bytes + rounded - session_limit));
-  }
-  const uint64_t job_held = s.job->held_bytes;
-  const uint64_t job_limit = JobLimit(s);
-  if (job_limit != 0 && job_held + rounded > job_limit) {
-    *reject = RejectReason::kJobLimit;
-    return ResourceExhausted(
-        "job limit: job '" + s.hello.job_id + "' holds " + FormatSize(job_held) + " of its " +
-        FormatSize(job_limit) + " limit; " + FormatSize(rounded) + " more would exceed it by " +
-        FormatSize(job_held + rounded - job_limit) + " (uid " + std::to_string(s.peer.uid) + ")");
-  }
-  return Status::Ok();
-}
-
-Status SessionTable::CheckFitsAtAll(const Session& s, uint64_t rounded,
-                                    RejectReason* reject) const {
-  const uint64_t session_limit = SessionLimit(s);
-  if (session_limit != 0 && rounded > session_limit) {
-    *reject = RejectReason::kSessionLimit;
-    return ResourceExhausted(
-        "session limit: " + FormatSize(rounded) + " is more than the whole of its " +
-        FormatSize(session_limit) + " limit (by " + FormatSize(rounded - session_limit) +
-        "); it can never fit in session " + std::to_string(s.grant.session_id));
-  }
-  const uint64_t job_limit = JobLimit(s);
-  if (job_limit != 0 && rounded > job_limit) {
-    *reject = RejectReason::kJobLimit;
-    return ResourceExhausted("job limit: " + FormatSize(rounded) + " is more than the whole " +
-                             FormatSize(job_limit) + " limit of job '" + s.hello.job_id + "' (by " +
-                             FormatSize(rounded - job_limit) + "); it can never fit");
-  }
-  return Status::Ok();
 }
 
 Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string& token,
@@ -423,13 +365,13 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.reserved_bytes = reserved_bytes_;
   a.committed_bytes = committed_bytes_;
   a.read_bytes = read_bytes_;
-  a.node_reserve_bytes = policy_.node_reserve_bytes;
+  a.node_reserve_bytes = quota_.policy().node_reserve_bytes;
   a.sessions = static_cast<uint32_t>(sessions_.size());
   a.groups = groups_;
   a.waiting_reserves = static_cast<uint32_t>(queue_.size());
   a.draining = draining_;
   a.shutting_down = shutting_down_;
-  for (const ChunkOwner& owner : chunk_owners_) a.owned_chunks += owner.tenant.empty() ? 0 : 1;
+  a.owned_chunks = tenant_chunks_.owned_chunks();
   a.replaced_backings = replaced_backings_;
   a.free_errors = free_errors_;
   if (fresh_backing_ != nullptr) {
@@ -455,7 +397,7 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
     snap.peer = s.peer;
     snap.held_bytes = s.held_bytes;
     snap.groups = s.groups.size();
-    snap.limit_bytes = SessionLimit(s);
+    snap.limit_bytes = quota_.SessionLimit(s.hello.max_bytes);
     snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
     out.push_back(std::move(snap));
   }
@@ -476,10 +418,11 @@ Status SessionTable::CheckInvariants() const {
       uint64_t sum = 0;
       for (const Extent& e : g.extents) {
         sum += e.length;
-        if (tenant_mode_ != TenantMode::kNone && chunk_owners_[e.chunk].tenant != s.tenant) {
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != s.tenant) {
           return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
                           " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
-                          chunk_owners_[e.chunk].tenant);
+                          owner);
         }
       }
 

@@ -16,39 +16,12 @@ std::string MillisecondsSince(std::chrono::steady_clock::time_point from) {
 
 }  // namespace
 
-const char* RejectReasonName(RejectReason reason) {
-  switch (reason) {
-    case RejectReason::kNone:
-      return "none";
-    case RejectReason::kTooLarge:
-      return "too_large";
-    case RejectReason::kSessionLimit:
-      return "session_limit";
-    case RejectReason::kJobLimit:
-      return "job_limit";
-    case RejectReason::kArenaFull:
-      return "arena_full";
-    case RejectReason::kWaitTimeout:
-      return "wait_timeout";
-    case RejectReason::kTooManyWaiters:
-      return "too_many_waiters";
-    case RejectReason::kDraining:
-      return "draining";
-    case RejectReason::kCancelled:
-      return "cancelled";
-    case RejectReason::kTooFragmented:
-      return "too_fragmented";
-    case RejectReason::kGroupLimit:
-      return "group_limit";
-  }
-  return "unknown";
-}
-
 ReserveQueue::Limits SessionTable::QueueLimits() const {
   ReserveQueue::Limits limits;
-  limits.max_waiters = policy_.max_waiting_reserves;
-  limits.max_waiters_per_tenant = policy_.max_waiting_reserves_per_tenant;
-  limits.aging = std::chrono::milliseconds(policy_.reserve_aging_ms);
+  const Policy& policy = quota_.policy();
+  limits.max_waiters = policy.max_waiting_reserves;
+  limits.max_waiters_per_tenant = policy.max_waiting_reserves_per_tenant;
+  limits.aging = std::chrono::milliseconds(policy.reserve_aging_ms);
   return limits;
 }
 
@@ -61,8 +34,7 @@ bool SessionTable::QuotaHeld(const ReserveQueue::Waiter& waiter) const {
   if (pending == pending_.end()) return true;
   auto session = sessions_.find(pending->second.session_id);
   if (session == sessions_.end()) return true;  // answered when it closes
-  RejectReason ignored;
-  return !CheckQuotas(session->second, waiter.bytes, &ignored).ok();
+  return !quota_.Check(UsageOf(session->second), waiter.bytes).allowed();
 }
 
 Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
@@ -77,7 +49,7 @@ Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded, u
       tenant + ") needing " + FormatSize(ahead_bytes) +
       " (a tenant's reserves are served in arrival order); " + FormatSize(available) +
       " available (" + FormatSize(used) + " in use of " + FormatSize(usable) +
-      " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) + "), short by " +
+      " usable; node reserve " + FormatSize(quota_.policy().node_reserve_bytes) + "), short by " +
       FormatSize(needed > available ? needed - available : 0));
 }
 
@@ -111,17 +83,20 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
                        : "memoffloadd is draining: new reservations are refused until "
                          "'memoffloadctl undrain'"));
   }
-  const uint64_t usable = UsableBytes();
-  if (size_bytes > usable) {
-    reject = RejectReason::kTooLarge;
-    return answer(ResourceExhausted(
-        "group of " + FormatSize(size_bytes) + " is larger than the whole usable arena (" +
-        FormatSize(usable) + " of " + FormatSize(arena_->capacity_bytes()) + "; node reserve " +
-        FormatSize(policy_.node_reserve_bytes) + ")"));
+  // Each rule once. The usable arena and every quota (QuotaPolicy::Check:
+  // session and job limits, group count) are asked here and nowhere else on
+  // this path: a request over a whole limit fails now, one its own quota
+  // holds back may wait (below). Free space is asked once, in TryReserve.
+  if (Status st = quota_.CheckFitsArena(size_bytes, arena_->capacity_bytes(), &reject); !st.ok()) {
+    return answer(st);
   }
   const uint64_t page = arena_->page_bytes();
   const uint64_t rounded = (size_bytes + page - 1) / page * page;
-  if (Status st = CheckFitsAtAll(s, rounded, &reject); !st.ok()) return answer(st);
+  QuotaDecision quota = quota_.Check(UsageOf(s), rounded);
+  if (quota.verdict == QuotaVerdict::kNever) {
+    reject = quota.reason;
+    return answer(std::move(quota.status));
+  }
 
   // With nobody waiting (the common case) nobody is ahead: no queue walk,
   // and the clock is read only if this request is about to wait.
@@ -136,8 +111,9 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
         queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
   }
   Status refusal;
-  if (Status quota = CheckQuotas(s, rounded, &reject); !quota.ok()) {
-    refusal = quota;  // its own quota: it waits without blocking anyone
+  if (!quota.allowed()) {
+    reject = quota.reason;
+    refusal = std::move(quota.status);  // its own quota: it waits without blocking anyone
   } else if (before.same_tenant_count != 0) {
     reject = RejectReason::kArenaFull;
     refusal = QueuedBehind(tenant, rounded, before.same_tenant_bytes, before.same_tenant_count);
@@ -181,38 +157,32 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
                                                uint64_t keep_free_bytes, RejectReason* reject) {
   Session& s = *session;
   ExtentAllocator& alloc = arena_->allocator();
-  const uint64_t usable = UsableBytes();
+  // Capacity, once: the room left by the usable arena now, with and without
+  // the aged waiter's bytes.
   const uint64_t used = alloc.used_bytes();
+  const ArenaRoom room = quota_.Room(arena_->capacity_bytes(), used, rounded, keep_free_bytes);
   auto arena_full = [&](uint64_t keep_free) {
     *reject = RejectReason::kArenaFull;
-    const uint64_t available = usable > used ? usable - used : 0;
-    const uint64_t needed = rounded + keep_free;
-    return ResourceExhausted(
-        "arena full: " + FormatSize(rounded) + " requested, " + FormatSize(available) +
-        " available (" + FormatSize(used) + " in use of " + FormatSize(usable) +
-        " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
-        (keep_free == 0 ? std::string()
-                        : "; " + FormatSize(keep_free) +
-                              " kept free for an older waiting reserve of another tenant "
-                              "(quotas.reserve_aging)") +
-        "), short by " + FormatSize(needed > available ? needed - available : 0));
+    return quota_.ArenaFull(room, used, rounded, keep_free);
   };
-  if (used + rounded > usable) return arena_full(0);
+  if (!room.fits) return arena_full(0);
   // keep_free_bytes holds back only what the aged waiter could use: any free
   // byte with TenantMode::kNone, else the empty chunks a tenant may claim
   // (bytes in a tenant's own chunks are of no use to another tenant).
-  const bool leaves_kept_free = used + rounded + keep_free_bytes <= usable;
   Result<std::vector<Extent>> extents = Internal("not allocated yet");
-  if (tenant_mode_ == TenantMode::kNone) {
-    if (!leaves_kept_free) return arena_full(keep_free_bytes);
+  if (tenant_chunks_.mode() == TenantMode::kNone) {
+    if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
     extents = alloc.Allocate(rounded, single_extent);
   } else {
     // Only the tenant's own chunks; take over empty ones until it fits.
+    auto empty = [this, &alloc](uint32_t c) {
+      return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
+    };
     const std::vector<uint32_t>& owned = s.owned->chunks;
     extents = alloc.AllocateIn(rounded, single_extent, owned);
     while (!extents.ok()) {
-      if (!leaves_kept_free) return arena_full(keep_free_bytes);
-      const int64_t c = Claimable(s.tenant);
+      if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
+      const int64_t c = tenant_chunks_.Claimable(s.tenant, empty);
       if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
       extents = alloc.AllocateIn(rounded, single_extent, owned);  // Claim listed c
     }
@@ -220,20 +190,20 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   if (!extents.ok()) {
     *reject = RejectReason::kArenaFull;
     return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) +
-                             (tenant_mode_ == TenantMode::kNone
+                             (tenant_chunks_.mode() == TenantMode::kNone
                                   ? ""
                                   : " in the chunks of tenant " + s.tenant +
                                         " (chunks of other tenants are not shared)") +
                              ": " + extents.status().message());
   }
-  if (extents->size() > policy_.max_extents_per_reserve) {
+  const uint64_t max_extents = quota_.policy().max_extents_per_reserve;
+  if (extents->size() > max_extents) {
     const size_t count = extents->size();
     FreeExtents(*extents);
     *reject = RejectReason::kTooFragmented;
     return ResourceExhausted(
         "arena fragmented: " + FormatSize(rounded) + " would take " + std::to_string(count) +
-        " extents, more than quotas.max_extents_per_reserve (" +
-        std::to_string(policy_.max_extents_per_reserve) +
+        " extents, more than quotas.max_extents_per_reserve (" + std::to_string(max_extents) +
         "); nothing was reserved: reserve smaller groups, or wait for space to coalesce");
   }
   Group g;
@@ -327,11 +297,6 @@ void SessionTable::DispatchWaiters(Completions* out) {
     }
     Session& s = session->second;
     RejectReason reason = RejectReason::kNone;
-    // A SIGHUP may have lowered a limit below the request.
-    if (Status st = CheckFitsAtAll(s, p.rounded, &reason); !st.ok()) {
-      Answer(w.ticket, st, reason, out);
-      return ReserveQueue::Try::kLeft;
-    }
     if (s.groups.count(p.group_id) != 0) {
       Answer(w.ticket,
              FailedPrecondition("group " + std::to_string(p.group_id) +
@@ -339,10 +304,7 @@ void SessionTable::DispatchWaiters(Completions* out) {
              RejectReason::kNone, out);
       return ReserveQueue::Try::kLeft;
     }
-    if (Status quota = CheckQuotas(s, p.rounded, &reason); !quota.ok()) {
-      p.last = quota;
-      return ReserveQueue::Try::kQuotaHeld;
-    }
+    // Its quotas were checked once, by quota_held, just before this call.
     Result<ReserveResult> r =
         TryReserve(&s, p.group_id, p.rounded, p.single_extent, keep_free_bytes, &reason);
     if (!r.ok() && r.status().code() == StatusCode::kResourceExhausted) {

@@ -1,4 +1,4 @@
-#include "size_class_lists.h"
+#include "memoffload/daemon/size_class_lists.h"
 
 #include <algorithm>
 

@@ -11,8 +11,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <future>
 #include <thread>
 
 #include "memoffload/shared_mem/fd_passing.h"
@@ -187,6 +189,37 @@ TEST(FreshBackingTest, RecipientTheDaemonCannotSeeKeepsItsBackingStaleUntilItExi
        {to_keeper[0], to_keeper[1], ready[0], ready[1], results[0], results[1], go[0], go[1]}) {
     close(fd);
   }
+}
+
+// The scan's per-recipient look at /proc (a poll and an open, slow on a
+// loaded node) runs without FreshBacking's lock: Take, which SessionTable
+// calls under its own lock from a Reserve, never waits for it.
+TEST(FreshBackingTest, TakeDoesNotWaitForTheProcLookOfAScan) {
+  std::promise<void> entered, release;
+  std::shared_future<void> released = release.get_future().share();
+  std::atomic<bool> first{true};
+  FreshBackingOptions options = Options();
+  options.scan_interval = std::chrono::hours(1);  // one scan: the one Retire wakes
+  options.proc_shows = [&](pid_t) {
+    if (first.exchange(false)) {
+      entered.set_value();
+      released.wait();  // the scan stays in its /proc look until released
+    }
+    return true;
+  };
+  FreshBacking fresh(options);
+  auto taken = fresh.Take(kChunk);
+  ASSERT_TRUE(taken.ok());
+  fresh.Retire(std::move(taken).value(), {getpid()});  // a live recipient
+  ASSERT_EQ(entered.get_future().wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "the scan never looked at the recipient";
+  auto take = std::async(std::launch::async, [&] { return fresh.Take(kChunk).ok(); });
+  const bool answered = take.wait_for(std::chrono::seconds(10)) == std::future_status::ready;
+  release.set_value();
+  EXPECT_TRUE(answered) << "Take waited for the scan's look at /proc";
+  EXPECT_TRUE(take.get());
+  // Its maps were readable and showed nothing: not stale.
+  EXPECT_EQ(fresh.ScanNow().stale_backings, 0u);
 }
 
 TEST(FreshBackingTest, RetiredBackingNobodyKeepsIsNotStale) {

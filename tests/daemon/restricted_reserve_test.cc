@@ -1,5 +1,5 @@
 // The tenant-restricted Reserve path (SessionTable::TryReserve with the
-// tenant's chunk list, daemon/src/tenant_chunks.cc): a reservation lands
+// tenant's chunk list, TenantChunks, daemon/src/tenant_chunks.cc): a reservation lands
 // only in chunks its tenant owns, and the list follows the chunks as they
 // are claimed, emptied and taken over by another tenant.
 #include <gtest/gtest.h>

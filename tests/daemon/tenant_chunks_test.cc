@@ -1,244 +1,176 @@
-// Tenant chunk ownership in SessionTable (daemon/src/tenant_chunks.cc):
-// which chunks a session may map, when a chunk changes tenant (empty, and no
-// live session of its old tenant has it mapped) and that it gets a new memfd
-// (fresh backing, a new generation) then, and only then, while whoever kept
-// the old one sees only the old bytes.
+// TenantChunks (daemon/src/tenant_chunks.cc): who owns which chunk and who
+// was handed it, asked directly: no arena, no table, no thread.
+#include "memoffload/daemon/tenant_chunks.h"
+
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cstring>
+#include <iterator>
+#include <map>
+#include <random>
 #include <set>
-
-#include "memoffload/daemon/session_table.h"
-#include "memoffload/shared_mem/units.h"
-#include "test_arena.h"
+#include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace memoffload::daemon {
 namespace {
 
-class TenantChunks : public ::testing::Test {
- protected:
-  // A 4 MiB arena of four 1 MiB chunks.
-  void Make(TenantMode mode) {
-    arena_ = MakeTestArena();
-    ASSERT_NE(arena_, nullptr);
-    table_ = std::make_unique<SessionTable>(arena_.get(), Policy{}, mode);
-  }
-  void TearDown() override {
-    if (table_) {
-      EXPECT_TRUE(table_->CheckInvariants().ok());
+const auto kAllEmpty = [](uint32_t) { return true; };
+
+TEST(TenantChunksTest, NeverUsedChunksAreClaimedFirstThenTheLowestEmptyOne) {
+  TenantChunks t(4, TenantMode::kUid);
+  EXPECT_EQ(t.Claimable("a", kAllEmpty), 0);
+  t.Assign(0, "a");
+  EXPECT_EQ(t.Claimable("a", kAllEmpty), 1);  // its own chunk is not claimable
+  EXPECT_EQ(t.Claimable("b", kAllEmpty), 1);  // never used beats a's empty chunk 0
+  t.Assign(1, "b");
+  t.Assign(2, "b");
+  t.Assign(3, "a");
+  // Everything used: the lowest empty chunk of another tenant.
+  EXPECT_EQ(t.Claimable("b", kAllEmpty), 0);
+  EXPECT_EQ(t.Claimable("b", [](uint32_t c) { return c == 3; }), 3);
+  EXPECT_EQ(t.Claimable("b", [](uint32_t) { return false; }), -1);
+  EXPECT_EQ(t.owned_chunks(), 4u);
+  EXPECT_EQ(t.OwnerOf(2), "b");
+}
+
+TEST(TenantChunksTest, AChunkAnOpenSessionOfAnotherTenantHoldsIsNotClaimable) {
+  TenantChunks t(2, TenantMode::kUid);
+  t.Join("a");
+  t.Assign(0, "a");
+  t.Assign(1, "a");
+  EXPECT_EQ(t.Attach(7, "a", 100), (std::vector<uint32_t>{0, 1}));
+  EXPECT_EQ(t.Claimable("b", kAllEmpty), -1);  // session 7 maps both
+  t.Forget(7);
+  t.Leave("a");
+  EXPECT_EQ(t.Claimable("b", kAllEmpty), 0);
+  // A tenant never claims its own chunk, held or not.
+  TenantChunks u(1, TenantMode::kUid);
+  u.Join("a");
+  u.Assign(0, "a");
+  u.Attach(1, "a", 100);
+  EXPECT_EQ(u.Claimable("a", kAllEmpty), -1);  // already its own
+}
+
+TEST(TenantChunksTest, ChangingTenantHandsTheOldRecipientsBackAndForgetsThem) {
+  TenantChunks t(2, TenantMode::kUid);
+  t.Join("a");
+  t.Assign(0, "a");
+  EXPECT_FALSE(t.ChangesTenant(0, "a"));
+  EXPECT_FALSE(t.ChangesTenant(1, "b"));  // never used: no new backing
+  t.Attach(1, "a", 100);
+  ASSERT_TRUE(t.Grant(2, "a", 200, {0}).ok());
+  ASSERT_TRUE(t.Grant(2, "a", 200, {0}).ok());  // asked twice: recorded once
+  t.Attach(3, "a", 0);                          // no pid known: no recipient
+  EXPECT_EQ(t.recipients(0), (std::vector<pid_t>{100, 200}));
+  EXPECT_TRUE(t.ChangesTenant(0, "b"));
+  for (uint64_t session : {1, 2, 3}) t.Forget(session);
+  t.Assign(0, "b");
+  EXPECT_TRUE(t.recipients(0).empty());
+  EXPECT_EQ(t.OwnerOf(0), "b");
+  ASSERT_NE(t.Find("a"), nullptr);  // a still has its session
+  EXPECT_TRUE(t.Find("a")->chunks.empty());
+  t.Leave("a");
+  EXPECT_EQ(t.Find("a"), nullptr);  // no session and no chunk: gone
+}
+
+TEST(TenantChunksTest, SessionsAreHandedOnlyTheirTenantsChunks) {
+  TenantChunks t(3, TenantMode::kJob);
+  t.Assign(0, "job:1:x");
+  t.Assign(2, "job:1:x");
+  t.Assign(1, "job:1:y");
+  EXPECT_EQ(t.Attach(1, "job:1:x", 10), (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(t.Grant(1, "job:1:x", 10, {0, 1}).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(t.Grant(1, "job:1:x", 10, {3}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.recipients(1), std::vector<pid_t>{});  // the refused grant recorded nothing
+  TenantChunks none(3, TenantMode::kNone);
+  EXPECT_EQ(none.Join("uid:1"), nullptr);
+  EXPECT_EQ(none.Attach(1, "", 10), (std::vector<uint32_t>{0, 1, 2}));
+  EXPECT_TRUE(none.Grant(1, "", 10, {1, 2}).ok());
+  EXPECT_EQ(none.owned_chunks(), 0u);
+}
+
+// Random opens, closes, grants and claims against a model of the rules:
+// Claimable picks what the rules pick, every chunk is in its owner's list
+// only, lists stay ascending, and Join's entry stays put.
+TEST(TenantChunksTest, RandomTurnoverFollowsTheRules) {
+  constexpr uint32_t kChunks = 16;
+  std::mt19937_64 rng(14);
+  TenantChunks t(kChunks, TenantMode::kUid);
+  const std::vector<std::string> tenants = {"uid:1", "uid:2", "uid:3", "uid:4"};
+  std::unordered_map<std::string, uint32_t> sessions;
+  std::unordered_map<std::string, const TenantChunks::Owned*> entries;
+  std::map<uint64_t, std::string> open;                           // session -> tenant
+  std::vector<std::map<uint64_t, std::string>> holders(kChunks);  // the model's
+  std::vector<std::string> owner(kChunks);
+  std::set<uint32_t> busy;  // chunks that hold an extent
+  uint64_t next_session = 1;
+  auto hand = [&](uint32_t c, uint64_t id) { holders[c][id] = open.at(id); };
+  for (int step = 0; step < 20000; ++step) {
+    const std::string& tenant = tenants[rng() % tenants.size()];
+    switch (rng() % 5) {
+      case 0: {  // open
+        const TenantChunks::Owned* entry = t.Join(tenant);
+        if (sessions[tenant]++ > 0) {
+          ASSERT_EQ(entry, entries[tenant]);
+        }
+        entries[tenant] = entry;
+        const uint64_t id = next_session++;
+        open[id] = tenant;
+        std::vector<uint32_t> want;
+        for (uint32_t c = 0; c < kChunks; ++c) {
+          if (owner[c] == tenant) want.push_back(c);
+        }
+        ASSERT_EQ(t.Attach(id, tenant, 1000), want);
+        for (uint32_t c : want) hand(c, id);
+        break;
+      }
+      case 1:  // close
+        if (!open.empty()) {
+          auto it = std::next(open.begin(), static_cast<std::ptrdiff_t>(rng() % open.size()));
+          t.Forget(it->first);
+          t.Leave(it->second);
+          for (auto& h : holders) h.erase(it->first);
+          if (--sessions[it->second] == 0) sessions.erase(it->second);
+          open.erase(it);
+        }
+        break;
+      case 2: {  // claim an empty chunk
+        int64_t want = -1;
+        for (uint32_t c = 0; c < kChunks && !(want >= 0 && owner[want].empty()); ++c) {
+          if (owner[c] == tenant || busy.count(c) != 0) continue;
+          bool foreign = false;
+          for (const auto& [id, who] : holders[c]) foreign |= who != tenant;
+          if (foreign) continue;
+          if (owner[c].empty() || want < 0) want = c;
+        }
+        const int64_t c = t.Claimable(tenant, [&](uint32_t k) { return busy.count(k) == 0; });
+        ASSERT_EQ(c, want) << "step " << step;
+        if (c < 0) break;
+        ASSERT_EQ(t.ChangesTenant(static_cast<uint32_t>(c), tenant), !owner[c].empty());
+        if (!owner[c].empty()) holders[c].clear();
+        owner[c] = tenant;
+        t.Assign(static_cast<uint32_t>(c), tenant);
+        break;
+      }
+      case 3: {  // fill or empty a chunk
+        const uint32_t c = static_cast<uint32_t>(rng() % kChunks);
+        if (!busy.insert(c).second) busy.erase(c);
+        break;
+      }
+      case 4:  // a session asks for a chunk
+        if (!open.empty()) {
+          auto it = std::next(open.begin(), static_cast<std::ptrdiff_t>(rng() % open.size()));
+          const uint32_t c = static_cast<uint32_t>(rng() % kChunks);
+          const Status st = t.Grant(it->first, it->second, 1000, {c});
+          ASSERT_EQ(st.ok(), owner[c] == it->second) << st.ToString();
+          if (st.ok()) hand(c, it->first);
+        }
+        break;
     }
+    const Status invariants = t.CheckInvariants(sessions);
+    ASSERT_TRUE(invariants.ok()) << "step " << step << ": " << invariants.ToString();
   }
-
-  SessionGrant Open(uid_t uid, const std::string& job = "job") { return OpenAs(*table_, uid, job); }
-
-  // Reserves `bytes` as `group`, maps its chunks (as the client does) and
-  // fills them with `fill`. Returns the chunks it landed in.
-  std::set<uint32_t> Fill(const SessionGrant& s, uint64_t group, uint64_t bytes, uint8_t fill) {
-    auto r = table_->Reserve(s.session_id, s.token, group, bytes, false);
-    EXPECT_TRUE(r.ok()) << r.status().ToString();
-    if (!r.ok()) return {};
-    std::set<uint32_t> chunks;
-    for (const Extent& e : r->extents) {
-      chunks.insert(e.chunk);
-      std::memset(arena_->chunk(e.chunk).data() + e.offset, fill, e.length);
-    }
-    EXPECT_TRUE(table_->GrantChunks(s.session_id, {chunks.begin(), chunks.end()}).ok());
-    return chunks;
-  }
-
-  static bool BackingIs(const Chunk& c, uint8_t value) {
-    return std::all_of(c.data(), c.data() + c.size_bytes(),
-                       [value](uint8_t b) { return b == value; });
-  }
-  bool ChunkIs(uint32_t chunk, uint8_t value) const {
-    return BackingIs(arena_->chunk(chunk), value);
-  }
-  static std::set<uint32_t> Indexes(const std::vector<ChunkGrant>& grants) {
-    std::set<uint32_t> out;
-    for (const ChunkGrant& g : grants) out.insert(g.index);
-    return out;
-  }
-
-  std::unique_ptr<Arena> arena_;
-  std::unique_ptr<SessionTable> table_;
-};
-
-TEST_F(TenantChunks, UidModeHandsOutOnlyTheTenantsOwnChunks) {
-  Make(TenantMode::kUid);
-  SessionGrant a = Open(1000);
-  // A fresh tenant owns nothing, so it is handed no fd at attach.
-  auto at_attach = table_->AttachChunks(a.session_id);
-  ASSERT_TRUE(at_attach.ok());
-  EXPECT_TRUE(at_attach->empty());
-  const std::set<uint32_t> a_chunks = Fill(a, 1, 2 * kMiB, 0xAA);
-  ASSERT_EQ(a_chunks.size(), 2u);
-  EXPECT_EQ(table_->Snapshot().owned_chunks, 2u);
-
-  // Another session of the same uid gets A's chunks at attach.
-  SessionGrant a2 = Open(1000, "other-job");
-  auto same = table_->AttachChunks(a2.session_id);
-  ASSERT_TRUE(same.ok());
-  EXPECT_EQ(Indexes(*same), a_chunks);
-
-  // Another uid gets none of them, and asking is PERMISSION_DENIED, naming
-  // the chunk; a request mixing allowed and refused chunks grants nothing.
-  SessionGrant b = Open(2000);
-  auto other = table_->AttachChunks(b.session_id);
-  ASSERT_TRUE(other.ok());
-  EXPECT_TRUE(other->empty());
-  const uint32_t a_chunk = *a_chunks.begin();
-  Status denied = table_->GrantChunks(b.session_id, {a_chunk}).status();
-  EXPECT_EQ(denied.code(), StatusCode::kPermissionDenied) << denied.ToString();
-  EXPECT_NE(denied.message().find("chunk " + std::to_string(a_chunk)), std::string::npos);
-  const std::set<uint32_t> b_chunks = Fill(b, 1, kMiB, 0xBB);
-  ASSERT_EQ(b_chunks.size(), 1u);
-  EXPECT_EQ(a_chunks.count(*b_chunks.begin()), 0u);
-  EXPECT_EQ(table_->GrantChunks(b.session_id, {*b_chunks.begin(), a_chunk}).status().code(),
-            StatusCode::kPermissionDenied);
-  // Out of range is INVALID_ARGUMENT, not a crash.
-  EXPECT_EQ(table_->GrantChunks(b.session_id, {4}).status().code(), StatusCode::kInvalidArgument);
-  // Nothing was zeroed: every chunk went to its first tenant.
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 0u);
-}
-
-TEST_F(TenantChunks, JobModeSeparatesJobsOfOneUid) {
-  Make(TenantMode::kJob);
-  SessionGrant a = Open(1000, "job-a");
-  SessionGrant b = Open(1000, "job-b");
-  const std::set<uint32_t> a_chunks = Fill(a, 1, kMiB, 0xAA);
-  ASSERT_EQ(a_chunks.size(), 1u);
-  EXPECT_EQ(table_->GrantChunks(b.session_id, {*a_chunks.begin()}).status().code(),
-            StatusCode::kPermissionDenied);
-  // The tenant is job:<uid>:<job_id>: the same job id from another uid is
-  // another tenant, the same job from the same uid shares the chunks.
-  SessionGrant other_uid = Open(2000, "job-a");
-  EXPECT_EQ(table_->GrantChunks(other_uid.session_id, {*a_chunks.begin()}).status().code(),
-            StatusCode::kPermissionDenied);
-  SessionGrant a2 = Open(1000, "job-a");
-  EXPECT_TRUE(table_->GrantChunks(a2.session_id, {*a_chunks.begin()}).ok());
-}
-
-TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {
-  Make(TenantMode::kNone);
-  SessionGrant a = Open(1000);
-  SessionGrant b = Open(2000);
-  auto chunks = table_->AttachChunks(b.session_id);
-  ASSERT_TRUE(chunks.ok());
-  EXPECT_EQ(chunks->size(), 4u);
-  const std::set<uint32_t> a_chunks = Fill(a, 1, 4 * kMiB, 0xAA);
-  EXPECT_TRUE(table_->GrantChunks(b.session_id, {a_chunks.begin(), a_chunks.end()}).ok());
-  ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
-  ASSERT_TRUE(table_->Close(a.session_id, CloseReason::kLifelineClosed).ok());
-  auto r = table_->Reserve(b.session_id, b.token, 1, 4 * kMiB, false);
-  ASSERT_TRUE(r.ok()) << r.status().ToString();
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 0u);
-  EXPECT_TRUE(ChunkIs(0, 0xAA));  // one trusted tenant: same backing
-}
-
-// The holder rule (docs/reliability.md, "Tenant isolation"): an empty chunk
-// does not return to the common pool while a live session of its tenant has
-// it mapped (its fd cannot be revoked); it does once those sessions end.
-TEST_F(TenantChunks, EmptyChunkChangesTenantOnlyAfterItsHoldersClose) {
-  Make(TenantMode::kUid);
-  SessionGrant a = Open(1000);
-  SessionGrant a2 = Open(1000);  // a second holder of the same tenant
-  const std::set<uint32_t> a_chunks = Fill(a, 1, 4 * kMiB, 0xAA);
-  ASSERT_EQ(a_chunks.size(), 4u);
-  ASSERT_TRUE(table_->GrantChunks(a2.session_id, {0, 1, 2, 3}).ok());
-  ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
-  EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
-
-  SessionGrant b = Open(2000);
-  // Empty, but both of A's sessions still map every chunk.
-  RejectReason why = RejectReason::kNone;
-  auto refused = table_->Reserve(b.session_id, b.token, 1, kMiB, false, std::nullopt, &why);
-  EXPECT_EQ(refused.status().code(), StatusCode::kResourceExhausted) << refused.status().ToString();
-  EXPECT_EQ(why, RejectReason::kArenaFull);
-  EXPECT_NE(refused.status().message().find("chunks of other tenants"), std::string::npos)
-      << refused.status().message();
-  ASSERT_TRUE(table_->Close(a.session_id, CloseReason::kLifelineClosed).ok());
-  // One holder left is enough to keep them.
-  EXPECT_EQ(table_->Reserve(b.session_id, b.token, 1, kMiB, false).status().code(),
-            StatusCode::kResourceExhausted);
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 0u);
-  for (uint32_t c = 0; c < 4; ++c) EXPECT_TRUE(ChunkIs(c, 0xAA)) << "chunk " << c;
-
-  // What A's processes keep (here: references to the backings they mapped).
-  std::vector<std::shared_ptr<const Chunk>> kept;
-  for (uint32_t i = 0; i < 4; ++i) kept.push_back(arena_->backing(i));
-  ASSERT_TRUE(table_->Close(a2.session_id, CloseReason::kLifelineClosed).ok());
-  auto taken = table_->Reserve(b.session_id, b.token, 1, kMiB, false);
-  ASSERT_TRUE(taken.ok()) << taken.status().ToString();
-  ASSERT_EQ(taken->extents.size(), 1u);
-  const uint32_t c = taken->extents[0].chunk;
-  EXPECT_TRUE(ChunkIs(c, 0)) << "chunk " << c << " changed tenant with old bytes in it";
-  EXPECT_NE(arena_->backing(c), kept[c]) << "chunk " << c << " changed tenant on the same memfd";
-  EXPECT_EQ(arena_->generation(c), 2u);
-  // B's bytes never reach what A kept, and A's old bytes stay A's.
-  std::memset(arena_->chunk(c).data(), 0xBB, arena_->chunk(c).size_bytes());
-  EXPECT_TRUE(BackingIs(*kept[c], 0xAA));
-  auto granted = table_->GrantChunks(b.session_id, {c});
-  ASSERT_TRUE(granted.ok());
-  EXPECT_EQ((*granted)[0].generation, 2u);
-  EXPECT_EQ((*granted)[0].backing, arena_->backing(c));
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 1u);  // only the chunk B took
-  for (uint32_t other = 0; other < 4; ++other) {
-    if (other != c) {
-      EXPECT_TRUE(ChunkIs(other, 0xAA)) << "chunk " << other;
-    }
-  }
-}
-
-TEST_F(TenantChunks, ChunkHeldByANonHolderOfItsTenantIsClaimable) {
-  // A reserved and released but never mapped the chunk (never asked for its
-  // fd): no live session can see it, so another tenant may have it at once.
-  Make(TenantMode::kUid);
-  SessionGrant a = Open(1000);
-  auto r = table_->Reserve(a.session_id, a.token, 1, 4 * kMiB, false);
-  ASSERT_TRUE(r.ok());
-  ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
-  SessionGrant b = Open(2000);
-  EXPECT_TRUE(table_->Reserve(b.session_id, b.token, 1, kMiB, false).ok());
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 1u);
-}
-
-TEST_F(TenantChunks, FreshBackingOnlyOnAChangeOfTenant) {
-  Make(TenantMode::kUid);
-  SessionGrant a = Open(1000);
-  ASSERT_EQ(Fill(a, 1, 4 * kMiB, 0xAA).size(), 4u);
-  ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
-  ASSERT_TRUE(table_->Close(a.session_id, CloseReason::kLifelineClosed).ok());
-
-  // The same tenant again (a new session of uid 1000): its chunks, same backing.
-  SessionGrant a2 = Open(1000);
-  auto again = table_->AttachChunks(a2.session_id);
-  ASSERT_TRUE(again.ok());
-  EXPECT_EQ(again->size(), 4u);
-  auto r = table_->Reserve(a2.session_id, a2.token, 1, 4 * kMiB, false);
-  ASSERT_TRUE(r.ok());
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 0u);
-  EXPECT_TRUE(ChunkIs(0, 0xAA));
-  ASSERT_TRUE(table_->Release(a2.session_id, a2.token, 1).ok());
-  ASSERT_TRUE(table_->Close(a2.session_id, CloseReason::kLifelineClosed).ok());
-
-  // Another tenant: each chunk it takes gets a new backing once, and taking
-  // it back to the first tenant gives it another one.
-  SessionGrant b = Open(2000);
-  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, 2 * kMiB, false).ok());
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 2u);
-  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 2, 2 * kMiB, false).ok());
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 4u);
-  for (uint32_t c = 0; c < 4; ++c) EXPECT_TRUE(ChunkIs(c, 0)) << "chunk " << c;
-  ASSERT_TRUE(table_->Release(b.session_id, b.token, 1).ok());
-  ASSERT_TRUE(table_->Release(b.session_id, b.token, 2).ok());
-  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 3, 4 * kMiB, false).ok());
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 4u);  // still B's: same backing
-  ASSERT_TRUE(table_->Release(b.session_id, b.token, 3).ok());
-  ASSERT_TRUE(table_->Close(b.session_id, CloseReason::kLifelineClosed).ok());
-  SessionGrant a3 = Open(1000);
-  ASSERT_TRUE(table_->Reserve(a3.session_id, a3.token, 1, kMiB, false).ok());
-  EXPECT_EQ(table_->Snapshot().replaced_backings, 5u);
 }
 
 }  // namespace

@@ -17,9 +17,11 @@
 #define MEMOFFLOAD_DAEMON_ALLOCATOR_H_
 
 #include <cstdint>
-#include <memory>
+#include <string>
 #include <vector>
 
+#include "memoffload/daemon/size_class_lists.h"
+#include "memoffload/daemon/start_index.h"
 #include "memoffload/shared_mem/extent.h"
 #include "memoffload/shared_mem/status.h"
 
@@ -33,7 +35,7 @@ class ExtentAllocator {
   // chunk_sizes[i] is the usable size of chunk i; each must be a non-zero
   // multiple of page_bytes, which must be a power of two.
   ExtentAllocator(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes);
-  ~ExtentAllocator();
+  ~ExtentAllocator() = default;
   ExtentAllocator(const ExtentAllocator&) = delete;
   ExtentAllocator& operator=(const ExtentAllocator&) = delete;
 
@@ -64,12 +66,12 @@ class ExtentAllocator {
   // given as `extents` and frees the rest; returns the kept extents.
   Result<std::vector<Extent>> Trim(const std::vector<Extent>& extents, uint64_t keep_bytes);
 
-  uint64_t capacity_bytes() const;
-  uint64_t free_bytes() const;
+  uint64_t capacity_bytes() const { return ToBytes(capacity_pages_); }
+  uint64_t free_bytes() const { return ToBytes(free_pages_); }
   uint64_t used_bytes() const { return capacity_bytes() - free_bytes(); }
-  uint64_t largest_free_extent_bytes() const;
-  uint64_t page_bytes() const;
-  uint32_t chunk_count() const;
+  uint64_t largest_free_extent_bytes() const { return ToBytes(LongestFreePages(nullptr)); }
+  uint64_t page_bytes() const { return page_bytes_; }
+  uint32_t chunk_count() const { return static_cast<uint32_t>(chunk_pages_.size()); }
   // Free bytes inside chunk `chunk`.
   uint64_t chunk_free_bytes(uint32_t chunk) const;
 
@@ -80,8 +82,48 @@ class ExtentAllocator {
   Status CheckInvariants() const;
 
  private:
-  class Impl;
-  std::unique_ptr<Impl> impl_;
+  // The search and the node bookkeeping (allocator.cc). Sizes and offsets
+  // are in pages. `allowed`: distinct chunk indices, or nullptr for every
+  // chunk.
+  Result<std::vector<Extent>> AllocateFrom(uint64_t bytes, bool single_extent,
+                                           const std::vector<uint32_t>* allowed);
+  // Checks `allowed` (size, or range and duplicates) and turns it into a
+  // chunk list (in allowed_list_ for a vector<bool>); nullptr when it allows
+  // every chunk.
+  Result<const std::vector<uint32_t>*> ToList(const std::vector<bool>* allowed);
+  Result<const std::vector<uint32_t>*> ToList(const std::vector<uint32_t>& allowed);
+  // Pages of the longest free extent (in allowed chunks when non-null).
+  uint64_t LongestFreePages(const std::vector<uint32_t>* allowed) const;
+  uint64_t ToBytes(uint64_t pages) const { return pages << page_shift_; }
+  std::string Bytes(uint64_t pages) const;
+  std::string Describe(uint32_t chunk, uint64_t offset, uint64_t len) const;
+  uint32_t NewNode();
+  void InsertFree(uint32_t i);
+  void RemoveFree(uint32_t i);
+  uint32_t SplitAt(uint32_t i, uint64_t pages);
+  uint32_t FindFit(uint64_t pages, bool exact, const std::vector<uint32_t>* allowed);
+  uint32_t FindFitRestricted(uint64_t pages, int own, bool exact,
+                             const std::vector<uint32_t>& allowed);
+  uint32_t Largest(const std::vector<uint32_t>* allowed, bool longest) const;
+  Extent Carve(uint32_t i, uint64_t pages);
+  void FreeNode(uint32_t i);
+  void Absorb(uint32_t left, uint32_t right);
+  void FreeRange(uint32_t i, uint64_t offset, uint64_t pages);
+  Status Locate(const Extent& extent, uint32_t* node) const;
+
+  uint64_t page_bytes_;
+  int page_shift_ = 0;
+  uint64_t capacity_pages_ = 0;
+  uint64_t free_pages_ = 0;
+  std::vector<uint64_t> chunk_pages_;
+  std::vector<uint64_t> chunk_free_pages_;
+  std::vector<ExtentNode> nodes_;
+  std::vector<uint32_t> spare_nodes_;
+  SizeClassLists arena_lists_;               // every free node
+  std::vector<SizeClassLists> chunk_lists_;  // by chunk: that chunk's free nodes
+  std::vector<uint32_t> allowed_list_;       // scratch for ToList
+  std::vector<uint8_t> allowed_mark_;        // scratch for ToList: 1 = listed
+  StartIndex index_;                         // start key -> allocated node
 };
 
 }  // namespace memoffload::daemon

@@ -32,6 +32,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -50,6 +51,11 @@ struct FreshBackingOptions {
   bool mlock = false;
   int numa_node = -1;
   std::chrono::milliseconds scan_interval{1000};
+  // Whether the scan can read a recipient's /proc/<pid>/maps (then its maps,
+  // not its life, say whether it keeps a backing). Null: opening the file
+  // tells. Called on the scanning thread without FreshBacking's lock; tests
+  // replace it.
+  std::function<bool(pid_t)> proc_shows;
 };
 
 struct FreshBackingStats {
@@ -90,10 +96,14 @@ class FreshBacking {
     uint64_t size_bytes = 0;
     std::vector<Recipient> recipients;  // alive when retired; pidfds owned
   };
-  // True while a recipient that /proc does not show lives; closes the
-  // pidfds of those that exited.
-  static bool UnseenRecipientLives(Retired* r);
+  // True while a recipient that /proc does not show lives; adds the pidfds
+  // of those that exited to *exited. Slow (a poll and an open each): called
+  // without mu_.
+  bool UnseenRecipientLives(const std::vector<Recipient>& recipients,
+                            std::vector<int>* exited) const;
   static void CloseRecipients(Retired* r);
+  // Whether the scan can read the process's /proc entries (proc_shows).
+  bool ProcShows(pid_t pid) const;
   void Run();
   Result<std::shared_ptr<Chunk>> Create(uint64_t size_bytes, bool prefault);
   void Scan();

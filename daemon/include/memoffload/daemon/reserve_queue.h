@@ -94,7 +94,9 @@ class ReserveQueue {
 
   // Offers room to the waiters by the rules above, until a full round places
   // nobody. `place` tries one waiter, leaving keep_free_bytes free for an
-  // aged waiter of another tenant. Placed and left waiters are removed;
+  // aged waiter of another tenant; it is called only for a waiter that
+  // quota_held has just found not held, with nothing in between, so it need
+  // not ask about quotas again. Placed and left waiters are removed;
   // returns their tickets in the order they were tried.
   std::vector<uint64_t> Dispatch(
       Clock::time_point now, const std::function<bool(const Waiter&)>& quota_held,

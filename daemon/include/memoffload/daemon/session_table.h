@@ -30,8 +30,10 @@
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
 #include "memoffload/daemon/fresh_backing.h"
+#include "memoffload/daemon/quota_policy.h"
 #include "memoffload/daemon/reserve_queue.h"
 #include "memoffload/daemon/session_token.h"
+#include "memoffload/daemon/tenant_chunks.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/status.h"
 
@@ -56,23 +58,6 @@ const char* GroupStateName(GroupState state);
 enum class CloseReason { kLifelineClosed, kProcessExited, kShutdown };
 inline constexpr int kCloseReasonCount = 3;
 const char* CloseReasonName(CloseReason reason);
-
-// Why a Reserve was refused; a label of the rejections metric.
-enum class RejectReason {
-  kNone,
-  kTooLarge,  // larger than the usable arena: can never fit
-  kSessionLimit,
-  kJobLimit,
-  kArenaFull,    // usable arena (capacity - node reserve) is full
-  kWaitTimeout,  // waited until the deadline
-  kTooManyWaiters,
-  kDraining,
-  kCancelled,      // the caller cancelled (or its deadline passed) while waiting
-  kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
-  kGroupLimit,     // the session holds quotas.max_groups_per_session groups
-};
-inline constexpr int kRejectReasonCount = 11;
-const char* RejectReasonName(RejectReason reason);
 
 struct SessionGrant {
   uint64_t session_id = 0;
@@ -138,19 +123,6 @@ struct ChunkGrant {
   std::shared_ptr<const Chunk> backing;
 };
 
-// Who may share a chunk. Chunks belong to one tenant at a time; a session is
-// handed the fds of its tenant's chunks only, and a chunk changes tenant only
-// when it is empty and no live session of its old tenant has it mapped. A
-// chunk that changes tenant gets a new memfd (fresh backing, FreshBacking):
-// whatever a process of the old tenant kept (a mapping, an fd passed on)
-// reaches the old pages only, never the new tenant's.
-enum class TenantMode {
-  kUid,   // tenant = the peer's uid (default)
-  kJob,   // tenant = the peer's uid and the hello's job id ("job:<uid>:<job_id>")
-  kNone,  // one tenant: every session gets every chunk (trusted nodes)
-};
-Result<TenantMode> ParseTenantMode(const std::string& text);
-
 struct SessionSnapshot {
   uint64_t session_id = 0;
   std::string job_id;
@@ -198,10 +170,12 @@ class SessionTable {
   // (UNAUTHENTICATED), then the group and its state.
   //
   // Reserve checks, in order: the usable arena (capacity - node reserve),
-  // the session limit, the job limit, the session's group count, free space,
-  // and the extent count (quotas.max_extents_per_reserve; over it nothing is
-  // reserved). A request larger than the usable arena, its session limit or
-  // its job limit can never fit and fails at once, waiting or not.
+  // the session limit, the job limit, the session's group count (the quotas:
+  // QuotaPolicy, asked once per try), free space (QuotaPolicy::Room, once
+  // per placement) and the extent count (quotas.max_extents_per_reserve;
+  // over it nothing is reserved). A request larger than the usable arena,
+  // its session limit or its job limit can never fit and fails at once,
+  // waiting or not.
   // Otherwise, without wait_until, a request that does not fit fails at once
   // with RESOURCE_EXHAUSTED naming the limit and the shortfall.
   //
@@ -285,19 +259,13 @@ class SessionTable {
     uint32_t sessions = 0;
     uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
   };
-  // The chunks a tenant owns, ascending (the order the allocator's
-  // restricted search breaks ties in), and how many open sessions it has.
-  struct TenantChunks {
-    std::vector<uint32_t> chunks;
-    uint32_t sessions = 0;
-  };
   struct Session {
     SessionGrant grant;
     Hello hello;
     std::string tenant;
-    TenantChunks* owned = nullptr;  // tenant_chunks_[tenant]; null with TenantMode::kNone
-    std::string job_key;            // "<uid>:<job_id>", the key of jobs_
-    Job* job = nullptr;             // jobs_[job_key], which outlives the session
+    const TenantChunks::Owned* owned = nullptr;  // its tenant's; null with TenantMode::kNone
+    std::string job_key;                         // "<uid>:<job_id>", the key of jobs_
+    Job* job = nullptr;                          // jobs_[job_key], which outlives the session
 
     PeerCredentials peer;
     Clock::time_point opened_at;
@@ -311,17 +279,15 @@ class SessionTable {
   Result<Group*> FindGroup(Session* session, uint64_t group_id);
   // One attempt to place the group now, leaving keep_free_bytes of the
   // usable arena free (for an aged waiter of another tenant). The caller has
-  // checked the quotas (CheckQuotas); this checks capacity, once. Places only
-  // in the tenant's chunks (its TenantChunks list: no pass over every
-  // chunk), claiming empty ones when they are full. Requires mu_.
+  // had the quotas checked (quota_.Check); this checks capacity, once
+  // (quota_.Room). Places only in the tenant's chunks (its TenantChunks list:
+  // no pass over every chunk), claiming empty ones when they are full.
+  // Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
                                    bool single_extent, uint64_t keep_free_bytes,
                                    RejectReason* reject);
-  // Whether the session's and its job's quotas allow `rounded` more bytes
-  // now; RESOURCE_EXHAUSTED naming the limit and the excess if not.
-  Status CheckQuotas(const Session& session, uint64_t rounded, RejectReason* reject) const;
-  // RESOURCE_EXHAUSTED when `rounded` exceeds a limit outright (can never fit).
-  Status CheckFitsAtAll(const Session& session, uint64_t rounded, RejectReason* reject) const;
+  // What the session and its job hold, for quota_. Requires mu_.
+  QuotaUsage UsageOf(const Session& session) const;
   // RESOURCE_EXHAUSTED for a request queued behind capacity waiters of its
   // own tenant, naming the arena and the shortfall. Requires mu_.
   Status QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
@@ -362,11 +328,7 @@ class SessionTable {
   void ExpireWaitersLoop();
   static void Run(Completions* completions);
   // capacity - node reserve, or 0 when the reserve covers the arena.
-  uint64_t UsableBytes() const;  // requires mu_
-  // The session limit in force: min(policy, what its hello asked for).
-  uint64_t SessionLimit(const Session& session) const;  // requires mu_
-  // The job limit in force for `job_id`: min(policy, smallest asked in a hello).
-  uint64_t JobLimit(const Session& session) const;      // requires mu_
+  uint64_t UsableBytes() const;                         // requires mu_
   Job& JobOf(const Session& session);                   // requires mu_
   void AddStateBytes(GroupState state, int64_t delta);  // requires mu_
   // Returns extents the table holds to the allocator; a refusal is a bug,
@@ -375,7 +337,7 @@ class SessionTable {
 
   Arena* const arena_;
   mutable std::mutex mu_;
-  Policy policy_;                                         // guarded by mu_
+  QuotaPolicy quota_;                                     // guarded by mu_
   bool draining_ = false;                                 // guarded by mu_
   bool shutting_down_ = false;                            // guarded by mu_
   ReserveQueue queue_;                                    // guarded by mu_
@@ -384,30 +346,14 @@ class SessionTable {
   bool stopping_ = false;                                 // guarded by mu_
   std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
 
-  struct ChunkOwner {
-    std::string tenant;             // "" while never used
-    std::vector<uint64_t> holders;  // sessions that were handed the fd
-    std::vector<pid_t> recipients;  // their processes, since the current backing
-  };
-  // Marks `chunk` as the tenant's, giving it a new memfd when it belonged to
-  // another tenant (never faults pages: see FreshBacking), and moves it to
-  // the tenant's list in tenant_chunks_. Fails, changing nothing, only when
-  // no memfd can be created. Requires mu_.
+  // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
+  // memfd when it belonged to another tenant (never faults pages: see
+  // FreshBacking) and retiring the old one to its recipients. Fails,
+  // changing nothing, only when no memfd can be created. Requires mu_.
   Status Claim(uint32_t chunk, const std::string& tenant);
-  // Adds a session to its tenant's entry of tenant_chunks_ (Open), or
-  // removes it (Close), dropping an entry with no chunk and no session.
-  void JoinTenant(Session* session);
-  void LeaveTenant(const Session& session);
-  // tenant_chunks_ agrees with chunk_owners_ and the sessions. Requires mu_.
+  // tenant_chunks_ agrees with the sessions. Requires mu_.
   Status CheckTenantChunks() const;
-  // A chunk the tenant may take over now, or -1. Requires mu_.
-  int64_t Claimable(const std::string& tenant) const;
-  const TenantMode tenant_mode_;
-  std::vector<ChunkOwner> chunk_owners_;  // guarded by mu_; one per chunk
-  // By tenant; the inverse of chunk_owners_[c].tenant, kept by Claim so a
-  // Reserve asks the allocator for the tenant's chunks without a pass over
-  // every chunk. Entries are stable (sessions point at theirs). Guarded by mu_.
-  std::unordered_map<std::string, TenantChunks> tenant_chunks_;
+  TenantChunks tenant_chunks_;  // guarded by mu_
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ = 0;  // guarded by mu_
 

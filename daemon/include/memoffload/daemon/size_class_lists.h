@@ -11,8 +11,8 @@
 // chunk (for searches restricted to some chunks); a free node is a member of
 // both, through its own pair of links for each (ExtentNode::links[kind]).
 // Lengths are in pages. Not thread-safe: the allocator's owner serialises.
-#ifndef MEMOFFLOAD_DAEMON_SRC_SIZE_CLASS_LISTS_H_
-#define MEMOFFLOAD_DAEMON_SRC_SIZE_CLASS_LISTS_H_
+#ifndef MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
+#define MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
 
 #include <cstdint>
 #include <string>
@@ -100,4 +100,4 @@ class SizeClassLists {
 
 }  // namespace memoffload::daemon
 
-#endif  // MEMOFFLOAD_DAEMON_SRC_SIZE_CLASS_LISTS_H_
+#endif  // MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_

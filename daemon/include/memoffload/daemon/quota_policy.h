@@ -1,0 +1,120 @@
+// QuotaPolicy: whether a Reserve's bytes are within its quotas and within
+// the usable arena.
+//
+// A pure decision object: no lock, no thread, no clock, no table. The caller
+// passes what the request's session and job hold (QuotaUsage) and what the
+// arena holds; SessionTable owns one and guards it with its mutex. Each rule
+// is decided here once per try, so the caller never checks a limit again.
+//
+// Rules:
+// - The usable arena is capacity - quotas.node_reserve_bytes (0 when the
+//   reserve covers the arena). A request larger than it can never fit.
+// - A session's limit is the smaller non-zero one of quotas.session_max_bytes
+//   and its hello's max_bytes; a job's, of quotas.job_max_bytes and the
+//   smallest job_max_bytes a hello of the job asked for. 0: no limit.
+// - A request larger than its session's or its job's whole limit can never
+//   fit (kNever). Otherwise its own quota holds it back (kHeld) while its
+//   session holds quotas.max_groups_per_session groups, or while its
+//   session's or its job's held bytes plus the request exceed the limit.
+//   Checked in that order; the first that fails names the refusal.
+// - Room: a request fits the arena now when used + bytes <= usable. It
+//   leaves an aged waiter's keep_free_bytes free when used + bytes +
+//   keep_free_bytes <= usable too.
+#ifndef MEMOFFLOAD_DAEMON_QUOTA_POLICY_H_
+#define MEMOFFLOAD_DAEMON_QUOTA_POLICY_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string_view>
+
+#include "memoffload/daemon/config.h"
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::daemon {
+
+// Why a Reserve was refused; a label of the rejections metric.
+enum class RejectReason {
+  kNone,
+  kTooLarge,  // larger than the usable arena: can never fit
+  kSessionLimit,
+  kJobLimit,
+  kArenaFull,    // usable arena (capacity - node reserve) is full
+  kWaitTimeout,  // waited until the deadline
+  kTooManyWaiters,
+  kDraining,
+  kCancelled,      // the caller cancelled (or its deadline passed) while waiting
+  kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
+  kGroupLimit,     // the session holds quotas.max_groups_per_session groups
+};
+inline constexpr int kRejectReasonCount = 11;
+const char* RejectReasonName(RejectReason reason);
+
+// What a request is measured against: its session's and its job's holdings
+// now, and who they are (named in refusals).
+struct QuotaUsage {
+  uint64_t session_id = 0;
+  uint64_t session_held_bytes = 0;
+  uint64_t session_groups = 0;
+  uint64_t session_asked_bytes = 0;  // the hello's max_bytes; 0: none
+  std::string_view job_id;           // outlives the call
+  uid_t uid = 0;
+  uint64_t job_held_bytes = 0;
+  uint64_t job_asked_bytes = 0;  // smallest job_max_bytes asked; 0: none
+};
+
+enum class QuotaVerdict {
+  kAllowed,  // within every quota
+  kHeld,     // its own quota holds it back now; it may fit later
+  kNever,    // larger than a whole limit: it can never fit
+};
+
+struct QuotaDecision {
+  QuotaVerdict verdict = QuotaVerdict::kAllowed;
+  RejectReason reason = RejectReason::kNone;
+  Status status;  // RESOURCE_EXHAUSTED naming the limit and the excess, unless allowed
+  bool allowed() const { return verdict == QuotaVerdict::kAllowed; }
+};
+
+// The arena's room for a request now (Room).
+struct ArenaRoom {
+  bool fits = false;              // used + bytes <= usable
+  bool leaves_kept_free = false;  // and keep_free_bytes more
+  uint64_t usable_bytes = 0;
+  uint64_t available_bytes = 0;  // usable - used, or 0
+};
+
+class QuotaPolicy {
+ public:
+  explicit QuotaPolicy(const Policy& policy = Policy{}) : policy_(policy) {}
+
+  const Policy& policy() const { return policy_; }
+
+  // capacity - node reserve, or 0 when the reserve covers the arena.
+  uint64_t UsableBytes(uint64_t capacity_bytes) const;
+  // The limits in force; 0: no limit.
+  uint64_t SessionLimit(uint64_t asked_bytes) const;
+  uint64_t JobLimit(uint64_t asked_bytes) const;
+
+  // RESOURCE_EXHAUSTED (kTooLarge) when `size_bytes` exceeds the usable
+  // arena of `capacity_bytes`: it can never fit, however long it waits.
+  Status CheckFitsArena(uint64_t size_bytes, uint64_t capacity_bytes, RejectReason* reject) const;
+  // The one quota check of a try to place `bytes` (page-rounded) for
+  // `usage`: every session and job limit and the group count, once.
+  QuotaDecision Check(const QuotaUsage& usage, uint64_t bytes) const;
+  // The one capacity check of a placement: whether `bytes` fit the usable
+  // arena now, and leave keep_free_bytes free.
+  ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,
+                 uint64_t keep_free_bytes) const;
+  // RESOURCE_EXHAUSTED (kArenaFull) naming `bytes`, what is available and
+  // the shortfall given `room`, and keep_free_bytes when not 0.
+  Status ArenaFull(const ArenaRoom& room, uint64_t used_bytes, uint64_t bytes,
+                   uint64_t keep_free_bytes) const;
+
+ private:
+  Policy policy_;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_QUOTA_POLICY_H_

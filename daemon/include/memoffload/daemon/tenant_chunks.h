@@ -1,0 +1,123 @@
+// TenantChunks: which chunks each tenant owns, and who was handed their fds.
+//
+// Bookkeeping only: no lock, no thread, no clock, no memory of its own.
+// SessionTable owns one and guards it with its mutex; it says when a chunk is
+// empty (the allocator knows) and gives a chunk that changes tenant its new
+// backing (FreshBacking). So each rule is testable without an arena.
+//
+// Rules:
+// - A chunk belongs to at most one tenant ("" until first claimed). With
+//   TenantMode::kNone there is one tenant: nobody claims, and every session
+//   is handed every chunk.
+// - A session is handed the fds of its tenant's chunks only: Attach hands it
+//   all of them, Grant the ones it asks for (PERMISSION_DENIED for a chunk of
+//   another tenant, nothing granted). Either records the session as a holder
+//   of the chunk and its process as a recipient of the chunk's backing.
+// - A tenant may take over a chunk (Claimable) that is empty and that no open
+//   session of another tenant holds: a never-used one first, else the lowest
+//   numbered.
+// - A chunk that changes tenant (Assign from another tenant) forgets its
+//   holders and recipients: its caller has given it a new backing and
+//   retired the old one to those recipients.
+// - A tenant's chunk list is ascending (the order the allocator's restricted
+//   search breaks ties in) and kept while the tenant has a session or a chunk.
+#ifndef MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_
+#define MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "memoffload/shared_mem/status.h"
+
+namespace memoffload::daemon {
+
+// Who may share a chunk. Chunks belong to one tenant at a time; a session is
+// handed the fds of its tenant's chunks only, and a chunk changes tenant only
+// when it is empty and no live session of its old tenant has it mapped. A
+// chunk that changes tenant gets a new memfd (fresh backing, FreshBacking):
+// whatever a process of the old tenant kept (a mapping, an fd passed on)
+// reaches the old pages only, never the new tenant's.
+enum class TenantMode {
+  kUid,   // tenant = the peer's uid (default)
+  kJob,   // tenant = the peer's uid and the hello's job id ("job:<uid>:<job_id>")
+  kNone,  // one tenant: every session gets every chunk (trusted nodes)
+};
+Result<TenantMode> ParseTenantMode(const std::string& text);
+
+class TenantChunks {
+ public:
+  // A tenant's chunks, ascending, and how many of its sessions are open.
+  struct Owned {
+    std::vector<uint32_t> chunks;
+    uint32_t sessions = 0;
+  };
+
+  TenantChunks(uint32_t chunk_count, TenantMode mode);
+
+  TenantMode mode() const { return mode_; }
+  uint32_t chunk_count() const { return static_cast<uint32_t>(chunks_.size()); }
+  // The chunk's tenant; "" while never claimed (always with kNone).
+  const std::string& OwnerOf(uint32_t chunk) const { return chunks_[chunk].tenant; }
+  // Chunks that have a tenant.
+  uint32_t owned_chunks() const;
+  // The tenant's entry, or nullptr.
+  const Owned* Find(const std::string& tenant) const;
+
+  // A session of `tenant` opens: returns its tenant's entry, which stays
+  // valid (and at the same address) while the session is open; nullptr with
+  // kNone. Leave, when it closes, drops an entry with no session and no chunk.
+  const Owned* Join(const std::string& tenant);
+  void Leave(const std::string& tenant);
+
+  // The chunks a new session is handed: its tenant's, every chunk with kNone.
+  std::vector<uint32_t> Attach(uint64_t session_id, const std::string& tenant, pid_t pid);
+  // The session asks for `chunks`: INVALID_ARGUMENT for one out of range,
+  // PERMISSION_DENIED for one of another tenant; nothing is recorded then.
+  Status Grant(uint64_t session_id, const std::string& tenant, pid_t pid,
+               const std::vector<uint32_t>& chunks);
+  // The session closed: it holds nothing any more.
+  void Forget(uint64_t session_id);
+
+  // A chunk `tenant` may take over now, or -1. `empty(c)`: chunk c holds no
+  // extent.
+  int64_t Claimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty) const;
+  // Whether assigning the chunk to `tenant` takes it from another tenant
+  // (then it needs a new backing, and its old one goes to recipients()).
+  bool ChangesTenant(uint32_t chunk, const std::string& tenant) const;
+  // The processes handed the chunk's current backing.
+  const std::vector<pid_t>& recipients(uint32_t chunk) const { return chunks_[chunk].recipients; }
+  // Makes the chunk the tenant's, moving it between the tenants' lists.
+  void Assign(uint32_t chunk, const std::string& tenant);
+
+  // The lists agree with the chunks' tenants, are ascending, and count the
+  // sessions in `sessions_by_tenant`; INTERNAL naming the first violation.
+  Status CheckInvariants(const std::unordered_map<std::string, uint32_t>& sessions_by_tenant) const;
+
+ private:
+  struct Holder {
+    uint64_t session_id = 0;
+    std::string tenant;
+  };
+  struct ChunkOwner {
+    std::string tenant;             // "" while never claimed
+    std::vector<Holder> holders;    // open sessions that were handed the fd
+    std::vector<pid_t> recipients;  // their processes, since the current backing
+  };
+  // Records the session and its process as holding the chunk.
+  void Hand(uint32_t chunk, uint64_t session_id, const std::string& tenant, pid_t pid);
+
+  const TenantMode mode_;
+  std::vector<ChunkOwner> chunks_;  // by chunk index
+  // By tenant; the inverse of chunks_[c].tenant. Entries are stable
+  // (sessions point at theirs).
+  std::unordered_map<std::string, Owned> owned_;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_

@@ -1,0 +1,141 @@
+#include "memoffload/daemon/quota_policy.h"
+
+#include "memoffload/shared_mem/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+// The smaller non-zero of a configured and an asked limit; 0: neither.
+uint64_t Tighter(uint64_t configured, uint64_t asked) {
+  return asked != 0 && (configured == 0 || asked < configured) ? asked : configured;
+}
+
+QuotaDecision Refuse(QuotaVerdict verdict, RejectReason reason, std::string message) {
+  return QuotaDecision{verdict, reason, ResourceExhausted(std::move(message))};
+}
+
+}  // namespace
+
+const char* RejectReasonName(RejectReason reason) {
+  switch (reason) {
+    case RejectReason::kNone:
+      return "none";
+    case RejectReason::kTooLarge:
+      return "too_large";
+    case RejectReason::kSessionLimit:
+      return "session_limit";
+    case RejectReason::kJobLimit:
+      return "job_limit";
+    case RejectReason::kArenaFull:
+      return "arena_full";
+    case RejectReason::kWaitTimeout:
+      return "wait_timeout";
+    case RejectReason::kTooManyWaiters:
+      return "too_many_waiters";
+    case RejectReason::kDraining:
+      return "draining";
+    case RejectReason::kCancelled:
+      return "cancelled";
+    case RejectReason::kTooFragmented:
+      return "too_fragmented";
+    case RejectReason::kGroupLimit:
+      return "group_limit";
+  }
+  return "unknown";
+}
+
+uint64_t QuotaPolicy::UsableBytes(uint64_t capacity_bytes) const {
+  // A reserve at or above the arena leaves nothing (never wraps around).
+  return policy_.node_reserve_bytes >= capacity_bytes ? 0
+                                                      : capacity_bytes - policy_.node_reserve_bytes;
+}
+
+uint64_t QuotaPolicy::SessionLimit(uint64_t asked_bytes) const {
+  return Tighter(policy_.session_max_bytes, asked_bytes);
+}
+
+uint64_t QuotaPolicy::JobLimit(uint64_t asked_bytes) const {
+  return Tighter(policy_.job_max_bytes, asked_bytes);
+}
+
+Status QuotaPolicy::CheckFitsArena(uint64_t size_bytes, uint64_t capacity_bytes,
+                                   RejectReason* reject) const {
+  const uint64_t usable = UsableBytes(capacity_bytes);
+  if (size_bytes <= usable) return Status::Ok();
+  *reject = RejectReason::kTooLarge;
+  return ResourceExhausted("group of " + FormatSize(size_bytes) +
+                           " is larger than the whole usable arena (" + FormatSize(usable) +
+                           " of " + FormatSize(capacity_bytes) + "; node reserve " +
+                           FormatSize(policy_.node_reserve_bytes) + ")");
+}
+
+QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
+  const uint64_t session_limit = SessionLimit(u.session_asked_bytes);
+  const uint64_t job_limit = JobLimit(u.job_asked_bytes);
+  // Larger than a whole limit: no release can make room.
+  if (session_limit != 0 && bytes > session_limit) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kSessionLimit,
+                  "session limit: " + FormatSize(bytes) + " is more than the whole of its " +
+                      FormatSize(session_limit) + " limit (by " +
+                      FormatSize(bytes - session_limit) + "); it can never fit in session " +
+                      std::to_string(u.session_id));
+  }
+  if (job_limit != 0 && bytes > job_limit) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kJobLimit,
+                  "job limit: " + FormatSize(bytes) + " is more than the whole " +
+                      FormatSize(job_limit) + " limit of job '" + std::string(u.job_id) + "' (by " +
+                      FormatSize(bytes - job_limit) + "); it can never fit");
+  }
+  // Held by what the session and its job hold now.
+  if (u.session_groups >= policy_.max_groups_per_session) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kGroupLimit,
+                  "group limit: session " + std::to_string(u.session_id) + " holds " +
+                      std::to_string(u.session_groups) +
+                      " groups, the limit quotas.max_groups_per_session is " +
+                      std::to_string(policy_.max_groups_per_session) +
+                      "; Release groups before reserving more");
+  }
+  if (session_limit != 0 && u.session_held_bytes + bytes > session_limit) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kSessionLimit,
+                  "session limit: session " + std::to_string(u.session_id) + " holds " +
+                      FormatSize(u.session_held_bytes) + " of its " + FormatSize(session_limit) +
+                      " limit; " + FormatSize(bytes) + " more would exceed it by " +
+                      FormatSize(u.session_held_bytes + bytes - session_limit));
+  }
+  if (job_limit != 0 && u.job_held_bytes + bytes > job_limit) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kJobLimit,
+                  "job limit: job '" + std::string(u.job_id) + "' holds " +
+                      FormatSize(u.job_held_bytes) + " of its " + FormatSize(job_limit) +
+                      " limit; " + FormatSize(bytes) + " more would exceed it by " +
+                      FormatSize(u.job_held_bytes + bytes - job_limit) + " (uid " +
+                      std::to_string(u.uid) + ")");
+  }
+  return QuotaDecision{};
+}
+
+ArenaRoom QuotaPolicy::Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,
+                            uint64_t keep_free_bytes) const {
+  ArenaRoom room;
+  room.usable_bytes = UsableBytes(capacity_bytes);
+  room.available_bytes = room.usable_bytes > used_bytes ? room.usable_bytes - used_bytes : 0;
+  room.fits = bytes <= room.available_bytes;
+  room.leaves_kept_free = room.fits && keep_free_bytes <= room.available_bytes - bytes;
+  return room;
+}
+
+Status QuotaPolicy::ArenaFull(const ArenaRoom& room, uint64_t used_bytes, uint64_t bytes,
+                              uint64_t keep_free_bytes) const {
+  const uint64_t needed = bytes + keep_free_bytes;
+  return ResourceExhausted(
+      "arena full: " + FormatSize(bytes) + " requested, " + FormatSize(room.available_bytes) +
+      " available (" + FormatSize(used_bytes) + " in use of " + FormatSize(room.usable_bytes) +
+      " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
+      (keep_free_bytes == 0 ? std::string()
+                            : "; " + FormatSize(keep_free_bytes) +
+                                  " kept free for an older waiting reserve of another tenant "
+                                  "(quotas.reserve_aging)") +
+      "), short by " +
+      FormatSize(needed > room.available_bytes ? needed - room.available_bytes : 0));
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,84 @@
+// The tenant side of SessionTable: handing out chunk fds and taking over an
+// empty chunk of another tenant with a new memfd (fresh backing). Which
+// chunk is whose is TenantChunks' business; this file adds the sessions and
+// the backings.
+#include "memoffload/daemon/log.h"
+#include "memoffload/daemon/session_table.h"
+
+namespace memoffload::daemon {
+namespace {
+
+ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
+  return {chunk, arena.generation(chunk), arena.backing(chunk)};
+}
+
+}  // namespace
+
+Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
+  if (tenant_chunks_.ChangesTenant(chunk, tenant)) {
+    // Fds and mappings cannot be revoked: zeroing pages an old holder still
+    // maps would hand it the new tenant's bytes. A new memfd instead.
+    const uint64_t size = arena_->chunk_bytes(chunk);
+    Result<std::shared_ptr<Chunk>> fresh = Internal("no backing");
+    if (fresh_backing_ != nullptr) {
+      fresh = fresh_backing_->Take(size);
+    } else {
+      Result<Chunk> created = Chunk::Create("memoffload-backing", size, false);
+      if (created.ok()) {
+        fresh = std::make_shared<Chunk>(std::move(created).value());
+      } else {
+        fresh = created.status();
+      }
+    }
+    if (!fresh.ok()) {
+      MO_LOG_WARN("chunk %u cannot change tenant: no new memfd: %s", chunk,
+                  fresh.status().ToString().c_str());
+      return fresh.status();
+    }
+    std::shared_ptr<Chunk> old = arena_->ReplaceBacking(chunk, std::move(fresh).value());
+    if (fresh_backing_ != nullptr) {
+      fresh_backing_->Retire(std::move(old), tenant_chunks_.recipients(chunk));
+    }
+    ++replaced_backings_;
+  }
+  tenant_chunks_.Assign(chunk, tenant);
+  return Status::Ok();
+}
+
+Status SessionTable::CheckTenantChunks() const {
+  std::unordered_map<std::string, uint32_t> sessions;
+  for (const auto& [id, s] : sessions_) {
+    if (s.owned != nullptr) ++sessions[s.tenant];
+    if ((s.owned == nullptr) != (tenant_chunks_.mode() == TenantMode::kNone) ||
+        (s.owned != nullptr && tenant_chunks_.Find(s.tenant) != s.owned)) {
+      return Internal("session " + std::to_string(id) + " does not point at the chunk list of " +
+                      "its tenant '" + s.tenant + "'");
+    }
+  }
+  return tenant_chunks_.CheckInvariants(sessions);
+}
+
+Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
+  std::vector<ChunkGrant> chunks;
+  for (uint32_t c : tenant_chunks_.Attach(session_id, it->second.tenant, it->second.peer.pid)) {
+    chunks.push_back(GrantOf(*arena_, c));
+  }
+  return chunks;
+}
+
+Result<std::vector<ChunkGrant>> SessionTable::GrantChunks(uint64_t session_id,
+                                                          const std::vector<uint32_t>& chunks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
+  MEMOFFLOAD_RETURN_IF_ERROR(
+      tenant_chunks_.Grant(session_id, it->second.tenant, it->second.peer.pid, chunks));
+  std::vector<ChunkGrant> grants;
+  for (uint32_t c : chunks) grants.push_back(GrantOf(*arena_, c));
+  return grants;
+}
+
+}  // namespace memoffload::daemon
