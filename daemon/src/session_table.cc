@@ -68,6 +68,7 @@ void SessionTable::SetPolicy(const Policy& policy) {
     std::lock_guard<std::mutex> lock(mu_);
     quota_ = QuotaPolicy(policy);
     queue_.SetLimits(QueueLimits());
+    FailWaitersThatCanNeverFit(&done);
     DispatchWaiters(&done);
   }
   Run(&done);
@@ -132,7 +133,8 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
                                         std::shared_ptr<RankSeries> series) {
   Result<std::string> token = NewSessionToken();
   if (!token.ok()) return token.status();
-  std::lock_guard<std::mutex> lock(mu_);
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
   if (shutting_down_) {
     return Unavailable("memoffloadd is shutting down (SIGTERM): new sessions are refused");
   }
@@ -165,13 +167,19 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   Job& job = jobs_[s.job_key];
   s.job = &job;
   ++job.sessions;
+  bool job_limit_lowered = false;
   if (hello.job_max_bytes != 0 &&
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
     job.requested_limit = hello.job_max_bytes;
+    job_limit_lowered = job.sessions > 1;
   }
   s.owned = tenant_chunks_.Join(s.tenant);
   SessionGrant grant = s.grant;
   sessions_.emplace(grant.session_id, std::move(s));
+  // The job's other sessions may have waiters the new limit can never fit.
+  if (job_limit_lowered) FailWaitersThatCanNeverFit(&done);
+  lock.unlock();
+  Run(&done);
   return grant;
 }
 

@@ -236,6 +236,31 @@ void SessionTable::DropCancelledWaiters(Completions* out) {
   }
 }
 
+void SessionTable::FailWaitersThatCanNeverFit(Completions* out) {
+  std::vector<std::pair<uint64_t, QuotaDecision>> never;
+  for (const auto& [ticket, p] : pending_) {
+    auto session = sessions_.find(p.session_id);
+    if (session == sessions_.end()) continue;  // answered when it closes
+    QuotaDecision d;
+    if (Status st = quota_.CheckFitsArena(p.rounded, arena_->capacity_bytes(), &d.reason);
+        !st.ok()) {
+      d.verdict = QuotaVerdict::kNever;
+      d.status = st;
+    } else {
+      d = quota_.Check(UsageOf(session->second), p.rounded);
+    }
+    if (d.verdict == QuotaVerdict::kNever) never.emplace_back(ticket, std::move(d));
+  }
+  for (auto& [ticket, d] : never) {
+    const std::string waited = MillisecondsSince(pending_.at(ticket).waited_from);
+    queue_.Remove(ticket);
+    Answer(ticket,
+           ResourceExhausted(d.status.message() + " (the limit changed while it waited " + waited +
+                             " ms)"),
+           d.reason, out);
+  }
+}
+
 Result<ReserveResult> SessionTable::Reserve(uint64_t session_id, const std::string& token,
                                             uint64_t group_id, uint64_t size_bytes,
                                             bool single_extent,

@@ -42,6 +42,11 @@ class ReserveFairness : public ::testing::Test {
                                 });
   }
 
+  // Answers of waiters, declared before table_ so that they outlive it (the
+  // table answers its remaining waiters when it is destroyed).
+  std::optional<Result<ReserveResult>> answer_;
+  std::optional<Result<ReserveResult>> other_answer_;
+  RejectReason reason_ = RejectReason::kNone;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<SessionTable> table_;
 };
@@ -270,6 +275,47 @@ TEST_F(ReserveFairness, GroupsPerSessionAreBounded) {
   ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
   ASSERT_TRUE(third.has_value());
   EXPECT_TRUE(third->ok()) << third->status().ToString();
+}
+
+// A waiter that a limit lowered while it waited can never fit any more: it is
+// answered at once, naming the limit, not at its deadline (60 s here). No
+// thread and no sleep: each answer is given inside the call that changed the
+// limit.
+TEST_F(ReserveFairness, AWaiterALoweredSessionLimitCanNeverFitIsAnsweredAtOnce) {
+  Policy policy;
+  Make(policy, TenantMode::kNone);
+  SessionGrant a = Open(1000);
+  SessionGrant b = Open(1001);
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, 3 * kMiB, false).ok());
+  ASSERT_NE(Wait(a, 1, 2 * kMiB, &answer_, &reason_), 0u);  // waits: 1 MiB free
+  ASSERT_FALSE(answer_.has_value());
+  policy.session_max_bytes = kMiB;  // SIGHUP: a session may hold 1 MiB at most
+  table_->SetPolicy(policy);
+  ASSERT_TRUE(answer_.has_value()) << "still waiting for 2 MiB under a 1 MiB session limit";
+  EXPECT_EQ(answer_->status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(answer_->status().message().find("limit"), std::string::npos)
+      << answer_->status().ToString();
+  EXPECT_EQ(reason_, RejectReason::kSessionLimit);
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+}
+
+TEST_F(ReserveFairness, AWaiterASmallerJobLimitCanNeverFitIsAnsweredWhenTheSessionOpens) {
+  Make(Policy{}, TenantMode::kNone);
+  SessionGrant a = Open(1000, "train");
+  SessionGrant b = Open(1001);
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, 3 * kMiB, false).ok());
+  ASSERT_NE(Wait(a, 1, 2 * kMiB, &answer_, &reason_), 0u);
+  // Another rank of the same job asks for a 1 MiB job limit.
+  Hello hello;
+  hello.job_id = "train";
+  hello.job_max_bytes = kMiB;
+  ASSERT_TRUE(table_->Open(hello, PeerCredentials{1235, 1000, 1000}).ok());
+  ASSERT_TRUE(answer_.has_value()) << "still waiting for 2 MiB under a 1 MiB job limit";
+  EXPECT_EQ(answer_->status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason_, RejectReason::kJobLimit);
+  // A reserve within the new limit is placed (1 MiB of the arena is free).
+  EXPECT_EQ(Wait(a, 2, 512 * kKiB, &other_answer_), 0u);  // 0: answered at once
+  EXPECT_TRUE(other_answer_.has_value() && other_answer_->ok());
 }
 
 }  // namespace

@@ -321,6 +321,10 @@ class SessionTable {
   void FailSessionWaiters(uint64_t session_id, Completions* out);
   // Answers the waiters whose caller went away. Requires mu_.
   void DropCancelledWaiters(Completions* out);
+  // Answers the waiters that can never fit any more: a limit was lowered
+  // (SIGHUP, or a smaller job limit asked by a new session of the job)
+  // while they waited. Requires mu_.
+  void FailWaitersThatCanNeverFit(Completions* out);
   // Status CANCELLED for a waiter queued at `waited_from`.
   static Status CancelledStatus(Clock::time_point waited_from);
   ReserveQueue::Limits QueueLimits() const;  // requires mu_
