@@ -124,20 +124,32 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
       std::move(cancelled));
 }
 
+grpc::ServerUnaryReactor* OffloadService::Commit(grpc::CallbackServerContext* ctx,
+                                                 const v1::CommitRequest* req,
+                                                 v1::CommitResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(DoCommit(*req, resp));
+  return reactor;
+}
+
 grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
                                     v1::CommitResponse* resp) {
+  return DoCommit(*req, resp);
+}
+
+grpc::Status OffloadService::DoCommit(const v1::CommitRequest& request, v1::CommitResponse* resp) {
   const auto start = Clock::now();
-  Status st = CheckCredentials(req->session(), req->has_session());
+  Status st = CheckCredentials(request.session(), request.has_session());
   if (st.ok()) {
     Result<CommitResult> r = table_->Commit(
-        req->session().session_id(), req->session().session_token(), req->group_id(),
-        req->used_bytes(), {req->extent_crc32c().begin(), req->extent_crc32c().end()});
+        request.session().session_id(), request.session().session_token(), request.group_id(),
+        request.used_bytes(), {request.extent_crc32c().begin(), request.extent_crc32c().end()});
     if (r.ok()) {
       resp->set_committed_bytes(r->committed_bytes);
       resp->set_returned_bytes(r->returned_bytes);
-      metrics_->RecordOffload(r->series.get(), req->used_bytes());
-      metrics_->RecordClientCopy(Metrics::CopyDirection::kOffload, req->copy().bytes(),
-                                 req->copy().seconds());
+      metrics_->RecordOffload(r->series.get(), request.used_bytes());
+      metrics_->RecordClientCopy(Metrics::CopyDirection::kOffload, request.copy().bytes(),
+                                 request.copy().seconds());
     } else {
       st = r.status();
     }
@@ -145,13 +157,26 @@ grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitReques
   return Finish(Method::kCommit, start, st);
 }
 
+grpc::ServerUnaryReactor* OffloadService::Prefetch(grpc::CallbackServerContext* ctx,
+                                                   const v1::PrefetchRequest* req,
+                                                   v1::PrefetchResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(DoPrefetch(*req, resp));
+  return reactor;
+}
+
 grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRequest* req,
                                       v1::PrefetchResponse* resp) {
+  return DoPrefetch(*req, resp);
+}
+
+grpc::Status OffloadService::DoPrefetch(const v1::PrefetchRequest& request,
+                                        v1::PrefetchResponse* resp) {
   const auto start = Clock::now();
-  Status st = CheckCredentials(req->session(), req->has_session());
+  Status st = CheckCredentials(request.session(), request.has_session());
   if (st.ok()) {
-    Result<PrefetchResult> r = table_->Prefetch(req->session().session_id(),
-                                                req->session().session_token(), req->group_id());
+    Result<PrefetchResult> r = table_->Prefetch(
+        request.session().session_id(), request.session().session_token(), request.group_id());
     if (r.ok()) {
       CopyExtents(r->extents, resp->mutable_extents());
       resp->set_used_bytes(r->used_bytes);
@@ -165,18 +190,31 @@ grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRe
   return Finish(Method::kPrefetch, start, st);
 }
 
+grpc::ServerUnaryReactor* OffloadService::Release(grpc::CallbackServerContext* ctx,
+                                                  const v1::ReleaseRequest* req,
+                                                  v1::ReleaseResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(DoRelease(*req, resp));
+  return reactor;
+}
+
 grpc::Status OffloadService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req,
                                      v1::ReleaseResponse* resp) {
+  return DoRelease(*req, resp);
+}
+
+grpc::Status OffloadService::DoRelease(const v1::ReleaseRequest& request,
+                                       v1::ReleaseResponse* resp) {
   const auto start = Clock::now();
-  Status st = CheckCredentials(req->session(), req->has_session());
+  Status st = CheckCredentials(request.session(), request.has_session());
   if (st.ok()) {
-    Result<ReleaseResult> r = table_->Release(req->session().session_id(),
-                                              req->session().session_token(), req->group_id());
+    Result<ReleaseResult> r = table_->Release(
+        request.session().session_id(), request.session().session_token(), request.group_id());
     if (r.ok()) {
       resp->set_released_bytes(r->released_bytes);
       metrics_->RecordResidency(r->resident_seconds);
-      metrics_->RecordClientCopy(Metrics::CopyDirection::kPrefetch, req->copy().bytes(),
-                                 req->copy().seconds());
+      metrics_->RecordClientCopy(Metrics::CopyDirection::kPrefetch, request.copy().bytes(),
+                                 request.copy().seconds());
     } else {
       st = r.status();
     }

@@ -29,8 +29,17 @@ struct ServiceInfo {
   uint64_t instance_id = 0;     // random per start
 };
 
-class OffloadService final
-    : public memoffload::v1::Offload::WithCallbackMethod_Reserve<memoffload::v1::Offload::Service> {
+// The gRPC methods of the request path (Reserve, Commit, Prefetch,
+// Release) use the callback API: a request is answered on the thread that
+// read it, with no hand-off to a thread pool. The admin reads stay
+// synchronous.
+using OffloadServiceBase = memoffload::v1::Offload::WithCallbackMethod_Reserve<
+    memoffload::v1::Offload::WithCallbackMethod_Commit<
+        memoffload::v1::Offload::WithCallbackMethod_Prefetch<
+            memoffload::v1::Offload::WithCallbackMethod_Release<
+                memoffload::v1::Offload::Service>>>>;
+
+class OffloadService final : public OffloadServiceBase {
  public:
   OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics, ServiceInfo info,
                  const DaemonConfig& config);
@@ -56,6 +65,15 @@ class OffloadService final
   grpc::Status ReserveAndWait(const v1::ReserveRequest& req, v1::ReserveResponse* resp,
                               std::chrono::system_clock::time_point deadline =
                                   std::chrono::system_clock::time_point::max());
+  grpc::ServerUnaryReactor* Commit(grpc::CallbackServerContext* ctx, const v1::CommitRequest* req,
+                                   v1::CommitResponse* resp) override;
+  grpc::ServerUnaryReactor* Prefetch(grpc::CallbackServerContext* ctx,
+                                     const v1::PrefetchRequest* req,
+                                     v1::PrefetchResponse* resp) override;
+  grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx, const v1::ReleaseRequest* req,
+                                    v1::ReleaseResponse* resp) override;
+  // The same, answered on the calling thread (fuzzers, tests); `ctx` is not
+  // used.
   grpc::Status Commit(grpc::ServerContext* ctx, const v1::CommitRequest* req,
                       v1::CommitResponse* resp) override;
   grpc::Status Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,
@@ -75,6 +93,9 @@ class OffloadService final
   // Converts and records; `start` is when the request arrived.
   grpc::Status Finish(Method method, std::chrono::steady_clock::time_point start,
                       const Status& status);
+  grpc::Status DoCommit(const v1::CommitRequest& req, v1::CommitResponse* resp);
+  grpc::Status DoPrefetch(const v1::PrefetchRequest& req, v1::PrefetchResponse* resp);
+  grpc::Status DoRelease(const v1::ReleaseRequest& req, v1::ReleaseResponse* resp);
 
   const Arena* arena_;
   SessionTable* table_;
