@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 
 #include "grpc_util.h"
 #include "memoffload/shared_mem/attach_wire.h"
@@ -66,9 +67,7 @@ void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t 
   uint64_t before = 0;
   {
     std::lock_guard<std::mutex> lock(mu);
-    uint64_t& seen = last[runtime_dir];
-    before = seen;
-    seen = instance_id;
+    before = std::exchange(last[runtime_dir], instance_id);
   }
   if (before == instance_id) return;
   if (before == 0) {
