@@ -51,7 +51,6 @@ Result<SessionTable::JobRegions*> SessionTable::RegionsOf(const Session& session
 
 Result<SessionTable::Region*> SessionTable::FindRegion(JobRegions* job, const Session& session,
                                                        const std::string& name) {
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   auto it = job->by_name.find(name);
   if (it == job->by_name.end() || it->second.deleted) {
     return NotFound("region " + name + " does not exist in job " + session.hello.job_id +
@@ -162,6 +161,7 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   std::unique_lock<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   Result<JobRegions*> job = RegionsOf(**session);
   if (!job.ok()) return job.status();
   Result<Region*> region = FindRegion(*job, **session, name);
@@ -215,6 +215,7 @@ Result<PrefetchResult> SessionTable::OpenRegion(uint64_t session_id, const std::
   std::lock_guard<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   Result<JobRegions*> job = RegionsOf(**session);
   if (!job.ok()) return job.status();
   Result<Region*> region = FindRegion(*job, **session, name);
@@ -232,9 +233,9 @@ Status SessionTable::CloseRegion(uint64_t session_id, const std::string& token,
   std::lock_guard<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   Result<JobRegions*> job = RegionsOf(**session);
   if (!job.ok()) return job.status();
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   auto it = (*job)->by_name.find(name);
   if (it != (*job)->by_name.end()) {
     std::vector<uint64_t>& readers = it->second.readers;
@@ -274,6 +275,7 @@ Result<uint64_t> SessionTable::DeleteRegion(uint64_t session_id, const std::stri
     std::lock_guard<std::mutex> lock(mu_);
     Result<Session*> session = Authenticate(session_id, token);
     if (!session.ok()) return session.status();
+    MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
     Result<JobRegions*> job = RegionsOf(**session);
     if (!job.ok()) return job.status();
     Result<Region*> region = FindRegion(*job, **session, name);
