@@ -114,6 +114,10 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              std::to_string((*job)->by_name.size()) +
                              " regions, the limit (regions.max_per_job); delete old ones");
   }
+  if (region_count_ >= policy.max_regions) {
+    return ResourceExhausted("the node holds " + std::to_string(region_count_) +
+                             " regions, the limit (regions.max_count); delete old checkpoints");
+  }
   const uint64_t page = arena_->page_bytes();
   if (size_bytes > arena_->capacity_bytes()) {
     return ResourceExhausted("region of " + FormatSize(size_bytes) + " is larger than the " +
