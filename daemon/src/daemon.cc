@@ -419,13 +419,22 @@ class Daemon {
 
   void CheckDrained() {
     const ArenaSnapshot s = table_->Snapshot();
-    const bool empty = s.capacity_bytes == s.free_bytes;
+    // Groups are what sessions still need to hand back; checkpoint regions
+    // do not survive the exit whatever the wait, so they are not waited for.
+    const uint64_t groups_bytes = s.capacity_bytes - s.free_bytes - s.region_bytes;
+    const bool empty = groups_bytes == 0;
     if (empty || Clock::now() >= drain_deadline_) {
       if (!empty) {
         MO_LOG_WARN("drain deadline passed with %s still held by %u sessions; stopping",
-                    FormatSize(s.capacity_bytes - s.free_bytes).c_str(), s.sessions);
+                    FormatSize(groups_bytes).c_str(), s.sessions);
       } else {
         MO_LOG_INFO("drained: no groups held");
+      }
+      if (s.regions != 0) {
+        MO_LOG_WARN(
+            "%u checkpoint region%s (%s) end with the daemon; jobs load from their "
+            "durable checkpoints after it restarts",
+            s.regions, s.regions == 1 ? "" : "s", FormatSize(s.region_bytes).c_str());
       }
       StopLoop();
       return;

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <string>
 
 #include "daemon_process.h"
@@ -193,6 +194,27 @@ TEST(Regions, TheTtlDeletesACommittedRegion) {
   EXPECT_EQ(daemon->Status().regions(), 0u);
   EXPECT_EQ(c->OpenRegion("ckpt").status().code(), StatusCode::kNotFound);
   EXPECT_NE(daemon->Log().find("past its TTL"), std::string::npos) << daemon->Log();
+}
+
+TEST(Regions, SigtermDoesNotWaitForCheckpointRegionsAndSaysTheyEnd) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.drain_timeout = "20s";
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  int code = 0;
+  std::string out = Worker(
+      {"write", daemon->runtime_dir(), "train", "ckpt", std::to_string(4 * kMiB), "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  const auto start = std::chrono::steady_clock::now();
+  kill(daemon->pid(), SIGTERM);
+  const int status = daemon->Wait(15000);
+  ASSERT_NE(status, -1) << "the drain waited for a committed region" << daemon->Log();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  EXPECT_NE(daemon->Log().find("drained: no groups held"), std::string::npos) << daemon->Log();
+  EXPECT_NE(daemon->Log().find("1 checkpoint region (4.00 MiB) end with the daemon"),
+            std::string::npos)
+      << daemon->Log();
 }
 
 }  // namespace
