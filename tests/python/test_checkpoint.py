@@ -125,7 +125,10 @@ def crash_and_restart(daemon, tmp_path_factory):
     after_kill = regions_of(cfg)
     b = Job(dict(cfg, phase="run_b"))
     b.wait()
-    return out, cfg, a, b, after_kill
+    yield out, cfg, a, b, after_kill
+    from memoffload.torch import _checkpoint_store
+
+    _checkpoint_store.forget_all()  # this process's sessions end before the daemon stops
 
 
 def regions_of(cfg: Dict[str, Any]) -> Dict[str, Any]:
