@@ -230,3 +230,45 @@ def test_checkpoint_ids_name_one_directory_level():
     assert MemoffloadWriter.validate_checkpoint_id("step-100")
     for bad in ("", "a/b", "..", "has space", "x" * 201, 7):
         assert not MemoffloadWriter.validate_checkpoint_id(bad), bad
+
+
+def _tiny_state() -> Dict[str, Any]:
+    gen = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(4, 8, generator=gen), "b": torch.randn(8, generator=gen).to(torch.bfloat16),
+            "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "extra": {"epoch": 3, "name": "x"}}
+
+
+def test_one_process_round_trip_and_an_existing_id_is_refused(daemon, tmp_path):
+    import memoffload
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
+
+    job = f"one-{uuid.uuid4().hex[:8]}"
+    kw = dict(job_id=job, runtime_dir=daemon.runtime_dir, fallback_dir=str(tmp_path / "fb"))
+    state = _tiny_state()
+    writer = MemoffloadWriter(keep_last=None, **kw)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(state, storage_writer=writer, checkpoint_id="a", no_dist=True)
+    assert writer.last_mode == "daemon"
+    back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else {}) for k, v in state.items()}
+    back["extra"] = {"epoch": 0, "name": ""}
+    reader = MemoffloadReader(**kw)
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(back, storage_reader=reader, checkpoint_id="a", no_dist=True)
+    assert reader.last_mode == "daemon"
+    for key in ("w", "b", "empty", "scalar"):
+        assert bit_equal(back[key], state[key]), key
+    assert back["extra"] == state["extra"]
+    # The same id again: refused before anything is written; the old one stays.
+    with pytest.raises(CheckpointException) as refused, pytest.warns(UserWarning):
+        dcp.save(state, storage_writer=MemoffloadWriter(**kw), checkpoint_id="a", no_dist=True)
+    assert isinstance(refused.value.failures[0][0], memoffload.AlreadyExists), refused.value
+    with pytest.warns(UserWarning):
+        dcp.load(back, storage_reader=MemoffloadReader(**kw), checkpoint_id="a", no_dist=True)
+    # An id that is nowhere: the error names both places.
+    with pytest.raises(CheckpointException) as missing, pytest.warns(UserWarning):
+        dcp.load(back, storage_reader=MemoffloadReader(**kw), checkpoint_id="nope", no_dist=True)
+    error = missing.value.failures[0][0]
+    assert isinstance(error, (FileNotFoundError, AssertionError)), missing.value
+    assert "has no checkpoint 'nope'" in str(missing.value) and str(tmp_path / "fb" / "nope") in str(missing.value)

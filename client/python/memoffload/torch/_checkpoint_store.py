@@ -13,13 +13,14 @@ retention only ever removes directories this module wrote for that job.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _C, errors
+from .. import _C, errors, logs
 
 REGION_PREFIX = "dcp/"
 METADATA_NAME = ".metadata"
@@ -106,6 +107,8 @@ def fallback_dir_of(fallback_dir: Optional[str], job_id: str) -> str:
 # ---- attaching -------------------------------------------------------------
 
 _stores: Dict[Tuple[str, str, int, bool], Any] = {}
+# A prefix no checkpoint region has (ids have no spaces): a cheap liveness probe.
+_NO_CHECKPOINT = REGION_PREFIX + " "
 _stores_lock = threading.Lock()
 
 
@@ -121,7 +124,12 @@ def attach(runtime_dir: str, job_id: str, rank: int, checksums: bool,
     with _stores_lock:
         store = _stores.get(key)
         if store is not None:
-            return store, ""
+            try:
+                store.list(_NO_CHECKPOINT)  # still attached (the daemon may have restarted)?
+                return store, ""
+            except errors.Error:
+                del _stores[key]
+                _close(store)
         try:
             store = _C.RegionStore(runtime_dir=runtime_dir, job_id=job_id, rank=rank,
                                    checksums=checksums, rpc_timeout_ms=rpc_timeout_ms)
@@ -131,6 +139,13 @@ def attach(runtime_dir: str, job_id: str, rank: int, checksums: bool,
         return store, ""
 
 
+def _close(store: Any) -> None:
+    try:
+        store.close()
+    except errors.Error as exc:  # the session is gone already; it holds nothing of ours
+        logs.log(logging.DEBUG, f"closing a region session: {exc}", exc.code)
+
+
 def forget(store: Any) -> None:
     """Drops ``store`` from the cache (after it failed: the daemon may have
     restarted); the next attach makes a new session."""
@@ -138,10 +153,7 @@ def forget(store: Any) -> None:
         for key, value in list(_stores.items()):
             if value is store:
                 del _stores[key]
-    try:
-        store.close()
-    except errors.Error:
-        pass  # the session is gone already; nothing holds memory for us
+    _close(store)
 
 
 def forget_all() -> None:
@@ -150,10 +162,7 @@ def forget_all() -> None:
         stores = list(_stores.values())
         _stores.clear()
     for store in stores:
-        try:
-            store.close()
-        except errors.Error:
-            pass
+        _close(store)
 
 
 # ---- what is in the daemon -------------------------------------------------

@@ -120,12 +120,15 @@ def _rank_of(rank: Optional[int]) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _warn_fallback(what: str, runtime_dir: str, reason: str, path: str) -> None:
+def _warn_fallback(what: str, why: str, path: str) -> None:
     # The "memoffload" logger; with no handler configured Python's last-resort
     # handler prints WARNING records on stderr.
-    logs.log(logging.WARNING,
-             f"checkpoint {what} falls back to the filesystem: no memoffload daemon at {runtime_dir} "
-             f"({reason}); using {path}", errors.StatusCode.UNAVAILABLE)
+    logs.log(logging.WARNING, f"checkpoint {what} falls back to the filesystem: {why}; using {path}",
+             errors.StatusCode.UNAVAILABLE)
+
+
+def _unreachable(runtime_dir: str, reason: str) -> str:
+    return f"no memoffload daemon reachable at {runtime_dir} ({reason})"
 
 
 class MemoffloadWriter(StorageWriter):
@@ -232,7 +235,7 @@ class MemoffloadWriter(StorageWriter):
         if isinstance(target, _FallbackPlan):
             self.last_mode = FILESYSTEM
             path = os.path.join(self.fallback_dir, self.checkpoint_id)
-            _warn_fallback("save", target.runtime_dir, target.reason, path)
+            _warn_fallback("save", _unreachable(target.runtime_dir, target.reason), path)
             self._fs = FileSystemWriter(path, sync_files=self.sync_files)
             self._fs.set_up_storage_writer(self._is_coordinator, rank=self._rank)
             self._fs.fs.mkdir(path)
@@ -384,8 +387,12 @@ class MemoffloadReader(StorageReader):
             name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)
             try:
                 reader = store.open(name)
+            except errors.Unavailable as exc:
+                _store.forget(store)
+                why = _unreachable(runtime_dir, str(exc))
             except errors.NotFound:
-                reason = f"it has no checkpoint {self.checkpoint_id!r} of job {self.job_id!r}"
+                why = f"the memoffload daemon at {runtime_dir} has no checkpoint {self.checkpoint_id!r} " \
+                      f"of job {self.job_id!r}"
             else:
                 try:
                     metadata = pickle.loads(reader.read_bytes(0, reader.size_bytes))
@@ -394,14 +401,13 @@ class MemoffloadReader(StorageReader):
                 self._region_store = store
                 self.last_mode = DAEMON
                 return self._stamped(metadata)
+        else:
+            why = _unreachable(runtime_dir, reason)
         path = os.path.join(self.fallback_dir, self.checkpoint_id)
         if not os.path.exists(os.path.join(path, _store.METADATA_NAME)):
-            raise FileNotFoundError(
-                f"checkpoint {self.checkpoint_id!r} of job {self.job_id!r} is neither in the daemon at "
-                f"{runtime_dir} ({reason}) nor in {path}")
-        if store is not None:
-            reason = f"daemon reachable, but {reason}"
-        _warn_fallback("load", runtime_dir, reason, path)
+            raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {path} "
+                                    f"has no {_store.METADATA_NAME}")
+        _warn_fallback("load", why, path)
         self._fs = FileSystemReader(path)
         self.last_mode = FILESYSTEM
         return self._stamped(self._fs.read_metadata())
