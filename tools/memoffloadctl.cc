@@ -1,6 +1,8 @@
 // memoffloadctl: operator CLI for memoffloadd.
 //
 //   memoffloadctl [--runtime-dir DIR] [--json] status|sessions|drain|undrain|config
+//   memoffloadctl [--runtime-dir DIR] [--json] regions [PREFIX]
+//   memoffloadctl [--runtime-dir DIR] [--json] delete-region UID JOB NAME
 //
 // Exit codes: 0 success, 1 the daemon answered with an error, 2 usage error,
 // 3 the daemon is not reachable (the message names the socket tried),
@@ -8,8 +10,10 @@
 #include <google/protobuf/util/json_util.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "memoffload/client/admin.h"
 #include "memoffload/shared_mem/units.h"
@@ -34,11 +38,16 @@ void Usage(FILE* out) {
       "  sessions   attached sessions: job, rank, pid, uid, bytes held, groups, age\n"
       "  drain      refuse new attaches and reserves; existing sessions finish\n"
       "  undrain    accept attaches and reserves again\n"
-      "  config     the daemon's effective configuration and where each value came from\n\n"
+      "  config     the daemon's effective configuration and where each value came from\n"
+      "  regions [PREFIX]\n"
+      "             checkpoint regions: uid, job, name, state, size, expiry, readers\n"
+      "  delete-region UID JOB NAME\n"
+      "             delete a committed checkpoint region (needs the admin token)\n\n"
       "The runtime dir defaults to $MEMOFFLOAD_RUNTIME_DIR, else /run/memoffload\n"
       "(root), $XDG_RUNTIME_DIR/memoffload or /tmp/memoffload-$UID.\n"
       "Exit codes: 0 ok, 1 daemon error, 2 usage, 3 daemon not reachable,\n"
-      "4 permission denied (drain/undrain need root or the daemon's user).\n",
+      "4 permission denied (drain, undrain and delete-region need root or the\n"
+      "daemon's user).\n",
       out);
 }
 
@@ -100,6 +109,8 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
   row("sessions", std::to_string(s->sessions()));
   row("groups", std::to_string(s->groups()));
   row("waiting reserves", std::to_string(s->waiting_reserves()));
+  row("regions", std::to_string(s->regions()) + " holding " + FormatSize(s->region_bytes()) +
+                     " of " + FormatSize(s->region_max_bytes()) + " (regions.max_bytes)");
   row("draining", s->draining() ? "yes" : "no");
   row("uptime", std::to_string(static_cast<uint64_t>(s->uptime_seconds())) + " s");
   return kExitOk;
@@ -152,10 +163,55 @@ int Config(memoffload::client::AdminClient& admin, bool json) {
   return kExitOk;
 }
 
+int Regions(memoffload::client::AdminClient& admin, const std::string& prefix, bool json) {
+  auto r = admin.ListRegions(prefix);
+  if (!r.ok()) return Fail(r.status());
+  if (json) {
+    PrintJson(*r);
+    return kExitOk;
+  }
+  std::printf("%6s %-20s %-40s %-9s %12s %10s %7s %4s\n", "UID", "JOB", "NAME", "STATE", "USED",
+              "EXPIRES", "READERS", "CRC");
+  for (const auto& g : r->regions()) {
+    char expires[32] = "-";
+    if (g.state() == "committed") {
+      std::snprintf(expires, sizeof(expires), "%.0fs", g.expires_in_seconds());
+    }
+    std::printf("%6u %-20s %-40s %-9s %12s %10s %7u %4s\n", g.uid(), g.job_id().c_str(),
+                g.name().c_str(), g.state().c_str(), FormatSize(g.used_bytes()).c_str(), expires,
+                g.readers(), g.checksummed() ? "yes" : "no");
+  }
+  if (r->regions_size() == 0) std::printf("(no regions)\n");
+  return kExitOk;
+}
+
+int DeleteRegion(memoffload::client::AdminClient& admin, const std::vector<std::string>& args,
+                 bool json) {
+  char* end = nullptr;
+  const unsigned long uid = args.empty() ? 0 : std::strtoul(args[0].c_str(), &end, 10);
+  if (args.size() != 3 || args[0].empty() || *end != '\0' || uid > 0xfffffffeul) {
+    std::fprintf(stderr, "memoffloadctl: delete-region takes UID JOB NAME (as 'regions' lists)\n");
+    return kExitUsage;
+  }
+  auto r = admin.DeleteRegion(static_cast<uint32_t>(uid), args[1], args[2]);
+  if (!r.ok()) return Fail(r.status());
+  if (json) {
+    PrintJson(*r);
+    return kExitOk;
+  }
+  if (r->freed_bytes() != 0) {
+    std::printf("deleted %s: %s freed\n", args[2].c_str(), FormatSize(r->freed_bytes()).c_str());
+  } else {
+    std::printf("deleted %s: freed when its last reader closes it\n", args[2].c_str());
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::string runtime_dir, command;
+  std::vector<std::string> args;  // after the command
   bool json = false;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -170,6 +226,8 @@ int main(int argc, char** argv) {
       return kExitOk;
     } else if (!arg.empty() && arg[0] != '-' && command.empty()) {
       command = arg;
+    } else if (!arg.empty() && arg[0] != '-') {
+      args.push_back(arg);
     } else {
       std::fprintf(stderr, "memoffloadctl: unexpected argument '%s'\n", arg.c_str());
       Usage(stderr);
@@ -186,6 +244,15 @@ int main(int argc, char** argv) {
   if (command == "sessions") return Sessions(**admin, json);
   if (command == "drain" || command == "undrain") return Drain(**admin, command == "drain", json);
   if (command == "config") return Config(**admin, json);
+  if (command == "regions" && args.size() <= 1) {
+    return Regions(**admin, args.empty() ? "" : args[0], json);
+  }
+  if (command == "delete-region") return DeleteRegion(**admin, args, json);
+  if (!args.empty()) {
+    std::fprintf(stderr, "memoffloadctl: unexpected argument '%s'\n", args[0].c_str());
+    Usage(stderr);
+    return kExitUsage;
+  }
   std::fprintf(stderr, "memoffloadctl: unknown command '%s'\n", command.c_str());
   Usage(stderr);
   return kExitUsage;

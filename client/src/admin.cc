@@ -60,7 +60,7 @@ Result<v1::GetConfigResponse> AdminClient::GetConfig() {
   return resp;
 }
 
-Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
+Result<std::string> AdminClient::ReadAdminToken() {
   const std::string token_path = impl_->runtime_dir + "/admin.token";
   std::ifstream in(token_path);
   std::string token;
@@ -75,13 +75,47 @@ Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
     return PermissionDenied("cannot read the admin token " + token_path +
                             " (run as root or as the daemon's user)");
   }
+  return token;
+}
+
+Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
+  Result<std::string> token = ReadAdminToken();
+  if (!token.ok()) return token.status();
   v1::DrainRequest req;
-  req.set_admin_token(token);
+  req.set_admin_token(*token);
   req.set_drain(drain);
   grpc::ClientContext ctx;
   SetDeadline(&ctx, impl_->timeout_ms);
   v1::DrainResponse resp;
   Status st = FromGrpc(impl_->stub->Drain(&ctx, req, &resp), impl_->socket_path);
+  if (!st.ok()) return st;
+  return resp;
+}
+
+Result<v1::ListRegionsResponse> AdminClient::ListRegions(const std::string& prefix) {
+  v1::ListRegionsRequest req;
+  req.set_prefix(prefix);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, impl_->timeout_ms);
+  v1::ListRegionsResponse resp;
+  Status st = FromGrpc(impl_->stub->ListRegions(&ctx, req, &resp), impl_->socket_path);
+  if (!st.ok()) return st;
+  return resp;
+}
+
+Result<v1::DeleteRegionResponse> AdminClient::DeleteRegion(uint32_t uid, const std::string& job_id,
+                                                           const std::string& name) {
+  Result<std::string> token = ReadAdminToken();
+  if (!token.ok()) return token.status();
+  v1::DeleteRegionRequest req;
+  req.set_admin_token(*token);
+  req.set_uid(uid);
+  req.set_job_id(job_id);
+  req.set_name(name);
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx, impl_->timeout_ms);
+  v1::DeleteRegionResponse resp;
+  Status st = FromGrpc(impl_->stub->DeleteRegion(&ctx, req, &resp), impl_->socket_path);
   if (!st.ok()) return st;
   return resp;
 }

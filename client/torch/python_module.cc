@@ -1,6 +1,6 @@
-// memoffload._C: Python bindings of the GroupOffloader and of the admin
-// status query. Errors become Python exceptions here, at the edge: a Status
-// becomes the memoffload.errors class of its code (memoffload.Error and one
+// memoffload._C: Python bindings of the GroupOffloader, of the admin
+// status query and of checkpoint regions (python_regions.cc). Errors become Python exceptions here,
+// at the edge: a Status becomes the memoffload.errors class of its code (memoffload.Error and one
 // subclass per code, each with .code; InvalidArgument is also a ValueError).
 // Blocking calls release the GIL. The saved-tensor hooks are in
 // python_hooks.cc. The torch layer's messages are queued
@@ -16,6 +16,7 @@
 #include "memoffload/torch/log.h"
 #include "python_errors.h"
 #include "python_hooks.h"
+#include "python_regions.h"
 
 namespace py = pybind11;
 using memoffload::Result;
@@ -216,6 +217,7 @@ PYBIND11_MODULE(_C, m) {
           py::arg("first_slot"), py::arg("end_slot"));
 
   memoffload::torch::python::BindSavedTensorHooks(m);
+  memoffload::torch::python::BindRegions(m);
 
   // Messages go to Python's "memoffload" logger (memoffload.torch drains
   // them), not to stderr.

@@ -321,6 +321,20 @@ Status ResolveAndValidate(DaemonConfig* c) {
         "quotas.node_reserve_bytes: " + FormatSize(c->policy.node_reserve_bytes) +
         " leaves nothing of the " + FormatSize(c->arena_size_bytes) + " arena");
   }
+  if (c->policy.region_max_bytes == 0) {
+    auto source = c->sources.find("regions.max_bytes");
+    if (source == c->sources.end() || source->second == "default") {
+      c->policy.region_max_bytes = c->arena_size_bytes / 2 / page * page;
+    }
+  }
+  if (c->policy.region_max_bytes > c->arena_size_bytes) {
+    return InvalidArgument("regions.max_bytes: " + FormatSize(c->policy.region_max_bytes) +
+                           " is more than the " + FormatSize(c->arena_size_bytes) + " arena");
+  }
+  if (c->policy.region_ttl_ms == 0 || c->policy.region_ttl_ms > kMaxRegionTtlMs) {
+    return InvalidArgument("regions.ttl: " + std::to_string(c->policy.region_ttl_ms) +
+                           "ms is outside 1ms..30 days");
+  }
   if (c->policy.max_wait_ms > kMaxWaitLimitMs) {
     return InvalidArgument("quotas.max_wait: " + std::to_string(c->policy.max_wait_ms) +
                            "ms is more than the maximum of " + std::to_string(kMaxWaitLimitMs) +

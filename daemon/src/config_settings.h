@@ -32,6 +32,8 @@ struct Setting {
     std::string f = key;
     std::replace(f.begin(), f.end(), '_', '-');
     if (std::string_view(section) == "arena" && f == "size") return "arena-size";
+    // Checkpoint regions' keys repeat the quotas' names (job_max_bytes).
+    if (std::string_view(section) == "regions") return "regions-" + f;
     return f;
   }
   std::string Env() const {

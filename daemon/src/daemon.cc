@@ -159,6 +159,7 @@ class Daemon {
     // the signal handlers are installed, so a SIGTERM from now on drains.
     notifier_.Ready(StatusText());
     if (notifier_.Enabled()) ArmNotifyTimer();
+    ArmRegionTimer();
     io_.run();
     StopServing();
     claim_->RemoveOwned();
@@ -323,6 +324,19 @@ class Daemon {
            (s.draining ? ", draining" : "");
   }
 
+  // Deletes checkpoint regions past their TTL, once a second.
+  void ArmRegionTimer() {
+    region_timer_.expires_after(std::chrono::seconds(1));
+    region_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      if (uint64_t expired = table_->ExpireRegions(Clock::now()); expired != 0) {
+        MO_LOG_INFO("deleted %lu checkpoint region%s past its TTL",
+                    static_cast<unsigned long>(expired), expired == 1 ? "" : "s");
+      }
+      ArmRegionTimer();
+    });
+  }
+
   // WATCHDOG=1 and a fresh STATUS= from the event loop, every half watchdog
   // timeout (every 10 s without one); it keeps going while draining.
   void ArmNotifyTimer() {
@@ -425,6 +439,7 @@ class Daemon {
   // Stops accepting, closes every session and leaves the event loop.
   void StopLoop() {
     notify_timer_.cancel();
+    region_timer_.cancel();
     drain_timer_.cancel();
     health_.Stop();
     if (broker_ != nullptr) broker_->StopAccepting();
@@ -467,6 +482,7 @@ class Daemon {
   Notifier notifier_;
   asio::steady_timer notify_timer_{io_};
   asio::steady_timer drain_timer_{io_};
+  asio::steady_timer region_timer_{io_};
   Clock::time_point drain_deadline_;
   bool draining_for_exit_ = false;
 };

@@ -135,6 +135,18 @@ const char* MethodName(Method method) {
       return "Drain";
     case Method::kGetConfig:
       return "GetConfig";
+    case Method::kCreateRegion:
+      return "CreateRegion";
+    case Method::kCommitRegion:
+      return "CommitRegion";
+    case Method::kOpenRegion:
+      return "OpenRegion";
+    case Method::kCloseRegion:
+      return "CloseRegion";
+    case Method::kDeleteRegion:
+      return "DeleteRegion";
+    case Method::kListRegions:
+      return "ListRegions";
   }
   return "unknown";
 }
@@ -248,6 +260,28 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                              "still map or hold (outside the arena's capacity).");
     AddGauge(&stale, static_cast<double>(s.stale_bytes));
     out.push_back(std::move(stale));
+    auto regions = GaugeFamily("memoffload_regions",
+                               "Checkpoint regions, by state (writing: created, not committed).");
+    AddGauge(&regions, static_cast<double>(s.regions - s.committed_regions),
+             {{"state", "writing"}});
+    AddGauge(&regions, static_cast<double>(s.committed_regions), {{"state", "committed"}});
+    out.push_back(std::move(regions));
+    auto region_bytes =
+        GaugeFamily("memoffload_region_bytes",
+                    "Arena bytes held by checkpoint regions, by state (deleted "
+                    "regions still open by a reader count as writing until freed).");
+    AddGauge(&region_bytes, static_cast<double>(s.region_bytes - s.committed_region_bytes),
+             {{"state", "writing"}});
+    AddGauge(&region_bytes, static_cast<double>(s.committed_region_bytes),
+             {{"state", "committed"}});
+    out.push_back(std::move(region_bytes));
+    auto region_limit = GaugeFamily("memoffload_region_limit_bytes",
+                                    "regions.max_bytes: what all checkpoint regions may hold.");
+    AddGauge(&region_limit, static_cast<double>(s.region_max_bytes));
+    out.push_back(std::move(region_limit));
+    out.push_back(CounterOf("memoffload_regions_expired_total",
+                            "Committed checkpoint regions deleted by their TTL.",
+                            static_cast<double>(s.regions_expired)));
     auto uptime = GaugeFamily("memoffload_uptime_seconds", "Seconds since the daemon started.");
     AddGauge(&uptime,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());

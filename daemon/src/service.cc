@@ -6,8 +6,8 @@
 
 namespace memoffload::daemon {
 namespace {
-
 using Clock = std::chrono::steady_clock;
+}  // namespace
 
 Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session) {
   if (!has_session || creds.session_id() == 0) {
@@ -29,8 +29,6 @@ void CopyExtents(const std::vector<Extent>& in,
     x->set_length(e.length);
   }
 }
-
-}  // namespace
 
 grpc::Status ToGrpc(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -251,6 +249,9 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_spare_backings(s.spare_backings);
   resp->set_stale_backings(s.stale_backings);
   resp->set_stale_bytes(s.stale_bytes);
+  resp->set_regions(s.regions);
+  resp->set_region_bytes(s.region_bytes);
+  resp->set_region_max_bytes(s.region_max_bytes);
 
   resp->set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   return Finish(Method::kGetStatus, start, Status::Ok());

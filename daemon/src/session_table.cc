@@ -202,6 +202,7 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     job->second.held_bytes -= reclaimed;
     if (--job->second.sessions == 0) jobs_.erase(job);
   }
+  ForgetRegionsOf(it->second);
   tenant_chunks_.Forget(session_id);
   // Dropped after the lock: the last reference takes the metrics' lock.
   std::shared_ptr<RankSeries> series = std::move(it->second.series);
@@ -382,6 +383,12 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.owned_chunks = tenant_chunks_.owned_chunks();
   a.replaced_backings = replaced_backings_;
   a.free_errors = free_errors_;
+  a.regions = region_count_;
+  a.committed_regions = committed_region_count_;
+  a.region_bytes = region_bytes_;
+  a.committed_region_bytes = committed_region_bytes_;
+  a.region_max_bytes = quota_.policy().region_max_bytes;
+  a.regions_expired = regions_expired_;
   if (fresh_backing_ != nullptr) {
     const FreshBackingStats f = fresh_backing_->Stats();
     a.unfaulted_backings = f.taken_unfaulted;
@@ -448,9 +455,34 @@ Status SessionTable::CheckInvariants() const {
     }
     held += session_held;
   }
+  uint64_t region_held = 0;
+  uint32_t region_count = 0;
+  for (const auto& [key, job] : regions_) {
+    uint64_t job_held = 0;
+    for (const auto& [name, r] : job.by_name) {
+      uint64_t sum = 0;
+      for (const Extent& e : r.extents) {
+        sum += e.length;
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != r.tenant) {
+          return Internal("region " + name + " of tenant " + r.tenant + " has an extent in chunk " +
+                          std::to_string(e.chunk) + " of tenant " + owner);
+        }
+      }
+      if (sum != r.held_bytes) return Internal("region " + name + " extents disagree");
+      job_held += sum;
+      ++region_count;
+    }
+    if (job_held != job.held_bytes) return Internal("job " + key + " region bytes disagree");
+    region_held += job_held;
+  }
+  if (region_held != region_bytes_ || region_count != region_count_) {
+    return Internal("region counters disagree with the regions");
+  }
+  held += region_held;
   if (held != arena_->allocator().used_bytes()) {
-    return Internal("sessions hold " + std::to_string(held) + " bytes, allocator says " +
-                    std::to_string(arena_->allocator().used_bytes()));
+    return Internal("sessions and regions hold " + std::to_string(held) +
+                    " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
   }
   if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
       by_state[2] != read_bytes_) {

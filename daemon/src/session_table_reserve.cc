@@ -152,10 +152,9 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   return *ticket;
 }
 
-Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
-                                               uint64_t rounded, bool single_extent,
-                                               uint64_t keep_free_bytes, RejectReason* reject) {
-  Session& s = *session;
+Result<std::vector<Extent>> SessionTable::Place(const Session& s, uint64_t rounded,
+                                                bool single_extent, uint64_t keep_free_bytes,
+                                                RejectReason* reject) {
   ExtentAllocator& alloc = arena_->allocator();
   // Capacity, once: the room left by the usable arena now, with and without
   // the aged waiter's bytes.
@@ -206,6 +205,15 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
         " extents, more than quotas.max_extents_per_reserve (" + std::to_string(max_extents) +
         "); nothing was reserved: reserve smaller groups, or wait for space to coalesce");
   }
+  return extents;
+}
+
+Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
+                                               uint64_t rounded, bool single_extent,
+                                               uint64_t keep_free_bytes, RejectReason* reject) {
+  Session& s = *session;
+  Result<std::vector<Extent>> extents = Place(s, rounded, single_extent, keep_free_bytes, reject);
+  if (!extents.ok()) return extents.status();
   Group g;
   g.extents = std::move(extents).value();
   g.held_bytes = rounded;

@@ -268,4 +268,18 @@ std::string ReadUntilClosed(int fd, int timeout_ms) {
   return out;
 }
 
+// GET over HTTP/1.0 with a deadline: the whole response, "" on failure.
+std::string HttpGet(int port, const std::string& path, int timeout_ms) {
+  const int fd = ConnectLoopback(port);
+  if (fd < 0) return "";
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
+  if (write(fd, req.data(), req.size()) < 0) {
+    close(fd);
+    return "";
+  }
+  std::string out = ReadUntilClosed(fd, timeout_ms);
+  close(fd);
+  return out;
+}
+
 }  // namespace memoffload::testing

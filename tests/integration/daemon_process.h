@@ -106,6 +106,9 @@ int WaitFor(pid_t pid, int timeout_ms);
 // Runs a program to completion (up to timeout_ms); returns its exit code (or
 // -1 on timeout or signal) and its stdout in *out.
 int RunCapture(const std::vector<std::string>& argv, std::string* out, int timeout_ms = 20000);
+// GET over HTTP/1.0 on loopback with a deadline: the whole response, "" on
+// failure.
+std::string HttpGet(int port, const std::string& path, int timeout_ms = 5000);
 // A TCP socket connected to 127.0.0.1:port (the caller closes it), or -1.
 int ConnectLoopback(int port);
 // Everything readable from fd until the peer closes it or timeout_ms passes.

@@ -41,20 +41,6 @@ int ConnectUnix(const std::string& path, bool nonblocking = false) {
   return fd;
 }
 
-// GET over HTTP/1.0 with a deadline: the whole response, "" on failure.
-std::string HttpGet(int port, const std::string& path, int timeout_ms = 5000) {
-  const int fd = ConnectLoopback(port);
-  if (fd < 0) return "";
-  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  if (write(fd, req.data(), req.size()) < 0) {
-    close(fd);
-    return "";
-  }
-  std::string out = ReadUntilClosed(fd, timeout_ms);
-  close(fd);
-  return out;
-}
-
 // The port in the daemon's "  health  http://127.0.0.1:PORT/readyz" line.
 int HealthPort(const DaemonProcess& daemon) {
   const std::string log = daemon.Log();

@@ -278,20 +278,6 @@ TEST(Lifecycle, BadFlagsExitNonZeroWithOneLine) {
   EXPECT_EQ(WEXITSTATUS(status), 2);
 }
 
-// Fetches /metrics over plain HTTP on loopback.
-std::string HttpGet(int port, const std::string& path) {
-  const int fd = ConnectLoopback(port);
-  if (fd < 0) return "";
-  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: localhost\r\n\r\n";
-  if (write(fd, req.data(), req.size()) < 0) return "";
-  std::string body;
-  char buf[4096];
-  ssize_t n;
-  while ((n = read(fd, buf, sizeof(buf))) > 0) body.append(buf, n);
-  close(fd);
-  return body;
-}
-
 TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
   std::string error;
   DaemonProcess::Options options;

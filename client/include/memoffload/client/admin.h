@@ -1,5 +1,6 @@
-// AdminClient: read-only operator queries (status, sessions) over the gRPC
-// socket, without attaching a session. Used by memoffloadctl and tests.
+// AdminClient: operator queries (status, sessions, regions) and the admin
+// writes (drain, region delete) over the gRPC socket, without attaching a
+// session. Used by memoffloadctl and tests.
 #ifndef MEMOFFLOAD_CLIENT_ADMIN_H_
 #define MEMOFFLOAD_CLIENT_ADMIN_H_
 
@@ -26,10 +27,18 @@ class AdminClient {
   // <runtime dir>/admin.token: PERMISSION_DENIED, naming the file, when this
   // process may not read it.
   Result<v1::DrainResponse> Drain(bool drain);
+  // Every checkpoint region of the node whose name starts with prefix.
+  Result<v1::ListRegionsResponse> ListRegions(const std::string& prefix = "");
+  // Deletes a committed region of (uid, job id), with the admin token.
+  Result<v1::DeleteRegionResponse> DeleteRegion(uint32_t uid, const std::string& job_id,
+                                                const std::string& name);
 
   const std::string& socket_path() const;
 
  private:
+  // <runtime dir>/admin.token: PERMISSION_DENIED naming it when unreadable,
+  // UNAVAILABLE when no daemon runs there either.
+  Result<std::string> ReadAdminToken();
   class Impl;
   explicit AdminClient(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -83,6 +83,21 @@ struct CommitInfo {
   uint64_t returned_bytes = 0;
 };
 
+// A checkpoint region as ListRegions reports it.
+struct RegionInfo {
+  std::string name;
+  uint32_t uid = 0;
+  std::string job_id;
+  std::string state;  // "writing" or "committed"
+  uint64_t used_bytes = 0;
+  uint64_t held_bytes = 0;
+  double committed_unix = 0;
+  double expires_in_seconds = 0;
+  double ttl_seconds = 0;
+  bool checksummed = false;
+  uint32_t readers = 0;
+};
+
 class Client {
  public:
   static Result<std::unique_ptr<Client>> Attach(const AttachOptions& options);
@@ -95,6 +110,31 @@ class Client {
   Result<CommitInfo> Commit(uint64_t group_id, uint64_t used_bytes, const CopyStats& copy = {});
   Result<Placement> Prefetch(uint64_t group_id);
   Status Release(uint64_t group_id, const CopyStats& copy = {});
+
+  // Checkpoint regions (client_regions.cc): named byte ranges owned by this
+  // session's (uid, job id), which must be explicit. CreateRegion's extents
+  // are writable by this session until CommitRegion (the region vanishes if
+  // the session ends first); CommitRegion makes it visible to every session
+  // of the job, with the given per-extent CRC32Cs (ExtentChecksums; empty:
+  // none) until DeleteRegion or its TTL (0: the daemon's regions.ttl).
+  // OpenRegion's extents stay readable until CloseRegion (or the end of the
+  // session), even if the region is deleted meanwhile; with checksums stored
+  // it verifies them first (DATA_LOSS naming the region on a mismatch).
+  // Regions do not survive a daemon restart.
+  Result<Reservation> CreateRegion(const std::string& name, uint64_t size_bytes,
+                                   double ttl_seconds = 0);
+  Result<CommitInfo> CommitRegion(const std::string& name, uint64_t used_bytes,
+                                  const std::vector<uint32_t>& extent_crc32c = {});
+  Result<Placement> OpenRegion(const std::string& name, bool verify = true);
+  Status CloseRegion(const std::string& name);
+  // Bytes freed (0 while another session still has it open).
+  Result<uint64_t> DeleteRegion(const std::string& name);
+  // The job's committed regions whose name starts with prefix, by name.
+  Result<std::vector<RegionInfo>> ListRegions(const std::string& prefix = "");
+  // CRC32C of the first `used` bytes of each extent they touch, in order,
+  // read from this process's mapping.
+  Result<std::vector<uint32_t>> ExtentChecksums(const std::vector<Extent>& extents,
+                                                uint64_t used) const;
 
   // Copies host bytes into / out of the byte stream formed by `extents` in
   // order, starting `offset` bytes into it. INVALID_ARGUMENT when the range

@@ -31,6 +31,8 @@ inline constexpr uint64_t kMaxWaitLimitMs = 3600 * 1000;
 inline constexpr uint64_t kMinHelloTimeoutMs = 100;
 inline constexpr uint64_t kMaxHelloTimeoutMs = 3600 * 1000;
 inline constexpr uint64_t kMaxDrainTimeoutMs = 24 * 3600 * 1000;
+// Upper bound of regions.ttl (30 days).
+inline constexpr uint64_t kMaxRegionTtlMs = 30ull * 24 * 3600 * 1000;
 // Upper bound of server.max_connections.
 inline constexpr uint64_t kMaxConnectionsLimit = 1 << 20;
 // Upper bound of quotas.max_extents_per_reserve: a reply of at most about
@@ -50,6 +52,12 @@ struct Policy {
   uint64_t reserve_aging_ms = 2000;                // then a waiter's bytes are kept free for it
   uint64_t max_extents_per_reserve = 16384;        // a reply of about 400 KiB
   uint64_t max_groups_per_session = 16384;         // about 490 B of daemon memory each
+  // [regions]: checkpoint regions, under their own limits (apart from the
+  // sessions' quotas above; docs/checkpoints.md has the policy between them).
+  uint64_t region_max_bytes = 0;      // node cap; resolved: half the arena (set 0: disabled)
+  uint64_t region_job_max_bytes = 0;  // one job's regions; 0: only the node cap
+  uint64_t region_ttl_ms = 24 * 3600 * 1000;  // commit to deletion, at most
+  uint64_t max_regions_per_job = 1024;
   // The sockets' group (server.socket_group, else the daemon's gid): its
   // members may attach, by primary or supplementary gid, as the 0660 sockets
   // already let them connect. Set by the daemon at start, not from the file.

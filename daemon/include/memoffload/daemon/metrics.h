@@ -36,8 +36,14 @@ enum class Method {
   kListSessions,
   kDrain,
   kGetConfig,
+  kCreateRegion,
+  kCommitRegion,
+  kOpenRegion,
+  kCloseRegion,
+  kDeleteRegion,
+  kListRegions,
 };
-inline constexpr int kMethodCount = 8;
+inline constexpr int kMethodCount = 14;
 const char* MethodName(Method method);
 
 struct MetricsInfo {

@@ -88,6 +88,20 @@ class OffloadService final : public OffloadServiceBase {
                          v1::GetConfigResponse* resp) override;
   grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req,
                      v1::DrainResponse* resp) override;
+  // Checkpoint regions (service_regions.cc), on the synchronous pool: a
+  // checkpoint makes a few calls per rank, each moving up to gigabytes.
+  grpc::Status CreateRegion(grpc::ServerContext* ctx, const v1::CreateRegionRequest* req,
+                            v1::CreateRegionResponse* resp) override;
+  grpc::Status CommitRegion(grpc::ServerContext* ctx, const v1::CommitRegionRequest* req,
+                            v1::CommitRegionResponse* resp) override;
+  grpc::Status OpenRegion(grpc::ServerContext* ctx, const v1::OpenRegionRequest* req,
+                          v1::OpenRegionResponse* resp) override;
+  grpc::Status CloseRegion(grpc::ServerContext* ctx, const v1::CloseRegionRequest* req,
+                           v1::CloseRegionResponse* resp) override;
+  grpc::Status DeleteRegion(grpc::ServerContext* ctx, const v1::DeleteRegionRequest* req,
+                            v1::DeleteRegionResponse* resp) override;
+  grpc::Status ListRegions(grpc::ServerContext* ctx, const v1::ListRegionsRequest* req,
+                           v1::ListRegionsResponse* resp) override;
 
  private:
   // Converts and records; `start` is when the request arrived.
@@ -108,6 +122,11 @@ class OffloadService final : public OffloadServiceBase {
 
 // Maps our status to gRPC's (same numeric codes).
 grpc::Status ToGrpc(const Status& status);
+// A request's session credentials are present (INVALID_ARGUMENT,
+// UNAUTHENTICATED otherwise); the table checks them.
+Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session);
+void CopyExtents(const std::vector<Extent>& in,
+                 google::protobuf::RepeatedPtrField<v1::Extent>* out);
 
 }  // namespace memoffload::daemon
 

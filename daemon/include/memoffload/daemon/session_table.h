@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,6 +52,25 @@ struct PeerCredentials {
 
 enum class GroupState { kReserved, kCommitted, kRead };
 const char* GroupStateName(GroupState state);
+
+// A checkpoint region: written by the session that created it, then
+// committed and readable by every session of its (uid, job id).
+enum class RegionState { kWriting, kCommitted };
+const char* RegionStateName(RegionState state);
+
+struct RegionSnapshot {
+  std::string name;
+  uid_t uid = 0;
+  std::string job_id;
+  RegionState state = RegionState::kWriting;
+  uint64_t used_bytes = 0;
+  uint64_t held_bytes = 0;
+  double committed_unix = 0;      // 0 while writing
+  double expires_in_seconds = 0;  // 0 while writing
+  double ttl_seconds = 0;
+  bool checksummed = false;
+  uint32_t readers = 0;
+};
 
 // Why a session ended; a label of the sessions-closed metric.
 // kProcessExited: the pidfd watch saw the peer die while another process
@@ -113,6 +133,14 @@ struct ArenaSnapshot {
   // Extents of groups that the allocator refused to free, total: each one
   // is a bug in the table's bookkeeping (logged as an error).
   uint64_t free_errors = 0;
+  // Checkpoint regions (writing and committed, deleted ones still read
+  // included) and the arena bytes they hold.
+  uint32_t regions = 0;
+  uint32_t committed_regions = 0;
+  uint64_t region_bytes = 0;
+  uint64_t committed_region_bytes = 0;
+  uint64_t region_max_bytes = 0;
+  uint64_t regions_expired = 0;  // deleted by their TTL, total
 };
 
 // One chunk fd handed to a session: the chunk, the generation of its backing
@@ -221,6 +249,50 @@ class SessionTable {
   Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id);
   Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
 
+  // Checkpoint regions (session_table_regions.cc). Every call authenticates
+  // the session like the group calls; a region is named within the session's
+  // (uid, job id), so no session can reach another job's regions. The job id
+  // must be explicit (non-empty): FAILED_PRECONDITION otherwise.
+  //
+  // CreateRegion checks the name (1-255 printable ASCII characters, no
+  // space), that the job holds no region of that name (ALREADY_EXISTS), the
+  // job's region count (regions.max_per_job), the job's and the node's
+  // region bytes (regions.job_max_bytes, regions.max_bytes) and then free
+  // space, placing in the session's tenant's chunks as Reserve does. Never
+  // waits. A region being written is its creator's: it is freed when that
+  // session ends before CommitRegion, so a crash never leaves a region that
+  // reads as complete. `ttl` 0 means regions.ttl; longer is capped to it.
+  Result<ReserveResult> CreateRegion(uint64_t session_id, const std::string& token,
+                                     const std::string& name, uint64_t size_bytes,
+                                     std::chrono::milliseconds ttl);
+  // By its writer: returns the unused tail (as Commit does) and makes the
+  // region visible to the job. Its TTL runs from now.
+  Result<CommitResult> CommitRegion(uint64_t session_id, const std::string& token,
+                                    const std::string& name, uint64_t used_bytes,
+                                    std::vector<uint32_t> extent_crc32c);
+  // A committed region of the job, for reading: its extents stay the
+  // region's (not freed, even when deleted) until CloseRegion or the end of
+  // the reading session.
+  Result<PrefetchResult> OpenRegion(uint64_t session_id, const std::string& token,
+                                    const std::string& name);
+  Status CloseRegion(uint64_t session_id, const std::string& token, const std::string& name);
+  // Deletes a region of the session's job: a committed one, or one this
+  // session is writing (an abort). Returns the bytes freed, 0 while readers
+  // have it open (it is hidden now and freed when the last one closes).
+  Result<uint64_t> DeleteRegion(uint64_t session_id, const std::string& token,
+                                const std::string& name);
+  // The operator's delete (admin token checked by the caller): any region.
+  Result<uint64_t> DeleteRegionOf(uid_t uid, const std::string& job_id, const std::string& name);
+  // The session's job's committed regions whose name starts with prefix,
+  // by name.
+  Result<std::vector<RegionSnapshot>> ListRegions(uint64_t session_id, const std::string& token,
+                                                  const std::string& prefix);
+  // Every region of the node (writing ones too), for operators.
+  std::vector<RegionSnapshot> ListAllRegions(const std::string& prefix) const;
+  // Deletes the committed regions whose TTL has passed at `now`; returns how
+  // many. The daemon calls it every second.
+  uint64_t ExpireRegions(std::chrono::steady_clock::time_point now);
+
   // Replaces the quotas (SIGHUP). Sessions keep what they hold; the new
   // limits apply to every later reservation, existing sessions included, and
   // to the waiting ones (tried again now). Queued waiters stay queued when the
@@ -273,6 +345,45 @@ class SessionTable {
     std::unordered_map<uint64_t, Group> groups;
     std::shared_ptr<RankSeries> series;  // may be null
   };
+
+  struct Region {
+    std::string name;
+    uid_t uid = 0;
+    std::string job_id;
+    std::string tenant;
+    RegionState state = RegionState::kWriting;
+    uint64_t writer = 0;            // the creating session, while writing
+    std::vector<uint64_t> readers;  // sessions that opened it (once per open)
+    bool deleted = false;           // hidden; freed when the last reader closes
+    std::vector<Extent> extents;
+    uint64_t held_bytes = 0;
+    uint64_t used_bytes = 0;
+    std::vector<uint32_t> extent_crc32c;
+    std::chrono::milliseconds ttl{0};
+    Clock::time_point expires_at;
+    double committed_unix = 0;
+  };
+  struct JobRegions {
+    uint64_t held_bytes = 0;
+    std::map<std::string, Region> by_name;
+  };
+  // The session's job's regions (created on demand). FAILED_PRECONDITION
+  // without an explicit job id. Requires mu_.
+  Result<JobRegions*> RegionsOf(const Session& session);
+  // The job's visible region `name` (not deleted). Requires mu_.
+  Result<Region*> FindRegion(JobRegions* job, const Session& session, const std::string& name);
+  // Deletes it now, or hides it until its last reader closes; returns the
+  // bytes freed. Erases it from `job` when freed. Requires mu_.
+  uint64_t DropRegion(JobRegions* job, std::map<std::string, Region>::iterator it);
+  // A closing session's regions: those it was writing are freed, its opens
+  // closed. Requires mu_.
+  void ForgetRegionsOf(const Session& session);
+  RegionSnapshot SnapshotOf(const Region& region, Clock::time_point now) const;
+  // Places `rounded` bytes in the session's tenant's chunks (claiming empty
+  // ones), leaving keep_free_bytes free; checks capacity (quota_.Room) and
+  // the extent count. Requires mu_.
+  Result<std::vector<Extent>> Place(const Session& session, uint64_t rounded, bool single_extent,
+                                    uint64_t keep_free_bytes, RejectReason* reject);
 
   // Finds the session and checks its token. Requires mu_.
   Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
@@ -361,13 +472,19 @@ class SessionTable {
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ = 0;  // guarded by mu_
 
-  uint64_t next_session_id_ = 1;                    // guarded by mu_
-  std::unordered_map<uint64_t, Session> sessions_;  // guarded by mu_
-  uint64_t reserved_bytes_ = 0;                     // guarded by mu_
-  uint64_t committed_bytes_ = 0;                    // guarded by mu_
-  uint64_t read_bytes_ = 0;                         // guarded by mu_
-  uint64_t groups_ = 0;                             // guarded by mu_
-  uint64_t free_errors_ = 0;                        // guarded by mu_
+  uint64_t next_session_id_ = 1;                         // guarded by mu_
+  std::unordered_map<uint64_t, Session> sessions_;       // guarded by mu_
+  uint64_t reserved_bytes_ = 0;                          // guarded by mu_
+  uint64_t committed_bytes_ = 0;                         // guarded by mu_
+  uint64_t read_bytes_ = 0;                              // guarded by mu_
+  uint64_t groups_ = 0;                                  // guarded by mu_
+  uint64_t free_errors_ = 0;                             // guarded by mu_
+  std::unordered_map<std::string, JobRegions> regions_;  // guarded by mu_; by job key
+  uint32_t region_count_ = 0;                            // guarded by mu_
+  uint32_t committed_region_count_ = 0;                  // guarded by mu_
+  uint64_t region_bytes_ = 0;                            // guarded by mu_
+  uint64_t committed_region_bytes_ = 0;                  // guarded by mu_
+  uint64_t regions_expired_ = 0;                         // guarded by mu_
 
   std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
 };

@@ -1,0 +1,199 @@
+// Checkpoint regions against the real daemon: a region survives its writer's
+// crash once committed and never reads as complete before; checksums catch a
+// changed byte; another uid cannot reach it; memoffloadctl lists and deletes
+// regions; the metrics show them.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "daemon_process.h"
+#include "memoffload/client/admin.h"
+#include "memoffload/client/client.h"
+
+namespace memoffload::testing {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+std::unique_ptr<client::Client> Attach(const DaemonProcess& d, const std::string& job) {
+  client::AttachOptions options;
+  options.runtime_dir = d.runtime_dir();
+  options.job_id = job;
+  auto c = client::Client::Attach(options);
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return c.ok() ? std::move(c).value() : nullptr;
+}
+
+std::string Worker(const std::vector<std::string>& args, int* code) {
+  std::vector<std::string> argv = {BinDir() + "/region_worker"};
+  argv.insert(argv.end(), args.begin(), args.end());
+  std::string out;
+  *code = RunCapture(argv, &out);
+  return out;
+}
+
+TEST(Regions, AWriterKilledBeforeItsCommitLeavesNothingAndACommittedRegionOutlivesItsWriter) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string dir = daemon->runtime_dir();
+  const std::string size = std::to_string(3 * kMiB + 123);
+  int code = 0;
+  // SIGKILL after every byte is written, before the commit.
+  std::string out = Worker({"write", dir, "train", "dcp/1/__0_0.distcp", size, "kill"}, &code);
+  EXPECT_EQ(out, "WRITTEN\n");
+  EXPECT_EQ(code, -1);  // killed by a signal
+  out = Worker({"read", dir, "train", "dcp/1/__0_0.distcp", size}, &code);
+  EXPECT_EQ(out.rfind("ERR NOT_FOUND", 0), 0u) << out;
+  // The daemon freed it with the writer's session.
+  for (int i = 0; i < 100 && daemon->Status().region_bytes() != 0; ++i) usleep(20000);
+  EXPECT_EQ(daemon->Status().region_bytes(), 0u);
+
+  out = Worker({"write", dir, "train", "dcp/2/__0_0.distcp", size, "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  // The writer is gone; a new process of the job reads every byte back,
+  // checksums verified.
+  out = Worker({"read", dir, "train", "dcp/2/__0_0.distcp", size}, &code);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_EQ(out, "OK\n");
+  EXPECT_EQ(daemon->Status().regions(), 1u);
+  // Another job of the same uid does not see it.
+  out = Worker({"read", dir, "eval", "dcp/2/__0_0.distcp", size}, &code);
+  EXPECT_EQ(out.rfind("ERR NOT_FOUND", 0), 0u) << out;
+}
+
+TEST(Regions, AChangedByteIsDataLossNamingTheRegion) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  int code = 0;
+  std::string out = Worker(
+      {"write", daemon->runtime_dir(), "train", "ckpt", std::to_string(kMiB), "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  auto c = Attach(*daemon, "train");
+  ASSERT_NE(c, nullptr);
+  auto p = c->OpenRegion("ckpt");
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  uint8_t* at = c->Address(p->extents[0]);
+  ASSERT_NE(at, nullptr);
+  at[4242] ^= 0x20;  // what a stray write through a mapping would do
+  ASSERT_TRUE(c->CloseRegion("ckpt").ok());
+  auto again = c->OpenRegion("ckpt");
+  EXPECT_EQ(again.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(again.status().message().find("region ckpt"), std::string::npos)
+      << again.status().ToString();
+  // The refused open was closed again: the region can be deleted and freed.
+  auto freed = c->DeleteRegion("ckpt");
+  ASSERT_TRUE(freed.ok()) << freed.status().ToString();
+  EXPECT_EQ(*freed, kMiB);
+}
+
+TEST(Regions, AnotherUidNeitherReadsNorListsNorDeletesARegion) {
+  std::string error;
+  auto daemon = DaemonProcess::Start(TwoTenantOptions("256MiB", "64MiB"), &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string dir = daemon->runtime_dir();
+  int code = 0;
+  std::string out = Worker({"write", dir, "train", "ckpt", "65536", "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  // uid 65534 naming the same job id reaches its own (empty) namespace.
+  const std::vector<std::string> as_other = {"/usr/bin/setpriv", "--reuid=65534", "--regid=65534",
+                                             "--clear-groups"};
+  std::vector<std::string> argv = as_other;
+  argv.insert(argv.end(), {BinDir() + "/region_worker", "read", dir, "train", "ckpt", "65536"});
+  ASSERT_EQ(RunCapture(argv, &out), 1) << out;
+  EXPECT_EQ(out.rfind("ERR NOT_FOUND", 0), 0u) << out;
+  // Nor can it delete it as an operator: the admin token is root's.
+  argv = as_other;
+  argv.insert(argv.end(), {BinDir() + "/memoffloadctl", "--runtime-dir", dir, "delete-region", "0",
+                           "train", "ckpt"});
+  EXPECT_EQ(RunCapture(argv, &out), 4) << out;
+  out = Worker({"read", dir, "train", "ckpt", "65536"}, &code);
+  EXPECT_EQ(out, "OK\n");
+}
+
+TEST(Regions, MemoffloadctlListsAndDeletesRegionsAndTheMetricsShowThem) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.metrics_address = "127.0.0.1:0";
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string dir = daemon->runtime_dir();
+  int code = 0;
+  std::string out = Worker({"write", dir, "train", "dcp/7/.metadata", "5000", "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  auto writer = Attach(*daemon, "train");
+  ASSERT_NE(writer, nullptr);
+  ASSERT_TRUE(writer->CreateRegion("dcp/8/__0_0.distcp", 2 * kMiB).ok());
+
+  ASSERT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "regions"}, &out), 0);
+  EXPECT_NE(out.find("dcp/7/.metadata"), std::string::npos) << out;
+  EXPECT_NE(out.find("committed"), std::string::npos) << out;
+  EXPECT_NE(out.find("dcp/8/__0_0.distcp"), std::string::npos) << out;
+  EXPECT_NE(out.find("writing"), std::string::npos) << out;
+  ASSERT_EQ(
+      RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "regions", "dcp/7"}, &out), 0);
+  EXPECT_EQ(out.find("dcp/8"), std::string::npos) << out;
+  ASSERT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "status"}, &out), 0);
+  EXPECT_NE(out.find("regions"), std::string::npos) << out;
+
+  const std::string addr = daemon->Status().metrics_address();
+  const int port = std::stoi(addr.substr(addr.rfind(':') + 1));
+  std::string metrics = HttpGet(port, "/metrics");
+  EXPECT_NE(metrics.find("memoffload_regions{state=\"committed\"} 1"), std::string::npos);
+  EXPECT_NE(metrics.find("memoffload_regions{state=\"writing\"} 1"), std::string::npos);
+  EXPECT_NE(metrics.find("memoffload_region_bytes{state=\"committed\"} 8192"), std::string::npos);
+  EXPECT_NE(metrics.find("memoffload_region_bytes{state=\"writing\"} 2097152"), std::string::npos);
+  EXPECT_NE(metrics.find("memoffload_requests_total{code=\"OK\",method=\"CreateRegion\"} 2"),
+            std::string::npos)
+      << metrics.substr(0, 4000);
+
+  // The operator's delete: a region being written is refused, a committed one goes.
+  const std::string uid = std::to_string(getuid());
+  EXPECT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "delete-region", uid,
+                        "train", "dcp/8/__0_0.distcp"},
+                       &out),
+            1);
+  ASSERT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "delete-region", uid,
+                        "train", "dcp/7/.metadata"},
+                       &out),
+            0)
+      << out;
+  EXPECT_NE(out.find("8.00 KiB freed"), std::string::npos) << out;
+  EXPECT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "delete-region", uid,
+                        "train", "dcp/7/.metadata"},
+                       &out),
+            1);
+  EXPECT_EQ(RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", dir, "delete-region", "x",
+                        "train", "dcp/7/.metadata"},
+                       &out),
+            2);
+  metrics = HttpGet(port, "/metrics");
+  EXPECT_NE(metrics.find("memoffload_regions{state=\"committed\"} 0"), std::string::npos);
+}
+
+TEST(Regions, TheTtlDeletesACommittedRegion) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.extra_args = {"--regions-ttl=1s"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto c = Attach(*daemon, "train");
+  ASSERT_NE(c, nullptr);
+  ASSERT_TRUE(c->CreateRegion("ckpt", 4096, /*ttl_seconds=*/3600).ok());
+  ASSERT_TRUE(c->CommitRegion("ckpt", 4096).ok());
+  auto list = c->ListRegions();
+  ASSERT_TRUE(list.ok());
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_DOUBLE_EQ((*list)[0].ttl_seconds, 1.0);  // capped to regions.ttl
+  for (int i = 0; i < 150 && daemon->Status().regions() != 0; ++i) usleep(20000);
+  EXPECT_EQ(daemon->Status().regions(), 0u);
+  EXPECT_EQ(c->OpenRegion("ckpt").status().code(), StatusCode::kNotFound);
+  EXPECT_NE(daemon->Log().find("past its TTL"), std::string::npos) << daemon->Log();
+}
+
+}  // namespace
+}  // namespace memoffload::testing
