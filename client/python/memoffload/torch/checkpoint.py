@@ -287,9 +287,12 @@ class MemoffloadWriter(StorageWriter):
             else:
                 t = data.detach().cpu().contiguous()
                 resolved.append((item, t, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
-        if not resolved:
-            return []
-        offsets = self._commit(region, [r[1] for r in resolved], sum(r[2] for r in resolved))
+        total = sum(r[2] for r in resolved)
+        if total == 0:  # nothing (or only empty items): no region (the daemon has no empty ones)
+            region = ""
+            offsets = [0] * len(resolved)
+        else:
+            offsets = self._commit(region, [r[1] for r in resolved], total)
         return [
             WriteResult(index=item.index, size_in_bytes=length,
                         storage_data=_RegionItem(region, offset, length, dtype, shape))
@@ -339,7 +342,9 @@ class MemoffloadWriter(StorageWriter):
 class MemoffloadReader(StorageReader):
     """A DCP StorageReader of checkpoints written by :class:`MemoffloadWriter`:
     from the daemon's regions when the checkpoint is there, else (with one
-    warning) from ``<fallback_dir>/<id>``. Arguments as for the writer."""
+    warning) from ``<fallback_dir>/<id>``. ``verify``: check the CRC32C of
+    each checksummed region when it is opened (memoffload.DataLoss on a
+    mismatch). Other arguments as for the writer."""
 
     def __init__(
         self,
@@ -348,12 +353,14 @@ class MemoffloadReader(StorageReader):
         job_id: Optional[str] = None,
         runtime_dir: str = "",
         fallback_dir: Optional[str] = None,
+        verify: bool = True,
         rpc_timeout_ms: int = 30000,
     ) -> None:
         super().__init__()
         self.job_id = _store.job_id_of(job_id)
         self.runtime_dir = runtime_dir or ""
         self.fallback_dir = _store.fallback_dir_of(fallback_dir, self.job_id)
+        self.verify = verify
         self.rpc_timeout_ms = rpc_timeout_ms
         self.checkpoint_id: Optional[str] = (
             None if checkpoint_id is None else _store.checked_checkpoint_id(checkpoint_id))
@@ -386,7 +393,7 @@ class MemoffloadReader(StorageReader):
         if store is not None:
             name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)
             try:
-                reader = store.open(name)
+                reader = store.open(name, self.verify)
             except errors.Unavailable as exc:
                 _store.forget(store)
                 why = _unreachable(runtime_dir, str(exc))
@@ -445,10 +452,11 @@ class MemoffloadReader(StorageReader):
             for req in plan.items:
                 info: _RegionItem = self.storage_data[req.storage_index]
                 reader = readers.get(info.region)
-                if reader is None:
-                    reader = readers[info.region] = self._region_store.open(info.region)
+                if reader is None and info.length:
+                    reader = readers[info.region] = self._region_store.open(info.region, self.verify)
                 if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(reader.read_bytes(info.offset, info.length)))
+                    blob = reader.read_bytes(info.offset, info.length) if info.length else b""
+                    planner.load_bytes(req, io.BytesIO(blob))
                     continue
                 target = planner.resolve_tensor(req).detach()
                 _read_tensor(reader, info, req.storage_offsets, req.lengths, target, req.storage_index)
