@@ -17,17 +17,22 @@ median of ``--repeat`` runs, one thread (torch.set_num_threads(1)):
   /var/tmp; its file system type is reported: it must not be tmpfs).
 * load ("restore after a crash"): dcp.load from the daemon with a new session
   (the process's cached sessions are closed first, so the arena is mapped
-  anew, as in a restarted job), with and without checksums verified at open;
+  anew, as in a restarted job): the checksummed checkpoint verified at open,
+  and the one saved without checksums, opened without the check;
   FileSystemReader cold (each file's pages dropped with
   posix_fadvise(POSIX_FADV_DONTNEED) after the fsync; fincore's count of
   resident bytes just before the load is reported) and warm (read again);
   memcpy back.
+* raw_regions: the same bytes through memoffload._C.RegionStore without DCP,
+  to show where the daemon path's time goes (first touch of the arena's
+  pages in a new session, checksums, the CRC check at open).
 
 Goals (reported, never asserted): save >= 0.5x memcpy; restore from the
 daemon >= 5x the cold restore from disk.
 
 Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
-build/bin) in a temporary directory with an arena of 3x the size (>= 1 GiB).
+build/bin) in a temporary directory with an arena of 3x the size (>= 1 GiB),
+all of which checkpoint regions may use (--regions-max-bytes).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ def start_daemon(tmp: str, arena_bytes: int) -> subprocess.Popen:
     arena = -(-arena_bytes // chunk) * chunk
     proc = subprocess.Popen(
         [exe, f"--runtime-dir={tmp}", f"--arena-size={arena}", f"--chunk-size={chunk}",
-         "--metrics-address=none", "--log-level=warn"])
+         f"--regions-max-bytes={arena}", "--metrics-address=none", "--log-level=warn"])
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -139,6 +144,58 @@ def same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(a[k].view(torch.int32), b[k].view(torch.int32)) for k in a)
 
 
+def bench_raw(runtime_dir: str, job: str, state: Dict[str, torch.Tensor], repeat: int) -> Dict[str, float]:
+    """Where the daemon path's time goes, without DCP: RegionStore writes of
+    the same tensors into a new session's mapping (first touch of the pages
+    in this process) and again into the same pages (the region deleted and
+    made again), with and without checksums; opening with and without the
+    CRC check; reading into preallocated tensors. Medians."""
+    from memoffload import _C
+
+    tensors = list(state.values())
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    dst = [torch.zeros_like(t) for t in tensors]
+    rows: Dict[str, List[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        rows.setdefault(name, []).append(value)
+
+    def write(store, name: str) -> float:
+        def run() -> None:
+            w = store.create(name, nbytes)
+            for t in tensors:
+                w.append(t)
+            w.commit()
+        return timed(run)
+
+    for rep in range(repeat):
+        for crc in (True, False):
+            tag = "crc" if crc else "nocrc"
+            name = f"raw/{rep}-{tag}"
+            store = _C.RegionStore(runtime_dir=runtime_dir, job_id=job, rank=0, checksums=crc)
+            add(f"write_new_session_{tag}_gbps", gbps(nbytes, write(store, name)))
+            store.delete(name)
+            add(f"write_same_pages_{tag}_gbps", gbps(nbytes, write(store, name)))
+            reader_store = _C.RegionStore(runtime_dir=runtime_dir, job_id=job, rank=0)
+            for verify in (True, False):
+                opened = []
+                add(f"open_{tag}_verify_{str(verify).lower()}_ms",
+                    round(timed(lambda: opened.append(reader_store.open(name, verify))) * 1e3, 2))
+                reader = opened[0]
+                offsets = []
+                at = 0
+                for t in tensors:
+                    offsets.append(at)
+                    at += t.numel() * t.element_size()
+                add(f"read_{tag}_gbps", gbps(nbytes, timed(
+                    lambda: [reader.read_into(o, d) for o, d in zip(offsets, dst)])))
+                reader.close()
+            store.delete(name)
+            store.close()
+            reader_store.close()
+    return {k: round(statistics.median(v), 3) for k, v in rows.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="256MiB", help="bytes of state (e.g. 256MiB, 2GiB)")
@@ -187,7 +244,8 @@ def main() -> int:
                 if count:
                     record(f"save_daemon_{'crc' if crc else 'nocrc'}", t)
                 _checkpoint_store.forget_all()  # a restarted job maps the arena anew
-                reader = MemoffloadReader(job_id=job, runtime_dir=runtime_dir, fallback_dir=fallback)
+                reader = MemoffloadReader(job_id=job, runtime_dir=runtime_dir, fallback_dir=fallback,
+                                          verify=crc)
                 for v in dst.values():
                     v.zero_()
                 t = timed(lambda: dcp.load(dst, storage_reader=reader, checkpoint_id=ckpt, no_dist=True))
@@ -209,8 +267,13 @@ def main() -> int:
                 if count:
                     record(f"load_filesystem_{temperature}", t)
             shutil.rmtree(path)
+        raw = bench_raw(runtime_dir, job, state, args.repeat)
+        store, _ = _checkpoint_store.attach(runtime_dir, job, -1, True)
+        for info in _checkpoint_store.stored_checkpoints(store).values():
+            _checkpoint_store.delete_checkpoint(store, info)
     finally:
         shutil.rmtree(disk_root, ignore_errors=True)
+        _checkpoint_store.forget_all()  # end our sessions before the daemon drains
         if proc is not None:
             proc.terminate()
             proc.wait()
@@ -255,6 +318,7 @@ def main() -> int:
             "daemon_crc_vs_memcpy": ratio(med["load_daemon_crc"], med["load_memcpy"]),
             "goal_vs_filesystem_cold": 5.0,
         },
+        "raw_regions": raw,
         "samples_gbps": results,
     }
     print(json.dumps(out), flush=True)

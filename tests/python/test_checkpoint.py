@@ -108,12 +108,31 @@ def assert_same_state(a: Dict[str, Any], b: Dict[str, Any], what: str) -> None:
     assert any(k.startswith(".rng_") for k in a), sorted(a)
 
 
+JOBS: List[str] = []  # job ids whose regions the module deletes at its end
+
+
 @pytest.fixture(scope="module")
-def crash_and_restart(daemon, tmp_path_factory):
+def region_daemon(daemon):
+    """The module's daemon. At the end the checkpoints of JOBS are deleted
+    and this process's region sessions end, before the daemon stops (its
+    SIGTERM drain waits for the memory they hold)."""
+    yield daemon
+    from memoffload.torch import _checkpoint_store as store
+
+    for job in JOBS:
+        s, _ = store.attach(daemon.runtime_dir, job, -1, True)
+        for info in store.stored_checkpoints(s).values():
+            store.delete_checkpoint(s, info)
+    store.forget_all()
+
+
+@pytest.fixture(scope="module")
+def crash_and_restart(region_daemon, tmp_path_factory):
     """Run A (SIGKILLed in a save), then run B of the same job id."""
     out = tmp_path_factory.mktemp("ckpt")
-    cfg = {"out": str(out), "job_id": f"ckpt-{uuid.uuid4().hex[:8]}", "runtime_dir": daemon.runtime_dir,
+    cfg = {"out": str(out), "job_id": f"ckpt-{uuid.uuid4().hex[:8]}", "runtime_dir": region_daemon.runtime_dir,
            "fallback_dir": str(out / "fallback")}
+    JOBS.append(cfg["job_id"])
     a = Job(dict(cfg, phase="run_a", kill_save=True))
     a.wait_for(0, out / "run_a-rank0.json")
     a.wait_for(1, out / "run_a-rank1.json")
@@ -125,10 +144,7 @@ def crash_and_restart(daemon, tmp_path_factory):
     after_kill = regions_of(cfg)
     b = Job(dict(cfg, phase="run_b"))
     b.wait()
-    yield out, cfg, a, b, after_kill
-    from memoffload.torch import _checkpoint_store
-
-    _checkpoint_store.forget_all()  # this process's sessions end before the daemon stops
+    return out, cfg, a, b, after_kill
 
 
 def regions_of(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -238,14 +254,15 @@ def _tiny_state() -> Dict[str, Any]:
             "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5), "extra": {"epoch": 3, "name": "x"}}
 
 
-def test_one_process_round_trip_and_an_existing_id_is_refused(daemon, tmp_path):
+def test_one_process_round_trip_and_an_existing_id_is_refused(region_daemon, tmp_path):
     import memoffload
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
 
     job = f"one-{uuid.uuid4().hex[:8]}"
-    kw = dict(job_id=job, runtime_dir=daemon.runtime_dir, fallback_dir=str(tmp_path / "fb"))
+    JOBS.append(job)
+    kw = dict(job_id=job, runtime_dir=region_daemon.runtime_dir, fallback_dir=str(tmp_path / "fb"))
     state = _tiny_state()
     writer = MemoffloadWriter(keep_last=None, **kw)
     with pytest.warns(UserWarning, match="single process"):

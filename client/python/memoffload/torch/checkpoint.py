@@ -141,7 +141,9 @@ class MemoffloadWriter(StorageWriter):
     ``$MEMOFFLOAD_CHECKPOINT_DIR``, else ``./memoffload-checkpoints/<job>``).
     ``keep_last``: complete checkpoints kept after each successful save
     (None keeps all). ``checksums``: CRC32C of every region, verified when it
-    is opened. The checkpoint id comes from ``dcp.save(checkpoint_id=...)``
+    is opened. ``ttl_seconds``: the daemon deletes the regions this long after
+    their commit (0: the daemon's ``regions.ttl``, 24 h by default; it caps
+    larger values). ``sync_files``: fsync the fallback's files. The checkpoint id comes from ``dcp.save(checkpoint_id=...)``
     or the constructor; use a new one per save (e.g. ``f"step-{step}"``).
     Needs ``use_collectives=True`` (DCP's default).
     """
@@ -155,6 +157,7 @@ class MemoffloadWriter(StorageWriter):
         fallback_dir: Optional[str] = None,
         keep_last: Optional[int] = 2,
         checksums: bool = True,
+        ttl_seconds: float = 0,
         sync_files: bool = True,
         rpc_timeout_ms: int = 30000,
     ) -> None:
@@ -166,6 +169,7 @@ class MemoffloadWriter(StorageWriter):
         self.fallback_dir = _store.fallback_dir_of(fallback_dir, self.job_id)
         self.keep_last = keep_last
         self.checksums = checksums
+        self.ttl_seconds = ttl_seconds
         self.sync_files = sync_files
         self.rpc_timeout_ms = rpc_timeout_ms
         self.checkpoint_id: Optional[str] = (
@@ -308,10 +312,10 @@ class MemoffloadWriter(StorageWriter):
         if size_bytes is None:
             size_bytes = sum(len(p) for p in parts)
         try:
-            writer = store.create(region, size_bytes)
+            writer = store.create(region, size_bytes, self.ttl_seconds)
         except errors.AlreadyExists:
             self._drop_stale(region)
-            writer = store.create(region, size_bytes)
+            writer = store.create(region, size_bytes, self.ttl_seconds)
         offsets: List[int] = []
         try:
             for part in parts:
