@@ -14,8 +14,9 @@ Phases (config["phase"]):
 * ``run_b``: a new job with the same job id: loads latest_checkpoint(),
   snapshots what it loaded ("loaded"), trains steps 5..6 ("final") and saves
   "step-6" again.
-* ``fallback``: no daemon: trains 2 steps, saves "step-2" (filesystem),
-  snapshots, trains 2 more, loads "step-2" back and snapshots that ("loaded").
+* ``fallback``: trains 2 steps, saves "step-2" (to the filesystem when some
+  rank has no daemon), snapshots, trains 2 more, loads "step-2" back and
+  snapshots that ("loaded"). ``runtime_dir`` may be a list, one per rank.
 
 A snapshot is every local shard of the model and optimizer state, the LR
 scheduler's state and the rank's RNG state, torch.save'd to
@@ -160,6 +161,8 @@ def kill_mid_write(cfg: Dict[str, Any], rank: int):
 def main() -> None:
     cfg = json.loads(sys.argv[1])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if isinstance(cfg["runtime_dir"], list):  # one per rank
+        cfg["runtime_dir"] = cfg["runtime_dir"][rank]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     result: Dict[str, Any] = {"rank": rank, "saves": [], "loads": [], "regions_after": {}}

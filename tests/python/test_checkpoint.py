@@ -7,8 +7,8 @@ SIGKILL every rank:
   with the same job id, loads latest_checkpoint() and must see exactly what A
   saved, then train to exactly A's final state;
 * the killed save leaves no complete checkpoint and deletes nothing;
-* without a daemon the same code writes a filesystem checkpoint, says so in
-  one warning line on stderr, and loads it back bit for bit.
+* when one rank has no daemon, every rank writes a filesystem checkpoint,
+  says so in one warning line on stderr, and loads it back bit for bit.
 """
 
 from __future__ import annotations
@@ -175,6 +175,8 @@ def test_restart_loads_exactly_what_was_saved_and_trains_on_identically(crash_an
 
 def test_keep_last_deletes_only_after_the_new_checkpoint_committed(crash_and_restart):
     out, cfg, a, b, after_kill = crash_and_restart
+    # The save killed mid-write deleted nothing.
+    assert sorted(c for c, v in after_kill.items() if v["complete"]) == ["step-3", "step-4"], after_kill
     ra = a.result(0)
     by_step = ra["regions_after"]
     assert sorted(by_step["2"]) == ["step-2"]
@@ -184,8 +186,6 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_committed(crash_and_res
     for ckpt in by_step["4"].values():
         assert ckpt["complete"]
         assert len(ckpt["regions"]) == WORLD_SIZE + 1  # one region per rank + .metadata
-    # The save killed mid-write deleted nothing.
-    assert after_kill["step-3"]["complete"] and after_kill["step-4"]["complete"], after_kill
     # Run B's save of step-6 replaced the dead save's leftovers and dropped step-3.
     rb = b.result(0)
     assert [s["deleted"] for s in rb["saves"]] == [["step-3"]], rb
@@ -206,14 +206,19 @@ def test_a_save_killed_mid_write_leaves_no_complete_checkpoint(crash_and_restart
     assert latest_checkpoint(cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"]) == "step-6"  # B's
 
 
-def test_without_a_daemon_it_falls_back_to_files_visibly(tmp_path):
-    cfg = {"out": str(tmp_path), "job_id": f"fb-{uuid.uuid4().hex[:8]}", "runtime_dir": str(tmp_path / "no-daemon"),
+def test_without_a_daemon_on_one_rank_all_fall_back_to_files_visibly(region_daemon, tmp_path):
+    """Rank 0 reaches the daemon, rank 1 has none: the coordinator sends both
+    to the filesystem (never half a checkpoint in each); both load it back
+    bit for bit, rank 0 because the daemon does not have it."""
+    missing = str(tmp_path / "no-daemon")
+    cfg = {"out": str(tmp_path), "job_id": f"fb-{uuid.uuid4().hex[:8]}",
+           "runtime_dir": [region_daemon.runtime_dir, missing],
            "fallback_dir": str(tmp_path / "fallback"), "phase": "fallback"}
     job = Job(cfg)
     job.wait()
-    path = Path(cfg["fallback_dir"]) / "step-2"
-    assert (path / ".metadata").exists()
-    assert sorted(p.name for p in path.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    path = str(Path(cfg["fallback_dir"]) / "step-2")
+    assert (Path(path) / ".metadata").exists()
+    assert sorted(p.name for p in Path(path).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     for rank in range(WORLD_SIZE):
         r = job.result(rank)
         assert [s["mode"] for s in r["saves"]] == ["filesystem"], r
@@ -221,11 +226,17 @@ def test_without_a_daemon_it_falls_back_to_files_visibly(tmp_path):
         assert r["latest"] == "step-2"
         assert_same_state(snapshot(tmp_path, "fallback", "saved", rank),
                           snapshot(tmp_path, "fallback", "loaded", rank), f"rank {rank}")
-        lines = [line for line in job.err(rank).splitlines() if "falls back to the filesystem" in line]
         # One line per save and per load, naming the runtime dir, the reason and the path.
+        lines = [line for line in job.err(rank).splitlines() if "falls back to the filesystem" in line]
         assert len(lines) == 2, job.err(rank)
-        for line in lines:
-            assert cfg["runtime_dir"] in line and str(path) in line and "(" in line, line
+        save, load = lines
+        assert f"no memoffload daemon reachable at {missing} (rank 1: UNAVAILABLE" in save, save
+        assert save.endswith(f"; using {path}"), save
+        if rank == 0:
+            assert f"the memoffload daemon at {region_daemon.runtime_dir} has no checkpoint 'step-2'" in load, load
+        else:
+            assert f"no memoffload daemon reachable at {missing} (UNAVAILABLE" in load, load
+        assert load.endswith(f"; using {path}"), load
 
 
 def test_job_id_must_be_explicit(monkeypatch):
