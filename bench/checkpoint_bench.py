@@ -12,13 +12,14 @@ group). Figures are GB/s (1e9 bytes per second) of the state's bytes, the
 median of ``--repeat`` runs, one thread (torch.set_num_threads(1)):
 
 * save: memcpy into preallocated, pre-touched tensors; dcp.save through the
-  daemon with and without checksums; FileSystemWriter (sync_files=True, its
+  daemon with and without checksums (each writer keeps its session for the
+  whole run, as in training; the first, uncounted round maps the pages); FileSystemWriter (sync_files=True, its
   default: every file fsync'ed) into ``--disk-dir`` (default a temp dir under
   /var/tmp; its file system type is reported: it must not be tmpfs).
-* load ("restore after a crash"): dcp.load from the daemon with a new session
-  (the process's cached sessions are closed first, so the arena is mapped
-  anew, as in a restarted job): the checksummed checkpoint verified at open,
-  and the one saved without checksums, opened without the check;
+* load ("restore after a crash"), in a new process per round (a new session,
+  the arena mapped anew, as in a restarted job): dcp.load from the daemon of
+  the checksummed checkpoint, verified at open, and of the one saved without
+  checksums, opened without the check;
   FileSystemReader cold (each file's pages dropped with
   posix_fadvise(POSIX_FADV_DONTNEED) after the fsync; fincore's count of
   resident bytes just before the load is reported) and warm (read again);
@@ -31,7 +32,7 @@ Goals (reported, never asserted): save >= 0.5x memcpy; restore from the
 daemon >= 5x the cold restore from disk.
 
 Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
-build/bin) in a temporary directory with an arena of 3x the size (>= 1 GiB),
+build/bin) in a temporary directory with an arena of 4x the size (>= 1 GiB),
 all of which checkpoint regions may use (--regions-max-bytes).
 """
 
@@ -196,6 +197,41 @@ def bench_raw(runtime_dir: str, job: str, state: Dict[str, torch.Tensor], repeat
     return {k: round(statistics.median(v), 3) for k, v in rows.items()}
 
 
+def restore_in_new_process(child: Dict) -> Dict[str, float]:
+    """Runs the loads of ``child`` in a new process (as a restarted job: a new
+    session, the arena mapped anew), in order; returns seconds per load."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--restore-child", json.dumps(child)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"restore child exited {out.returncode}: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def restore_child(child: Dict) -> None:
+    torch.set_num_threads(1)
+    state = make_state(child["size"], child["tensors"])  # the same seed: the same bytes
+    dst = empty_like_state(state)
+    seconds: Dict[str, float] = {}
+    for load in child["loads"]:
+        for v in dst.values():
+            v.zero_()
+        if "path" in load:
+            reader = dcp.FileSystemReader(load["path"])
+            t = timed(lambda: dcp.load(dst, storage_reader=reader, no_dist=True))
+        else:
+            reader = MemoffloadReader(job_id=child["job"], runtime_dir=child["runtime_dir"],
+                                      fallback_dir=os.devnull, verify=load["verify"])
+            t = timed(lambda: dcp.load(dst, storage_reader=reader, checkpoint_id=load["checkpoint_id"],
+                                       no_dist=True))
+            if reader.last_mode != "daemon":
+                raise SystemExit(f"{load} was read from {reader.last_mode}")
+        if not same(state, dst):
+            raise SystemExit(f"{load['name']}: the loaded state differs")
+        seconds[load["name"]] = t
+    _checkpoint_store.forget_all()
+    print(json.dumps(seconds), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="256MiB", help="bytes of state (e.g. 256MiB, 2GiB)")
@@ -203,8 +239,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--disk-dir", default="", help="local-disk directory for FileSystemWriter")
     parser.add_argument("--runtime-dir", default="")
+    parser.add_argument("--restore-child", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    if args.restore_child:
+        restore_child(json.loads(args.restore_child))
+        return 0
     torch.set_num_threads(1)
     size = parse_size(args.size)
     state = make_state(size, args.tensors)
@@ -217,7 +257,7 @@ def main() -> int:
     if not runtime_dir:
         tmp_rt = tempfile.TemporaryDirectory(prefix="mo-ckpt-bench-")
         runtime_dir = tmp_rt.name
-        proc = start_daemon(runtime_dir, max(1 << 30, 3 * nbytes))
+        proc = start_daemon(runtime_dir, max(1 << 30, 4 * nbytes))
     disk_root = tempfile.mkdtemp(prefix="mo-ckpt-bench-", dir=args.disk_dir or "/var/tmp")
     results: Dict[str, List[float]] = {}
 
@@ -227,8 +267,10 @@ def main() -> int:
     try:
         dst = empty_like_state(state)
         fallback = os.path.join(disk_root, "fallback")
+        # Sessions stay for the whole run, as a trainer's writer does: the
+        # first round touches the arena's pages in this process.
         writers = {crc: MemoffloadWriter(job_id=job, runtime_dir=runtime_dir, fallback_dir=fallback,
-                                         keep_last=1, checksums=crc) for crc in (True, False)}
+                                         keep_last=2, checksums=crc) for crc in (True, False)}
         resident_cold: List[Optional[int]] = []
         for rep in range(args.repeat + 1):  # the first round warms up and is not counted
             count = rep > 0
@@ -236,6 +278,7 @@ def main() -> int:
             if count:
                 record("save_memcpy", t)
                 record("load_memcpy", t)
+            loads = []
             for crc, writer in writers.items():
                 ckpt = f"r{rep}-{'crc' if crc else 'nocrc'}"
                 t = timed(lambda: dcp.save(state, storage_writer=writer, checkpoint_id=ckpt, no_dist=True))
@@ -243,15 +286,8 @@ def main() -> int:
                     raise SystemExit(f"save went to {writer.last_mode}, not the daemon")
                 if count:
                     record(f"save_daemon_{'crc' if crc else 'nocrc'}", t)
-                _checkpoint_store.forget_all()  # a restarted job maps the arena anew
-                reader = MemoffloadReader(job_id=job, runtime_dir=runtime_dir, fallback_dir=fallback,
-                                          verify=crc)
-                for v in dst.values():
-                    v.zero_()
-                t = timed(lambda: dcp.load(dst, storage_reader=reader, checkpoint_id=ckpt, no_dist=True))
-                assert reader.last_mode == "daemon" and same(state, dst), "daemon load differs"
-                if count:
-                    record(f"load_daemon_{'crc' if crc else 'nocrc'}", t)
+                loads.append({"name": f"load_daemon_{'crc' if crc else 'nocrc'}", "checkpoint_id": ckpt,
+                              "verify": crc})
             path = os.path.join(disk_root, f"r{rep}")
             t = timed(lambda: dcp.save(state, storage_writer=dcp.FileSystemWriter(path), no_dist=True))
             if count:
@@ -259,13 +295,11 @@ def main() -> int:
             files = [os.path.join(path, f) for f in os.listdir(path)]
             drop_file_pages(files)
             resident_cold.append(resident_bytes(files))
-            for temperature in ("cold", "warm"):
-                for v in dst.values():
-                    v.zero_()
-                t = timed(lambda: dcp.load(dst, storage_reader=dcp.FileSystemReader(path), no_dist=True))
-                assert same(state, dst), "filesystem load differs"
+            loads += [{"name": "load_filesystem_cold", "path": path}, {"name": "load_filesystem_warm", "path": path}]
+            child = {"runtime_dir": runtime_dir, "job": job, "size": size, "tensors": args.tensors, "loads": loads}
+            for name, seconds in restore_in_new_process(child).items():
                 if count:
-                    record(f"load_filesystem_{temperature}", t)
+                    record(name, seconds)
             shutil.rmtree(path)
         raw = bench_raw(runtime_dir, job, state, args.repeat)
         store, _ = _checkpoint_store.attach(runtime_dir, job, -1, True)
