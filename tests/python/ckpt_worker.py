@@ -124,7 +124,8 @@ def save(cfg, model, opt, sched, rank: int, step: int, result: Dict[str, Any], *
                               fallback_dir=cfg["fallback_dir"], keep_last=2)
     writer._after_append = hooks.get("after_append")
     dcp.save(state(model, opt, sched, rank, step), storage_writer=writer, checkpoint_id=f"step-{step}")
-    result["saves"].append({"step": step, "mode": writer.last_mode, "deleted": writer.last_deleted})
+    result["saves"].append({"step": step, "mode": writer.last_mode, "collected": writer.last_collected,
+                            "deleted": writer.last_deleted})
     if rank == 0 and writer.last_mode == "daemon":
         result["regions_after"][str(step)] = regions(cfg)
 

@@ -186,9 +186,12 @@ def test_keep_last_deletes_only_after_the_new_checkpoint_committed(crash_and_res
     for ckpt in by_step["4"].values():
         assert ckpt["complete"]
         assert len(ckpt["regions"]) == WORLD_SIZE + 1  # one region per rank + .metadata
-    # Run B's save of step-6 replaced the dead save's leftovers and dropped step-3.
+    # Run B's save of step-6 deleted the dead save's leftovers (the same id)
+    # before writing, and step-3 after its commit.
     rb = b.result(0)
+    assert [s["collected"] for s in rb["saves"]] == [["step-6"]], rb
     assert [s["deleted"] for s in rb["saves"]] == [["step-3"]], rb
+    assert [s["collected"] for s in ra["saves"]] == [[], [], []], ra
     final = rb["regions_after"]["6"]
     assert sorted(final) == ["step-4", "step-6"] and all(c["complete"] for c in final.values()), final
 

@@ -175,8 +175,10 @@ class MemoffloadWriter(StorageWriter):
         self.checkpoint_id: Optional[str] = (
             None if checkpoint_id is None else _store.checked_checkpoint_id(checkpoint_id))
         self.save_id = str(uuid.uuid4())
-        # After a save: DAEMON or FILESYSTEM, and the checkpoints retention deleted.
+        # After a save: DAEMON or FILESYSTEM; the leftovers of dead saves
+        # deleted before writing; the checkpoints retention deleted after it.
         self.last_mode = ""
+        self.last_collected: List[str] = []
         self.last_deleted: List[str] = []
         self._rank = 0
         self._is_coordinator = False
@@ -193,6 +195,7 @@ class MemoffloadWriter(StorageWriter):
             self.checkpoint_id = _store.checked_checkpoint_id(checkpoint_id)
         self.save_id = str(uuid.uuid4())
         self.last_mode = ""
+        self.last_collected = []
         self.last_deleted = []
         self._fs = None
 
@@ -223,7 +226,7 @@ class MemoffloadWriter(StorageWriter):
         modes: List[_RankMode] = [p.storage_data for p in plans]
         failed = [m for m in modes if not m.daemon]
         if not failed:
-            self._refuse_complete_duplicate()
+            self._before_writing()
             return [dataclasses.replace(p, storage_data=_RegionPlan(
                         _store.region_name(self.checkpoint_id, f"__{i}_0.distcp")))
                     for i, p in enumerate(plans)]
@@ -270,15 +273,23 @@ class MemoffloadWriter(StorageWriter):
 
     # -- regions ----------------------------------------------------------------
 
-    def _refuse_complete_duplicate(self) -> None:
-        """Before anything is written: a complete checkpoint of this id stays
-        (overwriting would delete it before the new one commits)."""
+    def _before_writing(self) -> None:
+        """On the coordinator, before any rank writes: a complete checkpoint
+        of this id stays (overwriting would delete it before the new one
+        commits), and what saves that died left behind (regions without a
+        .metadata: never loadable) is deleted now, so that its memory counts
+        for this save."""
         assert self.checkpoint_id is not None and self._region_store is not None
-        name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)
-        if any(r["name"] == name for r in self._region_store.list(name)):
+        found = _store.stored_checkpoints(self._region_store)
+        same = found.get(self.checkpoint_id)
+        if same is not None and same.complete:
             raise errors.AlreadyExists(
                 f"checkpoint {self.checkpoint_id!r} of job {self.job_id!r} already exists in the daemon; "
                 "save under a new checkpoint id (e.g. f'step-{step}')")
+        dead = [c for c in found.values() if not c.complete]
+        for info in dead:
+            _store.delete_checkpoint(self._region_store, info)
+        self.last_collected = [c.checkpoint_id for c in dead]
 
     def _write_region(self, region: str, items: List[WriteItem], planner: SavePlanner) -> List[WriteResult]:
         """Resolves every item, then writes them all into one region."""
@@ -305,17 +316,12 @@ class MemoffloadWriter(StorageWriter):
 
     def _commit(self, region: str, parts: List[Any], size_bytes: Optional[int] = None) -> List[int]:
         """Creates ``region``, appends ``parts`` and commits it; returns each
-        part's offset. A region left by a save that died before its
-        checkpoint completed is replaced."""
+        part's offset."""
         store = self._region_store
         assert store is not None
         if size_bytes is None:
             size_bytes = sum(len(p) for p in parts)
-        try:
-            writer = store.create(region, size_bytes, self.ttl_seconds)
-        except errors.AlreadyExists:
-            self._drop_stale(region)
-            writer = store.create(region, size_bytes, self.ttl_seconds)
+        writer = store.create(region, size_bytes, self.ttl_seconds)
         offsets: List[int] = []
         try:
             for part in parts:
@@ -328,19 +334,6 @@ class MemoffloadWriter(StorageWriter):
             writer.abort()
             raise
         return offsets
-
-    def _drop_stale(self, region: str) -> None:
-        assert self.checkpoint_id is not None and self._region_store is not None
-        info = _store.stored_checkpoints(self._region_store).get(self.checkpoint_id)
-        if info is not None and info.complete:
-            raise errors.AlreadyExists(
-                f"checkpoint {self.checkpoint_id!r} of job {self.job_id!r} already exists in the daemon")
-        logs.log(logging.INFO, f"checkpoint {self.checkpoint_id}: replacing {region} left by a save that "
-                               "did not complete")
-        try:
-            self._region_store.delete(region)
-        except errors.NotFound:
-            pass
 
 
 class MemoffloadReader(StorageReader):
