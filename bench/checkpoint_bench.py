@@ -13,9 +13,10 @@ median of ``--repeat`` runs, one thread (torch.set_num_threads(1)):
 
 * save: memcpy into preallocated, pre-touched tensors; dcp.save through the
   daemon with and without checksums (each writer keeps its session for the
-  whole run, as in training; the first, uncounted round maps the pages); FileSystemWriter (sync_files=True, its
-  default: every file fsync'ed) into ``--disk-dir`` (default a temp dir under
-  /var/tmp; its file system type is reported: it must not be tmpfs).
+  whole run, as in training; the first, uncounted round maps the pages);
+  FileSystemWriter (sync_files=True, its default: every file fsync'ed) into
+  ``--disk-dir`` (default a temp dir under /var/tmp; its file system type is
+  reported: it must not be tmpfs).
 * load ("restore after a crash"), in a new process per round (a new session,
   the arena mapped anew, as in a restarted job): dcp.load from the daemon of
   the checksummed checkpoint, verified at open, and of the one saved without
@@ -72,7 +73,8 @@ def parse_size(text: str) -> int:
 
 
 def start_daemon(tmp: str, arena_bytes: int) -> subprocess.Popen:
-    exe = os.path.join(os.environ.get("MEMOFFLOAD_BIN_DIR", os.path.join(REPO, "build", "bin")), "memoffloadd")
+    bin_dir = os.environ.get("MEMOFFLOAD_BIN_DIR", os.path.join(REPO, "build", "bin"))
+    exe = os.path.join(bin_dir, "memoffloadd")
     chunk = 256 << 20
     arena = -(-arena_bytes // chunk) * chunk
     proc = subprocess.Popen(
@@ -295,8 +297,9 @@ def main() -> int:
             files = [os.path.join(path, f) for f in os.listdir(path)]
             drop_file_pages(files)
             resident_cold.append(resident_bytes(files))
-            loads += [{"name": "load_filesystem_cold", "path": path}, {"name": "load_filesystem_warm", "path": path}]
-            child = {"runtime_dir": runtime_dir, "job": job, "size": size, "tensors": args.tensors, "loads": loads}
+            loads += [{"name": f"load_filesystem_{temp}", "path": path} for temp in ("cold", "warm")]
+            child = {"runtime_dir": runtime_dir, "job": job, "size": size, "tensors": args.tensors,
+                     "loads": loads}
             for name, seconds in restore_in_new_process(child).items():
                 if count:
                     record(name, seconds)

@@ -32,7 +32,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist

@@ -130,7 +130,8 @@ def region_daemon(daemon):
 def crash_and_restart(region_daemon, tmp_path_factory):
     """Run A (SIGKILLed in a save), then run B of the same job id."""
     out = tmp_path_factory.mktemp("ckpt")
-    cfg = {"out": str(out), "job_id": f"ckpt-{uuid.uuid4().hex[:8]}", "runtime_dir": region_daemon.runtime_dir,
+    cfg = {"out": str(out), "job_id": f"ckpt-{uuid.uuid4().hex[:8]}",
+           "runtime_dir": region_daemon.runtime_dir,
            "fallback_dir": str(out / "fallback")}
     JOBS.append(cfg["job_id"])
     a = Job(dict(cfg, phase="run_a", kill_save=True))
@@ -236,7 +237,8 @@ def test_without_a_daemon_on_one_rank_all_fall_back_to_files_visibly(region_daem
         assert f"no memoffload daemon reachable at {missing} (rank 1: UNAVAILABLE" in save, save
         assert save.endswith(f"; using {path}"), save
         if rank == 0:
-            assert f"the memoffload daemon at {region_daemon.runtime_dir} has no checkpoint 'step-2'" in load, load
+            want = f"the memoffload daemon at {region_daemon.runtime_dir} has no checkpoint 'step-2'"
+            assert want in load, load
         else:
             assert f"no memoffload daemon reachable at {missing} (UNAVAILABLE" in load, load
         assert load.endswith(f"; using {path}"), load
@@ -302,4 +304,5 @@ def test_one_process_round_trip_and_an_existing_id_is_refused(region_daemon, tmp
         dcp.load(back, storage_reader=MemoffloadReader(**kw), checkpoint_id="nope", no_dist=True)
     error = missing.value.failures[0][0]
     assert isinstance(error, (FileNotFoundError, AssertionError)), missing.value
-    assert "has no checkpoint 'nope'" in str(missing.value) and str(tmp_path / "fb" / "nope") in str(missing.value)
+    text = str(missing.value)
+    assert "has no checkpoint 'nope'" in text and str(tmp_path / "fb" / "nope") in text, text

@@ -143,8 +143,9 @@ class MemoffloadWriter(StorageWriter):
     (None keeps all). ``checksums``: CRC32C of every region, verified when it
     is opened. ``ttl_seconds``: the daemon deletes the regions this long after
     their commit (0: the daemon's ``regions.ttl``, 24 h by default; it caps
-    larger values). ``sync_files``: fsync the fallback's files. The checkpoint id comes from ``dcp.save(checkpoint_id=...)``
-    or the constructor; use a new one per save (e.g. ``f"step-{step}"``).
+    larger values). ``sync_files``: fsync the fallback's files. The
+    checkpoint id comes from ``dcp.save(checkpoint_id=...)`` or the
+    constructor; use a new one per save (e.g. ``f"step-{step}"``).
     Needs ``use_collectives=True`` (DCP's default).
     """
 
@@ -210,7 +211,8 @@ class MemoffloadWriter(StorageWriter):
         if kwargs.get("use_collectives", True) is False:
             raise ValueError("MemoffloadWriter needs dcp.save(..., use_collectives=True)")
         if self.checkpoint_id is None:
-            raise ValueError("MemoffloadWriter needs a checkpoint id: dcp.save(..., checkpoint_id='step-100')")
+            raise ValueError(
+                "MemoffloadWriter needs a checkpoint id: dcp.save(..., checkpoint_id='step-100')")
         self._rank = _rank_of(kwargs.get("rank"))
         self._is_coordinator = is_coordinator
         self._region_store, self._unreachable_reason = _store.attach(
@@ -386,7 +388,8 @@ class MemoffloadReader(StorageReader):
             raise ValueError("MemoffloadReader needs a checkpoint id: dcp.load(..., checkpoint_id=...) "
                              "(latest_checkpoint() names the newest)")
         runtime_dir = _store.runtime_dir_of(self.runtime_dir)
-        store, reason = _store.attach(self.runtime_dir, self.job_id, _rank_of(None), True, self.rpc_timeout_ms)
+        store, reason = _store.attach(self.runtime_dir, self.job_id, _rank_of(None), True,
+                                      self.rpc_timeout_ms)
         if store is not None:
             name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)
             try:
@@ -422,7 +425,8 @@ class MemoffloadReader(StorageReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
         if self._fs is not None:
             self._fs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
             return
@@ -437,7 +441,8 @@ class MemoffloadReader(StorageReader):
         modes = {mode for _, mode in (p.storage_data for p in plans)}
         if len(modes) > 1:
             where = ", ".join(f"rank {r}: {m}" for r, m in (p.storage_data for p in plans))
-            raise RuntimeError(f"checkpoint {self.checkpoint_id!r}: the ranks read it from different places ({where})")
+            raise RuntimeError(
+                f"checkpoint {self.checkpoint_id!r}: the ranks read it from different places ({where})")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
