@@ -329,6 +329,10 @@ const std::vector<Setting>& Settings() {
                  [](DaemonConfig* c) { return &c->policy.region_ttl_ms; }),
       CountSetting("regions", "max_per_job", "regions one job may hold at once (default 1024)",
                    1 << 20, [](DaemonConfig* c) { return &c->policy.max_regions_per_job; }),
+      CountSetting("regions", "max_count",
+                   "regions all jobs may hold at once (default 65536, about 0.5 KiB of daemon "
+                   "memory each)",
+                   1 << 24, [](DaemonConfig* c) { return &c->policy.max_regions; }),
       U64Setting("lifecycle", "drain_timeout", Kind::kDuration,
                  "on SIGTERM, how long to wait for sessions to release (default 30s)",
                  [](DaemonConfig* c) { return &c->drain_timeout_ms; }),

@@ -51,7 +51,6 @@ Result<SessionTable::JobRegions*> SessionTable::RegionsOf(const Session& session
 
 Result<SessionTable::Region*> SessionTable::FindRegion(JobRegions* job, const Session& session,
                                                        const std::string& name) {
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   auto it = job->by_name.find(name);
   if (it == job->by_name.end() || it->second.deleted) {
     return NotFound("region " + name + " does not exist in job " + session.hello.job_id +
@@ -115,6 +114,10 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              std::to_string((*job)->by_name.size()) +
                              " regions, the limit (regions.max_per_job); delete old ones");
   }
+  if (region_count_ >= policy.max_regions) {
+    return ResourceExhausted("the node holds " + std::to_string(region_count_) +
+                             " regions, the limit (regions.max_count); delete old checkpoints");
+  }
   const uint64_t page = arena_->page_bytes();
   if (size_bytes > arena_->capacity_bytes()) {
     return ResourceExhausted("region of " + FormatSize(size_bytes) + " is larger than the " +
@@ -162,6 +165,7 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   std::unique_lock<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   Result<JobRegions*> job = RegionsOf(**session);
   if (!job.ok()) return job.status();
   Result<Region*> region = FindRegion(*job, **session, name);
@@ -215,6 +219,7 @@ Result<PrefetchResult> SessionTable::OpenRegion(uint64_t session_id, const std::
   std::lock_guard<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   Result<JobRegions*> job = RegionsOf(**session);
   if (!job.ok()) return job.status();
   Result<Region*> region = FindRegion(*job, **session, name);
@@ -232,9 +237,9 @@ Status SessionTable::CloseRegion(uint64_t session_id, const std::string& token,
   std::lock_guard<std::mutex> lock(mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   Result<JobRegions*> job = RegionsOf(**session);
   if (!job.ok()) return job.status();
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
   auto it = (*job)->by_name.find(name);
   if (it != (*job)->by_name.end()) {
     std::vector<uint64_t>& readers = it->second.readers;
@@ -274,6 +279,7 @@ Result<uint64_t> SessionTable::DeleteRegion(uint64_t session_id, const std::stri
     std::lock_guard<std::mutex> lock(mu_);
     Result<Session*> session = Authenticate(session_id, token);
     if (!session.ok()) return session.status();
+    MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
     Result<JobRegions*> job = RegionsOf(**session);
     if (!job.ok()) return job.status();
     Result<Region*> region = FindRegion(*job, **session, name);

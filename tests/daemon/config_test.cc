@@ -286,3 +286,41 @@ TEST(Config, HelpListsEveryFlagAndEnvName) {
 
 }  // namespace
 }  // namespace memoffload::daemon
+
+namespace memoffload::daemon {
+namespace {
+
+Result<DaemonConfig> Resolved(std::vector<const char*> args) {
+  args.insert(args.begin(), "memoffloadd");
+  Result<DaemonConfig> c = LoadConfig(static_cast<int>(args.size()), args.data(), {});
+  if (!c.ok()) return c;
+  MEMOFFLOAD_RETURN_IF_ERROR(ResolveAndValidate(&*c));
+  return c;
+}
+
+TEST(Config, RegionLimitsDefaultToHalfTheArenaAndAnExplicitZeroDisablesThem) {
+  auto c = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.region_max_bytes, 512u << 20);
+  EXPECT_EQ(c->policy.region_ttl_ms, 24u * 3600 * 1000);
+  auto off = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=0"});
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  EXPECT_EQ(off->policy.region_max_bytes, 0u);
+  auto set =
+      Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=256MiB",
+                "--regions-job-max-bytes=64MiB", "--regions-ttl=90s", "--regions-max-per-job=8"});
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->policy.region_max_bytes, 256u << 20);
+  EXPECT_EQ(set->policy.region_job_max_bytes, 64u << 20);
+  EXPECT_EQ(set->policy.region_ttl_ms, 90000u);
+  EXPECT_EQ(set->policy.max_regions_per_job, 8u);
+  auto big = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=2GiB"});
+  ASSERT_FALSE(big.ok());
+  EXPECT_NE(big.status().message().find("regions.max_bytes"), std::string::npos);
+  auto ttl = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-ttl=0s"});
+  ASSERT_FALSE(ttl.ok());
+  EXPECT_NE(ttl.status().message().find("regions.ttl"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace memoffload::daemon

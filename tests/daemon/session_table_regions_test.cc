@@ -180,6 +180,14 @@ TEST_F(RegionsTest, JobAndNodeLimitsAndTheCountLimitRefuseAtOnceNamingTheSetting
   EXPECT_EQ(over_count.status().code(), StatusCode::kResourceExhausted);
   EXPECT_NE(over_count.status().message().find("regions.max_per_job"), std::string::npos);
 
+  // The node-wide count: c's own limit is not reached, the node's is.
+  p.max_regions = 4;  // a holds one, c three
+  p.max_regions_per_job = 1024;
+  table_->SetPolicy(p);
+  auto over_node_count = table_->CreateRegion(c.session_id, c.token, "r4", 4096, milliseconds(0));
+  EXPECT_EQ(over_node_count.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over_node_count.status().message().find("regions.max_count"), std::string::npos);
+
   p.region_max_bytes = 0;
   table_->SetPolicy(p);
   EXPECT_EQ(table_->CreateRegion(b.session_id, b.token, "z", 4096, milliseconds(0)).status().code(),

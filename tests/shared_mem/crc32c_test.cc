@@ -25,12 +25,21 @@ TEST(Crc32c, HardwareMatchesPortableAndExtends) {
   std::mt19937 rng(3);
   std::vector<uint8_t> data(100003);
   for (auto& b : data) b = static_cast<uint8_t>(rng());
-  for (size_t len : {0ul, 1ul, 7ul, 8ul, 9ul, 4096ul, data.size()}) {
+  // Lengths around the three-lane blocks (3 x 4096 bytes) of the hardware path.
+  for (size_t len : {0ul, 1ul, 7ul, 8ul, 9ul, 4096ul, 12287ul, 12288ul, 12289ul, 24583ul, 36871ul,
+                     data.size()}) {
     EXPECT_EQ(Crc32c(data.data(), len), Crc32cPortable(data.data(), len)) << len;
   }
   const uint32_t whole = Crc32c(data.data(), data.size());
   const uint32_t split = Crc32c(data.data() + 5000, data.size() - 5000, Crc32c(data.data(), 5000));
   EXPECT_EQ(whole, split);
+  // Unaligned starts, and a seed carried into the three-lane blocks.
+  for (size_t start : {1ul, 3ul, 12289ul}) {
+    const size_t len = data.size() - start;
+    EXPECT_EQ(Crc32c(data.data() + start, len, 0x1234567u),
+              Crc32cPortable(data.data() + start, len, 0x1234567u))
+        << start;
+  }
   data[777] ^= 1;
   EXPECT_NE(Crc32c(data.data(), data.size()), whole);
 }
