@@ -11,7 +11,9 @@ Phases (config["phase"]):
   step 6 ("final"). With ``kill_save``, it then saves "step-6" and rank 1
   SIGKILLs itself in the middle of writing its region, once rank 0's region
   is committed; the test SIGKILLs rank 0. Without it, it waits to be killed.
-* ``run_b``: a new job with the same job id: loads latest_checkpoint(),
+* ``run_b``: a new job with the same job id: first (with ``full_job``) loads
+  a checkpoint one process saved of the whole model into its shards
+  (resharding), then loads latest_checkpoint(),
   snapshots what it loaded ("loaded"), trains steps 5..6 ("final") and saves
   "step-6" again.
 * ``fallback``: trains 2 steps, saves "step-2" (to the filesystem when some
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 from memoffload.torch import _checkpoint_store as store
@@ -142,6 +144,25 @@ def load(cfg, model, opt, sched, rank: int, checkpoint_id: str, result: Dict[str
     return int(sd["step"])
 
 
+def load_resharded(cfg: Dict[str, Any], model) -> Dict[str, Any]:
+    """Loads checkpoint "full" of job ``full_job`` (one process saved the
+    unsharded model with every parameter + 1) into this rank's shards: each
+    shard reads part of a stored tensor (narrowed by storage offsets).
+    Returns {name: [shape of the local shard, bit-identical to init + 1]}."""
+    msd = get_model_state_dict(model)
+    expected = {k: (_local(v) + 1).detach().clone() for k, v in msd.items()}
+    reader = MemoffloadReader(job_id=cfg["full_job"], runtime_dir=cfg["runtime_dir"],
+                              fallback_dir=cfg["fallback_dir"])
+    dcp.load({"model": msd}, storage_reader=reader, checkpoint_id="full")
+    got = {k: _local(v) for k, v in msd.items()}
+    return {k: [list(got[k].shape), torch.equal(got[k].view(torch.uint8), expected[k].view(torch.uint8))]
+            for k in msd}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def kill_mid_write(cfg: Dict[str, Any], rank: int):
     """rank 1's append hook: once rank 0's region of this save is committed,
     SIGKILL this process with its own region half written."""
@@ -187,6 +208,8 @@ def main() -> None:
         while True:  # the test SIGKILLs us
             time.sleep(1)
     elif phase == "run_b":
+        if cfg.get("full_job"):
+            result["resharded"] = load_resharded(cfg, model)
         latest = latest_checkpoint(cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"])
         result["latest"] = latest
         step = load(cfg, model, opt, sched, rank, latest, result)

@@ -7,6 +7,8 @@ SIGKILL every rank:
   with the same job id, loads latest_checkpoint() and must see exactly what A
   saved, then train to exactly A's final state;
 * the killed save leaves no complete checkpoint and deletes nothing;
+* run B's shards also load a checkpoint one process saved of the whole model
+  (each reads a slice of a stored tensor);
 * when one rank has no daemon, every rank writes a filesystem checkpoint,
   says so in one warning line on stderr, and loads it back bit for bit.
 """
@@ -143,9 +145,28 @@ def crash_and_restart(region_daemon, tmp_path_factory):
     a.kill()
     assert a.procs[0].returncode == -signal.SIGKILL
     after_kill = regions_of(cfg)
-    b = Job(dict(cfg, phase="run_b"))
+    full_job = save_full_model(cfg)
+    b = Job(dict(cfg, phase="run_b", full_job=full_job))
     b.wait()
     return out, cfg, a, b, after_kill
+
+
+def save_full_model(cfg: Dict[str, Any]) -> str:
+    """Checkpoint "full" of a job of its own: the unsharded initial model of
+    ckpt_worker with every parameter + 1, saved by this one process."""
+    import torch.distributed.checkpoint as dcp
+    import ckpt_worker
+    from memoffload.torch.checkpoint import MemoffloadWriter
+
+    job = cfg["job_id"] + "-full"
+    JOBS.append(job)
+    torch.manual_seed(0)
+    state = {k: v + 1 for k, v in ckpt_worker.Net().state_dict().items()}
+    writer = MemoffloadWriter(job_id=job, runtime_dir=cfg["runtime_dir"], fallback_dir=cfg["fallback_dir"])
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save({"model": state}, storage_writer=writer, checkpoint_id="full", no_dist=True)
+    assert writer.last_mode == "daemon"
+    return job
 
 
 def regions_of(cfg: Dict[str, Any]) -> Dict[str, Any]:
@@ -172,6 +193,19 @@ def test_restart_loads_exactly_what_was_saved_and_trains_on_identically(crash_an
         # Training moved on after the save, so the comparison is not vacuous.
         final = snapshot(out, "run_a", "final", rank)
         assert any(isinstance(v, torch.Tensor) and not bit_equal(v, saved[k]) for k, v in final.items())
+
+
+def test_a_rank_loads_part_of_a_stored_tensor_when_resharding(crash_and_restart):
+    """Run B's shards read slices of the tensors one process stored whole."""
+    out, cfg, a, b, _ = crash_and_restart
+    narrowed = 0
+    for rank in range(WORLD_SIZE):
+        got = b.result(rank)["resharded"]
+        assert len(got) == 6, got
+        for name, (shape, equal) in got.items():
+            assert equal, f"rank {rank}: {name} (local shape {shape}) differs from init + 1"
+        narrowed += sum(shape[0] < 64 and shape[0] > 0 for shape, _ in got.values())
+    assert narrowed >= 4, got  # the 64-row weights and biases were split between the ranks
 
 
 def test_keep_last_deletes_only_after_the_new_checkpoint_committed(crash_and_restart):
