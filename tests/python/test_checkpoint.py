@@ -340,3 +340,35 @@ def test_one_process_round_trip_and_an_existing_id_is_refused(region_daemon, tmp
     assert isinstance(error, (FileNotFoundError, AssertionError)), missing.value
     text = str(missing.value)
     assert "has no checkpoint 'nope'" in text and str(tmp_path / "fb" / "nope") in text, text
+
+
+def test_checkpoints_do_not_survive_a_daemon_restart_and_the_writer_reattaches(own_daemon, tmp_path):
+    """The daemon is SIGKILLed and started again: its regions are gone
+    (docs/checkpoints.md says so), latest_checkpoint() says None, and the
+    same writer's next save attaches a new session and lands in the daemon."""
+    import torch.distributed.checkpoint as dcp
+    from memoffload.torch import _checkpoint_store
+    from memoffload.torch.checkpoint import MemoffloadWriter, latest_checkpoint
+
+    job = f"restart-{uuid.uuid4().hex[:8]}"
+    kw = dict(job_id=job, runtime_dir=own_daemon.runtime_dir, fallback_dir=str(tmp_path / "fb"))
+    writer = MemoffloadWriter(**kw)
+    try:
+        with pytest.warns(UserWarning):
+            dcp.save(_tiny_state(), storage_writer=writer, checkpoint_id="before", no_dist=True)
+        assert writer.last_mode == "daemon"
+        assert latest_checkpoint(**kw) == "before"
+        own_daemon.kill()
+        own_daemon.start()
+        assert latest_checkpoint(**kw) is None
+        with pytest.warns(UserWarning):
+            dcp.save(_tiny_state(), storage_writer=writer, checkpoint_id="after", no_dist=True)
+        assert writer.last_mode == "daemon"
+        assert latest_checkpoint(**kw) == "after"
+        assert not (tmp_path / "fb").exists()  # never fell back
+    finally:
+        s, _ = _checkpoint_store.attach(own_daemon.runtime_dir, job, -1, True)
+        if s is not None:
+            for info in _checkpoint_store.stored_checkpoints(s).values():
+                _checkpoint_store.delete_checkpoint(s, info)
+        _checkpoint_store.forget_all()
