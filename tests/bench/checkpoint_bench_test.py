@@ -20,7 +20,8 @@ import unittest
 BIN_DIR = None
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 SAVE_FIELDS = ("memcpy_gbps", "daemon_crc_gbps", "daemon_nocrc_gbps", "filesystem_gbps",
-               "daemon_crc_vs_memcpy", "daemon_nocrc_vs_memcpy", "daemon_crc_vs_filesystem")
+               "daemon_crc_vs_memcpy", "daemon_nocrc_vs_memcpy", "daemon_crc_vs_filesystem",
+               "daemon_crc_first_gbps", "daemon_crc_first_vs_memcpy")
 LOAD_FIELDS = ("memcpy_gbps", "daemon_crc_gbps", "daemon_nocrc_gbps", "filesystem_cold_gbps",
                "filesystem_warm_gbps", "daemon_crc_vs_filesystem_cold", "daemon_crc_vs_filesystem_warm",
                "daemon_crc_vs_memcpy")
