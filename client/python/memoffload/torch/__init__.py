@@ -52,15 +52,15 @@ if _torch_release(torch.__version__) < _MIN_TORCH:
         f"found torch {torch.__version__} at {os.path.dirname(torch.__file__)}"
     )
 try:
-    from . import _C
+    from .. import _C
 except ImportError as exc:  # built against another torch, or not built at all
     raise ImportError(
         f"memoffload's native part (memoffload._C) does not load with torch {torch.__version__}: "
         f"{exc}. Reinstall it against this torch: "
         "pip install --no-build-isolation --force-reinstall <memoffload>/client/python"
     ) from exc
-from . import errors, logs  # noqa: E402
-from .checkpointing import (  # noqa: E402
+from .. import errors, logs  # noqa: E402
+from ..checkpointing import (  # noqa: E402
     OWN_HOOK_ATTR,
     checkpointed,
     foreign_hooks_active,
@@ -143,9 +143,9 @@ def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> 
     return _C.daemon_status(runtime_dir or "", timeout_ms)
 
 
-from .counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
-from .selection import LayerSelection, _selected  # noqa: E402
-from .param_skip import _ParamSkip  # noqa: E402
+from ..counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
+from ..selection import LayerSelection, _selected  # noqa: E402
+from ..param_skip import _ParamSkip  # noqa: E402
 
 
 class _Packed:
@@ -558,7 +558,7 @@ def __getattr__(name: str) -> Any:
     # The Hugging Face callback lives in memoffload.hf and is loaded on first
     # use, so that importing memoffload.torch never imports transformers.
     if name == "MemoffloadCallback":
-        from .hf import MemoffloadCallback
+        from ..hf import MemoffloadCallback
 
         return MemoffloadCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
