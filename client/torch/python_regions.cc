@@ -2,7 +2,7 @@
 // (client.h). A RegionWriter appends tensors and buffers to a new region,
 // computing each extent's CRC32C as it copies (on the bytes just written,
 // while they are in cache), and commits it; a RegionReader copies bytes out
-// of a committed region, whose checksums were verified when it was opened.
+// of a committed region, checking its checksums at open or as it reads.
 // Copies and RPCs release the GIL.
 #include "python_regions.h"
 
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "memoffload/client/client.h"
+#include "memoffload/client/verified_read.h"
 #include "memoffload/shared_mem/crc32c.h"
 #include "memoffload/torch/log.h"
 #include "python_errors.h"
@@ -190,8 +191,15 @@ class RegionWriter {
 
 class RegionReader {
  public:
-  RegionReader(std::shared_ptr<Client> client, std::string name, client::Placement placement)
-      : client_(std::move(client)), name_(std::move(name)), placement_(std::move(placement)) {}
+  // verify_as_read: the region's checksums (if any) were not checked at
+  // open; reads check them as they copy (client::VerifiedRead), and
+  // VerifyRest checks what no in-order read covered.
+  RegionReader(std::shared_ptr<Client> client, std::string name, client::Placement placement,
+               bool verify_as_read)
+      : client_(std::move(client)), name_(std::move(name)) {
+    if (!verify_as_read) placement.extent_crc32c.clear();  // checked at open, or never
+    read_ = std::make_unique<client::VerifiedRead>(client_.get(), name_, std::move(placement));
+  }
   ~RegionReader() {
     if (closed_) return;
     py::gil_scoped_release release;
@@ -206,7 +214,7 @@ class RegionReader {
     Status st;
     {
       py::gil_scoped_release release;
-      st = client_->Read(placement_.extents, offset, bytes.data(), bytes.size());
+      st = read_->Read(offset, bytes.data(), bytes.size());
     }
     Check(st);
   }
@@ -217,10 +225,20 @@ class RegionReader {
     Status st;
     {
       py::gil_scoped_release release;
-      st = client_->Read(placement_.extents, offset, out.data(), length);
+      st = read_->Read(offset, out.data(), length);
     }
     Check(st);
     return py::bytes(out);
+  }
+
+  void VerifyRest() {
+    if (closed_) Raise(FailedPrecondition("region " + name_ + " is closed"));
+    Status st;
+    {
+      py::gil_scoped_release release;
+      st = read_->VerifyRest();
+    }
+    Check(st);
   }
 
   void Close() {
@@ -235,23 +253,23 @@ class RegionReader {
   }
 
   const std::string& name() const { return name_; }
-  uint64_t size_bytes() const { return placement_.used_bytes; }
-  bool checksummed() const { return !placement_.extent_crc32c.empty(); }
+  uint64_t size_bytes() const { return read_->placement().used_bytes; }
 
  private:
   void CheckRange(uint64_t offset, uint64_t length) const {
     if (closed_) Raise(FailedPrecondition("region " + name_ + " is closed"));
-    if (offset > placement_.used_bytes || length > placement_.used_bytes - offset) {
+    const uint64_t used = read_->placement().used_bytes;
+    if (offset > used || length > used - offset) {
       Raise(Status(StatusCode::kOutOfRange, "reading " + std::to_string(length) +
                                                 " bytes at offset " + std::to_string(offset) +
                                                 " of region " + name_ + ", which holds " +
-                                                std::to_string(placement_.used_bytes) + " bytes"));
+                                                std::to_string(used) + " bytes"));
     }
   }
 
   std::shared_ptr<Client> client_;
   const std::string name_;
-  const client::Placement placement_;
+  std::unique_ptr<client::VerifiedRead> read_;
   bool closed_ = false;
 };
 
@@ -288,13 +306,17 @@ class RegionStore {
     return std::make_unique<RegionWriter>(client_, name, Take(std::move(r)), checksums_);
   }
 
-  std::unique_ptr<RegionReader> Open(const std::string& name, bool verify) {
+  // verify: check the checksums before returning (one pass over the
+  // region); verify_as_read: check them as reads copy the bytes out in order
+  // instead, and in RegionReader.verify_rest for the rest.
+  std::unique_ptr<RegionReader> Open(const std::string& name, bool verify, bool verify_as_read) {
     Result<client::Placement> r = InvalidArgument("not opened");
     {
       py::gil_scoped_release release;
-      r = Live()->OpenRegion(name, verify);
+      r = Live()->OpenRegion(name, verify && !verify_as_read);
     }
-    return std::make_unique<RegionReader>(client_, name, Take(std::move(r)));
+    return std::make_unique<RegionReader>(client_, name, Take(std::move(r)),
+                                          verify && verify_as_read);
   }
 
   uint64_t Delete(const std::string& name) {
@@ -359,17 +381,19 @@ void BindRegions(py::module_& m) {
       .def("read_into", &RegionReader::ReadInto, py::arg("offset"), py::arg("out"),
            "Fills a contiguous CPU tensor (or writable buffer) from offset.")
       .def("read_bytes", &RegionReader::ReadBytes, py::arg("offset"), py::arg("length"))
+      .def("verify_rest", &RegionReader::VerifyRest,
+           "With verify_as_read: checks what no in-order read checksummed (DataLoss).")
       .def("close", &RegionReader::Close)
       .def_property_readonly("name", &RegionReader::name)
-      .def_property_readonly("size_bytes", &RegionReader::size_bytes)
-      .def_property_readonly("checksummed", &RegionReader::checksummed);
+      .def_property_readonly("size_bytes", &RegionReader::size_bytes);
   py::class_<RegionStore>(m, "RegionStore")
       .def(py::init<const std::string&, const std::string&, int, bool, int>(),
            py::arg("runtime_dir") = "", py::arg("job_id"), py::arg("rank") = -1,
            py::arg("checksums") = true, py::arg("rpc_timeout_ms") = 30000)
       .def("create", &RegionStore::Create, py::arg("name"), py::arg("size_bytes"),
            py::arg("ttl_seconds") = 0.0)
-      .def("open", &RegionStore::Open, py::arg("name"), py::arg("verify") = true)
+      .def("open", &RegionStore::Open, py::arg("name"), py::arg("verify") = true,
+           py::arg("verify_as_read") = false)
       .def("delete", &RegionStore::Delete, py::arg("name"))
       .def("list", &RegionStore::List, py::arg("prefix") = "")
       .def("close", &RegionStore::Close)

@@ -7,12 +7,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 
 #include "daemon_process.h"
 #include "memoffload/client/admin.h"
 #include "memoffload/client/client.h"
+#include "memoffload/client/verified_read.h"
 
 namespace memoffload::testing {
 namespace {
@@ -90,6 +92,64 @@ TEST(Regions, AChangedByteIsDataLossNamingTheRegion) {
   auto freed = c->DeleteRegion("ckpt");
   ASSERT_TRUE(freed.ok()) << freed.status().ToString();
   EXPECT_EQ(*freed, kMiB);
+}
+
+TEST(Regions, AVerifiedReadChecksAsItCopiesInOrderAndTheRestAtTheEnd) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const uint64_t size = 3 * kMiB + 123;
+  int code = 0;
+  std::string out = Worker(
+      {"write", daemon->runtime_dir(), "train", "ckpt", std::to_string(size), "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  auto c = Attach(*daemon, "train");
+  ASSERT_NE(c, nullptr);
+  std::vector<uint8_t> all(size), piece(size);
+  auto open = [&] {
+    auto p = c->OpenRegion("ckpt", /*verify=*/false);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return p.ok() ? *p : client::Placement{};
+  };
+  client::Placement placement = open();
+  ASSERT_FALSE(placement.extent_crc32c.empty());
+  ASSERT_TRUE(c->Read(placement.extents, 0, all.data(), size).ok());
+  {
+    // Front to back in uneven reads: checked as it goes, nothing left.
+    client::VerifiedRead read(c.get(), "ckpt", placement);
+    for (uint64_t at = 0; at < size;) {
+      const uint64_t n = std::min<uint64_t>(size - at, 777777);
+      ASSERT_TRUE(read.Read(at, piece.data() + at, n).ok());
+      at += n;
+    }
+    EXPECT_EQ(piece, all);
+    EXPECT_TRUE(read.VerifyRest().ok());
+  }
+  // One changed byte near the end.
+  uint8_t* at = c->Address(placement.extents[0]);
+  ASSERT_NE(at, nullptr);
+  at[size - 5] ^= 0x01;
+  {
+    client::VerifiedRead read(c.get(), "ckpt", placement);
+    ASSERT_TRUE(read.Read(0, piece.data(), kMiB).ok());
+    const Status st = read.Read(kMiB, piece.data() + kMiB, size - kMiB);
+    EXPECT_EQ(st.code(), StatusCode::kDataLoss) << st.ToString();
+    EXPECT_NE(st.message().find("region ckpt"), std::string::npos) << st.ToString();
+  }
+  {
+    // Out of order: the reads check nothing; VerifyRest finds it.
+    client::VerifiedRead read(c.get(), "ckpt", placement);
+    ASSERT_TRUE(read.Read(kMiB, piece.data(), kMiB).ok());
+    ASSERT_TRUE(read.Read(0, piece.data(), 4096).ok());
+    EXPECT_EQ(read.VerifyRest().code(), StatusCode::kDataLoss);
+  }
+  at[size - 5] ^= 0x01;
+  {
+    client::VerifiedRead read(c.get(), "ckpt", placement);
+    ASSERT_TRUE(read.Read(kMiB, piece.data(), kMiB).ok());
+    EXPECT_TRUE(read.VerifyRest().ok());
+  }
+  ASSERT_TRUE(c->CloseRegion("ckpt").ok());
 }
 
 TEST(Regions, AnotherUidNeitherReadsNorListsNorDeletesARegion) {

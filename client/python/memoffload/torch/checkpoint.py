@@ -455,7 +455,11 @@ class MemoffloadReader(StorageReader):
                 info: _RegionItem = self.storage_data[req.storage_index]
                 reader = readers.get(info.region)
                 if reader is None and info.length:
-                    reader = readers[info.region] = self._region_store.open(info.region, self.verify)
+                    # Checksums are checked as the items are copied out (in
+                    # region order, the order they were written), and what
+                    # no read covered, at the end: one pass over the bytes.
+                    reader = readers[info.region] = self._region_store.open(
+                        info.region, self.verify, verify_as_read=True)
                 if req.type == LoadItemType.BYTE_IO:
                     blob = reader.read_bytes(info.offset, info.length) if info.length else b""
                     planner.load_bytes(req, io.BytesIO(blob))
@@ -463,6 +467,8 @@ class MemoffloadReader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 _read_tensor(reader, info, req.storage_offsets, req.lengths, target, req.storage_index)
                 planner.commit_tensor(req, target)
+            for reader in readers.values():
+                reader.verify_rest()
         finally:
             for reader in readers.values():
                 reader.close()
