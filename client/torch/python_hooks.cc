@@ -69,15 +69,17 @@ struct PackCounters {
 // object rather than a pybind11 class: one is made and dropped per saved
 // tensor, and pybind11's instance registry (a hash map insert and erase per
 // object) and type lookups cost as much as the rest of pack.
+// (PyObject_HEAD is a macro without its semicolon.)
+// clang-format off
 struct SavedEntryObject {
   PyObject_HEAD
-      // Set by NewSavedEntry (the type cannot be instantiated from Python).
-      std::shared_ptr<GroupOffloader>
-          off;
+  // Set by NewSavedEntry (the type cannot be instantiated from Python).
+  std::shared_ptr<GroupOffloader> off;
   uint64_t key;
   int64_t entry;
   PyObject* weakrefs;
 };
+// clang-format on
 
 PyTypeObject* saved_entry_type = nullptr;  // set once by BindSavedTensorHooks
 
