@@ -8,14 +8,17 @@
 // current stream and record_stream live there).
 #include "python_hooks.h"
 
+#include <structmember.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -62,32 +65,71 @@ struct PackCounters {
 };
 
 // What autograd keeps for an offloaded saved tensor: when it is dropped, so
-// is the entry, and the group goes when its last entry does.
-class SavedEntry {
- public:
-  SavedEntry(std::shared_ptr<GroupOffloader> off, uint64_t key, int64_t entry)
-      : off_(std::move(off)), key_(key), entry_(entry) {}
-  ~SavedEntry() {
-    Status st = off_->DropEntry(key_, entry_);
+// is the entry, and the group goes when its last entry does. A plain CPython
+// object rather than a pybind11 class: one is made and dropped per saved
+// tensor, and pybind11's instance registry (a hash map insert and erase per
+// object) and type lookups cost as much as the rest of pack.
+// (PyObject_HEAD is a macro without its semicolon.)
+// clang-format off
+struct SavedEntryObject {
+  PyObject_HEAD
+  // Set by NewSavedEntry (the type cannot be instantiated from Python).
+  std::shared_ptr<GroupOffloader> off;
+  uint64_t key;
+  int64_t entry;
+  PyObject* weakrefs;
+};
+// clang-format on
+
+PyTypeObject* saved_entry_type = nullptr;  // set once by BindSavedTensorHooks
+
+void SavedEntryDealloc(PyObject* self) {
+  auto* e = reinterpret_cast<SavedEntryObject*>(self);
+  if (e->weakrefs != nullptr) PyObject_ClearWeakRefs(self);
+  if (e->off) {
+    Status st = e->off->DropEntry(e->key, e->entry);
     if (!st.ok()) Log(LogLevel::kError, st.code(), "dropping a saved tensor: " + st.ToString());
   }
-  SavedEntry(const SavedEntry&) = delete;
-  SavedEntry& operator=(const SavedEntry&) = delete;
+  e->off.~shared_ptr<GroupOffloader>();
+  PyTypeObject* type = Py_TYPE(self);
+  type->tp_free(self);
+  Py_DECREF(type);  // a heap type: each instance holds a reference
+}
 
-  py::object Unpack() const {
-    Result<at::Tensor> r = [&] {
-      if (off_->WouldNotWait(key_)) return off_->Get(key_, entry_);
-      py::gil_scoped_release release;  // the worker may need the GIL meanwhile
-      return off_->Get(key_, entry_);
-    }();
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(Take(std::move(r))));
-  }
+PyMemberDef saved_entry_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET,
+     static_cast<Py_ssize_t>(offsetof(SavedEntryObject, weakrefs)), READONLY, nullptr},
+    {nullptr, 0, 0, 0, nullptr}};
 
- private:
-  const std::shared_ptr<GroupOffloader> off_;
-  const uint64_t key_;
-  const int64_t entry_;
-};
+PyType_Slot saved_entry_slots[] = {
+    {Py_tp_dealloc, reinterpret_cast<void*>(&SavedEntryDealloc)},
+    {Py_tp_members, saved_entry_members},
+    {Py_tp_doc, const_cast<char*>("An offloaded saved tensor (memoffload.torch's pack hook).")},
+    {0, nullptr}};
+
+PyType_Spec saved_entry_spec = {"memoffload._C.SavedEntry", sizeof(SavedEntryObject), 0,
+                                Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+                                saved_entry_slots};
+
+py::object NewSavedEntry(std::shared_ptr<GroupOffloader> off, uint64_t key, int64_t entry) {
+  PyObject* obj = saved_entry_type->tp_alloc(saved_entry_type, 0);  // zeroed
+  if (obj == nullptr) throw py::error_already_set();
+  auto* e = reinterpret_cast<SavedEntryObject*>(obj);
+  new (&e->off) std::shared_ptr<GroupOffloader>(std::move(off));
+  e->key = key;
+  e->entry = entry;
+  return py::reinterpret_steal<py::object>(obj);
+}
+
+py::object UnpackSavedEntry(const SavedEntryObject& e) {
+  std::optional<Result<at::Tensor>> now = e.off->GetIfReady(e.key, e.entry);
+  Result<at::Tensor> r = [&] {
+    if (now.has_value()) return std::move(*now);
+    py::gil_scoped_release release;  // the worker may need the GIL meanwhile
+    return e.off->Get(e.key, e.entry);
+  }();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(Take(std::move(r))));
+}
 
 class PackHook {
  public:
@@ -104,7 +146,9 @@ class PackHook {
         offload_weights_(offload_weights),
         counters_(std::move(counters)),
         cuda_pack_(std::move(cuda_pack)),
-        parameter_type_(py::module_::import("torch.nn").attr("Parameter")) {}
+        parameter_type_(py::module_::import("torch.nn").attr("Parameter")),
+        is_param_name_(py::str("_is_param")),
+        class_name_(py::str("__class__")) {}
 
   py::object operator()(py::handle obj) {
     if (!THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
@@ -127,12 +171,55 @@ class PackHook {
     if (!entry.ok() && entry.status().code() == StatusCode::kInvalidArgument) {
       return py::reinterpret_borrow<py::object>(obj);
     }
-    return py::cast(std::make_unique<SavedEntry>(off_, key_, Take(std::move(entry))));
+    return NewSavedEntry(off_, key_, Take(std::move(entry)));
   }
 
  private:
+  // isinstance(obj, torch.nn.Parameter) for a tensor `obj`, as Parameter's
+  // metaclass answers it (_ParameterMeta.__instancecheck__: a subclass, a
+  // tensor whose _is_param is true, or a __class__ naming a subclass)
+  // without its Python frame, which cost as much as the rest of pack.
   bool IsParameterObject(py::handle obj) const {
-    return PyObject_IsInstance(obj.ptr(), parameter_type_.ptr()) == 1;
+    auto* param_type = reinterpret_cast<PyTypeObject*>(parameter_type_.ptr());
+    if (PyObject_TypeCheck(obj.ptr(), param_type)) return true;
+    return AttributeIsTrue(obj, is_param_name_) || ClassIsParameter(obj, param_type);
+  }
+
+  // getattr(obj, name, False) is truthy; errors count as false (as the
+  // metaclass's getattr would raise them, PyObject_IsInstance's -1 was
+  // false here too).
+  static bool AttributeIsTrue(py::handle obj, const py::object& name) {
+    PyObject* value = nullptr;
+    if (LookupAttr(obj.ptr(), name.ptr(), &value) <= 0) {
+      PyErr_Clear();
+      return false;
+    }
+    const int truth = PyObject_IsTrue(value);
+    Py_DECREF(value);
+    if (truth < 0) PyErr_Clear();
+    return truth == 1;
+  }
+
+  bool ClassIsParameter(py::handle obj, PyTypeObject* param_type) const {
+    PyObject* cls = nullptr;
+    if (LookupAttr(obj.ptr(), class_name_.ptr(), &cls) <= 0) {
+      PyErr_Clear();
+      return false;
+    }
+    const bool is_param = cls != reinterpret_cast<PyObject*>(Py_TYPE(obj.ptr())) &&
+                          PyType_Check(cls) &&
+                          PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls), param_type);
+    Py_DECREF(cls);
+    return is_param;
+  }
+
+  // 1 and a new reference: found; 0: no such attribute; -1: an error.
+  static int LookupAttr(PyObject* obj, PyObject* name, PyObject** out) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(obj, name, out);
+#else
+    return _PyObject_LookupAttr(obj, name, out);
+#endif
   }
 
   const std::unordered_set<uintptr_t>& Storages() {
@@ -202,6 +289,8 @@ class PackHook {
   const std::shared_ptr<PackCounters> counters_;
   py::object cuda_pack_;
   py::object parameter_type_;
+  py::object is_param_name_;
+  py::object class_name_;
   std::optional<std::unordered_set<uintptr_t>> storages_;
 };
 
@@ -212,7 +301,9 @@ class UnpackHook {
   explicit UnpackHook(py::object fallback) : fallback_(std::move(fallback)) {}
   py::object operator()(py::handle packed) const {
     if (THPVariable_Check(packed.ptr())) return py::reinterpret_borrow<py::object>(packed);
-    if (py::isinstance<SavedEntry>(packed)) return packed.cast<const SavedEntry&>().Unpack();
+    if (Py_TYPE(packed.ptr()) == saved_entry_type) {
+      return UnpackSavedEntry(*reinterpret_cast<const SavedEntryObject*>(packed.ptr()));
+    }
     return fallback_(packed);
   }
 
@@ -226,7 +317,10 @@ void BindSavedTensorHooks(py::module_& m) {
       .def_readwrite("small_bytes", &PackCounters::small_bytes)
       .def_readwrite("param_bytes", &PackCounters::param_bytes)
       .def_readwrite("weight_copy_bytes", &PackCounters::weight_copy_bytes);
-  py::class_<SavedEntry>(m, "SavedEntry");
+  PyObject* type = PyType_FromSpec(&saved_entry_spec);
+  if (type == nullptr) throw py::error_already_set();
+  saved_entry_type = reinterpret_cast<PyTypeObject*>(type);
+  m.add_object("SavedEntry", py::reinterpret_borrow<py::object>(type));
   py::class_<PackHook>(m, "PackHook")
       .def(py::init<std::shared_ptr<GroupOffloader>, uint64_t, int64_t, py::object, bool,
                     std::shared_ptr<PackCounters>, py::object>(),

@@ -238,3 +238,40 @@ def test_explicit_api(daemon):
         off.get(9_000_001, 0)
     assert raised.value.code == memoffload.StatusCode.NOT_FOUND
     assert_arena_empty(daemon, off)
+
+
+def test_native_pack_keeps_parameters_as_isinstance_says(daemon):
+    """The native pack hook answers isinstance(t, nn.Parameter) without the
+    metaclass's Python frame: a Parameter, a subclass of it, a tensor flagged
+    _is_param, a view of a Parameter and a detached, frozen parameter-like
+    tensor stay in place; a plain tensor (also one whose _is_param is false)
+    becomes a native SavedEntry that unpacks to its values."""
+    from memoffload import _C
+    from memoffload.torch import _Counters, _make_pack, _ParamSkip, _unpack
+
+    class MyParam(torch.nn.Parameter):
+        pass
+
+    flagged = torch.randn(64)
+    flagged._is_param = True
+    unflagged = torch.randn(64)
+    unflagged._is_param = False
+    frozen = torch.nn.Parameter(torch.randn(64), requires_grad=False)
+    kept = [torch.nn.Parameter(torch.randn(64)), MyParam(torch.randn(64)), flagged, frozen,
+            frozen[8:40]]
+    plain = [torch.randn(64), unflagged]
+    off = mot.get_offloader(daemon.runtime_dir)
+    with mot.offload_activations(runtime_dir=daemon.runtime_dir) as ctx:
+        counters = _Counters()
+        pack = _make_pack(off, ctx.key, 0, _ParamSkip([]), counters)
+        for t in kept:
+            assert pack(t) is t
+        handles = [pack(t) for t in plain]
+    assert all(type(h) is _C.SavedEntry for h in handles)
+    with pytest.raises(TypeError):
+        _C.SavedEntry()
+    for h, t in zip(handles, plain):
+        assert torch.equal(_unpack(h), t)
+    assert counters.native.param_bytes == 4 * 64 * 4 + 32 * 4
+    del handles, h  # the loop variable holds the last entry
+    assert_arena_empty(daemon, off)

@@ -11,6 +11,8 @@
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
 #include <c10/core/TensorImpl.h>
+#include <c10/util/SmallVector.h>
+#include <c10/util/flat_hash_map.h>
 
 #include <atomic>
 #include <cstdint>
@@ -18,7 +20,6 @@
 #include <future>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 #include <vector>
 
 #include "memoffload/client/client.h"
@@ -61,10 +62,12 @@ struct StoredStorage {
 };
 
 // One added tensor: a view (sizes, strides, offset, dtype) of a stored storage.
+// Sizes and strides of up to 5 dimensions live inline (no heap allocation per
+// saved tensor, as in TensorImpl).
 struct Entry {
   int32_t storage = 0;
-  std::vector<int64_t> sizes;
-  std::vector<int64_t> strides;
+  c10::SmallVector<int64_t, 5> sizes;
+  c10::SmallVector<int64_t, 5> strides;
   int64_t storage_offset = 0;
   caffe2::TypeMeta dtype;
   c10::Device device{c10::kCPU};
@@ -86,7 +89,8 @@ struct Group {
   bool arena_views_allowed = true;
   uint64_t planned_bytes = 0;  // reserved at Begin (0: reserve at close)
   uint64_t bump = 0;
-  std::unordered_map<c10::StorageImpl*, int32_t> by_impl;  // while open
+  // While open; open addressing: no node allocated per stored storage.
+  ska::flat_hash_map<c10::StorageImpl*, int32_t> by_impl;
   std::vector<std::shared_ptr<StoredStorage>> storages;
   std::vector<Entry> entries;
   int64_t live = 0;

@@ -127,13 +127,7 @@ class GroupOffloader::Impl {
         worker_.Post([this, g, s] { transfer_.CopyOut(*g, *s); });
       }
     }
-    const bool dedup = packed.dedup;
-    stats_.Count([dedup, copied_here, capturing](OffloaderStats& s) {
-      ++s.tensors;
-      if (capturing) ++s.capture_skipped;
-      if (dedup) ++s.deduplicated;
-      if (copied_here) ++s.caller_copies;
-    });
+    stats_.CountTensor(packed.dedup, copied_here, capturing);
     return packed.index;
   }
 
@@ -171,6 +165,39 @@ class GroupOffloader::Impl {
                       g.prefetched.wait_for(std::chrono::seconds(0)) == std::future_status::ready);
   }
 
+  // Get's path that needs no wait, no prefetch to issue and no copy: the
+  // whole of it under one hold of mu_.
+  std::optional<Result<at::Tensor>> GetIfReady(uint64_t key, int64_t index) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = groups_.find(key);
+    if (it == groups_.end()) return Result<at::Tensor>(NotFoundGroup(key));
+    Group& g = *it->second;
+    if (index < 0 || index >= static_cast<int64_t>(g.entries.size())) {
+      return Result<at::Tensor>(NoSuchEntry(key, index));
+    }
+    const Entry& e = g.entries[index];
+    const StoredStorage& s = *g.storages[e.storage];
+    if (!s.device.is_cpu()) return std::nullopt;
+    if (!g.open && !(g.prefetch_issued &&
+                     g.prefetched.wait_for(std::chrono::seconds(0)) == std::future_status::ready)) {
+      return std::nullopt;
+    }
+    if (Status st = CheckUnmodified(e, key); !st.ok()) return Result<at::Tensor>(st);
+    if (!g.open) {
+      const Status& prefetched = g.prefetched.get();
+      if (!prefetched.ok()) return Result<at::Tensor>(prefetched);
+    }
+    c10::Storage storage;
+    {
+      std::lock_guard<std::mutex> storages_lock(g.mu);
+      storage = s.source ? s.source : s.restored;
+    }
+    if (!storage) return std::nullopt;  // a second backward: Get reads it again
+    Result<at::Tensor> out = Unpack(e, storage);
+    if (out.ok()) MarkUnpackedLocked(g, index);
+    return out;
+  }
+
   Result<at::Tensor> Get(uint64_t key, int64_t index, uintptr_t stream) {
     std::shared_ptr<Group> g;
     std::shared_ptr<StoredStorage> s;
@@ -180,13 +207,10 @@ class GroupOffloader::Impl {
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = groups_.find(key);
-      if (it == groups_.end()) {
-        return NotFound("group " + std::to_string(key) + " was released");
-      }
+      if (it == groups_.end()) return NotFoundGroup(key);
       g = it->second;
       if (index < 0 || index >= static_cast<int64_t>(g->entries.size())) {
-        return InvalidArgument("entry " + std::to_string(index) + " is not in group " +
-                               std::to_string(key));
+        return NoSuchEntry(key, index);
       }
       e = g->entries[index];
       MEMOFFLOAD_RETURN_IF_ERROR(CheckUnmodified(e, key));
@@ -363,11 +387,23 @@ class GroupOffloader::Impl {
 
   void MarkUnpacked(const std::shared_ptr<Group>& g, int64_t index) {
     std::lock_guard<std::mutex> lock(mu_);
-    Entry& e = g->entries[index];
+    MarkUnpackedLocked(*g, index);
+  }
+
+  void MarkUnpackedLocked(Group& g, int64_t index) {
+    Entry& e = g.entries[index];
     if (e.unpacked || !e.live) return;
     e.unpacked = true;
-    ++g->unpacked;
-    MaybeEndRoundLocked(*g);
+    ++g.unpacked;
+    MaybeEndRoundLocked(g);
+  }
+
+  static Status NotFoundGroup(uint64_t key) {
+    return NotFound("group " + std::to_string(key) + " was released");
+  }
+  static Status NoSuchEntry(uint64_t key, int64_t index) {
+    return InvalidArgument("entry " + std::to_string(index) + " is not in group " +
+                           std::to_string(key));
   }
 
   // Every live entry was unpacked once: this backward no longer needs the
@@ -482,6 +518,9 @@ Status GroupOffloader::DropEntry(uint64_t key, int64_t entry) {
 }
 Status GroupOffloader::ReleaseGroup(uint64_t key) { return impl_->ReleaseGroup(key); }
 bool GroupOffloader::WouldNotWait(uint64_t key) { return impl_->WouldNotWait(key); }
+std::optional<Result<at::Tensor>> GroupOffloader::GetIfReady(uint64_t key, int64_t entry) {
+  return impl_->GetIfReady(key, entry);
+}
 
 Status GroupOffloader::OffloadGroup(uint64_t key, const std::vector<at::Tensor>& tensors,
                                     uintptr_t stream, int64_t slot) {

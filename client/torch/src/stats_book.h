@@ -3,6 +3,7 @@
 #ifndef MEMOFFLOAD_TORCH_SRC_STATS_BOOK_H_
 #define MEMOFFLOAD_TORCH_SRC_STATS_BOOK_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -30,9 +31,26 @@ class StatsBook {
     fn(stats_, slot >= 0 ? slots_[slot] : scratch);
   }
 
+  // The per-tensor counters of an Add: atomics, not the book's lock (one
+  // saved tensor should not pay a lock round for its counters).
+  void CountTensor(bool deduplicated, bool caller_copy, bool capture_skipped) {
+    tensors_.fetch_add(1, std::memory_order_relaxed);
+    if (deduplicated) deduplicated_.fetch_add(1, std::memory_order_relaxed);
+    if (caller_copy) caller_copies_.fetch_add(1, std::memory_order_relaxed);
+    if (capture_skipped) capture_skipped_.fetch_add(1, std::memory_order_relaxed);
+  }
+
   OffloaderStats Snapshot() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return stats_;
+    OffloaderStats s;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      s = stats_;
+    }
+    s.tensors = tensors_.load(std::memory_order_relaxed);
+    s.deduplicated = deduplicated_.load(std::memory_order_relaxed);
+    s.caller_copies = caller_copies_.load(std::memory_order_relaxed);
+    s.capture_skipped = capture_skipped_.load(std::memory_order_relaxed);
+    return s;
   }
 
   SlotStats SlotSum(int64_t first_slot, int64_t end_slot) const {
@@ -55,6 +73,11 @@ class StatsBook {
   mutable std::mutex mu_;
   OffloaderStats stats_;                // GUARDED_BY(mu_)
   std::map<int64_t, SlotStats> slots_;  // GUARDED_BY(mu_)
+  // CountTensor's; stats_'s fields of the same names stay 0.
+  std::atomic<uint64_t> tensors_{0};
+  std::atomic<uint64_t> deduplicated_{0};
+  std::atomic<uint64_t> caller_copies_{0};
+  std::atomic<uint64_t> capture_skipped_{0};
 };
 
 }  // namespace memoffload::torch

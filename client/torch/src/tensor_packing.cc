@@ -71,8 +71,10 @@ Result<Packed> PackLocked(Group& g, const at::Tensor& tensor, CopyEngine* engine
   }
   Entry e;
   e.storage = storage_index;
-  e.sizes = tensor.sizes().vec();
-  e.strides = tensor.strides().vec();
+  const c10::IntArrayRef sizes = tensor.sizes();
+  const c10::IntArrayRef strides = tensor.strides();
+  e.sizes.assign(sizes.begin(), sizes.end());
+  e.strides.assign(strides.begin(), strides.end());
   e.storage_offset = tensor.storage_offset();
   e.dtype = tensor.dtype();
   e.device = tensor.device();

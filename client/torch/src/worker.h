@@ -4,6 +4,8 @@
 #ifndef MEMOFFLOAD_TORCH_SRC_WORKER_H_
 #define MEMOFFLOAD_TORCH_SRC_WORKER_H_
 
+#include <sched.h>
+
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -71,6 +73,13 @@ class Worker {
   };
 
   void Run() {
+    // The tasks (RPCs, copies) overlap with the training thread's compute:
+    // SCHED_BATCH (same share of the CPU, no wake-up preemption) keeps a
+    // posted task from preempting the thread that posted it on a busy
+    // machine. Best effort: a refusal leaves the default policy.
+    sched_param param{};
+    param.sched_priority = 0;
+    (void)sched_setscheduler(0, SCHED_BATCH, &param);
     for (;;) {
       Task task;
       {

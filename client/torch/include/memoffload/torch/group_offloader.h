@@ -38,6 +38,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -138,6 +139,11 @@ class GroupOffloader {
   // group's space until it dies (the group's Release waits for its last such
   // storage). Writes to one stay inside its own storage's bytes.
   Result<at::Tensor> Get(uint64_t key, int64_t entry, uintptr_t stream = 0);
+  // Get(key, entry) for a CPU entry when it returns without waiting for the
+  // worker (the group is open, unknown, or its prefetch is complete; one
+  // lock round instead of WouldNotWait + Get); nullopt when Get would wait,
+  // or for a device entry.
+  std::optional<Result<at::Tensor>> GetIfReady(uint64_t key, int64_t entry);
   // Whether Get(key, ...) returns without waiting for the worker (the group
   // is open, unknown, or its prefetch is complete).
   bool WouldNotWait(uint64_t key);
