@@ -44,3 +44,32 @@ def test_readme_pytorch_snippet_runs_verbatim(daemon, monkeypatch):
         assert_arena_empty(daemon, off)
     finally:
         mot.forget_offloader()
+
+
+CHECKPOINT_SECTION = "## Checkpoints into the node"
+
+
+def test_readme_checkpoint_snippet_runs_verbatim(daemon, monkeypatch, tmp_path):
+    text = (REPO / "README.md").read_text()
+    assert CHECKPOINT_SECTION in text, f"README.md has no section {CHECKPOINT_SECTION!r}"
+    section = text[text.index(CHECKPOINT_SECTION) :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    monkeypatch.setenv("MEMOFFLOAD_RUNTIME_DIR", daemon.runtime_dir)
+    monkeypatch.chdir(tmp_path)  # where a fallback would write its files
+    namespace = {"__name__": "__readme__"}
+    exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["latest"] == "step-3"
+    # It went to the daemon, not to the fallback's files, and kept the last two.
+    from memoffload import _C
+
+    store = _C.RegionStore(job_id="readme-demo")
+    try:
+        names = sorted(r["name"] for r in store.list("dcp/"))
+        assert any(n.startswith("dcp/step-3/") for n in names), names
+        assert any(n.startswith("dcp/step-2/") for n in names), names
+        assert not any(n.startswith("dcp/step-1/") for n in names), names
+        for n in names:
+            store.delete(n)
+    finally:
+        store.close()
+    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())

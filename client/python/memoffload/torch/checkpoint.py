@@ -141,7 +141,7 @@ class MemoffloadWriter(StorageWriter):
     ``$MEMOFFLOAD_CHECKPOINT_DIR``, else ``./memoffload-checkpoints/<job>``).
     ``keep_last``: complete checkpoints kept after each successful save
     (None keeps all). ``checksums``: CRC32C of every region, verified when it
-    is opened. ``ttl_seconds``: the daemon deletes the regions this long after
+    is read. ``ttl_seconds``: the daemon deletes the regions this long after
     their commit (0: the daemon's ``regions.ttl``, 24 h by default; it caps
     larger values). ``sync_files``: fsync the fallback's files. The
     checkpoint id comes from ``dcp.save(checkpoint_id=...)`` or the
@@ -342,8 +342,9 @@ class MemoffloadReader(StorageReader):
     """A DCP StorageReader of checkpoints written by :class:`MemoffloadWriter`:
     from the daemon's regions when the checkpoint is there, else (with one
     warning) from ``<fallback_dir>/<id>``. ``verify``: check the CRC32C of
-    each checksummed region when it is opened (memoffload.DataLoss on a
-    mismatch). Other arguments as for the writer."""
+    each checksummed region, as its items are copied out (memoffload.DataLoss
+    on a mismatch; the load then fails, and the state dict may hold part of
+    the bad checkpoint). Other arguments as for the writer."""
 
     def __init__(
         self,
