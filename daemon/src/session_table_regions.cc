@@ -11,6 +11,7 @@ namespace memoffload::daemon {
 namespace {
 
 constexpr size_t kMaxRegionName = 255;
+constexpr long kMaxOpensPerSession = 64;
 
 Status CheckRegionName(const std::string& name) {
   if (name.empty() || name.size() > kMaxRegionName) {
@@ -227,6 +228,13 @@ Result<PrefetchResult> SessionTable::OpenRegion(uint64_t session_id, const std::
   Region& r = **region;
   if (r.state != RegionState::kCommitted) {
     return NotFound("region " + name + " is still being written (not committed)");
+  }
+  // A session may have a region open more than once (two readers in one
+  // process), within a bound: each open is a record until it is closed.
+  if (std::count(r.readers.begin(), r.readers.end(), session_id) >= kMaxOpensPerSession) {
+    return ResourceExhausted("session " + std::to_string(session_id) + " has region " + name +
+                             " open " + std::to_string(kMaxOpensPerSession) +
+                             " times already; close it first");
   }
   r.readers.push_back(session_id);
   return PrefetchResult{r.extents, r.used_bytes, r.extent_crc32c, nullptr};

@@ -243,6 +243,21 @@ TEST_F(RegionsTest, ADeleteWhileReadHidesTheRegionAndFreesItWhenTheLastReaderGoe
   EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
 }
 
+TEST_F(RegionsTest, OneSessionOpensARegionAtMost64TimesAtOnce) {
+  SessionGrant s = OpenAs(*table_, 1000, "train");
+  Save(s, "ckpt", 4096, 1);
+  for (int i = 0; i < 64; ++i) ASSERT_EQ(OpenCode(s, "ckpt"), StatusCode::kOk) << i;
+  EXPECT_EQ(OpenCode(s, "ckpt"), StatusCode::kResourceExhausted);
+  SessionGrant other = OpenAs(*table_, 1000, "train");
+  EXPECT_EQ(OpenCode(other, "ckpt"), StatusCode::kOk);
+  ASSERT_TRUE(table_->CloseRegion(s.session_id, s.token, "ckpt").ok());
+  EXPECT_EQ(OpenCode(s, "ckpt"), StatusCode::kOk);
+  ASSERT_TRUE(table_->Close(s.session_id, CloseReason::kLifelineClosed).ok());
+  auto list = table_->ListRegions(other.session_id, other.token, "");
+  ASSERT_EQ(list->size(), 1u);
+  EXPECT_EQ((*list)[0].readers, 1u);
+}
+
 TEST_F(RegionsTest, AnOperatorDeletesAnyCommittedRegionButNotOneBeingWritten) {
   SessionGrant s = OpenAs(*table_, 1000, "train");
   Save(s, "done", 4096, 1);
