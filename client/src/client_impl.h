@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
@@ -33,8 +34,34 @@ std::vector<Extent> FromProto(const google::protobuf::RepeatedPtrField<v1::Exten
 class Client::Impl {
  public:
   ~Impl() {
+    // Before the chunks are unmapped (members go after this body).
+    std::lock_guard<std::mutex> lock(populator_mu);
+    stop_populating.store(true);
+    if (populator.joinable()) populator.join();
     if (lifeline_fd >= 0) close(lifeline_fd);
   }
+
+  // Fills the page tables of `extents` on a thread of its own, a few MiB at
+  // a time, ahead of a reader that is about to copy them out front to back:
+  // the reader finds its blocks mapped instead of filling them itself (a
+  // process new to these pages pays ~0.1 s per GiB). One at a time; a
+  // running one is waited for first.
+  void PopulateAhead(std::vector<Extent> extents) {
+    if (!populate_on_first_use) return;
+    std::lock_guard<std::mutex> lock(populator_mu);
+    if (populator.joinable()) populator.join();
+    populator = std::thread([this, extents = std::move(extents)] {
+      constexpr uint64_t kStep = 4 * kPopulateBlockBytes;
+      for (const Extent& e : extents) {
+        for (uint64_t at = 0; at < e.length && !stop_populating.load(); at += kStep) {
+          PopulateRange(e.chunk, e.offset + at, std::min(kStep, e.length - at));
+        }
+      }
+    });
+  }
+  std::mutex populator_mu;
+  std::thread populator;                     // guarded by populator_mu
+  std::atomic<bool> stop_populating{false};  // the Client is going away
 
   std::string runtime_dir;
   std::string grpc_socket;

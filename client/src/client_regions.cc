@@ -57,12 +57,12 @@ Result<Placement> Client::OpenRegion(const std::string& name, bool verify) {
                       resp.used_bytes(),
                       {resp.extent_crc32c().begin(), resp.extent_crc32c().end()}};
   st = impl_->EnsureMapped(Impl::ChunksOf(placement.extents));
-  // The reader reads it all: fill the page tables now, in large steps.
-  for (const Extent& e : placement.extents) {
-    if (st.ok()) impl_->PopulateRange(e.chunk, e.offset, e.length);
-  }
   if (st.ok() && verify && !placement.extent_crc32c.empty()) {
+    // The check reads it all now: fill the page tables first, in large steps.
+    for (const Extent& e : placement.extents) impl_->PopulateRange(e.chunk, e.offset, e.length);
     st = impl_->Verify(placement, "region " + name);
+  } else if (st.ok()) {
+    impl_->PopulateAhead(placement.extents);  // the reader is about to read it all
   }
   if (!st.ok()) {
     if (Status closed = CloseRegion(name); !closed.ok()) {
