@@ -182,6 +182,9 @@ int Regions(memoffload::client::AdminClient& admin, const std::string& prefix, b
                 g.readers(), g.checksummed() ? "yes" : "no");
   }
   if (r->regions_size() == 0) std::printf("(no regions)\n");
+  if (r->omitted() != 0) {
+    std::printf("(%u more not listed: give a name prefix, e.g. 'regions dcp/')\n", r->omitted());
+  }
   return kExitOk;
 }
 

@@ -350,7 +350,9 @@ class RegionStore {
     return out;
   }
 
-  // Ends the session: regions being written by it vanish, open ones close.
+  // Lets go of the session: it ends (regions being written by it vanish,
+  // open ones close) once no RegionWriter or RegionReader of it is alive
+  // either; each keeps the session it was made in.
   void Close() { client_.reset(); }
   bool closed() const { return client_ == nullptr; }
   uint64_t session_id() { return Live()->session_id(); }
@@ -396,7 +398,8 @@ void BindRegions(py::module_& m) {
            py::arg("verify_as_read") = false)
       .def("delete", &RegionStore::Delete, py::arg("name"))
       .def("list", &RegionStore::List, py::arg("prefix") = "")
-      .def("close", &RegionStore::Close)
+      .def("close", &RegionStore::Close,
+           "Lets go of the session; it ends once no writer or reader made by it is alive.")
       .def_property_readonly("closed", &RegionStore::closed)
       .def_property_readonly("session_id", &RegionStore::session_id);
 }

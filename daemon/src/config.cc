@@ -324,7 +324,10 @@ Status ResolveAndValidate(DaemonConfig* c) {
   if (c->policy.region_max_bytes == 0) {
     auto source = c->sources.find("regions.max_bytes");
     if (source == c->sources.end() || source->second == "default") {
-      c->policy.region_max_bytes = c->arena_size_bytes / 2 / page * page;
+      // Half the arena, and at least one chunk: with tenants a region keeps
+      // its whole chunk, so less than a chunk would allow no region at all.
+      c->policy.region_max_bytes =
+          std::max(c->arena_size_bytes / 2 / page * page, c->chunk_size_bytes);
     }
   }
   if (c->policy.region_max_bytes > c->arena_size_bytes) {

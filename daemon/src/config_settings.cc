@@ -317,8 +317,8 @@ const std::vector<Setting>& Settings() {
                    "groups one session may hold at once (default 16384)", 1 << 24,
                    [](DaemonConfig* c) { return &c->policy.max_groups_per_session; }),
       U64Setting("regions", "max_bytes", Kind::kSize,
-                 "arena bytes all checkpoint regions may hold (default half the arena; 0 "
-                 "disables regions)",
+                 "arena bytes all checkpoint regions may hold, counted in whole chunks with "
+                 "tenants (default half the arena, at least one chunk; 0 disables regions)",
                  [](DaemonConfig* c) { return &c->policy.region_max_bytes; }),
       U64Setting("regions", "job_max_bytes", Kind::kSize,
                  "arena bytes one job's checkpoint regions may hold (0: only regions.max_bytes)",

@@ -330,8 +330,9 @@ class Daemon {
     region_timer_.async_wait([this](const boost::system::error_code& ec) {
       if (ec) return;
       if (uint64_t expired = table_->ExpireRegions(Clock::now()); expired != 0) {
-        MO_LOG_INFO("deleted %lu checkpoint region%s past its TTL",
-                    static_cast<unsigned long>(expired), expired == 1 ? "" : "s");
+        MO_LOG_INFO("deleted %lu checkpoint region%s past %s TTL",
+                    static_cast<unsigned long>(expired), expired == 1 ? "" : "s",
+                    expired == 1 ? "its" : "their");
       }
       ArmRegionTimer();
     });

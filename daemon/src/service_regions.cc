@@ -143,7 +143,13 @@ grpc::Status OffloadService::ListRegions(grpc::ServerContext*, const v1::ListReg
   } else {
     regions = table_->ListAllRegions(req->prefix());
   }
-  for (const RegionSnapshot& r : regions) FillInfo(r, resp->add_regions());
+  constexpr size_t kMaxListed = 4096;  // 255-byte names: about 1.3 MiB
+  for (size_t i = 0; i < regions.size() && i < kMaxListed; ++i) {
+    FillInfo(regions[i], resp->add_regions());
+  }
+  if (regions.size() > kMaxListed) {
+    resp->set_omitted(static_cast<uint32_t>(regions.size() - kMaxListed));
+  }
   return Finish(Method::kListRegions, start, Status::Ok());
 }
 

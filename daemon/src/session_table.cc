@@ -476,6 +476,21 @@ Status SessionTable::CheckInvariants() const {
     if (job_held != job.held_bytes) return Internal("job " + key + " region bytes disagree");
     region_held += job_held;
   }
+  if (tenant_chunks_.mode() != TenantMode::kNone) {
+    std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
+    uint64_t chunk_bytes = 0;
+    for (const auto& [key, job] : regions_) {
+      for (const auto& [name, r] : job.by_name) {
+        for (const Extent& e : r.extents) {
+          if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
+        }
+      }
+    }
+    if (chunk_bytes != region_chunk_bytes_ ||
+        (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
+      return Internal("the chunks regions pin disagree with the regions");
+    }
+  }
   if (region_held != region_bytes_ || region_count != region_count_) {
     return Internal("region counters disagree with the regions");
   }

@@ -37,6 +37,30 @@ double UnixNow() {
 
 }  // namespace
 
+void SessionTable::CountRegionChunks(const std::vector<Extent>& extents, int delta) {
+  if (tenant_chunks_.mode() == TenantMode::kNone) return;  // nothing is pinned
+  if (region_extents_in_chunk_.empty()) region_extents_in_chunk_.assign(arena_->chunk_count(), 0);
+  for (const Extent& e : extents) {
+    uint32_t& n = region_extents_in_chunk_[e.chunk];
+    if (delta > 0 && n++ == 0) region_chunk_bytes_ += arena_->chunk(e.chunk).size_bytes();
+    if (delta < 0 && --n == 0) region_chunk_bytes_ -= arena_->chunk(e.chunk).size_bytes();
+  }
+}
+
+uint64_t SessionTable::NewRegionChunkBytes(const std::vector<Extent>& extents) const {
+  if (tenant_chunks_.mode() == TenantMode::kNone) return 0;
+  std::vector<uint32_t> fresh;
+  for (const Extent& e : extents) {
+    const bool pinned = !region_extents_in_chunk_.empty() && region_extents_in_chunk_[e.chunk] != 0;
+    if (!pinned && std::find(fresh.begin(), fresh.end(), e.chunk) == fresh.end()) {
+      fresh.push_back(e.chunk);
+    }
+  }
+  uint64_t bytes = 0;
+  for (uint32_t c : fresh) bytes += arena_->chunk(c).size_bytes();
+  return bytes;
+}
+
 const char* RegionStateName(RegionState state) {
   return state == RegionState::kWriting ? "writing" : "committed";
 }
@@ -142,6 +166,19 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
   RejectReason reject = RejectReason::kNone;
   Result<std::vector<Extent>> extents = Place(s, rounded, /*single_extent=*/false, 0, &reject);
   if (!extents.ok()) return extents.status();
+  // With tenants, a region keeps its whole chunk from every other tenant for
+  // as long as it lives, so the node cap counts the chunks regions pin.
+  if (const uint64_t pinned = NewRegionChunkBytes(*extents);
+      pinned != 0 && region_chunk_bytes_ + pinned > policy.region_max_bytes) {
+    FreeExtents(*extents);
+    return ResourceExhausted("region " + name + " would pin " + FormatSize(pinned) +
+                             " more of the arena's chunks to tenant " + s.tenant +
+                             ": regions would keep " + FormatSize(region_chunk_bytes_ + pinned) +
+                             " of chunks from other tenants, over " +
+                             FormatSize(policy.region_max_bytes) +
+                             " (regions.max_bytes; a chunk holding a region stays its tenant's)");
+  }
+  CountRegionChunks(*extents, +1);
   Region r;
   r.name = name;
   r.uid = s.peer.uid;
@@ -196,6 +233,8 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   uint64_t kept_bytes = 0;
   for (const Extent& e : *kept) kept_bytes += e.length;
   const uint64_t returned = r.held_bytes - kept_bytes;
+  CountRegionChunks(r.extents, -1);
+  CountRegionChunks(*kept, +1);
   (*job)->held_bytes -= returned;
   region_bytes_ -= returned;
   committed_region_bytes_ += kept_bytes;
@@ -271,6 +310,7 @@ uint64_t SessionTable::DropRegion(JobRegions* job, std::map<std::string, Region>
   r.deleted = true;
   if (!r.readers.empty()) return 0;
   const uint64_t freed = r.held_bytes;
+  CountRegionChunks(r.extents, -1);
   FreeExtents(r.extents);
   job->held_bytes -= freed;
   region_bytes_ -= freed;
@@ -324,6 +364,7 @@ Result<uint64_t> SessionTable::DeleteRegionOf(uid_t uid, const std::string& job_
                                 "; it is freed if that session ends uncommitted");
     }
     freed = DropRegion(&job->second, it);
+    if (job->second.by_name.empty()) regions_.erase(job);
     if (freed != 0) DispatchWaiters(&done);
   }
   Run(&done);
@@ -382,6 +423,9 @@ uint64_t SessionTable::ExpireRegions(Clock::time_point now) {
       }
     }
     regions_expired_ += expired;
+    for (auto it = regions_.begin(); it != regions_.end();) {
+      it = it->second.by_name.empty() ? regions_.erase(it) : std::next(it);
+    }
     if (freed) DispatchWaiters(&done);
   }
   Run(&done);

@@ -299,9 +299,13 @@ Result<DaemonConfig> Resolved(std::vector<const char*> args) {
 }
 
 TEST(Config, RegionLimitsDefaultToHalfTheArenaAndAnExplicitZeroDisablesThem) {
-  auto c = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x"});
+  auto c = Resolved({"--arena-size=1GiB", "--chunk-size=256MiB", "--runtime-dir=/tmp/x"});
   ASSERT_TRUE(c.ok()) << c.status().ToString();
   EXPECT_EQ(c->policy.region_max_bytes, 512u << 20);
+  // At least one chunk: a region pins its whole chunk.
+  auto one = Resolved({"--arena-size=1GiB", "--chunk-size=1GiB", "--runtime-dir=/tmp/x"});
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(one->policy.region_max_bytes, 1u << 30);
   EXPECT_EQ(c->policy.region_ttl_ms, 24u * 3600 * 1000);
   auto off = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=0"});
   ASSERT_TRUE(off.ok()) << off.status().ToString();

@@ -258,6 +258,25 @@ TEST_F(RegionsTest, OneSessionOpensARegionAtMost64TimesAtOnce) {
   EXPECT_EQ((*list)[0].readers, 1u);
 }
 
+TEST_F(RegionsTest, TinyRegionsPinNoMoreChunksThanTheNodeCapAllows) {
+  // Another uid's one-byte regions, each in a chunk of its own (the rest of
+  // each chunk held by its activations), pin whole chunks: the cap (2 of the
+  // 4 chunks) counts those, so half the arena stays for everyone else.
+  SessionGrant hostile = OpenAs(*table_, 2000, "x");
+  Save(hostile, "r0", 1, 1);
+  ASSERT_TRUE(table_->Reserve(hostile.session_id, hostile.token, 1, kMiB - 4096, false).ok());
+  Save(hostile, "r1", 1, 1);  // a second chunk
+  ASSERT_TRUE(table_->Reserve(hostile.session_id, hostile.token, 2, kMiB - 4096, false).ok());
+  auto third = table_->CreateRegion(hostile.session_id, hostile.token, "r2", 1, milliseconds(0));
+  EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("regions.max_bytes"), std::string::npos)
+      << third.status().ToString();
+  EXPECT_EQ(table_->Snapshot().region_bytes, 8192u);
+  ASSERT_TRUE(table_->Close(hostile.session_id, CloseReason::kProcessExited).ok());
+  SessionGrant victim = OpenAs(*table_, 1000, "train");
+  EXPECT_TRUE(table_->Reserve(victim.session_id, victim.token, 1, 2 * kMiB, false).ok());
+}
+
 TEST_F(RegionsTest, AnOperatorDeletesAnyCommittedRegionButNotOneBeingWritten) {
   SessionGrant s = OpenAs(*table_, 1000, "train");
   Save(s, "done", 4096, 1);

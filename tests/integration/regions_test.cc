@@ -236,6 +236,34 @@ TEST(Regions, MemoffloadctlListsAndDeletesRegionsAndTheMetricsShowThem) {
   EXPECT_NE(metrics.find("memoffload_regions{state=\"committed\"} 0"), std::string::npos);
 }
 
+TEST(Regions, TheNodeListingStopsAt4096RegionsAndSaysHowManyMoreThereAre) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.extra_args = {"--regions-max-per-job=8192"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto c = Attach(*daemon, "train");
+  ASSERT_NE(c, nullptr);
+  const std::string longest(240, 'n');
+  for (int i = 0; i < 4100; ++i) {
+    const std::string name = longest + std::to_string(10000 + i);
+    ASSERT_TRUE(c->CreateRegion(name, 1).ok()) << i;
+    ASSERT_TRUE(c->CommitRegion(name, 0).ok()) << i;
+  }
+  std::string out;
+  ASSERT_EQ(
+      RunCapture({BinDir() + "/memoffloadctl", "--runtime-dir", daemon->runtime_dir(), "regions"},
+                 &out),
+      0);
+  EXPECT_NE(out.find("(4 more not listed"), std::string::npos) << out.substr(out.size() - 300);
+  auto admin = client::AdminClient::Connect(daemon->runtime_dir());
+  ASSERT_TRUE(admin.ok());
+  auto listed = (*admin)->ListRegions();
+  ASSERT_TRUE(listed.ok()) << listed.status().ToString();
+  EXPECT_EQ(listed->regions_size(), 4096);
+  EXPECT_EQ(listed->omitted(), 4u);
+}
+
 TEST(Regions, TheTtlDeletesACommittedRegion) {
   std::string error;
   DaemonProcess::Options options;

@@ -379,6 +379,11 @@ class SessionTable {
   // closed. Requires mu_.
   void ForgetRegionsOf(const Session& session);
   RegionSnapshot SnapshotOf(const Region& region, Clock::time_point now) const;
+  // Counts the extents (delta +1) or uncounts them (-1) in the chunks they
+  // pin; with tenants only. Requires mu_.
+  void CountRegionChunks(const std::vector<Extent>& extents, int delta);
+  // The bytes of the chunks `extents` would newly pin. Requires mu_.
+  uint64_t NewRegionChunkBytes(const std::vector<Extent>& extents) const;
   // Places `rounded` bytes in the session's tenant's chunks (claiming empty
   // ones), leaving keep_free_bytes free; checks capacity (quota_.Room) and
   // the extent count. Requires mu_.
@@ -485,6 +490,11 @@ class SessionTable {
   uint64_t region_bytes_ = 0;                            // guarded by mu_
   uint64_t committed_region_bytes_ = 0;                  // guarded by mu_
   uint64_t regions_expired_ = 0;                         // guarded by mu_
+  // Region extents in each chunk (sized on first use; with tenants only)
+  // and the bytes of the chunks with any: what regions keep from other
+  // tenants, which regions.max_bytes bounds.
+  std::vector<uint32_t> region_extents_in_chunk_;  // guarded by mu_
+  uint64_t region_chunk_bytes_ = 0;                // guarded by mu_
 
   std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
 };
