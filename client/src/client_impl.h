@@ -42,8 +42,8 @@ class Client::Impl {
   }
 
   // Fills the page tables of `extents` on a thread of its own, a few MiB at
-  // a time, ahead of a reader that is about to copy them out front to back:
-  // the reader finds its blocks mapped instead of filling them itself (a
+  // a time, ahead of a writer or reader that is about to copy them front to
+  // back: it finds its blocks mapped instead of filling them itself (a
   // process new to these pages pays ~0.1 s per GiB). One at a time; a
   // running one is waited for first.
   void PopulateAhead(std::vector<Extent> extents) {

@@ -26,6 +26,7 @@ Result<Reservation> Client::CreateRegion(const std::string& name, uint64_t size_
     }
     return mapped;
   }
+  impl_->PopulateAhead(reservation.extents);  // the writer is about to fill it front to back
   return reservation;
 }
 
