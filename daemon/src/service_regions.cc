@@ -143,7 +143,7 @@ grpc::Status OffloadService::ListRegions(grpc::ServerContext*, const v1::ListReg
   } else {
     regions = table_->ListAllRegions(req->prefix());
   }
-  constexpr size_t kMaxListed = 4096;  // 255-byte names: about 1.3 MiB
+  constexpr size_t kMaxListed = 512;  // 255-byte names: about 160 KiB
   for (size_t i = 0; i < regions.size() && i < kMaxListed; ++i) {
     FillInfo(regions[i], resp->add_regions());
   }

@@ -172,6 +172,15 @@ def reclaim_one_session(daemon: Daemon) -> None:
     wait_until(reclaimed, 10, "the killed session to be reclaimed")
 
 
+def save_one_region(daemon: Daemon) -> None:
+    """A process writes and commits a checkpoint region (the regions row's data)."""
+    r = subprocess.run([str(BIN_DIR / "region_worker"), "write", str(daemon.runtime_dir),
+                        "metrics-test", f"ckpt-{time.monotonic_ns()}", "65536", "commit"],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0 or r.stdout != "OK\n":
+        raise AssertionError(f"region_worker said {r.stdout!r} {r.stderr!r}")
+
+
 # ---- exposition and dashboard parsing ----------------------------------------
 
 def exported_families(text: str) -> dict:
@@ -267,8 +276,10 @@ class DaemonTestCase(unittest.TestCase):
         self.addCleanup(self.daemon.close)
 
     def drive_traffic(self, seconds: float = 2) -> dict:
-        """Load with a session limit (so some Reserves are refused) and one reclaim."""
+        """Load with a session limit (so some Reserves are refused), one reclaim
+        and one checkpoint region written and committed."""
         reclaim_one_session(self.daemon)
+        save_one_region(self.daemon)
         summary = run_load(self.daemon, clients=2, seconds=seconds, max_bytes="3MiB")
         self.assertGreater(summary["cycles"], 0, summary)
         self.assertGreater(summary["rejected"], 0, f"no Reserve hit the session limit: {summary}")

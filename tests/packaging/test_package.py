@@ -77,9 +77,11 @@ def test_too_old_torch_is_refused_at_build_and_at_import(tmp_path: Path) -> None
     # At import: memoffload.torch names the torch it found (copy the Python
     # sources only; the check runs before the extension is loaded).
     pkg = tmp_path / "pkg"
-    (pkg / "memoffload").mkdir(parents=True)
-    for src in (REPO / "client" / "python" / "memoffload").glob("*.py"):
-        (pkg / "memoffload" / src.name).write_text(src.read_text())
+    sources = REPO / "client" / "python" / "memoffload"
+    for src in sources.rglob("*.py"):  # memoffload.torch is a subpackage
+        dst = pkg / "memoffload" / src.relative_to(sources)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(src.read_text())
     out = run([str(python), "-c", "import memoffload.torch"], env={**os.environ, "PYTHONPATH": str(pkg)})
     assert out.returncode != 0
     assert "ImportError" in out.stderr and "found torch 1.13.1" in out.stderr, out.stderr
