@@ -8,10 +8,11 @@
 // map, which makes validating a Free O(1) when the extent begins where an
 // allocated extent begins.
 //
-// Every free node is listed twice: in the arena's class lists and in its
-// chunk's own, so a search restricted to some chunks (allowed_chunks) asks
-// each allowed chunk in O(1) instead of scanning the arena's lists for
-// members in allowed chunks.
+// Every free node is listed twice: in its pool's class lists and in its
+// chunk's own, so a search in one pool (a tenant's chunks) is O(1), and one
+// restricted to some chunks (allowed_chunks) asks each allowed chunk in O(1)
+// instead of scanning a pool's lists for members in allowed chunks. The
+// searches are in allocator_search.cc.
 #include "memoffload/daemon/allocator.h"
 
 #include <algorithm>
@@ -56,30 +57,27 @@ uint64_t Key(uint32_t chunk, uint64_t offset) { return (uint64_t{chunk} << kKeyS
 
 ExtentAllocator::ExtentAllocator(const std::vector<uint64_t>& chunk_sizes, uint64_t page_bytes)
     : page_bytes_(page_bytes),
-      arena_lists_(ValidatedMaxPages(chunk_sizes, page_bytes), kArenaLists),
+      max_chunk_pages_(ValidatedMaxPages(chunk_sizes, page_bytes)),
       index_(chunk_sizes.size() * 8 + 1024) {
   page_shift_ = Log2Floor(page_bytes);
+  pool_lists_.emplace_back(max_chunk_pages_, kPoolLists);
+  pool_free_pages_.push_back(0);
+  chunk_pool_.assign(chunk_sizes.size(), 0);
   nodes_.reserve(chunk_sizes.size() * 8 + 1024);
-  chunk_lists_.reserve(chunk_sizes.size());
   for (uint32_t c = 0; c < chunk_sizes.size(); ++c) {
     const uint64_t pages = chunk_sizes[c] >> page_shift_;
     ExtentNode& n = nodes_.emplace_back();
     n.length = pages;
     n.chunk = c;
-    chunk_lists_.emplace_back(pages, kChunkLists);
     chunk_pages_.push_back(pages);
     chunk_free_pages_.push_back(pages);
     capacity_pages_ += pages;
     InsertFree(c);
   }
   free_pages_ = capacity_pages_;
+  pool_free_pages_[0] = capacity_pages_;
 }
 
-// Pages of the longest free extent (in allowed chunks when non-null).
-uint64_t ExtentAllocator::LongestFreePages(const std::vector<uint32_t>* allowed) const {
-  const uint32_t i = Largest(allowed, /*longest=*/true);
-  return i == kNoNode ? 0 : nodes_[i].length;
-}
 std::string ExtentAllocator::Bytes(uint64_t pages) const {
   return std::to_string(ToBytes(pages)) + " bytes";
 }
@@ -98,15 +96,30 @@ uint32_t ExtentAllocator::NewNode() {
   return i;
 }
 
-// Lists free node i in the arena's and its chunk's class lists.
+// Lists free node i in its pool's class lists, and its chunk's once those
+// exist.
 void ExtentAllocator::InsertFree(uint32_t i) {
-  arena_lists_.Insert(nodes_, i);
-  chunk_lists_[nodes_[i].chunk].Insert(nodes_, i);
+  const uint32_t chunk = nodes_[i].chunk;
+  pool_lists_[chunk_pool_[chunk]].Insert(nodes_, i);
+  if (!chunk_lists_.empty()) chunk_lists_[chunk].Insert(nodes_, i);
 }
 // Unlinks free node i from both; is_free is the caller's.
 void ExtentAllocator::RemoveFree(uint32_t i) {
-  arena_lists_.Remove(nodes_, i);
-  chunk_lists_[nodes_[i].chunk].Remove(nodes_, i);
+  const uint32_t chunk = nodes_[i].chunk;
+  pool_lists_[chunk_pool_[chunk]].Remove(nodes_, i);
+  if (!chunk_lists_.empty()) chunk_lists_[chunk].Remove(nodes_, i);
+}
+
+void ExtentAllocator::BuildChunkLists() {
+  if (!chunk_lists_.empty()) return;
+  chunk_lists_.reserve(chunk_pages_.size());
+  for (uint32_t c = 0; c < chunk_pages_.size(); ++c) {
+    chunk_lists_.emplace_back(chunk_pages_[c], kChunkLists);
+    // Node c is the chunk's first: walk its nodes in address order.
+    for (uint32_t i = c; i != kNoNode; i = nodes_[i].next_phys) {
+      if (nodes_[i].is_free) chunk_lists_[c].Insert(nodes_, i);
+    }
+  }
 }
 
 // Splits node i after `pages` pages and returns the new right-hand node,
@@ -125,72 +138,6 @@ uint32_t ExtentAllocator::SplitAt(uint32_t i, uint64_t pages) {
   return r;
 }
 
-// Good fit: a free node of >= pages in an allowed chunk, or kNoNode. The
-// unrestricted search is O(1) (own class head, then the first non-empty
-// class above the request's, found by find-first-set); with `exact` it then
-// scans the own class, so kNoNode means nothing fits. A restricted search
-// does the same in each allowed chunk's own lists and takes the smallest
-// class found: O(allowed chunks), independent of the free extent count.
-uint32_t ExtentAllocator::FindFit(uint64_t pages, bool exact,
-                                  const std::vector<uint32_t>* allowed) {
-  const int own = SizeClassOf(pages);
-  if (allowed != nullptr) return FindFitRestricted(pages, own, exact, *allowed);
-  const uint32_t head = arena_lists_.Head(own);
-  if (head != kNoNode && nodes_[head].length >= pages) return head;
-  // Every member of a class above the own one is long enough.
-  const int above = arena_lists_.FirstAtOrAbove(own + 1);
-  if (above != kNoClass) return arena_lists_.Head(above);
-  return exact ? arena_lists_.FindIn(nodes_, own, pages) : kNoNode;
-}
-
-uint32_t ExtentAllocator::FindFitRestricted(uint64_t pages, int own, bool exact,
-                                            const std::vector<uint32_t>& allowed) {
-  int best_rank = kNoClass;
-  uint32_t best = kNoNode;
-  for (uint32_t c : allowed) {
-    if (chunk_free_pages_[c] < pages) continue;
-    const SizeClassLists& lists = chunk_lists_[c];
-    int rank = lists.FirstAtOrAbove(own);
-    if (rank == own) {
-      // Own class: only the head is checked here (members vary in length).
-      const uint32_t head = lists.Head(own);
-      if (nodes_[head].length >= pages) return head;
-      rank = lists.FirstAtOrAbove(own + 1);
-    }
-    if (rank < best_rank) {
-      best_rank = rank;
-      best = c;
-    }
-  }
-  if (best != kNoNode) return chunk_lists_[best].Head(best_rank);
-  if (!exact) return kNoNode;
-  for (uint32_t c : allowed) {
-    if (chunk_free_pages_[c] < pages) continue;
-    const uint32_t i = chunk_lists_[c].FindIn(nodes_, own, pages);
-    if (i != kNoNode) return i;
-  }
-  return kNoNode;
-}
-
-// A node of the highest non-empty class holding an allowed node: the
-// longest of that class with `longest`, else the first (O(1) unrestricted).
-uint32_t ExtentAllocator::Largest(const std::vector<uint32_t>* allowed, bool longest) const {
-  if (allowed == nullptr) {
-    const int top = arena_lists_.Top();
-    return longest ? arena_lists_.LongestIn(nodes_, top) : arena_lists_.Head(top);
-  }
-  int top = -1;
-  for (uint32_t c : *allowed) top = std::max(top, chunk_lists_[c].Top());
-  uint32_t best = kNoNode;
-  for (uint32_t c : *allowed) {
-    const uint32_t i = longest ? chunk_lists_[c].LongestIn(nodes_, top) : chunk_lists_[c].Head(top);
-    if (i == kNoNode) continue;
-    if (!longest) return i;
-    if (best == kNoNode || nodes_[i].length > nodes_[best].length) best = i;
-  }
-  return best;
-}
-
 // Allocates the first `pages` pages of free node i.
 Extent ExtentAllocator::Carve(uint32_t i, uint64_t pages) {
   RemoveFree(i);
@@ -200,6 +147,7 @@ Extent ExtentAllocator::Carve(uint32_t i, uint64_t pages) {
   index_.Put(Key(n.chunk, n.offset), i);
   free_pages_ -= pages;
   chunk_free_pages_[n.chunk] -= pages;
+  pool_free_pages_[chunk_pool_[n.chunk]] -= pages;
   return Extent{n.chunk, ToBytes(n.offset), ToBytes(pages)};
 }
 
@@ -208,6 +156,7 @@ void ExtentAllocator::FreeNode(uint32_t i) {
   index_.Erase(Key(nodes_[i].chunk, nodes_[i].offset));
   free_pages_ += nodes_[i].length;
   chunk_free_pages_[nodes_[i].chunk] += nodes_[i].length;
+  pool_free_pages_[chunk_pool_[nodes_[i].chunk]] += nodes_[i].length;
   const uint32_t left = nodes_[i].prev_phys;
   if (left != kNoNode && nodes_[left].is_free) {
     RemoveFree(left);
@@ -252,6 +201,7 @@ Result<const std::vector<uint32_t>*> ExtentAllocator::ToList(const std::vector<b
   if (allowed_list_.size() == chunk_pages_.size()) {
     return static_cast<const std::vector<uint32_t>*>(nullptr);
   }
+  BuildChunkLists();
   return static_cast<const std::vector<uint32_t>*>(&allowed_list_);
 }
 
@@ -277,40 +227,40 @@ Result<const std::vector<uint32_t>*> ExtentAllocator::ToList(const std::vector<u
   if (allowed.size() == chunk_pages_.size()) {
     return static_cast<const std::vector<uint32_t>*>(nullptr);
   }
+  BuildChunkLists();
   return &allowed;
 }
 
-Result<std::vector<Extent>> ExtentAllocator::AllocateFrom(uint64_t bytes, bool single_extent,
-                                                          const std::vector<uint32_t>* allowed) {
+Status ExtentAllocator::AllocateFrom(uint64_t bytes, bool single_extent, Scope scope,
+                                     std::vector<Extent>* out) {
   if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
   const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
-  const uint32_t fit = FindFit(pages, /*exact=*/true, allowed);
-  if (fit != kNoNode) return std::vector<Extent>{Carve(fit, pages)};
-  // Only now the free pages the caller may use (a fit implies enough).
-  uint64_t free_pages = free_pages_;
-  if (allowed != nullptr) {
-    free_pages = 0;
-    for (uint32_t c : *allowed) free_pages += chunk_free_pages_[c];
+  const uint32_t fit = FindFit(pages, /*exact=*/true, scope);
+  if (fit != kNoNode) {
+    out->push_back(Carve(fit, pages));
+    return Status::Ok();
   }
+  // Only now the free pages the caller may use (a fit implies enough).
+  const uint64_t free_pages = FreePages(scope);
   if (pages > free_pages || single_extent) {
-    return ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes (" +
-                             std::to_string(pages) + " pages of " + std::to_string(page_bytes_) +
-                             " bytes)" + (single_extent ? " as one extent" : "") + ": " +
-                             Bytes(free_pages) + " free" +
-                             (allowed != nullptr ? " in allowed chunks" : "") +
-                             ", largest free extent " + Bytes(LongestFreePages(allowed)));
+    return ResourceExhausted(
+        "cannot allocate " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
+        " pages of " + std::to_string(page_bytes_) + " bytes)" +
+        (single_extent ? " as one extent" : "") + ": " + Bytes(free_pages) + " free" +
+        (scope.chunks != nullptr       ? " in allowed chunks"
+         : scope.pool != kEveryPool ? " in the pool's chunks"
+                                      : "") +
+        ", largest free extent " + Bytes(LongestFreePages(scope)));
   }
   // Nothing fits whole: take the largest free extents, then finish with a
   // good fit for the remainder. Terminates because free_pages >= pages.
-  std::vector<Extent> out;
-  out.reserve(4);
   for (uint64_t remaining = pages; remaining > 0;) {
-    uint32_t i = FindFit(remaining, /*exact=*/false, allowed);
-    if (i == kNoNode) i = Largest(allowed, /*longest=*/false);
-    out.push_back(Carve(i, std::min(remaining, nodes_[i].length)));
-    remaining -= out.back().length >> page_shift_;
+    uint32_t i = FindFit(remaining, /*exact=*/false, scope);
+    if (i == kNoNode) i = Largest(scope, /*longest=*/false);
+    out->push_back(Carve(i, std::min(remaining, nodes_[i].length)));
+    remaining -= out->back().length >> page_shift_;
   }
-  return out;
+  return Status::Ok();
 }
 
 Status ExtentAllocator::Locate(const Extent& e, uint32_t* node) const {
@@ -426,17 +376,35 @@ Status ExtentAllocator::CheckInvariants() const {
   // Well-formed lists of free nodes of the right class, as many as there are
   // free nodes, mean every free extent is listed in its class exactly once;
   // likewise each chunk's own lists hold exactly that chunk's free nodes.
+  // Likewise each pool's lists hold exactly the free nodes of its chunks.
   uint64_t listed = 0, chunk_listed = 0;
-  MEMOFFLOAD_RETURN_IF_ERROR(arena_lists_.Check(nodes_, kNoNode, "the arena", &listed));
+  std::vector<uint64_t> pool_free(pool_lists_.size(), 0);
+  for (uint32_t c = 0; c < chunk_pool_.size(); ++c) {
+    if (chunk_pool_[c] >= pool_lists_.size()) {
+      return Internal("chunk " + std::to_string(c) + " is in pool " +
+                      std::to_string(chunk_pool_[c]) + ", which has no lists");
+    }
+    pool_free[chunk_pool_[c]] += chunk_free_pages_[c];
+  }
+  for (uint32_t p = 0; p < pool_lists_.size(); ++p) {
+    MEMOFFLOAD_RETURN_IF_ERROR(pool_lists_[p].Check(
+        nodes_, [&](uint32_t c) { return chunk_pool_[c] == p; }, "pool " + std::to_string(p),
+        &listed));
+    if (pool_free[p] != pool_free_pages_[p]) {
+      return Internal("pool " + std::to_string(p) + " counts " + Bytes(pool_free_pages_[p]) +
+                      " free, its chunks " + Bytes(pool_free[p]));
+    }
+  }
   if (listed != free_nodes) {
     return Internal("class lists hold " + std::to_string(listed) + " extents; the chunks hold " +
                     std::to_string(free_nodes) + " free extents");
   }
   for (uint32_t c = 0; c < chunk_lists_.size(); ++c) {
-    MEMOFFLOAD_RETURN_IF_ERROR(
-        chunk_lists_[c].Check(nodes_, c, "chunk " + std::to_string(c), &chunk_listed));
+    MEMOFFLOAD_RETURN_IF_ERROR(chunk_lists_[c].Check(
+        nodes_, [c](uint32_t chunk) { return chunk == c; }, "chunk " + std::to_string(c),
+        &chunk_listed));
   }
-  if (chunk_listed != free_nodes) {
+  if (!chunk_lists_.empty() && chunk_listed != free_nodes) {
     return Internal("per-chunk class lists hold " + std::to_string(chunk_listed) +
                     " extents; the chunks hold " + std::to_string(free_nodes) + " free extents");
   }
@@ -447,14 +415,37 @@ Result<std::vector<Extent>> ExtentAllocator::Allocate(uint64_t bytes, bool singl
                                                       const std::vector<bool>* allowed_chunks) {
   Result<const std::vector<uint32_t>*> list = ToList(allowed_chunks);
   if (!list.ok()) return list.status();
-  return AllocateFrom(bytes, single_extent, *list);
+  std::vector<Extent> out;
+  MEMOFFLOAD_RETURN_IF_ERROR(AllocateFrom(bytes, single_extent, Scope{*list}, &out));
+  return out;
 }
 
 Result<std::vector<Extent>> ExtentAllocator::AllocateIn(
     uint64_t bytes, bool single_extent, const std::vector<uint32_t>& allowed_chunks) {
-  Result<const std::vector<uint32_t>*> list = ToList(allowed_chunks);
-  if (!list.ok()) return list.status();
-  return AllocateFrom(bytes, single_extent, *list);
+  std::vector<Extent> out;
+  MEMOFFLOAD_RETURN_IF_ERROR(AllocateInto(bytes, single_extent, &allowed_chunks, &out));
+  return out;
+}
+
+Status ExtentAllocator::AllocateInto(uint64_t bytes, bool single_extent,
+                                     const std::vector<uint32_t>* allowed_chunks,
+                                     std::vector<Extent>* out) {
+  const std::vector<uint32_t>* list = nullptr;
+  if (allowed_chunks != nullptr) {
+    Result<const std::vector<uint32_t>*> checked = ToList(*allowed_chunks);
+    if (!checked.ok()) return checked.status();
+    list = *checked;
+  }
+  return AllocateFrom(bytes, single_extent, Scope{list}, out);
+}
+
+Status ExtentAllocator::AllocateInPool(uint64_t bytes, bool single_extent, uint32_t pool,
+                                       std::vector<Extent>* out) {
+  if (pool >= pool_lists_.size()) {
+    return ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes: pool " +
+                             std::to_string(pool) + " has no chunks");
+  }
+  return AllocateFrom(bytes, single_extent, Scope{nullptr, pool}, out);
 }
 
 uint64_t ExtentAllocator::chunk_free_bytes(uint32_t chunk) const {

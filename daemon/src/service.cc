@@ -19,14 +19,14 @@ Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session) {
   return Status::Ok();
 }
 
-void CopyExtents(const std::vector<Extent>& in,
+void CopyExtents(const Extent* in, size_t count,
                  google::protobuf::RepeatedPtrField<v1::Extent>* out) {
-  out->Reserve(static_cast<int>(in.size()));
-  for (const Extent& e : in) {
+  out->Reserve(static_cast<int>(count));
+  for (const Extent* e = in; e != in + count; ++e) {
     v1::Extent* x = out->Add();
-    x->set_chunk(e.chunk);
-    x->set_offset(e.offset);
-    x->set_length(e.length);
+    x->set_chunk(e->chunk);
+    x->set_offset(e->offset);
+    x->set_length(e->length);
   }
 }
 

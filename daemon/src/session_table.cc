@@ -358,7 +358,7 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   s.held_bytes -= g.held_bytes;
   JobOf(s).held_bytes -= g.held_bytes;
   --groups_;
-  s.groups.erase(it);
+  RecycleGroupNode(s.groups.extract(it));
   DispatchWaiters(&done);  // bytes, and a group slot, came back
   lock.unlock();
   Run(&done);

@@ -164,13 +164,13 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              FormatSize(policy.region_max_bytes) + " (regions.max_bytes)");
   }
   RejectReason reject = RejectReason::kNone;
-  Result<std::vector<Extent>> extents = Place(s, rounded, /*single_extent=*/false, 0, &reject);
-  if (!extents.ok()) return extents.status();
+  std::vector<Extent> extents;
+  MEMOFFLOAD_RETURN_IF_ERROR(Place(s, rounded, /*single_extent=*/false, 0, &extents, &reject));
   // With tenants, a region keeps its whole chunk from every other tenant for
   // as long as it lives, so the node cap counts the chunks regions pin.
-  if (const uint64_t pinned = NewRegionChunkBytes(*extents);
+  if (const uint64_t pinned = NewRegionChunkBytes(extents);
       pinned != 0 && region_chunk_bytes_ + pinned > policy.region_max_bytes) {
-    FreeExtents(*extents);
+    FreeExtents(extents);
     return ResourceExhausted("region " + name + " would pin " + FormatSize(pinned) +
                              " more of the arena's chunks to tenant " + s.tenant +
                              ": regions would keep " + FormatSize(region_chunk_bytes_ + pinned) +
@@ -178,21 +178,21 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              FormatSize(policy.region_max_bytes) +
                              " (regions.max_bytes; a chunk holding a region stays its tenant's)");
   }
-  CountRegionChunks(*extents, +1);
+  CountRegionChunks(extents, +1);
   Region r;
   r.name = name;
   r.uid = s.peer.uid;
   r.job_id = s.hello.job_id;
   r.tenant = s.tenant;
   r.writer = session_id;
-  r.extents = std::move(extents).value();
+  r.extents = std::move(extents);
   r.held_bytes = rounded;
   const std::chrono::milliseconds cap(policy.region_ttl_ms);
   r.ttl = ttl.count() == 0 ? cap : std::min(ttl, cap);
   (*job)->held_bytes += rounded;
   region_bytes_ += rounded;
   ++region_count_;
-  ReserveResult result{r.extents, rounded};
+  ReserveResult result{ExtentList(r.extents.begin(), r.extents.end()), rounded};
   (*job)->by_name.emplace(name, std::move(r));
   return result;
 }

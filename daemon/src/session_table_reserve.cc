@@ -152,9 +152,9 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   return *ticket;
 }
 
-Result<std::vector<Extent>> SessionTable::Place(const Session& s, uint64_t rounded,
-                                                bool single_extent, uint64_t keep_free_bytes,
-                                                RejectReason* reject) {
+Status SessionTable::Place(const Session& s, uint64_t rounded, bool single_extent,
+                           uint64_t keep_free_bytes, std::vector<Extent>* out,
+                           RejectReason* reject) {
   ExtentAllocator& alloc = arena_->allocator();
   // Capacity, once: the room left by the usable arena now, with and without
   // the aged waiter's bytes.
@@ -168,62 +168,90 @@ Result<std::vector<Extent>> SessionTable::Place(const Session& s, uint64_t round
   // keep_free_bytes holds back only what the aged waiter could use: any free
   // byte with TenantMode::kNone, else the empty chunks a tenant may claim
   // (bytes in a tenant's own chunks are of no use to another tenant).
-  Result<std::vector<Extent>> extents = Internal("not allocated yet");
+  Status placed;
   if (tenant_chunks_.mode() == TenantMode::kNone) {
     if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
-    extents = alloc.Allocate(rounded, single_extent);
+    placed = alloc.AllocateInto(rounded, single_extent, nullptr, out);
   } else {
-    // Only the tenant's own chunks; take over empty ones until it fits.
+    // Only the tenant's own chunks (its pool); take over empty ones until
+    // it fits.
     auto empty = [this, &alloc](uint32_t c) {
       return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
     };
-    const std::vector<uint32_t>& owned = s.owned->chunks;
-    extents = alloc.AllocateIn(rounded, single_extent, owned);
-    while (!extents.ok()) {
+    placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);
+    while (!placed.ok()) {
       if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
       const int64_t c = tenant_chunks_.Claimable(s.tenant, empty);
       if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
-      extents = alloc.AllocateIn(rounded, single_extent, owned);  // Claim listed c
+      placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);  // c is in it
     }
   }
-  if (!extents.ok()) {
+  if (!placed.ok()) {
     *reject = RejectReason::kArenaFull;
     return ResourceExhausted("arena full: cannot reserve " + FormatSize(rounded) +
                              (tenant_chunks_.mode() == TenantMode::kNone
                                   ? ""
                                   : " in the chunks of tenant " + s.tenant +
                                         " (chunks of other tenants are not shared)") +
-                             ": " + extents.status().message());
+                             ": " + placed.message());
   }
   const uint64_t max_extents = quota_.policy().max_extents_per_reserve;
-  if (extents->size() > max_extents) {
-    const size_t count = extents->size();
-    FreeExtents(*extents);
+  if (out->size() > max_extents) {
+    const size_t count = out->size();
+    FreeExtents(*out);
+    out->clear();
     *reject = RejectReason::kTooFragmented;
     return ResourceExhausted(
         "arena fragmented: " + FormatSize(rounded) + " would take " + std::to_string(count) +
         " extents, more than quotas.max_extents_per_reserve (" + std::to_string(max_extents) +
         "); nothing was reserved: reserve smaller groups, or wait for space to coalesce");
   }
-  return extents;
+  return Status::Ok();
 }
 
 Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_id,
                                                uint64_t rounded, bool single_extent,
                                                uint64_t keep_free_bytes, RejectReason* reject) {
   Session& s = *session;
-  Result<std::vector<Extent>> extents = Place(s, rounded, single_extent, keep_free_bytes, reject);
-  if (!extents.ok()) return extents.status();
-  Group g;
-  g.extents = std::move(extents).value();
+  GroupNode node = NewGroupNode(group_id);
+  Group& g = node.mapped();
+  if (Status st = Place(s, rounded, single_extent, keep_free_bytes, &g.extents, reject);
+      !st.ok()) {
+    RecycleGroupNode(std::move(node));
+    return st;
+  }
   g.held_bytes = rounded;
   s.held_bytes += rounded;
   JobOf(s).held_bytes += rounded;
   reserved_bytes_ += rounded;
   ++groups_;
-  ReserveResult result{g.extents, rounded};
-  s.groups.emplace(group_id, std::move(g));
+  ReserveResult result{ExtentList(g.extents.begin(), g.extents.end()), rounded};
+  s.groups.insert(std::move(node));
   return result;
+}
+
+SessionTable::GroupNode SessionTable::NewGroupNode(uint64_t group_id) {
+  if (spare_groups_.empty()) {
+    GroupMap scratch;
+    scratch.emplace(group_id, Group{});
+    return scratch.extract(scratch.begin());
+  }
+  GroupNode node = std::move(spare_groups_.back());
+  spare_groups_.pop_back();
+  node.key() = group_id;
+  return node;
+}
+
+void SessionTable::RecycleGroupNode(GroupNode node) {
+  if (spare_groups_.size() >= kSpareGroupNodes) return;  // freed here
+  Group& g = node.mapped();
+  g.state = GroupState::kReserved;
+  g.extents.clear();  // keeps its capacity for the next group
+  g.held_bytes = 0;
+  g.used_bytes = 0;
+  g.extent_crc32c.clear();
+  g.committed_at = {};
+  spare_groups_.push_back(std::move(node));
 }
 
 Status SessionTable::CancelledStatus(Clock::time_point waited_from) {

@@ -42,6 +42,13 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
     ++replaced_backings_;
   }
   tenant_chunks_.Assign(chunk, tenant);
+  // Its free space (all of it: only empty chunks change tenant) joins the
+  // tenant's pool, where its Reserves search.
+  if (Status moved = arena_->allocator().SetChunkPool(chunk, tenant_chunks_.Find(tenant)->pool);
+      !moved.ok()) {
+    return Internal("chunk " + std::to_string(chunk) + " of tenant " + tenant + ": " +
+                    moved.message());
+  }
   return Status::Ok();
 }
 
@@ -55,7 +62,20 @@ Status SessionTable::CheckTenantChunks() const {
                       "its tenant '" + s.tenant + "'");
     }
   }
-  return tenant_chunks_.CheckInvariants(sessions);
+  MEMOFFLOAD_RETURN_IF_ERROR(tenant_chunks_.CheckInvariants(sessions));
+  // Each chunk sits in its tenant's pool of the allocator.
+  for (uint32_t c = 0; c < arena_->chunk_count(); ++c) {
+    const std::string& owner = tenant_chunks_.OwnerOf(c);
+    const uint32_t pool = owner.empty() || tenant_chunks_.mode() == TenantMode::kNone
+                              ? TenantChunks::kNoTenantPool
+                              : tenant_chunks_.Find(owner)->pool;
+    if (arena_->allocator().chunk_pool(c) != pool) {
+      return Internal("chunk " + std::to_string(c) + " of tenant '" + owner + "' is in pool " +
+                      std::to_string(arena_->allocator().chunk_pool(c)) + ", its tenant's is " +
+                      std::to_string(pool));
+    }
+  }
+  return Status::Ok();
 }
 
 Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) {

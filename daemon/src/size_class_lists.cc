@@ -93,8 +93,9 @@ uint32_t SizeClassLists::LongestIn(const std::vector<ExtentNode>& nodes, int ran
   return best;
 }
 
-Status SizeClassLists::Check(const std::vector<ExtentNode>& nodes, uint32_t chunk,
-                             const std::string& where, uint64_t* listed) const {
+Status SizeClassLists::Check(const std::vector<ExtentNode>& nodes,
+                             const std::function<bool(uint32_t)>& member, const std::string& where,
+                             uint64_t* listed) const {
   const int fl_count = static_cast<int>(sl_bitmap_.size());
   if (fl_count < 64 && (fl_bitmap_ >> fl_count) != 0) {
     return Internal(where + " has a class bit above its largest class");
@@ -106,7 +107,7 @@ Status SizeClassLists::Check(const std::vector<ExtentNode>& nodes, uint32_t chun
     for (uint32_t i = heads_[rank], prev = kNoNode; ok && i != kNoNode;
          prev = i, i = nodes[i].links[kind_].next, ++*listed) {
       const ExtentNode& n = nodes[i];
-      ok = n.is_free && (chunk == kNoNode || n.chunk == chunk) && n.links[kind_].prev == prev &&
+      ok = n.is_free && member(n.chunk) && n.links[kind_].prev == prev &&
            SizeClassOf(n.length) == rank && n.length <= class_max_[rank];
     }
     if (!ok) {

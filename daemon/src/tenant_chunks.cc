@@ -25,9 +25,27 @@ const TenantChunks::Owned* TenantChunks::Find(const std::string& tenant) const {
   return it == owned_.end() ? nullptr : &it->second;
 }
 
+TenantChunks::Owned& TenantChunks::Entry(const std::string& tenant) {
+  auto [it, made] = owned_.try_emplace(tenant);
+  if (made) {
+    if (free_pools_.empty()) {
+      it->second.pool = next_pool_++;
+    } else {
+      it->second.pool = free_pools_.back();
+      free_pools_.pop_back();
+    }
+  }
+  return it->second;
+}
+
+void TenantChunks::Drop(std::unordered_map<std::string, Owned>::iterator entry) {
+  free_pools_.push_back(entry->second.pool);
+  owned_.erase(entry);
+}
+
 const TenantChunks::Owned* TenantChunks::Join(const std::string& tenant) {
   if (mode_ == TenantMode::kNone) return nullptr;
-  Owned& entry = owned_[tenant];
+  Owned& entry = Entry(tenant);
   ++entry.sessions;
   return &entry;
 }
@@ -36,7 +54,7 @@ void TenantChunks::Leave(const std::string& tenant) {
   if (mode_ == TenantMode::kNone) return;
   auto it = owned_.find(tenant);
   if (it == owned_.end()) return;
-  if (--it->second.sessions == 0 && it->second.chunks.empty()) owned_.erase(it);
+  if (--it->second.sessions == 0 && it->second.chunks.empty()) Drop(it);
 }
 
 void TenantChunks::Hand(uint32_t chunk, uint64_t session_id, const std::string& tenant, pid_t pid) {
@@ -118,9 +136,9 @@ void TenantChunks::Assign(uint32_t chunk, const std::string& tenant) {
     auto old = owned_.find(owner.tenant);
     std::vector<uint32_t>& list = old->second.chunks;
     list.erase(std::lower_bound(list.begin(), list.end(), chunk));
-    if (list.empty() && old->second.sessions == 0) owned_.erase(old);
+    if (list.empty() && old->second.sessions == 0) Drop(old);
   }
-  std::vector<uint32_t>& list = owned_[tenant].chunks;
+  std::vector<uint32_t>& list = Entry(tenant).chunks;
   list.insert(std::upper_bound(list.begin(), list.end(), chunk), chunk);
   owner.tenant = tenant;
 }
@@ -128,7 +146,12 @@ void TenantChunks::Assign(uint32_t chunk, const std::string& tenant) {
 Status TenantChunks::CheckInvariants(
     const std::unordered_map<std::string, uint32_t>& sessions_by_tenant) const {
   size_t listed = 0;
+  std::unordered_map<uint32_t, std::string> pools;
   for (const auto& [tenant, entry] : owned_) {
+    if (entry.pool == kNoTenantPool || !pools.emplace(entry.pool, tenant).second) {
+      return Internal("tenant '" + tenant + "' has pool " + std::to_string(entry.pool) +
+                      ", which is 0 or another tenant's");
+    }
     auto count = sessions_by_tenant.find(tenant);
     if (entry.sessions != (count == sessions_by_tenant.end() ? 0 : count->second) ||
         (entry.sessions == 0 && entry.chunks.empty())) {

@@ -16,7 +16,7 @@
 namespace memoffload::daemon {
 namespace {
 
-std::set<uint32_t> ChunksOf(const std::vector<Extent>& extents) {
+std::set<uint32_t> ChunksOf(const ExtentList& extents) {
   std::set<uint32_t> out;
   for (const Extent& e : extents) out.insert(e.chunk);
   return out;
@@ -112,7 +112,7 @@ TEST(RestrictedReserve, RandomTurnoverKeepsEachTenantInItsChunks) {
   struct Held {
     int tenant;
     uint64_t group;
-    std::vector<Extent> extents;
+    ExtentList extents;
   };
   std::vector<SessionGrant> sessions;
   for (int t = 0; t < kTenants; ++t) sessions.push_back(OpenAs(table, 1000 + t));

@@ -8,9 +8,16 @@
 //
 // A request larger than the largest free extent is served as several extents
 // unless the caller asks for a single extent; it fails only when the total
-// free bytes (in chunks the caller may use) are not enough. Searches
-// restricted to some chunks look at each allowed chunk's own size-class
-// lists: O(allowed chunks), not O(free extents).
+// free bytes (in chunks the caller may use) are not enough.
+//
+// Each chunk belongs to one pool (pool 0 at first). A free extent is listed
+// in its pool's size-class lists, so a search in one pool (a tenant's
+// chunks: SetChunkPool, AllocateInPool) is O(1) like the unrestricted one.
+// A search restricted to a list of chunks (Allocate with allowed_chunks,
+// AllocateIn) asks each listed chunk's own lists: O(allowed chunks), not
+// O(free extents). Those per-chunk lists are built on the first such call
+// (O(extents)) and kept from then on; an allocator that only ever searches
+// pools (the daemon's) lists each free extent once.
 //
 // Not thread-safe: the owner (Arena) serialises calls.
 #ifndef MEMOFFLOAD_DAEMON_ALLOCATOR_H_
@@ -56,6 +63,23 @@ class ExtentAllocator {
   // list, e.g. the chunks a tenant owns.
   Result<std::vector<Extent>> AllocateIn(uint64_t bytes, bool single_extent,
                                          const std::vector<uint32_t>& allowed_chunks);
+  // As AllocateIn (every chunk when `allowed_chunks` is null), appending the
+  // extents to *out, which is left as it was on failure. For callers that
+  // keep a vector to reuse (the session table's groups): no allocation of
+  // its own on the way.
+  Status AllocateInto(uint64_t bytes, bool single_extent,
+                      const std::vector<uint32_t>* allowed_chunks, std::vector<Extent>* out);
+
+  // Pools. Moves the chunk, with its free extents, to `pool` (< kMaxPools);
+  // O(extents in the chunk). INVALID_ARGUMENT for a chunk or pool out of
+  // range, changing nothing.
+  static constexpr uint32_t kMaxPools = 1u << 20;
+  Status SetChunkPool(uint32_t chunk, uint32_t pool);
+  uint32_t chunk_pool(uint32_t chunk) const { return chunk_pool_[chunk]; }
+  // As AllocateInto, in the chunks of `pool` only: O(1) whatever the number
+  // of chunks or free extents. A pool without chunks has no room.
+  Status AllocateInPool(uint64_t bytes, bool single_extent, uint32_t pool,
+                        std::vector<Extent>* out);
 
   // Returns an extent obtained from Allocate (or a page-aligned sub-range of
   // one, as produced by Trim). Freeing anything else is a bug; it is detected
@@ -69,7 +93,7 @@ class ExtentAllocator {
   uint64_t capacity_bytes() const { return ToBytes(capacity_pages_); }
   uint64_t free_bytes() const { return ToBytes(free_pages_); }
   uint64_t used_bytes() const { return capacity_bytes() - free_bytes(); }
-  uint64_t largest_free_extent_bytes() const { return ToBytes(LongestFreePages(nullptr)); }
+  uint64_t largest_free_extent_bytes() const { return ToBytes(LongestFreePages(Scope{})); }
   uint64_t page_bytes() const { return page_bytes_; }
   uint32_t chunk_count() const { return static_cast<uint32_t>(chunk_pages_.size()); }
   // Free bytes inside chunk `chunk`.
@@ -82,29 +106,41 @@ class ExtentAllocator {
   Status CheckInvariants() const;
 
  private:
-  // The search and the node bookkeeping (allocator.cc). Sizes and offsets
-  // are in pages. `allowed`: distinct chunk indices, or nullptr for every
-  // chunk.
-  Result<std::vector<Extent>> AllocateFrom(uint64_t bytes, bool single_extent,
-                                           const std::vector<uint32_t>* allowed);
+  // Where a search looks: the listed chunks (distinct indices), one pool, or
+  // (neither) every chunk.
+  static constexpr uint32_t kEveryPool = UINT32_MAX;
+  struct Scope {
+    const std::vector<uint32_t>* chunks = nullptr;
+    uint32_t pool = kEveryPool;
+  };
+  // The search and the node bookkeeping (allocator.cc; the searches in
+  // allocator_search.cc). Sizes and offsets are in pages.
+  Status AllocateFrom(uint64_t bytes, bool single_extent, Scope scope, std::vector<Extent>* out);
   // Checks `allowed` (size, or range and duplicates) and turns it into a
   // chunk list (in allowed_list_ for a vector<bool>); nullptr when it allows
   // every chunk.
   Result<const std::vector<uint32_t>*> ToList(const std::vector<bool>* allowed);
   Result<const std::vector<uint32_t>*> ToList(const std::vector<uint32_t>& allowed);
-  // Pages of the longest free extent (in allowed chunks when non-null).
-  uint64_t LongestFreePages(const std::vector<uint32_t>* allowed) const;
+  // Pages of the longest free extent in the scope, and its free pages.
+  uint64_t LongestFreePages(Scope scope) const;
+  uint64_t FreePages(Scope scope) const;
   uint64_t ToBytes(uint64_t pages) const { return pages << page_shift_; }
   std::string Bytes(uint64_t pages) const;
   std::string Describe(uint32_t chunk, uint64_t offset, uint64_t len) const;
+  // Makes the per-chunk lists, if not yet there, from the free nodes.
+  void BuildChunkLists();
   uint32_t NewNode();
   void InsertFree(uint32_t i);
   void RemoveFree(uint32_t i);
   uint32_t SplitAt(uint32_t i, uint64_t pages);
-  uint32_t FindFit(uint64_t pages, bool exact, const std::vector<uint32_t>* allowed);
-  uint32_t FindFitRestricted(uint64_t pages, int own, bool exact,
-                             const std::vector<uint32_t>& allowed);
-  uint32_t Largest(const std::vector<uint32_t>* allowed, bool longest) const;
+  uint32_t FindFit(uint64_t pages, bool exact, Scope scope);
+  // The best fit over several lists (`which` of them, or all): each chunk's,
+  // or each pool's, whose free pages are `free_pages`.
+  uint32_t BestFitAmong(std::vector<SizeClassLists>& lists, const std::vector<uint64_t>& free_pages,
+                        const std::vector<uint32_t>* which, uint64_t pages, bool exact);
+  uint32_t Largest(Scope scope, bool longest) const;
+  uint32_t LargestAmong(const std::vector<SizeClassLists>& lists,
+                        const std::vector<uint32_t>* which, bool longest) const;
   Extent Carve(uint32_t i, uint64_t pages);
   void FreeNode(uint32_t i);
   void Absorb(uint32_t left, uint32_t right);
@@ -119,8 +155,11 @@ class ExtentAllocator {
   std::vector<uint64_t> chunk_free_pages_;
   std::vector<ExtentNode> nodes_;
   std::vector<uint32_t> spare_nodes_;
-  SizeClassLists arena_lists_;               // every free node
-  std::vector<SizeClassLists> chunk_lists_;  // by chunk: that chunk's free nodes
+  uint64_t max_chunk_pages_ = 0;
+  std::vector<SizeClassLists> pool_lists_;   // by pool: the free nodes of its chunks
+  std::vector<uint64_t> pool_free_pages_;    // by pool
+  std::vector<uint32_t> chunk_pool_;         // by chunk
+  std::vector<SizeClassLists> chunk_lists_;  // by chunk, once built: its free nodes
   std::vector<uint32_t> allowed_list_;       // scratch for ToList
   std::vector<uint8_t> allowed_mark_;        // scratch for ToList: 1 = listed
   StartIndex index_;                         // start key -> allocated node

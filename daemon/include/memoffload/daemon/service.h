@@ -125,8 +125,12 @@ grpc::Status ToGrpc(const Status& status);
 // A request's session credentials are present (INVALID_ARGUMENT,
 // UNAUTHENTICATED otherwise); the table checks them.
 Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session);
-void CopyExtents(const std::vector<Extent>& in,
+void CopyExtents(const Extent* in, size_t count,
                  google::protobuf::RepeatedPtrField<v1::Extent>* out);
+template <typename Extents>
+void CopyExtents(const Extents& in, google::protobuf::RepeatedPtrField<v1::Extent>* out) {
+  CopyExtents(in.data(), in.size(), out);
+}
 
 }  // namespace memoffload::daemon
 

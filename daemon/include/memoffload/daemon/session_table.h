@@ -28,6 +28,13 @@
 #include <unordered_map>
 #include <vector>
 
+// GCC 12 at -O3 takes small_vector's copy of its inline elements for an
+// overread (-Wstringop-overread, a known false positive): off for its code.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overread"
+#include <boost/container/small_vector.hpp>
+#pragma GCC diagnostic pop
+
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
 #include "memoffload/daemon/fresh_backing.h"
@@ -85,8 +92,12 @@ struct SessionGrant {
   uint64_t limit_bytes = 0;  // 0: no per-session limit
 };
 
+// A reserve's extents, copied into its answer: most groups take one to four,
+// which stay inline (no allocation on the request path).
+using ExtentList = boost::container::small_vector<Extent, 4>;
+
 struct ReserveResult {
-  std::vector<Extent> extents;
+  ExtentList extents;
   uint64_t reserved_bytes = 0;
 };
 
@@ -324,6 +335,15 @@ class SessionTable {
 
     Clock::time_point committed_at;
   };
+  using GroupMap = std::unordered_map<uint64_t, Group>;
+  using GroupNode = GroupMap::node_type;
+  // Released groups' map nodes, kept with their vectors' capacity for the
+  // next Reserve (no allocation on the request path): at most this many.
+  static constexpr size_t kSpareGroupNodes = 1024;
+  // A node keyed `group_id` holding an empty Group. Requires mu_.
+  GroupNode NewGroupNode(uint64_t group_id);
+  // Keeps a node taken out of a session's map for reuse. Requires mu_.
+  void RecycleGroupNode(GroupNode node);
   // A job is the hello's job id within one uid: another user naming the same
   // job id is another job (its own quota, its own requested limit).
   struct Job {
@@ -342,7 +362,7 @@ class SessionTable {
     PeerCredentials peer;
     Clock::time_point opened_at;
     uint64_t held_bytes = 0;
-    std::unordered_map<uint64_t, Group> groups;
+    GroupMap groups;
     std::shared_ptr<RankSeries> series;  // may be null
   };
 
@@ -387,8 +407,10 @@ class SessionTable {
   // Places `rounded` bytes in the session's tenant's chunks (claiming empty
   // ones), leaving keep_free_bytes free; checks capacity (quota_.Room) and
   // the extent count. Requires mu_.
-  Result<std::vector<Extent>> Place(const Session& session, uint64_t rounded, bool single_extent,
-                                    uint64_t keep_free_bytes, RejectReason* reject);
+  // Places `rounded` bytes for `session` into *out (empty, left empty on
+  // failure): free space, the tenant's chunks and claims, the extent limit.
+  Status Place(const Session& session, uint64_t rounded, bool single_extent,
+               uint64_t keep_free_bytes, std::vector<Extent>* out, RejectReason* reject);
 
   // Finds the session and checks its token. Requires mu_.
   Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
@@ -465,6 +487,7 @@ class SessionTable {
   std::condition_variable deadline_changed_;              // a waiter was queued, or stopping_
   bool stopping_ = false;                                 // guarded by mu_
   std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
+  std::vector<GroupNode> spare_groups_;                   // guarded by mu_
 
   // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
   // memfd when it belonged to another tenant (never faults pages: see

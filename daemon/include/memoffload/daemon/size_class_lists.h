@@ -7,14 +7,16 @@
 // fl * kSlCount + sl, so a higher rank holds longer extents. A two-level
 // bitmap finds the first non-empty class at or above a rank in O(1).
 //
-// The allocator keeps one SizeClassLists for the whole arena and one per
+// The allocator keeps one SizeClassLists per pool of chunks and one per
 // chunk (for searches restricted to some chunks); a free node is a member of
-// both, through its own pair of links for each (ExtentNode::links[kind]).
+// its pool's and its chunk's, through its own pair of links for each
+// (ExtentNode::links[kind]).
 // Lengths are in pages. Not thread-safe: the allocator's owner serialises.
 #ifndef MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
 #define MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -28,7 +30,7 @@ inline constexpr int kNoClass = INT32_MAX;
 inline int Log2Floor(uint64_t v) { return 63 - __builtin_clzll(v); }
 
 // Which lists a pair of links belongs to.
-enum ListKind : int { kArenaLists = 0, kChunkLists = 1 };
+enum ListKind : int { kPoolLists = 0, kChunkLists = 1 };
 
 struct ListLinks {
   uint32_t prev = kNoNode;
@@ -80,11 +82,11 @@ class SizeClassLists {
   uint32_t LongestIn(const std::vector<ExtentNode>& nodes, int rank) const;
 
   // Verifies the bitmaps against the lists, the links, and that every
-  // member is free, of its class, within the class bound and (unless chunk
-  // is kNoNode) in `chunk`. Adds the members to *listed. INTERNAL naming
+  // member is free, of its class, within the class bound and in a chunk
+  // `member(chunk)` accepts. Adds the members to *listed. INTERNAL naming
   // `where` and the class on a violation.
-  Status Check(const std::vector<ExtentNode>& nodes, uint32_t chunk, const std::string& where,
-               uint64_t* listed) const;
+  Status Check(const std::vector<ExtentNode>& nodes, const std::function<bool(uint32_t)>& member,
+               const std::string& where, uint64_t* listed) const;
 
  private:
   int class_count() const { return static_cast<int>(heads_.size()); }

@@ -21,6 +21,10 @@
 //   retired the old one to those recipients.
 // - A tenant's chunk list is ascending (the order the allocator's restricted
 //   search breaks ties in) and kept while the tenant has a session or a chunk.
+// - Each tenant entry has a pool number, the allocator's pool its chunks are
+//   in (SessionTable moves a chunk there when the tenant takes it over):
+//   distinct among the entries, never 0 (kNoTenantPool, the chunks nobody
+//   claimed yet), and reused after its entry is dropped.
 #ifndef MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_
 #define MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_
 
@@ -55,7 +59,9 @@ class TenantChunks {
   struct Owned {
     std::vector<uint32_t> chunks;
     uint32_t sessions = 0;
+    uint32_t pool = 0;  // the allocator's pool of these chunks
   };
+  static constexpr uint32_t kNoTenantPool = 0;
 
   TenantChunks(uint32_t chunk_count, TenantMode mode);
 
@@ -108,6 +114,10 @@ class TenantChunks {
     std::vector<Holder> holders;    // open sessions that were handed the fd
     std::vector<pid_t> recipients;  // their processes, since the current backing
   };
+  // The tenant's entry, made (with a pool) if it has none; dropping one
+  // frees its pool number.
+  Owned& Entry(const std::string& tenant);
+  void Drop(std::unordered_map<std::string, Owned>::iterator entry);
   // Records the session and its process as holding the chunk.
   void Hand(uint32_t chunk, uint64_t session_id, const std::string& tenant, pid_t pid);
 
@@ -116,6 +126,8 @@ class TenantChunks {
   // By tenant; the inverse of chunks_[c].tenant. Entries are stable
   // (sessions point at theirs).
   std::unordered_map<std::string, Owned> owned_;
+  std::vector<uint32_t> free_pools_;  // pool numbers of dropped entries
+  uint32_t next_pool_ = kNoTenantPool + 1;
 };
 
 }  // namespace memoffload::daemon
