@@ -243,14 +243,14 @@ Status ExtentAllocator::AllocateFrom(uint64_t bytes, bool single_extent, Scope s
   // Only now the free pages the caller may use (a fit implies enough).
   const uint64_t free_pages = FreePages(scope);
   if (pages > free_pages || single_extent) {
-    return ResourceExhausted(
-        "cannot allocate " + std::to_string(bytes) + " bytes (" + std::to_string(pages) +
-        " pages of " + std::to_string(page_bytes_) + " bytes)" +
-        (single_extent ? " as one extent" : "") + ": " + Bytes(free_pages) + " free" +
-        (scope.chunks != nullptr       ? " in allowed chunks"
-         : scope.pool != kEveryPool ? " in the pool's chunks"
-                                      : "") +
-        ", largest free extent " + Bytes(LongestFreePages(scope)));
+    return ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes (" +
+                             std::to_string(pages) + " pages of " + std::to_string(page_bytes_) +
+                             " bytes)" + (single_extent ? " as one extent" : "") + ": " +
+                             Bytes(free_pages) + " free" +
+                             (scope.chunks != nullptr    ? " in allowed chunks"
+                              : scope.pool != kEveryPool ? " in the pool's chunks"
+                                                         : "") +
+                             ", largest free extent " + Bytes(LongestFreePages(scope)));
   }
   // Nothing fits whole: take the largest free extents, then finish with a
   // good fit for the remainder. Terminates because free_pages >= pages.
@@ -443,7 +443,8 @@ Status ExtentAllocator::AllocateInPool(uint64_t bytes, bool single_extent, uint3
                                        std::vector<Extent>* out) {
   if (pool >= pool_lists_.size()) {
     return ResourceExhausted("cannot allocate " + std::to_string(bytes) + " bytes: pool " +
-                             std::to_string(pool) + " has no chunks");
+                             std::to_string(pool) +
+                             " has no chunks (0 bytes free, largest free extent 0 bytes)");
   }
   return AllocateFrom(bytes, single_extent, Scope{nullptr, pool}, out);
 }

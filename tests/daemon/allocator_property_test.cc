@@ -2,7 +2,9 @@
 // of free page ranges. For every operation the allocator must succeed exactly
 // when the model says it can, hand out only pages the model holds free, and
 // agree with the model on free bytes per chunk and on the largest free extent.
-// Seeded (one seed per test instance) so a failure reproduces.
+// Requests go anywhere, to a list of chunks, or to a pool; chunks move between
+// pools at random, full or not. Seeded (one seed per test instance) so a
+// failure reproduces.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -128,6 +130,10 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
     // tenant mode passes (chunk c belongs to tenant c % kTenants).
     tenant_chunks_.assign(kTenants, std::vector<bool>(chunks, false));
     for (int c = 0; c < chunks; ++c) tenant_chunks_[c % kTenants][c] = true;
+    pool_of_.assign(chunks, 0);
+    // Odd seeds search no chunk list in their first half: the per-chunk
+    // lists are then built from a well-used arena, not an empty one.
+    lists_from_ = GetParam() % 2 == 1 ? kOpsPerSeed / 2 : 0;
     model_ = std::make_unique<Model>(chunk_pages_);
   }
 
@@ -163,7 +169,8 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
     ASSERT_EQ(alloc_->largest_free_extent_bytes(), model_->LargestRun(nullptr) * page_) << op;
   }
 
-  void DoAllocate();
+  void DoAllocate(int op);
+  void DoMovePool();
   void DoFreeAll();
   void DoTrim();
   void DoFreeSubRange();
@@ -178,17 +185,24 @@ class ExtentAllocatorPropertyTest : public ::testing::TestWithParam<int> {
   std::vector<std::vector<Extent>> live_;  // each entry: one allocation
   static constexpr int kTenants = 3;
   std::vector<std::vector<bool>> tenant_chunks_;
+  static constexpr uint32_t kPools = 4;
+  std::vector<uint32_t> pool_of_;  // by chunk, as the allocator was told
+  int lists_from_ = 0;             // the first op that may search a chunk list
 };
 
-void ExtentAllocatorPropertyTest::DoAllocate() {
-  // Half unrestricted, a quarter a tenant's chunks, a quarter random chunks.
+void ExtentAllocatorPropertyTest::DoAllocate(int op) {
+  // 2/5 unrestricted, 1/5 each a tenant's chunks, random chunks, a pool.
   std::vector<bool> allowed(chunk_pages_.size(), true);
-  const uint64_t how = Uniform(0, 3);
+  uint64_t how = Uniform(0, 4);
+  if (op < lists_from_ && (how == 2 || how == 3)) how = 4;
   const bool restrict = how >= 2;
+  const uint32_t pool = static_cast<uint32_t>(Uniform(0, kPools - 1));
   if (how == 2) {
     allowed = tenant_chunks_[Uniform(0, kTenants - 1)];
   } else if (how == 3) {
     for (size_t c = 0; c < allowed.size(); ++c) allowed[c] = Uniform(0, 1) == 1;
+  } else if (how == 4) {
+    for (size_t c = 0; c < allowed.size(); ++c) allowed[c] = pool_of_[c] == pool;
   }
   const std::vector<bool>* allowed_ptr = restrict ? &allowed : nullptr;
   const uint64_t bytes = RandomRequestBytes(allowed_ptr);
@@ -200,7 +214,16 @@ void ExtentAllocatorPropertyTest::DoAllocate() {
   // Restricted requests go through Allocate (vector<bool>) or AllocateIn
   // (a shuffled list of the same chunks) alike.
   Result<std::vector<Extent>> r = InvalidArgument("not called");
-  if (restrict && Uniform(0, 1) == 1) {
+  if (how == 4) {
+    std::vector<Extent> out;
+    const Status st = alloc_->AllocateInPool(bytes, single, pool, &out);
+    if (st.ok()) {
+      r = std::move(out);
+    } else {
+      ASSERT_TRUE(out.empty()) << "a failed allocation left extents behind";
+      r = st;
+    }
+  } else if (restrict && Uniform(0, 1) == 1) {
     std::vector<uint32_t> list;
     for (uint32_t c = 0; c < allowed.size(); ++c) {
       if (allowed[c]) list.push_back(c);
@@ -237,6 +260,15 @@ void ExtentAllocatorPropertyTest::DoAllocate() {
     ASSERT_EQ(r->size(), 1u) << "a single extent fitted";
   }
   live_.push_back(std::move(*r));
+}
+
+void ExtentAllocatorPropertyTest::DoMovePool() {
+  const uint32_t chunk = static_cast<uint32_t>(Uniform(0, chunk_pages_.size() - 1));
+  const uint32_t pool = static_cast<uint32_t>(Uniform(0, kPools - 1));
+  const Status st = alloc_->SetChunkPool(chunk, pool);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  pool_of_[chunk] = pool;
+  ASSERT_EQ(alloc_->chunk_pool(chunk), pool);
 }
 
 void ExtentAllocatorPropertyTest::DoFreeAll() {
@@ -339,9 +371,12 @@ TEST_P(ExtentAllocatorPropertyTest, AgreesWithReferenceModel) {
   for (int op = 1; op <= kOpsPerSeed; ++op) {
     const uint64_t roll = Uniform(0, 99);
     const char* name;
-    if (live_.empty() || roll < 48) {
+    if (live_.empty() || roll < 47) {
       name = "allocate";
-      ASSERT_NO_FATAL_FAILURE(DoAllocate());
+      ASSERT_NO_FATAL_FAILURE(DoAllocate(op));
+    } else if (roll < 48) {
+      name = "move a chunk to another pool";
+      ASSERT_NO_FATAL_FAILURE(DoMovePool());
     } else if (roll < 80) {
       name = "free";
       ASSERT_NO_FATAL_FAILURE(DoFreeAll());

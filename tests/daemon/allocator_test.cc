@@ -284,6 +284,50 @@ TEST(ExtentAllocatorTest, AllocateInTakesAChunkListAndRefusesBadOnes) {
   EXPECT_INVARIANTS(alloc);
 }
 
+TEST(ExtentAllocatorTest, APoolSearchesOnlyItsChunksAndChunksMoveWithTheirFreeSpace) {
+  ExtentAllocator alloc({Pages(8), Pages(8), Pages(8)}, kPage);
+  ASSERT_TRUE(alloc.SetChunkPool(1, 2).ok());
+  EXPECT_EQ(alloc.chunk_pool(1), 2u);
+  std::vector<Extent> in_pool;
+  ASSERT_TRUE(alloc.AllocateInPool(Pages(6), false, 2, &in_pool).ok());
+  ASSERT_EQ(in_pool.size(), 1u);
+  EXPECT_EQ(in_pool[0].chunk, 1u);
+  // Pool 2 has 2 pages left: 3 do not fit there, though pool 0 has 16 free.
+  std::vector<Extent> more;
+  const Status full = alloc.AllocateInPool(Pages(3), false, 2, &more);
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(
+      full.message().find("in the pool's chunks, largest free extent " + std::to_string(Pages(2))),
+      std::string::npos)
+      << full.message();
+  EXPECT_TRUE(more.empty());
+  // Pool 0 (chunks 0 and 2) never lands in chunk 1.
+  for (int k = 0; k < 2; ++k) {
+    ASSERT_TRUE(alloc.AllocateInPool(Pages(8), true, 0, &more).ok());
+  }
+  for (const Extent& e : more) EXPECT_NE(e.chunk, 1u);
+  EXPECT_EQ(alloc.chunk_free_bytes(1), Pages(2));
+  // A pool nobody made has no room; bad numbers change nothing.
+  EXPECT_EQ(alloc.AllocateInPool(Pages(1), false, 7, &more).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(alloc.SetChunkPool(3, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(alloc.SetChunkPool(0, ExtentAllocator::kMaxPools).code(), StatusCode::kInvalidArgument);
+  // A chunk in use moves with its free pages: pool 5 gets chunk 1's two.
+  ASSERT_TRUE(alloc.SetChunkPool(1, 5).ok());
+  EXPECT_EQ(alloc.AllocateInPool(Pages(1), false, 2, &more).code(), StatusCode::kResourceExhausted);
+  std::vector<Extent> moved;
+  ASSERT_TRUE(alloc.AllocateInPool(Pages(2), true, 5, &moved).ok());
+  EXPECT_EQ(moved[0], (Extent{1, Pages(6), Pages(2)}));
+  EXPECT_INVARIANTS(alloc);
+  // Freed pages go back to the chunk's pool of now; unrestricted requests
+  // search every pool.
+  ASSERT_TRUE(alloc.Free(in_pool[0]).ok());
+  EXPECT_EQ(alloc.largest_free_extent_bytes(), Pages(6));
+  auto anywhere = alloc.Allocate(Pages(6), true);
+  ASSERT_TRUE(anywhere.ok()) << anywhere.status().ToString();
+  EXPECT_EQ(anywhere->front().chunk, 1u);
+  EXPECT_INVARIANTS(alloc);
+}
+
 TEST(ExtentAllocatorTest, TrimKeepsAPrefixAndFreesTheTail) {
   ExtentAllocator alloc({Pages(16)}, kPage);
   const Extent e = AllocOne(alloc, Pages(10));

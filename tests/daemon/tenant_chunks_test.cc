@@ -34,6 +34,30 @@ TEST(TenantChunksTest, NeverUsedChunksAreClaimedFirstThenTheLowestEmptyOne) {
   EXPECT_EQ(t.OwnerOf(2), "b");
 }
 
+TEST(TenantChunksTest, EachTenantHasItsOwnPoolNumberReusedAfterItGoes) {
+  TenantChunks t(4, TenantMode::kUid);
+  const uint32_t a = t.Join("a")->pool;
+  const uint32_t b = t.Join("b")->pool;
+  EXPECT_NE(a, TenantChunks::kNoTenantPool);
+  EXPECT_NE(b, TenantChunks::kNoTenantPool);
+  EXPECT_NE(a, b);
+  t.Assign(0, "a");
+  EXPECT_EQ(t.Find("a")->pool, a);  // the same entry, the same pool
+  // b goes (no session, no chunk): its number goes to the next new tenant.
+  t.Leave("b");
+  EXPECT_EQ(t.Find("b"), nullptr);
+  EXPECT_EQ(t.Join("c")->pool, b);
+  // a keeps its entry, and pool, while it owns a chunk without a session.
+  t.Leave("a");
+  ASSERT_NE(t.Find("a"), nullptr);
+  EXPECT_EQ(t.Find("a")->pool, a);
+  // Assign makes an entry for a tenant without one, with a fresh pool.
+  t.Assign(1, "d");
+  const uint32_t d = t.Find("d")->pool;
+  EXPECT_TRUE(d != a && d != b && d != TenantChunks::kNoTenantPool) << d;
+  EXPECT_TRUE(t.CheckInvariants({{"c", 1}}).ok()) << t.CheckInvariants({{"c", 1}}).ToString();
+}
+
 TEST(TenantChunksTest, AChunkAnOpenSessionOfAnotherTenantHoldsIsNotClaimable) {
   TenantChunks t(2, TenantMode::kUid);
   t.Join("a");

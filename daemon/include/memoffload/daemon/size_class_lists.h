@@ -15,6 +15,7 @@
 #ifndef MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
 #define MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -52,7 +53,15 @@ struct ExtentNode {
 // The rank of the size class of a free extent of `pages` (> 0) pages. Every
 // member of a class of a higher rank is at least `pages` long; members of
 // the class itself may be shorter.
-int SizeClassOf(uint64_t pages);
+inline constexpr int kSlLog2 = 5;  // 32 linear sub-classes per power of two
+inline constexpr int kSlCount = 1 << kSlLog2;
+
+inline int SizeClassOf(uint64_t pages) {
+  if (pages < static_cast<uint64_t>(kSlCount)) return static_cast<int>(pages);
+  const int top = Log2Floor(pages);
+  const int fl = top - kSlLog2 + 1;
+  return fl * kSlCount + static_cast<int>((pages >> (top - kSlLog2)) - kSlCount);
+}
 
 class SizeClassLists {
  public:
@@ -99,6 +108,57 @@ class SizeClassLists {
   // exact by a failed FindIn.
   std::vector<uint64_t> class_max_;
 };
+
+// The hot operations, inline: the allocator calls them on every request.
+inline void SizeClassLists::Insert(std::vector<ExtentNode>& nodes, uint32_t i) {
+  ExtentNode& n = nodes[i];
+  const int rank = SizeClassOf(n.length);
+  const int fl = rank / kSlCount;
+  n.is_free = true;
+  ListLinks& links = n.links[kind_];
+  links.prev = kNoNode;
+  links.next = heads_[rank];
+  if (links.next != kNoNode) nodes[links.next].links[kind_].prev = i;
+  heads_[rank] = i;
+  class_max_[rank] = std::max(class_max_[rank], n.length);
+  fl_bitmap_ |= uint64_t{1} << fl;
+  sl_bitmap_[fl] |= 1u << (rank % kSlCount);
+}
+
+inline void SizeClassLists::Remove(std::vector<ExtentNode>& nodes, uint32_t i) {
+  const ListLinks links = nodes[i].links[kind_];
+  if (links.next != kNoNode) nodes[links.next].links[kind_].prev = links.prev;
+  if (links.prev != kNoNode) {
+    nodes[links.prev].links[kind_].next = links.next;
+    return;
+  }
+  const int rank = SizeClassOf(nodes[i].length);
+  heads_[rank] = links.next;
+  if (links.next == kNoNode) {
+    const int fl = rank / kSlCount;
+    sl_bitmap_[fl] &= ~(1u << (rank % kSlCount));
+    if (sl_bitmap_[fl] == 0) fl_bitmap_ &= ~(uint64_t{1} << fl);
+  }
+}
+
+inline int SizeClassLists::FirstAtOrAbove(int rank) const {
+  if (rank >= class_count()) return kNoClass;
+  int fl = rank / kSlCount;
+  uint32_t map = sl_bitmap_[fl] & (~0u << (rank % kSlCount));
+  if (map == 0) {
+    const uint64_t fl_map = fl + 1 < 64 ? fl_bitmap_ & (~uint64_t{0} << (fl + 1)) : 0;
+    if (fl_map == 0) return kNoClass;
+    fl = __builtin_ctzll(fl_map);
+    map = sl_bitmap_[fl];
+  }
+  return fl * kSlCount + __builtin_ctz(map);
+}
+
+inline int SizeClassLists::Top() const {
+  if (fl_bitmap_ == 0) return -1;
+  const int fl = Log2Floor(fl_bitmap_);
+  return fl * kSlCount + 31 - __builtin_clz(sl_bitmap_[fl]);
+}
 
 }  // namespace memoffload::daemon
 
