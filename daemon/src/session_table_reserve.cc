@@ -120,7 +120,7 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   } else {
     Result<ReserveResult> r =
         TryReserve(&s, group_id, rounded, single_extent, before.keep_free_bytes, &reject);
-    if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) return answer(r);
+    if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) return answer(std::move(r));
     refusal = r.status();
   }
   if (!wait_until.has_value()) return answer(refusal);
