@@ -140,6 +140,22 @@ TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {
 // The holder rule (docs/reliability.md, "Tenant isolation"): an empty chunk
 // does not return to the common pool while a live session of its tenant has
 // it mapped (its fd cannot be revoked); it does once those sessions end.
+TEST_F(TenantChunks, TenantsComingAndGoingReusePoolNumbers) {
+  // 300 jobs one after the other, each its own tenant, each taking over a
+  // chunk: the allocator's pools stay at one per tenant alive (the four
+  // chunk owners) plus pool 0, not one per tenant ever seen.
+  Make(TenantMode::kJob);
+  for (int i = 0; i < 300; ++i) {
+    const SessionGrant s = Open(1000, "job-" + std::to_string(i));
+    ASSERT_EQ(Fill(s, 1, 4 * kKiB, static_cast<uint8_t>(i)).size(), 1u) << "job " << i;
+    ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
+    ASSERT_TRUE(table_->Close(s.session_id, CloseReason::kLifelineClosed).ok());
+    ASSERT_TRUE(table_->CheckInvariants().ok()) << "job " << i << ": "
+                                                << table_->CheckInvariants().ToString();
+  }
+  EXPECT_LE(arena_->allocator().pool_count(), 1u + arena_->chunk_count() + 1u);
+}
+
 TEST_F(TenantChunks, EmptyChunkChangesTenantOnlyAfterItsHoldersClose) {
   Make(TenantMode::kUid);
   SessionGrant a = Open(1000);

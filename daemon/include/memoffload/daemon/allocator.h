@@ -76,6 +76,9 @@ class ExtentAllocator {
   static constexpr uint32_t kMaxPools = 1u << 20;
   Status SetChunkPool(uint32_t chunk, uint32_t pool);
   uint32_t chunk_pool(uint32_t chunk) const { return chunk_pool_[chunk]; }
+  // Pools with lists: the highest pool number used, plus one (they are not
+  // given back; SessionTable reuses the numbers of tenants that went).
+  uint32_t pool_count() const { return static_cast<uint32_t>(pool_lists_.size()); }
   // As AllocateInto, in the chunks of `pool` only: O(1) whatever the number
   // of chunks or free extents. A pool without chunks has no room.
   Status AllocateInPool(uint64_t bytes, bool single_extent, uint32_t pool,
