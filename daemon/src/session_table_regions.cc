@@ -74,6 +74,19 @@ Result<SessionTable::JobRegions*> SessionTable::RegionsOf(const Session& session
   return &regions_[session.job_key];
 }
 
+Result<SessionTable::OwnRegion> SessionTable::FindOwnRegion(uint64_t session_id,
+                                                            const std::string& token,
+                                                            const std::string& name) {
+  Result<Session*> session = Authenticate(session_id, token);
+  if (!session.ok()) return session.status();
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
+  Result<JobRegions*> job = RegionsOf(**session);
+  if (!job.ok()) return job.status();
+  Result<Region*> region = FindRegion(*job, **session, name);
+  if (!region.ok()) return region.status();
+  return OwnRegion{*session, *job, *region};
+}
+
 Result<SessionTable::Region*> SessionTable::FindRegion(JobRegions* job, const Session& session,
                                                        const std::string& name) {
   auto it = job->by_name.find(name);
@@ -201,14 +214,9 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
                                                 const std::string& name, uint64_t used_bytes,
                                                 std::vector<uint32_t> extent_crc32c) {
   std::unique_lock<std::mutex> lock(mu_);
-  Result<Session*> session = Authenticate(session_id, token);
-  if (!session.ok()) return session.status();
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
-  Result<JobRegions*> job = RegionsOf(**session);
-  if (!job.ok()) return job.status();
-  Result<Region*> region = FindRegion(*job, **session, name);
-  if (!region.ok()) return region.status();
-  Region& r = **region;
+  Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
+  if (!own.ok()) return own.status();
+  Region& r = *own->region;
   if (r.state != RegionState::kWriting || r.writer != session_id) {
     return FailedPrecondition("region " + name + " is " + RegionStateName(r.state) +
                               (r.state == RegionState::kWriting ? " by another session" : "") +
@@ -235,7 +243,7 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   const uint64_t returned = r.held_bytes - kept_bytes;
   CountRegionChunks(r.extents, -1);
   CountRegionChunks(*kept, +1);
-  (*job)->held_bytes -= returned;
+  own->job->held_bytes -= returned;
   region_bytes_ -= returned;
   committed_region_bytes_ += kept_bytes;
   ++committed_region_count_;
@@ -257,14 +265,9 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
 Result<PrefetchResult> SessionTable::OpenRegion(uint64_t session_id, const std::string& token,
                                                 const std::string& name) {
   std::lock_guard<std::mutex> lock(mu_);
-  Result<Session*> session = Authenticate(session_id, token);
-  if (!session.ok()) return session.status();
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
-  Result<JobRegions*> job = RegionsOf(**session);
-  if (!job.ok()) return job.status();
-  Result<Region*> region = FindRegion(*job, **session, name);
-  if (!region.ok()) return region.status();
-  Region& r = **region;
+  Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
+  if (!own.ok()) return own.status();
+  Region& r = *own->region;
   if (r.state != RegionState::kCommitted) {
     return NotFound("region " + name + " is still being written (not committed)");
   }
@@ -325,19 +328,14 @@ Result<uint64_t> SessionTable::DeleteRegion(uint64_t session_id, const std::stri
   uint64_t freed = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    Result<Session*> session = Authenticate(session_id, token);
-    if (!session.ok()) return session.status();
-    MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
-    Result<JobRegions*> job = RegionsOf(**session);
-    if (!job.ok()) return job.status();
-    Result<Region*> region = FindRegion(*job, **session, name);
-    if (!region.ok()) return region.status();
-    if ((*region)->state == RegionState::kWriting && (*region)->writer != session_id) {
+    Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
+    if (!own.ok()) return own.status();
+    if (own->region->state == RegionState::kWriting && own->region->writer != session_id) {
       return FailedPrecondition("region " + name +
                                 " is being written by another session; only its writer may "
                                 "abort it (it is freed if that session ends uncommitted)");
     }
-    freed = DropRegion(*job, (*job)->by_name.find(name));
+    freed = DropRegion(own->job, own->job->by_name.find(name));
     if (freed != 0) DispatchWaiters(&done);
   }
   Run(&done);

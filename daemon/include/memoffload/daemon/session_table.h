@@ -397,6 +397,15 @@ class SessionTable {
   Result<JobRegions*> RegionsOf(const Session& session);
   // The job's visible region `name` (not deleted). Requires mu_.
   Result<Region*> FindRegion(JobRegions* job, const Session& session, const std::string& name);
+  // The caller's region `name`: the session authenticated, the name checked,
+  // found (not deleted) among its job's regions. Requires mu_.
+  struct OwnRegion {
+    Session* session = nullptr;
+    JobRegions* job = nullptr;
+    Region* region = nullptr;
+  };
+  Result<OwnRegion> FindOwnRegion(uint64_t session_id, const std::string& token,
+                                  const std::string& name);
   // Deletes it now, or hides it until its last reader closes; returns the
   // bytes freed. Erases it from `job` when freed. Requires mu_.
   uint64_t DropRegion(JobRegions* job, std::map<std::string, Region>::iterator it);
