@@ -155,17 +155,13 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
 Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
                                     const ReserveOptions& options) {
   v1::ReserveRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_group_id(group_id);
   req.set_size_bytes(size_bytes);
   req.set_single_extent(options.single_extent);
   req.set_wait_for_space(options.wait_for_space);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, options.wait_for_space && options.wait_timeout_ms > 0 ? options.wait_timeout_ms
-                                                                          : impl_->rpc_timeout_ms);
-
   v1::ReserveResponse resp;
-  Status st = FromGrpc(impl_->stub->Reserve(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::Reserve, &req, &resp,
+                          options.wait_for_space ? options.wait_timeout_ms : 0);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   Reservation reservation{FromProto(resp.extents()), resp.reserved_bytes()};
   if (Status mapped = impl_->EnsureMapped(Impl::ChunksOf(reservation.extents)); !mapped.ok()) {
@@ -183,7 +179,6 @@ Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
 
 Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const CopyStats& copy) {
   v1::CommitRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_group_id(group_id);
   req.set_used_bytes(used_bytes);
   req.mutable_copy()->set_bytes(copy.bytes);
@@ -203,10 +198,8 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
     }
     for (uint32_t crc : *crcs) req.add_extent_crc32c(crc);
   }
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CommitResponse resp;
-  Status st = FromGrpc(impl_->stub->Commit(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::Commit, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   {
     std::lock_guard<std::mutex> lock(impl_->groups_mu);
@@ -219,12 +212,9 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
 
 Result<Placement> Client::Prefetch(uint64_t group_id) {
   v1::PrefetchRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_group_id(group_id);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::PrefetchResponse resp;
-  Status st = FromGrpc(impl_->stub->Prefetch(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::Prefetch, &req, &resp);
   Placement placement;
   if (st.ok()) {
     placement = Placement{FromProto(resp.extents()),
@@ -256,18 +246,15 @@ Status Client::Release(uint64_t group_id, const CopyStats& copy) {
     impl_->reserved.erase(group_id);
   }
   v1::ReleaseRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_group_id(group_id);
   req.mutable_copy()->set_bytes(copy.bytes);
   req.mutable_copy()->set_seconds(copy.seconds);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
-  v1::ReleaseResponse resp;
   {
     std::lock_guard<std::mutex> lock(impl_->groups_mu);
     impl_->committed.erase(group_id);
   }
-  Status st = FromGrpc(impl_->stub->Release(&ctx, req, &resp), impl_->grpc_socket);
+  v1::ReleaseResponse resp;
+  Status st = impl_->Call(&v1::Offload::Stub::Release, &req, &resp);
   // A session that is gone holds nothing: its groups went with it.
   if (!st.ok() && impl_->LifelineClosed()) return Status::Ok();
   return st;

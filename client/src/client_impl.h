@@ -98,6 +98,18 @@ class Client::Impl {
     if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
     return lost.load();
   }
+  // One unary call of the session: its credentials filled in, the RPC
+  // deadline (`timeout_ms`, or rpc_timeout_ms when 0), gRPC's status as ours
+  // (FromGrpc). The caller decides what a failure means (SessionGoneOr).
+  template <typename Request, typename Response>
+  Status Call(grpc::Status (v1::Offload::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                        Response*),
+              Request* req, Response* resp, int timeout_ms = 0) {
+    FillCredentials(req->mutable_session(), reply.session_id, reply.session_token);
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, timeout_ms > 0 ? timeout_ms : rpc_timeout_ms);
+    return FromGrpc((stub.get()->*method)(&ctx, *req, resp), grpc_socket);
+  }
   // A failed call of a session that is gone is UNAVAILABLE, whatever the
   // daemon answered (a restarted daemon says NOT_FOUND or UNAUTHENTICATED for
   // a session it never knew): the caller attaches again.

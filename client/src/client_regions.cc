@@ -7,14 +7,11 @@ namespace memoffload::client {
 Result<Reservation> Client::CreateRegion(const std::string& name, uint64_t size_bytes,
                                          double ttl_seconds) {
   v1::CreateRegionRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_name(name);
   req.set_size_bytes(size_bytes);
   req.set_ttl_seconds(ttl_seconds);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CreateRegionResponse resp;
-  Status st = FromGrpc(impl_->stub->CreateRegion(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::CreateRegion, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   Reservation reservation{FromProto(resp.extents()), resp.reserved_bytes()};
   if (Status mapped = impl_->EnsureMapped(Impl::ChunksOf(reservation.extents)); !mapped.ok()) {
@@ -33,26 +30,20 @@ Result<Reservation> Client::CreateRegion(const std::string& name, uint64_t size_
 Result<CommitInfo> Client::CommitRegion(const std::string& name, uint64_t used_bytes,
                                         const std::vector<uint32_t>& extent_crc32c) {
   v1::CommitRegionRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_name(name);
   req.set_used_bytes(used_bytes);
   for (uint32_t crc : extent_crc32c) req.add_extent_crc32c(crc);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CommitRegionResponse resp;
-  Status st = FromGrpc(impl_->stub->CommitRegion(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::CommitRegion, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   return CommitInfo{resp.committed_bytes(), resp.returned_bytes()};
 }
 
 Result<Placement> Client::OpenRegion(const std::string& name, bool verify) {
   v1::OpenRegionRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_name(name);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::OpenRegionResponse resp;
-  Status st = FromGrpc(impl_->stub->OpenRegion(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::OpenRegion, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   Placement placement{FromProto(resp.extents()),
                       resp.used_bytes(),
@@ -77,12 +68,9 @@ Result<Placement> Client::OpenRegion(const std::string& name, bool verify) {
 
 Status Client::CloseRegion(const std::string& name) {
   v1::CloseRegionRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_name(name);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::CloseRegionResponse resp;
-  Status st = FromGrpc(impl_->stub->CloseRegion(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::CloseRegion, &req, &resp);
   // A session that is gone has nothing open.
   if (!st.ok() && impl_->LifelineClosed()) return Status::Ok();
   return st;
@@ -90,24 +78,18 @@ Status Client::CloseRegion(const std::string& name) {
 
 Result<uint64_t> Client::DeleteRegion(const std::string& name) {
   v1::DeleteRegionRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_name(name);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::DeleteRegionResponse resp;
-  Status st = FromGrpc(impl_->stub->DeleteRegion(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::DeleteRegion, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   return resp.freed_bytes();
 }
 
 Result<std::vector<RegionInfo>> Client::ListRegions(const std::string& prefix) {
   v1::ListRegionsRequest req;
-  FillCredentials(req.mutable_session(), impl_->reply.session_id, impl_->reply.session_token);
   req.set_prefix(prefix);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->rpc_timeout_ms);
   v1::ListRegionsResponse resp;
-  Status st = FromGrpc(impl_->stub->ListRegions(&ctx, req, &resp), impl_->grpc_socket);
+  Status st = impl_->Call(&v1::Offload::Stub::ListRegions, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   std::vector<RegionInfo> out;
   out.reserve(resp.regions_size());
