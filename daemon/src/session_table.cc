@@ -45,6 +45,13 @@ SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant
       quota_(policy),
       tenant_chunks_(arena->chunk_count(), tenant_mode),
       fresh_backing_(fresh_backing) {
+  // No chunk has a tenant yet: every one in the allocator's pool of no
+  // tenant, whatever a table before this one over the same arena left.
+  for (uint32_t c = 0; c < arena_->chunk_count(); ++c) {
+    if (Status st = arena_->allocator().SetChunkPool(c, TenantChunks::kNoTenantPool); !st.ok()) {
+      MO_LOG_ERROR("internal error: chunk %u back to pool 0: %s", c, st.ToString().c_str());
+    }
+  }
   queue_.SetLimits(QueueLimits());
   deadline_thread_ = std::thread([this] { ExpireWaitersLoop(); });
 }

@@ -156,6 +156,24 @@ TEST_F(TenantChunks, TenantsComingAndGoingReusePoolNumbers) {
   EXPECT_LE(arena_->allocator().pool_count(), 1u + arena_->chunk_count() + 1u);
 }
 
+TEST_F(TenantChunks, ANewTableOverTheSameArenaStartsWithEveryChunkInPoolZero) {
+  // The fuzzers build a table per input over one arena: the allocator keeps
+  // the pools the last table's tenants had; the new table owns no chunk.
+  Make(TenantMode::kUid);
+  const SessionGrant a = Open(1000), b = Open(1001);
+  Fill(a, 1, 4 * kKiB, 1);
+  Fill(b, 1, 4 * kKiB, 2);
+  ASSERT_TRUE(table_->Close(a.session_id, CloseReason::kLifelineClosed).ok());
+  ASSERT_TRUE(table_->Close(b.session_id, CloseReason::kLifelineClosed).ok());
+  table_ = std::make_unique<SessionTable>(arena_.get(), Policy{}, TenantMode::kUid);
+  ASSERT_TRUE(table_->CheckInvariants().ok()) << table_->CheckInvariants().ToString();
+  for (uint32_t c = 0; c < arena_->chunk_count(); ++c) {
+    EXPECT_EQ(arena_->allocator().chunk_pool(c), 0u) << "chunk " << c;
+  }
+  const SessionGrant c = Open(1002);
+  EXPECT_EQ(Fill(c, 1, 4 * kKiB, 3).size(), 1u);
+}
+
 TEST_F(TenantChunks, EmptyChunkChangesTenantOnlyAfterItsHoldersClose) {
   Make(TenantMode::kUid);
   SessionGrant a = Open(1000);
