@@ -215,8 +215,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   Session& s = *session;
   GroupNode node = NewGroupNode(group_id);
   Group& g = node.mapped();
-  if (Status st = Place(s, rounded, single_extent, keep_free_bytes, &g.extents, reject);
-      !st.ok()) {
+  if (Status st = Place(s, rounded, single_extent, keep_free_bytes, &g.extents, reject); !st.ok()) {
     RecycleGroupNode(std::move(node));
     return st;
   }

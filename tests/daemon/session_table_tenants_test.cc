@@ -150,8 +150,8 @@ TEST_F(TenantChunks, TenantsComingAndGoingReusePoolNumbers) {
     ASSERT_EQ(Fill(s, 1, 4 * kKiB, static_cast<uint8_t>(i)).size(), 1u) << "job " << i;
     ASSERT_TRUE(table_->Release(s.session_id, s.token, 1).ok());
     ASSERT_TRUE(table_->Close(s.session_id, CloseReason::kLifelineClosed).ok());
-    ASSERT_TRUE(table_->CheckInvariants().ok()) << "job " << i << ": "
-                                                << table_->CheckInvariants().ToString();
+    ASSERT_TRUE(table_->CheckInvariants().ok())
+        << "job " << i << ": " << table_->CheckInvariants().ToString();
   }
   EXPECT_LE(arena_->allocator().pool_count(), 1u + arena_->chunk_count() + 1u);
 }
