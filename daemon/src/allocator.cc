@@ -8,11 +8,12 @@
 // map, which makes validating a Free O(1) when the extent begins where an
 // allocated extent begins.
 //
-// Every free node is listed twice: in its pool's class lists and in its
-// chunk's own, so a search in one pool (a tenant's chunks) is O(1), and one
-// restricted to some chunks (allowed_chunks) asks each allowed chunk in O(1)
-// instead of scanning a pool's lists for members in allowed chunks. The
-// searches are in allocator_search.cc.
+// Every free node is listed in its pool's class lists, so a search in one
+// pool (a tenant's chunks) is O(1). Once a search restricted to a chunk list
+// (allowed_chunks) has been made, it is also listed in its chunk's own lists,
+// so such searches ask each allowed chunk in O(1) instead of scanning a
+// pool's lists for members in allowed chunks. The searches are in
+// allocator_search.cc.
 #include "memoffload/daemon/allocator.h"
 
 #include <algorithm>

@@ -46,6 +46,8 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
   // tenant's pool, where its Reserves search.
   if (Status moved = arena_->allocator().SetChunkPool(chunk, tenant_chunks_.Find(tenant)->pool);
       !moved.ok()) {
+    MO_LOG_ERROR("internal error: chunk %u of tenant %s not moved to its pool: %s", chunk,
+                 tenant.c_str(), moved.ToString().c_str());
     return Internal("chunk " + std::to_string(chunk) + " of tenant " + tenant + ": " +
                     moved.message());
   }

@@ -418,11 +418,9 @@ class SessionTable {
   void CountRegionChunks(const std::vector<Extent>& extents, int delta);
   // The bytes of the chunks `extents` would newly pin. Requires mu_.
   uint64_t NewRegionChunkBytes(const std::vector<Extent>& extents) const;
-  // Places `rounded` bytes in the session's tenant's chunks (claiming empty
-  // ones), leaving keep_free_bytes free; checks capacity (quota_.Room) and
-  // the extent count. Requires mu_.
-  // Places `rounded` bytes for `session` into *out (empty, left empty on
-  // failure): free space, the tenant's chunks and claims, the extent limit.
+  // Places `rounded` bytes into *out (empty; left empty on failure) in the
+  // session's tenant's pool (claiming empty chunks), leaving keep_free_bytes
+  // free; checks capacity (quota_.Room) and the extent count. Requires mu_.
   Status Place(const Session& session, uint64_t rounded, bool single_extent,
                uint64_t keep_free_bytes, std::vector<Extent>* out, RejectReason* reject);
 

@@ -7,10 +7,10 @@
 // fl * kSlCount + sl, so a higher rank holds longer extents. A two-level
 // bitmap finds the first non-empty class at or above a rank in O(1).
 //
-// The allocator keeps one SizeClassLists per pool of chunks and one per
-// chunk (for searches restricted to some chunks); a free node is a member of
-// its pool's and its chunk's, through its own pair of links for each
-// (ExtentNode::links[kind]).
+// The allocator keeps one SizeClassLists per pool of chunks and, once a
+// search restricted to a chunk list was made, one per chunk; a free node is
+// a member of its pool's (and its chunk's), through its own pair of links
+// for each (ExtentNode::links[kind]).
 // Lengths are in pages. Not thread-safe: the allocator's owner serialises.
 #ifndef MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_
 #define MEMOFFLOAD_DAEMON_SIZE_CLASS_LISTS_H_

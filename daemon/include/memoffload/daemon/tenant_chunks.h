@@ -19,8 +19,9 @@
 // - A chunk that changes tenant (Assign from another tenant) forgets its
 //   holders and recipients: its caller has given it a new backing and
 //   retired the old one to those recipients.
-// - A tenant's chunk list is ascending (the order the allocator's restricted
-//   search breaks ties in) and kept while the tenant has a session or a chunk.
+// - A tenant's chunk list is ascending and kept while the tenant has a
+//   session or a chunk (the allocator searches the tenant's pool, not the
+//   list).
 // - Each tenant entry has a pool number, the allocator's pool its chunks are
 //   in (SessionTable moves a chunk there when the tenant takes it over):
 //   distinct among the entries, never 0 (kNoTenantPool, the chunks nobody
