@@ -8,7 +8,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path) {
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   // No gRPC retry filter: it keeps every call's messages so that it could
-  // replay them; without it a call's p50 under load is some 7% lower
+  // replay them; without it a call's p50 under load is 6-9% lower
   // (docs/reliability.md).
   // Nothing is lost: no call has a retry policy, and a call that fails
   // before it reaches the daemon is UNAVAILABLE, which the client already
