@@ -235,7 +235,7 @@ Result<const std::vector<uint32_t>*> ExtentAllocator::ToList(const std::vector<u
 Status ExtentAllocator::AllocateFrom(uint64_t bytes, bool single_extent, Scope scope,
                                      std::vector<Extent>* out) {
   if (bytes == 0) return InvalidArgument("cannot allocate 0 bytes");
-  const uint64_t pages = bytes / page_bytes_ + (bytes % page_bytes_ != 0);
+  const uint64_t pages = (bytes >> page_shift_) + ((bytes & (page_bytes_ - 1)) != 0);
   const uint32_t fit = FindFit(pages, /*exact=*/true, scope);
   if (fit != kNoNode) {
     out->push_back(Carve(fit, pages));
@@ -270,7 +270,7 @@ Status ExtentAllocator::Locate(const Extent& e, uint32_t* node) const {
                               " out of range: the arena has " +
                               std::to_string(chunk_pages_.size()) + " chunks");
   }
-  if (e.length == 0 || e.offset % page_bytes_ != 0 || e.length % page_bytes_ != 0) {
+  if (e.length == 0 || ((e.offset | e.length) & (page_bytes_ - 1)) != 0) {
     return FailedPrecondition("extent [chunk " + std::to_string(e.chunk) + " offset " +
                               std::to_string(e.offset) + " length " + std::to_string(e.length) +
                               "] is empty or not aligned to " + std::to_string(page_bytes_) +
@@ -323,7 +323,7 @@ Result<std::vector<Extent>> ExtentAllocator::Trim(const std::vector<Extent>& ext
       return FailedPrecondition("Trim was given overlapping extents");
     }
   }
-  uint64_t keep_pages = keep_bytes / page_bytes_ + (keep_bytes % page_bytes_ != 0);
+  uint64_t keep_pages = (keep_bytes >> page_shift_) + ((keep_bytes & (page_bytes_ - 1)) != 0);
   std::vector<Extent> kept;
   for (const Extent& e : extents) {
     const uint64_t pages = e.length >> page_shift_;

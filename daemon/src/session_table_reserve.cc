@@ -91,7 +91,7 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
     return answer(st);
   }
   const uint64_t page = arena_->page_bytes();
-  const uint64_t rounded = (size_bytes + page - 1) / page * page;
+  const uint64_t rounded = (size_bytes + page - 1) & ~(page - 1);  // a power of two
   QuotaDecision quota = quota_.Check(UsageOf(s), rounded);
   if (quota.verdict == QuotaVerdict::kNever) {
     reject = quota.reason;

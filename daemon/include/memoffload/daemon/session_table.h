@@ -242,7 +242,7 @@ class SessionTable {
   // set, is asked (under the table's lock) before a waiter is placed and
   // when the waiter bound is reached: once it returns true the waiter is
   // answered CANCELLED and nothing is reserved for it.
-  using ReserveDone = std::function<void(Result<ReserveResult>, RejectReason)>;
+  using ReserveDone = std::function<void(Result<ReserveResult>&&, RejectReason)>;
   uint64_t ReserveAsync(uint64_t session_id, const std::string& token, uint64_t group_id,
                         uint64_t size_bytes, bool single_extent,
                         std::optional<std::chrono::steady_clock::time_point> wait_until,
