@@ -423,6 +423,10 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
     snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
     out.push_back(std::move(snap));
   }
+  // In the order they opened (ids ascend), whatever the map's order.
+  std::sort(out.begin(), out.end(), [](const SessionSnapshot& a, const SessionSnapshot& b) {
+    return a.session_id < b.session_id;
+  });
   return out;
 }
 

@@ -66,6 +66,22 @@ TEST_F(SessionTableTest, FullGroupLifecycle) {
   EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
 }
 
+TEST_F(SessionTableTest, ListSessionsInTheOrderTheyOpened) {
+  std::vector<uint64_t> opened;
+  for (int i = 0; i < 40; ++i) opened.push_back(Open(0, "job" + std::to_string(i % 3)).session_id);
+  // Some go, so the map's own order is not the opening order either way.
+  for (size_t i = 0; i < opened.size(); i += 7)
+    ASSERT_TRUE(table_->Close(opened[i], CloseReason::kProcessExited).ok());
+  std::vector<uint64_t> listed;
+  for (const SessionSnapshot& s : table_->ListSessions()) listed.push_back(s.session_id);
+  std::vector<uint64_t> open;
+  for (size_t i = 0; i < opened.size(); ++i) {
+    if (i % 7 != 0) open.push_back(opened[i]);
+  }
+  EXPECT_TRUE(std::is_sorted(opened.begin(), opened.end()));
+  EXPECT_EQ(listed, open);
+}
+
 TEST_F(SessionTableTest, TokensAreRandomAndChecked) {
   SessionGrant a = Open();
   SessionGrant b = Open();

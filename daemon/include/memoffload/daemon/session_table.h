@@ -28,6 +28,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "absl/container/node_hash_map.h"
+
 // GCC 12 at -O3 takes small_vector's copy of its inline elements for an
 // overread (-Wstringop-overread, a known false positive): off for its code.
 // (Clang, for the sanitizer builds, has no such warning.)
@@ -340,7 +342,7 @@ class SessionTable {
 
     Clock::time_point committed_at;
   };
-  using GroupMap = std::unordered_map<uint64_t, Group>;
+  using GroupMap = absl::node_hash_map<uint64_t, Group>;
   using GroupNode = GroupMap::node_type;
   // Released groups' map nodes, kept with their vectors' capacity for the
   // next Reserve (no allocation on the request path): at most this many.
@@ -513,7 +515,7 @@ class SessionTable {
   uint64_t replaced_backings_ = 0;  // guarded by mu_
 
   uint64_t next_session_id_ = 1;                         // guarded by mu_
-  std::unordered_map<uint64_t, Session> sessions_;       // guarded by mu_
+  absl::node_hash_map<uint64_t, Session> sessions_;      // guarded by mu_
   uint64_t reserved_bytes_ = 0;                          // guarded by mu_
   uint64_t committed_bytes_ = 0;                         // guarded by mu_
   uint64_t read_bytes_ = 0;                              // guarded by mu_
