@@ -118,19 +118,21 @@ Setting U64Setting(const char* section, const char* key, Kind kind, const char* 
           }};
 }
 
-// A count in 1..max (a limit that must exist: 0 is not "none").
+// A count in min..max: by default 1..max, a limit that must exist (0 is
+// not "none"); min 0 where the help says what 0 means.
 Setting CountSetting(const char* section, const char* key, const char* help, uint64_t max,
-                     U64Field field) {
+                     U64Field field, uint64_t min = 1) {
   return {section,
           key,
           Kind::kInt,
           help,
-          [field, max](DaemonConfig* c, const std::string& v) {
+          [field, max, min](DaemonConfig* c, const std::string& v) {
             char* end = nullptr;
             errno = 0;
             const unsigned long long n = std::strtoull(v.c_str(), &end, 10);
-            if (v.empty() || v[0] == '-' || *end != '\0' || errno != 0 || n < 1 || n > max) {
-              return InvalidArgument("'" + v + "' is not an integer in 1.." + std::to_string(max));
+            if (v.empty() || v[0] == '-' || *end != '\0' || errno != 0 || n < min || n > max) {
+              return InvalidArgument("'" + v + "' is not an integer in " + std::to_string(min) +
+                                     ".." + std::to_string(max));
             }
             *field(c) = n;
             return Status::Ok();
@@ -323,12 +325,22 @@ const std::vector<Setting>& Settings() {
       U64Setting("regions", "job_max_bytes", Kind::kSize,
                  "arena bytes one job's checkpoint regions may hold (0: only regions.max_bytes)",
                  [](DaemonConfig* c) { return &c->policy.region_job_max_bytes; }),
+      U64Setting("regions", "uid_max_bytes", Kind::kSize,
+                 "arena bytes the checkpoint regions of one uid may hold, over all its job ids "
+                 "(0: only regions.max_bytes)",
+                 [](DaemonConfig* c) { return &c->policy.region_uid_max_bytes; }),
       U64Setting("regions", "ttl", Kind::kDuration,
                  "a committed region is deleted this long after its commit; a request may ask "
                  "for less (default 24h)",
                  [](DaemonConfig* c) { return &c->policy.region_ttl_ms; }),
       CountSetting("regions", "max_per_job", "regions one job may hold at once (default 1024)",
                    1 << 20, [](DaemonConfig* c) { return &c->policy.max_regions_per_job; }),
+      CountSetting(
+          "regions", "max_per_uid",
+          "regions one uid may hold at once, over all its job ids (0: only "
+          "regions.max_count)",
+          1 << 24, [](DaemonConfig* c) { return &c->policy.max_regions_per_uid; },
+          /*min=*/0),
       CountSetting("regions", "max_count",
                    "regions all jobs may hold at once (default 65536, about 0.5 KiB of daemon "
                    "memory each)",

@@ -468,6 +468,7 @@ Status SessionTable::CheckInvariants() const {
   }
   uint64_t region_held = 0;
   uint32_t region_count = 0;
+  std::unordered_map<uid_t, UidRegions> by_uid;
   for (const auto& [key, job] : regions_) {
     uint64_t job_held = 0;
     for (const auto& [name, r] : job.by_name) {
@@ -481,6 +482,8 @@ Status SessionTable::CheckInvariants() const {
         }
       }
       if (sum != r.held_bytes) return Internal("region " + name + " extents disagree");
+      by_uid[r.uid].held_bytes += sum;
+      ++by_uid[r.uid].count;
       job_held += sum;
       ++region_count;
     }
@@ -504,6 +507,15 @@ Status SessionTable::CheckInvariants() const {
   }
   if (region_held != region_bytes_ || region_count != region_count_) {
     return Internal("region counters disagree with the regions");
+  }
+  for (const auto& [uid, u] : by_uid) {
+    const UidRegions counted = UidRegionsOf(uid);
+    if (counted.held_bytes != u.held_bytes || counted.count != u.count) {
+      return Internal("uid " + std::to_string(uid) + "'s region tally disagrees with its regions");
+    }
+  }
+  if (by_uid.size() != uid_regions_.size()) {
+    return Internal("a uid without regions keeps a region tally");
   }
   held += region_held;
   if (held != arena_->allocator().used_bytes()) {

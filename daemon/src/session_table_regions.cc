@@ -65,6 +65,18 @@ const char* RegionStateName(RegionState state) {
   return state == RegionState::kWriting ? "writing" : "committed";
 }
 
+SessionTable::UidRegions SessionTable::UidRegionsOf(uid_t uid) const {
+  auto it = uid_regions_.find(uid);
+  return it == uid_regions_.end() ? UidRegions{} : it->second;
+}
+
+void SessionTable::CountUidRegions(uid_t uid, int64_t bytes_delta, int count_delta) {
+  UidRegions& u = uid_regions_[uid];
+  u.held_bytes = static_cast<uint64_t>(static_cast<int64_t>(u.held_bytes) + bytes_delta);
+  u.count = static_cast<uint64_t>(static_cast<int64_t>(u.count) + count_delta);
+  if (u.count == 0) uid_regions_.erase(uid);
+}
+
 Result<SessionTable::JobRegions*> SessionTable::RegionsOf(const Session& session) {
   if (session.hello.job_id.empty()) {
     return FailedPrecondition(
@@ -152,6 +164,13 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              std::to_string((*job)->by_name.size()) +
                              " regions, the limit (regions.max_per_job); delete old ones");
   }
+  const UidRegions uid_held = UidRegionsOf(s.peer.uid);
+  if (policy.max_regions_per_uid != 0 && uid_held.count >= policy.max_regions_per_uid) {
+    return ResourceExhausted("uid " + std::to_string(s.peer.uid) + " holds " +
+                             std::to_string(uid_held.count) +
+                             " regions over all its jobs, the limit (regions.max_per_uid); "
+                             "delete old ones");
+  }
   if (region_count_ >= policy.max_regions) {
     return ResourceExhausted("the node holds " + std::to_string(region_count_) +
                              " regions, the limit (regions.max_count); delete old checkpoints");
@@ -161,7 +180,7 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
     return ResourceExhausted("region of " + FormatSize(size_bytes) + " is larger than the " +
                              FormatSize(arena_->capacity_bytes()) + " arena");
   }
-  const uint64_t rounded = (size_bytes + page - 1) / page * page;
+  const uint64_t rounded = (size_bytes + page - 1) & ~(page - 1);  // a power of two
   if (policy.region_job_max_bytes != 0 &&
       (*job)->held_bytes + rounded > policy.region_job_max_bytes) {
     return ResourceExhausted("region " + name + " (" + FormatSize(rounded) + ") over job " +
@@ -169,6 +188,14 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              FormatSize((*job)->held_bytes) + " of " +
                              FormatSize(policy.region_job_max_bytes) +
                              " (regions.job_max_bytes); delete old checkpoints");
+  }
+  if (policy.region_uid_max_bytes != 0 &&
+      uid_held.held_bytes + rounded > policy.region_uid_max_bytes) {
+    return ResourceExhausted("region " + name + " (" + FormatSize(rounded) + ") over uid " +
+                             std::to_string(s.peer.uid) + "'s region limit: its jobs hold " +
+                             FormatSize(uid_held.held_bytes) + " of " +
+                             FormatSize(policy.region_uid_max_bytes) +
+                             " (regions.uid_max_bytes); delete old checkpoints");
   }
   if (region_bytes_ + rounded > policy.region_max_bytes) {
     return ResourceExhausted("region " + name + " (" + FormatSize(rounded) +
@@ -203,6 +230,7 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
   const std::chrono::milliseconds cap(policy.region_ttl_ms);
   r.ttl = ttl.count() == 0 ? cap : std::min(ttl, cap);
   (*job)->held_bytes += rounded;
+  CountUidRegions(s.peer.uid, static_cast<int64_t>(rounded), +1);
   region_bytes_ += rounded;
   ++region_count_;
   ReserveResult result{ExtentList(r.extents.begin(), r.extents.end()), rounded};
@@ -244,6 +272,7 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   CountRegionChunks(r.extents, -1);
   CountRegionChunks(*kept, +1);
   own->job->held_bytes -= returned;
+  CountUidRegions(r.uid, -static_cast<int64_t>(returned), 0);
   region_bytes_ -= returned;
   committed_region_bytes_ += kept_bytes;
   ++committed_region_count_;
@@ -316,6 +345,7 @@ uint64_t SessionTable::DropRegion(JobRegions* job, std::map<std::string, Region>
   CountRegionChunks(r.extents, -1);
   FreeExtents(r.extents);
   job->held_bytes -= freed;
+  CountUidRegions(r.uid, -static_cast<int64_t>(freed), -1);
   region_bytes_ -= freed;
   --region_count_;
   job->by_name.erase(it);

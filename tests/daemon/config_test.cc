@@ -312,12 +312,20 @@ TEST(Config, RegionLimitsDefaultToHalfTheArenaAndAnExplicitZeroDisablesThem) {
   EXPECT_EQ(off->policy.region_max_bytes, 0u);
   auto set =
       Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=256MiB",
-                "--regions-job-max-bytes=64MiB", "--regions-ttl=90s", "--regions-max-per-job=8"});
+                "--regions-job-max-bytes=64MiB", "--regions-ttl=90s", "--regions-max-per-job=8",
+                "--regions-uid-max-bytes=128MiB", "--regions-max-per-uid=16"});
   ASSERT_TRUE(set.ok()) << set.status().ToString();
   EXPECT_EQ(set->policy.region_max_bytes, 256u << 20);
   EXPECT_EQ(set->policy.region_job_max_bytes, 64u << 20);
   EXPECT_EQ(set->policy.region_ttl_ms, 90000u);
   EXPECT_EQ(set->policy.max_regions_per_job, 8u);
+  EXPECT_EQ(set->policy.region_uid_max_bytes, 128u << 20);
+  EXPECT_EQ(set->policy.max_regions_per_uid, 16u);
+  // The uid limits are off unless set (0: only the node's), and 0 parses.
+  EXPECT_EQ(c->policy.region_uid_max_bytes, 0u);
+  EXPECT_EQ(c->policy.max_regions_per_uid, 0u);
+  auto zero = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-per-uid=0"});
+  ASSERT_TRUE(zero.ok()) << zero.status().ToString();
   auto big = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=2GiB"});
   ASSERT_FALSE(big.ok());
   EXPECT_NE(big.status().message().find("regions.max_bytes"), std::string::npos);

@@ -194,6 +194,48 @@ TEST_F(RegionsTest, JobAndNodeLimitsAndTheCountLimitRefuseAtOnceNamingTheSetting
             StatusCode::kFailedPrecondition);
 }
 
+// A uid names as many job ids as it likes: its regions over all of them are
+// bounded by regions.uid_max_bytes and regions.max_per_uid, and another uid
+// keeps its room.
+TEST_F(RegionsTest, AUidsRegionsOverAllItsJobIdsAreBoundedAndAnotherUidKeepsItsRoom) {
+  Policy p = DefaultPolicy();
+  p.region_uid_max_bytes = 512 * kKiB;
+  p.max_regions_per_uid = 3;
+  Make(p);
+  SessionGrant a = OpenAs(*table_, 1000, "a");
+  SessionGrant b = OpenAs(*table_, 1000, "b");
+  SessionGrant c = OpenAs(*table_, 1000, "c");
+  SessionGrant other = OpenAs(*table_, 1001, "a");
+  Save(a, "one", 256 * kKiB, 256 * kKiB);
+  Save(b, "one", 256 * kKiB, 256 * kKiB);
+  auto over_bytes = table_->CreateRegion(c.session_id, c.token, "one", 4096, milliseconds(0));
+  EXPECT_EQ(over_bytes.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over_bytes.status().message().find("regions.uid_max_bytes"), std::string::npos)
+      << over_bytes.status().message();
+  EXPECT_NE(over_bytes.status().message().find("uid 1000"), std::string::npos);
+  // The other uid, with the same job id, is not held back.
+  Save(other, "one", 256 * kKiB, 256 * kKiB);
+
+  // A deleted region and a commit's unused tail give the room back.
+  ASSERT_TRUE(table_->DeleteRegion(b.session_id, b.token, "one").ok());
+  Save(c, "two", 256 * kKiB, 4096);
+  Save(c, "three", 4096, 4096);  // 256 + 4 + 4 KiB in three regions
+  auto over_count = table_->CreateRegion(b.session_id, b.token, "four", 4096, milliseconds(0));
+  EXPECT_EQ(over_count.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(over_count.status().message().find("regions.max_per_uid"), std::string::npos)
+      << over_count.status().message();
+  EXPECT_TRUE(
+      table_->CreateRegion(other.session_id, other.token, "two", 4096, milliseconds(0)).ok());
+
+  // A region its writer never committed leaves nothing on the uid's tally
+  // when the writer goes; then the uid has room for one more.
+  ASSERT_TRUE(table_->Close(other.session_id, CloseReason::kProcessExited).ok());
+  ASSERT_TRUE(table_->DeleteRegion(a.session_id, a.token, "one").ok());
+  auto fits = table_->CreateRegion(b.session_id, b.token, "four", 4096, milliseconds(0));
+  EXPECT_TRUE(fits.ok()) << fits.status().ToString();
+  EXPECT_TRUE(table_->CheckInvariants().ok());
+}
+
 TEST_F(RegionsTest, TheTtlDeletesACommittedRegionAndARequestMayOnlyShortenIt) {
   Policy p = DefaultPolicy();
   p.region_ttl_ms = 60000;

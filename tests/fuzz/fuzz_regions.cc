@@ -30,7 +30,7 @@ namespace {
 
 constexpr char kAdminToken[] = "fuzz-admin-token";
 constexpr int kMaxOperations = 64;
-constexpr int kSlots = 4;
+constexpr int kSlots = 5;
 const char* const kNames[] = {"n0", "n1", "dcp/1/.metadata", "bad name", ""};
 
 struct ModelRegion {
@@ -56,6 +56,8 @@ class Harness {
     policy_.region_max_bytes = in_->ConsumeBool() ? 3 * kMiB : kMiB;
     policy_.region_job_max_bytes = in_->ConsumeBool() ? 0 : 2 * kMiB;
     policy_.max_regions_per_job = in_->ConsumeIntegralInRange<uint64_t>(1, 4);
+    policy_.region_uid_max_bytes = in_->ConsumeBool() ? 0 : 2 * kMiB;
+    policy_.max_regions_per_uid = in_->ConsumeIntegralInRange<uint64_t>(0, 6);
     policy_.region_ttl_ms = 3600 * 1000;
     table_ = std::make_unique<daemon::SessionTable>(
         arena_, policy_, static_cast<daemon::TenantMode>(in_->ConsumeIntegralInRange(0, 2)));
@@ -69,6 +71,7 @@ class Harness {
     slots_[1] = {1000, "a", {}, false};
     slots_[2] = {2000, "a", {}, false};
     slots_[3] = {1000, "", {}, false};
+    slots_[4] = {1000, "b", {}, false};  // the same uid's other job
     for (Slot& s : slots_) Open(&s);
   }
 
@@ -136,6 +139,17 @@ class Harness {
     for (const auto& [n, r] : job) held += r.held;
     return held;
   }
+  // The bytes and the count of the regions of `uid`, over all its jobs.
+  std::pair<uint64_t, size_t> HeldByUid(uid_t uid) const {
+    const std::string prefix = std::to_string(uid) + ":";
+    std::pair<uint64_t, size_t> held{0, 0};
+    for (const auto& [key, job] : jobs_) {
+      if (key.compare(0, prefix.size(), prefix) != 0) continue;
+      held.first += HeldByJob(job);
+      held.second += job.size();
+    }
+    return held;
+  }
 
   void Step() {
     const int slot = in_->ConsumeIntegralInRange(0, kSlots - 1);
@@ -152,12 +166,17 @@ class Harness {
         req.set_ttl_seconds(in_->ConsumeBool() ? 0 : 7200);
         Job& job = JobOf(slot);
         const uint64_t rounded = (size + 4095) / 4096 * 4096;
-        // Count, job and node limits refuse for sure; past them free space
+        // Count, job, uid and node limits refuse for sure; past them free space
         // in the tenant's chunks decides, which the model does not follow.
-        const bool over = job.size() >= policy_.max_regions_per_job ||
-                          (policy_.region_job_max_bytes != 0 &&
-                           HeldByJob(job) + rounded > policy_.region_job_max_bytes) ||
-                          table_->Snapshot().region_bytes + rounded > policy_.region_max_bytes;
+        const auto [uid_bytes, uid_count] = HeldByUid(slots_[slot].uid);
+        const bool over =
+            job.size() >= policy_.max_regions_per_job ||
+            (policy_.max_regions_per_uid != 0 && uid_count >= policy_.max_regions_per_uid) ||
+            (policy_.region_job_max_bytes != 0 &&
+             HeldByJob(job) + rounded > policy_.region_job_max_bytes) ||
+            (policy_.region_uid_max_bytes != 0 &&
+             uid_bytes + rounded > policy_.region_uid_max_bytes) ||
+            table_->Snapshot().region_bytes + rounded > policy_.region_max_bytes;
         v1::CreateRegionResponse resp;
         const grpc::Status st = service_->CreateRegion(&ctx, &req, &resp);
         StatusCode want = Preamble(slot, name);

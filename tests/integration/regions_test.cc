@@ -1,7 +1,7 @@
 // Checkpoint regions against the real daemon: a region survives its writer's
 // crash once committed and never reads as complete before; checksums catch a
-// changed byte; another uid cannot reach it; memoffloadctl lists and deletes
-// regions; the metrics show them.
+// changed byte; another uid cannot reach it; a uid's limits count all its
+// job ids; memoffloadctl lists and deletes regions; the metrics show them.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -174,6 +174,47 @@ TEST(Regions, AnotherUidNeitherReadsNorListsNorDeletesARegion) {
   EXPECT_EQ(RunCapture(argv, &out), 4) << out;
   out = Worker({"read", dir, "train", "ckpt", "65536"}, &code);
   EXPECT_EQ(out, "OK\n");
+}
+
+// A uid names as many job ids as it likes; regions.uid_max_bytes and
+// regions.max_per_uid bound its regions over all of them, and the refusal
+// reaches the client with its code and the setting's name. Another uid
+// keeps its room.
+TEST(Regions, AUidsLimitsCountEveryJobItNamesAndLeaveAnotherUidItsRoom) {
+  std::string error;
+  DaemonProcess::Options options = TwoTenantOptions("256MiB", "64MiB");
+  options.extra_args.push_back("--regions-uid-max-bytes=4MiB");
+  options.extra_args.push_back("--regions-max-per-uid=2");
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string dir = daemon->runtime_dir();
+  const std::string three_mib = std::to_string(3 * kMiB);
+  int code = 0;
+  std::string out = Worker({"write", dir, "a", "ckpt", three_mib, "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  out = Worker({"write", dir, "b", "ckpt", three_mib, "commit"}, &code);
+  EXPECT_EQ(out.rfind("ERR RESOURCE_EXHAUSTED", 0), 0u) << out;
+  EXPECT_NE(out.find("regions.uid_max_bytes"), std::string::npos) << out;
+  // uid 65534 has its own allowance.
+  std::vector<std::string> argv = {"/usr/bin/setpriv",
+                                   "--reuid=65534",
+                                   "--regid=65534",
+                                   "--clear-groups",
+                                   BinDir() + "/region_worker",
+                                   "write",
+                                   dir,
+                                   "a",
+                                   "ckpt",
+                                   three_mib,
+                                   "commit"};
+  ASSERT_EQ(RunCapture(argv, &out), 0) << out;
+  EXPECT_EQ(out, "OK\n");
+  out = Worker({"write", dir, "b", "small", "65536", "commit"}, &code);
+  ASSERT_EQ(code, 0) << out;
+  out = Worker({"write", dir, "c", "tiny", "4096", "commit"}, &code);
+  EXPECT_EQ(out.rfind("ERR RESOURCE_EXHAUSTED", 0), 0u) << out;
+  EXPECT_NE(out.find("regions.max_per_uid"), std::string::npos) << out;
+  EXPECT_EQ(daemon->Status().regions(), 3u);
 }
 
 TEST(Regions, MemoffloadctlListsAndDeletesRegionsAndTheMetricsShowThem) {

@@ -274,8 +274,9 @@ class SessionTable {
   //
   // CreateRegion checks the name (1-255 printable ASCII characters, no
   // space), that the job holds no region of that name (ALREADY_EXISTS), the
-  // job's region count (regions.max_per_job), the job's and the node's
-  // region bytes (regions.job_max_bytes, regions.max_bytes) and then free
+  // job's and the uid's region counts (regions.max_per_job,
+  // regions.max_per_uid), the job's, the uid's and the node's region bytes
+  // (regions.job_max_bytes, regions.uid_max_bytes, regions.max_bytes) and then free
   // space, placing in the session's tenant's chunks as Reserve does. Never
   // waits. A region being written is its creator's: it is freed when that
   // session ends before CommitRegion, so a crash never leaves a region that
@@ -527,6 +528,17 @@ class SessionTable {
   uint64_t region_bytes_ = 0;                            // guarded by mu_
   uint64_t committed_region_bytes_ = 0;                  // guarded by mu_
   uint64_t regions_expired_ = 0;                         // guarded by mu_
+  // What each uid's regions hold, over all its job ids (a uid names as many
+  // jobs as it likes): regions.uid_max_bytes and max_per_uid bound it.
+  struct UidRegions {
+    uint64_t held_bytes = 0;
+    uint64_t count = 0;
+  };
+  std::unordered_map<uid_t, UidRegions> uid_regions_;  // guarded by mu_
+  UidRegions UidRegionsOf(uid_t uid) const;            // zeros for a uid without regions
+  // Adds the deltas to the uid's tally; forgets a uid left with no region.
+  // Requires mu_.
+  void CountUidRegions(uid_t uid, int64_t bytes_delta, int count_delta);
   // Region extents in each chunk (sized on first use; with tenants only)
   // and the bytes of the chunks with any: what regions keep from other
   // tenants, which regions.max_bytes bounds.
