@@ -40,6 +40,8 @@ const char* RejectReasonName(RejectReason reason) {
       return "too_fragmented";
     case RejectReason::kGroupLimit:
       return "group_limit";
+    case RejectReason::kUidLimit:
+      return "uid_limit";
   }
   return "unknown";
 }
@@ -86,7 +88,15 @@ QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
                       FormatSize(job_limit) + " limit of job '" + std::string(u.job_id) + "' (by " +
                       FormatSize(bytes - job_limit) + "); it can never fit");
   }
-  // Held by what the session and its job hold now.
+  const uint64_t uid_limit = policy_.uid_max_bytes;
+  if (uid_limit != 0 && bytes > uid_limit) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kUidLimit,
+                  "uid limit: " + FormatSize(bytes) + " is more than the whole " +
+                      FormatSize(uid_limit) + " limit of uid " + std::to_string(u.uid) +
+                      " (quotas.uid_max_bytes, by " + FormatSize(bytes - uid_limit) +
+                      "); it can never fit");
+  }
+  // Held by what the session, its job and its uid hold now.
   if (u.session_groups >= policy_.max_groups_per_session) {
     return Refuse(QuotaVerdict::kHeld, RejectReason::kGroupLimit,
                   "group limit: session " + std::to_string(u.session_id) + " holds " +
@@ -109,6 +119,14 @@ QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
                       " limit; " + FormatSize(bytes) + " more would exceed it by " +
                       FormatSize(u.job_held_bytes + bytes - job_limit) + " (uid " +
                       std::to_string(u.uid) + ")");
+  }
+  if (uid_limit != 0 && u.uid_held_bytes + bytes > uid_limit) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kUidLimit,
+                  "uid limit: the sessions of uid " + std::to_string(u.uid) + " hold " +
+                      FormatSize(u.uid_held_bytes) + " of its " + FormatSize(uid_limit) +
+                      " limit (quotas.uid_max_bytes, over all its jobs); " + FormatSize(bytes) +
+                      " more would exceed it by " +
+                      FormatSize(u.uid_held_bytes + bytes - uid_limit));
   }
   return QuotaDecision{};
 }

@@ -133,6 +133,7 @@ QuotaUsage SessionTable::UsageOf(const Session& s) const {
   u.uid = s.peer.uid;
   u.job_held_bytes = s.job->held_bytes;
   u.job_asked_bytes = s.job->requested_limit;
+  u.uid_held_bytes = s.uid_totals->held_bytes;
   return u;
 }
 
@@ -174,6 +175,8 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   Job& job = jobs_[s.job_key];
   s.job = &job;
   ++job.sessions;
+  s.uid_totals = &uid_totals_[peer.uid];
+  ++s.uid_totals->sessions;
   bool job_limit_lowered = false;
   if (hello.job_max_bytes != 0 &&
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
@@ -208,6 +211,10 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
   if (job != jobs_.end()) {
     job->second.held_bytes -= reclaimed;
     if (--job->second.sessions == 0) jobs_.erase(job);
+  }
+  if (auto uid = uid_totals_.find(it->second.peer.uid); uid != uid_totals_.end()) {
+    uid->second.held_bytes -= reclaimed;
+    if (--uid->second.sessions == 0) uid_totals_.erase(uid);
   }
   ForgetRegionsOf(it->second);
   tenant_chunks_.Forget(session_id);
@@ -307,6 +314,7 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   committed_bytes_ += kept_bytes;
   (*session)->held_bytes -= returned;
   JobOf(**session).held_bytes -= returned;
+  (*session)->uid_totals->held_bytes -= returned;
   g.extents = std::move(kept).value();
   g.held_bytes = kept_bytes;
   g.used_bytes = used_bytes;
@@ -364,6 +372,7 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   FreeExtents(g.extents);
   s.held_bytes -= g.held_bytes;
   JobOf(s).held_bytes -= g.held_bytes;
+  s.uid_totals->held_bytes -= g.held_bytes;
   --groups_;
   RecycleGroupNode(s.groups.extract(it));
   DispatchWaiters(&done);  // bytes, and a group slot, came back
@@ -435,10 +444,17 @@ Status SessionTable::CheckInvariants() const {
   MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
   MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
   uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
+  std::unordered_map<uid_t, UidTotals> uid_held;
   for (const auto& [id, s] : sessions_) {
     if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
       return Internal("session " + std::to_string(id) + " does not point at its job " + s.job_key);
     }
+    if (auto uid = uid_totals_.find(s.peer.uid);
+        uid == uid_totals_.end() || &uid->second != s.uid_totals) {
+      return Internal("session " + std::to_string(id) + " does not point at its uid's totals");
+    }
+    uid_held[s.peer.uid].held_bytes += s.held_bytes;
+    ++uid_held[s.peer.uid].sessions;
     uint64_t session_held = 0;
     for (const auto& [gid, g] : s.groups) {
       uint64_t sum = 0;
@@ -465,6 +481,15 @@ Status SessionTable::CheckInvariants() const {
                       ", recorded " + std::to_string(s.held_bytes));
     }
     held += session_held;
+  }
+  for (const auto& [uid, totals] : uid_totals_) {
+    const UidTotals& counted = uid_held[uid];
+    if (counted.held_bytes != totals.held_bytes || counted.sessions != totals.sessions) {
+      return Internal("uid " + std::to_string(uid) + " holds " +
+                      std::to_string(counted.held_bytes) + " in " +
+                      std::to_string(counted.sessions) + " sessions, its totals say " +
+                      std::to_string(totals.held_bytes) + " in " + std::to_string(totals.sessions));
+    }
   }
   uint64_t region_held = 0;
   uint32_t region_count = 0;

@@ -222,6 +222,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
   g.held_bytes = rounded;
   s.held_bytes += rounded;
   JobOf(s).held_bytes += rounded;
+  s.uid_totals->held_bytes += rounded;
   reserved_bytes_ += rounded;
   ++groups_;
   ReserveResult result{ExtentList(g.extents.begin(), g.extents.end()), rounded};

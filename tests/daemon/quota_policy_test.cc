@@ -90,6 +90,24 @@ TEST(QuotaPolicyTest, HeldByGroupsThenSessionBytesThenJobBytesAndAllowedUpToTheL
   EXPECT_TRUE(d.status.ok());
 }
 
+TEST(QuotaPolicyTest, AUidsSessionsTogetherAreHeldByItsLimitAndNamedInTheRefusal) {
+  Policy p = Limits(0, 0);
+  p.uid_max_bytes = 4 * kMiB;
+  QuotaPolicy quota(p);
+  QuotaUsage u = Usage(0, 0, 0);
+  u.uid_held_bytes = 3 * kMiB;
+  EXPECT_TRUE(quota.Check(u, kMiB).allowed());  // exactly at the limit
+  QuotaDecision d = quota.Check(u, kMiB + 1);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kHeld);
+  EXPECT_EQ(d.reason, RejectReason::kUidLimit);
+  EXPECT_NE(d.status.message().find("uid 1000"), std::string::npos) << d.status.message();
+  EXPECT_NE(d.status.message().find("quotas.uid_max_bytes"), std::string::npos);
+  d = quota.Check(Usage(0, 0, 0), 4 * kMiB + 1);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kNever);
+  EXPECT_EQ(d.reason, RejectReason::kUidLimit);
+  EXPECT_STREQ(RejectReasonName(RejectReason::kUidLimit), "uid_limit");
+}
+
 TEST(QuotaPolicyTest, RoomIsTheUsableArenaLessWhatIsUsedWithAndWithoutKeptBytes) {
   Policy p;
   p.node_reserve_bytes = kMiB;
@@ -126,8 +144,12 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
   auto pick = [&] { return std::uniform_int_distribution<uint64_t>(0, 12)(rng); };
   for (int i = 0; i < 200000; ++i) {
     const uint64_t session_max = pick(), job_max = pick(), groups_max = pick();
-    QuotaPolicy quota(Limits(session_max, job_max, groups_max));
+    const uint64_t uid_max = pick();
+    Policy limits = Limits(session_max, job_max, groups_max);
+    limits.uid_max_bytes = uid_max;
+    QuotaPolicy quota(limits);
     QuotaUsage u = Usage(pick(), around(groups_max), pick());
+    u.uid_held_bytes = pick();
     u.session_asked_bytes = pick();
     u.job_asked_bytes = pick();
     const uint64_t bytes = 1 + pick();
@@ -146,6 +168,9 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
     } else if (jl != 0 && bytes > jl) {
       want = QuotaVerdict::kNever;
       why = RejectReason::kJobLimit;
+    } else if (uid_max != 0 && bytes > uid_max) {
+      want = QuotaVerdict::kNever;
+      why = RejectReason::kUidLimit;
     } else if (u.session_groups >= groups_max) {
       want = QuotaVerdict::kHeld;
       why = RejectReason::kGroupLimit;
@@ -155,6 +180,9 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
     } else if (jl != 0 && u.job_held_bytes + bytes > jl) {
       want = QuotaVerdict::kHeld;
       why = RejectReason::kJobLimit;
+    } else if (uid_max != 0 && u.uid_held_bytes + bytes > uid_max) {
+      want = QuotaVerdict::kHeld;
+      why = RejectReason::kUidLimit;
     }
     const QuotaDecision d = quota.Check(u, bytes);
     ASSERT_EQ(d.verdict, want) << "case " << i;

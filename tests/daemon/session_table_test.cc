@@ -200,6 +200,46 @@ TEST_F(SessionTableTest, JobLimitSpansSessionsAndTheSmallestAskWins) {
   EXPECT_TRUE(table_->Reserve(a.session_id, a.token, 2, 4096, false).ok());
 }
 
+// A uid names as many job ids as it likes: quotas.uid_max_bytes bounds all
+// its sessions together. A waiter it holds back waits without blocking
+// others and is served when the uid's other session gives bytes back.
+TEST_F(SessionTableTest, UidLimitSpansEveryJobOfTheUidAndAWaiterItHoldsIsServedOnRelease) {
+  Policy policy;
+  policy.uid_max_bytes = 2 * kMiB;
+  table_->SetPolicy(policy);
+  SessionGrant a = Open(0, "a");
+  SessionGrant b = Open(0, "b");
+  SessionGrant other = Open(0, "a", 0, 1001);
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, kMiB, false).ok());
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, kMiB, false).ok());
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(b.session_id, b.token, 2, 4096, false, std::nullopt, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kUidLimit);
+  EXPECT_NE(r.status().message().find("uid 1000 hold 2.00 MiB of its 2.00 MiB"), std::string::npos)
+      << r.status().message();
+  // Another uid is not held back.
+  EXPECT_TRUE(table_->Reserve(other.session_id, other.token, 1, kMiB, false).ok());
+  // A commit's unused tail comes back to the uid.
+  ASSERT_TRUE(table_->Commit(a.session_id, a.token, 1, 4096).ok());
+  EXPECT_TRUE(table_->Reserve(b.session_id, b.token, 2, 4096, false).ok());
+  // A waiter held by the uid's limit (1 MiB + 8 KiB held) is answered when
+  // the other job releases its 4 KiB.
+  std::optional<Result<ReserveResult>> answer;
+  table_->ReserveAsync(
+      b.session_id, b.token, 3, kMiB - 4096, false,
+      std::chrono::steady_clock::now() + std::chrono::seconds(60),
+      [&](Result<ReserveResult>&& result, RejectReason) { answer.emplace(std::move(result)); });
+  EXPECT_FALSE(answer.has_value());
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 1u);
+  ASSERT_TRUE(table_->Release(a.session_id, a.token, 1).ok());
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_TRUE(answer->ok()) << answer->status().ToString();
+  // A closed session gives its bytes back too.
+  ASSERT_TRUE(table_->Close(b.session_id, CloseReason::kProcessExited).ok());
+  EXPECT_TRUE(table_->Reserve(a.session_id, a.token, 4, 2 * kMiB, false).ok());
+}
+
 TEST_F(SessionTableTest, NodeReserveIsNeverHandedOut) {
   Policy policy;
   policy.node_reserve_bytes = kMiB;

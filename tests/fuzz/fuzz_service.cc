@@ -220,6 +220,7 @@ class Harness : private ServiceModel {
       case 11: {  // SIGHUP with new quotas
         policy_.session_max_bytes = PickLimit();
         policy_.job_max_bytes = PickLimit();
+        policy_.uid_max_bytes = PickLimit();
         policy_.node_reserve_bytes = kMiB / 2 * in_->ConsumeIntegralInRange<uint64_t>(0, 7);
         table_->SetPolicy(policy_);
         daemon::DaemonConfig config;
@@ -335,6 +336,8 @@ class Harness : private ServiceModel {
       const uint64_t job_limit = MinLimit(policy_.job_max_bytes, job_requested_[JobKey(*s)]);
       Check(job_limit == 0 || JobHeld(JobKey(*s)) + rounded <= job_limit,
             "Reserve exceeded the job limit");
+      Check(policy_.uid_max_bytes == 0 || UidHeld(s->uid) + rounded <= policy_.uid_max_bytes,
+            "Reserve exceeded the uid limit");
       Check(TotalHeld() + rounded <= usable, "Reserve ate into the node reserve");
       Check(!req.single_extent() || resp.extents_size() == 1,
             "single_extent Reserve returned several extents");

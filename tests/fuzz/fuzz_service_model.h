@@ -213,6 +213,14 @@ class ServiceModel {
     return sum;
   }
 
+  uint64_t UidHeld(uid_t uid) const {
+    uint64_t sum = 0;
+    for (const ModelSession& s : sessions_) {
+      if (s.open && s.uid == uid) sum += s.Held();
+    }
+    return sum;
+  }
+
   uint64_t TotalHeld() const {
     uint64_t sum = 0;
     for (const ModelSession& s : sessions_) sum += s.open ? s.Held() : 0;

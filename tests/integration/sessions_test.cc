@@ -154,6 +154,37 @@ TEST(Quotas, SameJobIdUnderAnotherUidIsAnotherJob) {
   EXPECT_TRUE(mine->Reserve(1, 64 * kMiB).ok());
 }
 
+// A job id is the client's to name: quotas.uid_max_bytes bounds all the
+// sessions of one uid, whatever job ids they name, and not another uid's.
+TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534", "--uid-max-bytes=64MiB"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto a = Attach(*daemon, "a");
+  auto b = Attach(*daemon, "b");
+  auto c = Attach(*daemon, "c");
+  ASSERT_TRUE(a && b && c);
+  ASSERT_TRUE(a->Reserve(1, 40 * kMiB).ok());
+  ASSERT_TRUE(b->Reserve(1, 24 * kMiB).ok());
+  auto r = c->Reserve(1, 4096);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("uid limit: the sessions of uid " + std::to_string(getuid()) +
+                                      " hold 64.00 MiB of its 64.00 MiB"),
+            std::string::npos)
+      << r.status().message();
+  std::string out;
+  const int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(),
+                               "65534", "a", std::to_string(32 * kMiB), "0"},
+                              &out);
+  EXPECT_EQ(code, 0) << out << daemon->Log();
+  EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
+  ASSERT_TRUE(a->Release(1).ok());
+  EXPECT_TRUE(c->Reserve(1, 40 * kMiB).ok());
+}
+
 TEST(Tenants, JobTenantsOfDifferentUidsDoNotShareChunks) {
   std::string error;
   DaemonProcess::Options options;

@@ -45,6 +45,7 @@ struct Policy {
   std::vector<uint32_t> allowed_gids;              // peers in these groups are allowed too
   uint64_t session_max_bytes = 0;                  // 0: no per-session limit
   uint64_t job_max_bytes = 0;                      // 0: no per-job limit
+  uint64_t uid_max_bytes = 0;                      // all sessions of one uid; 0: no limit
   uint64_t node_reserve_bytes = 0;                 // never handed out
   uint64_t max_wait_ms = 30000;                    // cap for waiting reserves without deadline
   uint64_t max_waiting_reserves = 1024;            // queued at once, all tenants

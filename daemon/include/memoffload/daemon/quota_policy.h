@@ -11,11 +11,13 @@
 //   reserve covers the arena). A request larger than it can never fit.
 // - A session's limit is the smaller non-zero one of quotas.session_max_bytes
 //   and its hello's max_bytes; a job's, of quotas.job_max_bytes and the
-//   smallest job_max_bytes a hello of the job asked for. 0: no limit.
-// - A request larger than its session's or its job's whole limit can never
-//   fit (kNever). Otherwise its own quota holds it back (kHeld) while its
-//   session holds quotas.max_groups_per_session groups, or while its
-//   session's or its job's held bytes plus the request exceed the limit.
+//   smallest job_max_bytes a hello of the job asked for; a uid's (all its
+//   sessions, whatever job ids they name), quotas.uid_max_bytes. 0: no limit.
+// - A request larger than its session's, its job's or its uid's whole limit
+//   can never fit (kNever). Otherwise its own quota holds it back (kHeld)
+//   while its session holds quotas.max_groups_per_session groups, or while
+//   its session's, its job's or its uid's held bytes plus the request exceed
+//   the limit.
 //   Checked in that order; the first that fails names the refusal.
 // - Room: a request fits the arena now when used + bytes <= usable. It
 //   leaves an aged waiter's keep_free_bytes free when used + bytes +
@@ -46,8 +48,9 @@ enum class RejectReason {
   kCancelled,      // the caller cancelled (or its deadline passed) while waiting
   kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
   kGroupLimit,     // the session holds quotas.max_groups_per_session groups
+  kUidLimit,       // quotas.uid_max_bytes: what all sessions of the uid hold
 };
-inline constexpr int kRejectReasonCount = 11;
+inline constexpr int kRejectReasonCount = 12;
 const char* RejectReasonName(RejectReason reason);
 
 // What a request is measured against: its session's and its job's holdings
@@ -61,6 +64,7 @@ struct QuotaUsage {
   uid_t uid = 0;
   uint64_t job_held_bytes = 0;
   uint64_t job_asked_bytes = 0;  // smallest job_max_bytes asked; 0: none
+  uint64_t uid_held_bytes = 0;   // all sessions of the uid
 };
 
 enum class QuotaVerdict {

@@ -359,6 +359,12 @@ class SessionTable {
     uint32_t sessions = 0;
     uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
   };
+  // What all sessions of one uid hold (quotas.uid_max_bytes), whatever job
+  // ids they name.
+  struct UidTotals {
+    uint64_t held_bytes = 0;
+    uint32_t sessions = 0;
+  };
   struct Session {
     SessionGrant grant;
     Hello hello;
@@ -366,6 +372,7 @@ class SessionTable {
     const TenantChunks::Owned* owned = nullptr;  // its tenant's; null with TenantMode::kNone
     std::string job_key;                         // "<uid>:<job_id>", the key of jobs_
     Job* job = nullptr;                          // jobs_[job_key], which outlives the session
+    UidTotals* uid_totals = nullptr;             // uid_totals_[peer.uid], likewise
 
     PeerCredentials peer;
     Clock::time_point opened_at;
@@ -502,6 +509,7 @@ class SessionTable {
   std::condition_variable deadline_changed_;              // a waiter was queued, or stopping_
   bool stopping_ = false;                                 // guarded by mu_
   std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
+  std::unordered_map<uid_t, UidTotals> uid_totals_;       // guarded by mu_; by peer uid
   std::vector<GroupNode> spare_groups_;                   // guarded by mu_
 
   // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
