@@ -94,11 +94,13 @@ Result<std::string> WriteAdminToken(const std::string& dir) {
   return token;
 }
 
-// Settings a SIGHUP applies to the running daemon: the access policy and the
-// quotas (access.tenant is fixed at start: chunks already belong to tenants).
+// Settings a SIGHUP applies to the running daemon, the fields of Policy: the
+// access policy, the quotas and the region limits (access.tenant is fixed at
+// start: chunks already belong to tenants).
 bool IsLiveSetting(const std::string& key) {
   if (key == "access.tenant") return false;
-  return key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0;
+  return key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0 ||
+         key.rfind("regions.", 0) == 0;
 }
 
 void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {
@@ -367,7 +369,8 @@ class Daemon {
     signals_.async_wait([this](const boost::system::error_code& e, int n) { OnSignal(e, n); });
   }
 
-  // SIGHUP: access and quotas change live; the rest waits for a restart.
+  // SIGHUP: access, quotas and region limits change live; the rest waits for
+  // a restart.
   void Reload() {
     Result<DaemonConfig> fresh = ReloadConfig(config_, argc_, argv_, ProcessEnvironment());
     if (!fresh.ok()) {

@@ -333,10 +333,10 @@ TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
   EXPECT_EQ(ConfigValue(*daemon, "quotas.session_max_bytes"), "1048576");
 
   // Settings that need a restart are logged as such and keep their value and
-  // source; access.tenant is one of them.
+  // source; access.tenant is one of them. Region limits apply at once.
   WriteFile(path,
             "[server]\nlog_level = \"warn\"\n[access]\ntenant = \"job\"\n"
-            "[quotas]\nsession_max_bytes = \"4MiB\"\n");
+            "[quotas]\nsession_max_bytes = \"4MiB\"\n[regions]\nmax_per_job = 7\n");
   kill(daemon->pid(), SIGHUP);
   const auto start = Clock::now();
   while (ConfigValue(*daemon, "quotas.session_max_bytes") != "4194304" &&
@@ -354,6 +354,10 @@ TEST(Reload, SighupAppliesAValidFileAndRejectsAnInvalidOne) {
       << daemon->Log();
   EXPECT_NE(daemon->Log().find("config server.log_level: info -> warn (takes effect at restart)"),
             std::string::npos)
+      << daemon->Log();
+  EXPECT_EQ(ConfigValue(*daemon, "regions.max_per_job"), "7");
+  EXPECT_EQ(ConfigSource(*daemon, "regions.max_per_job"), "file");
+  EXPECT_NE(daemon->Log().find("config regions.max_per_job: 1024 -> 7\n"), std::string::npos)
       << daemon->Log();
   // The new limit applies to the existing session too.
   EXPECT_TRUE(c->Reserve(1, 2 * kMiB).ok());

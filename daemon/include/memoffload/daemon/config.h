@@ -39,7 +39,8 @@ inline constexpr uint64_t kMaxConnectionsLimit = 1 << 20;
 // 2.2 MiB (22 bytes per extent), under gRPC's 4 MiB default receive limit.
 inline constexpr uint64_t kMaxExtentsPerReserveLimit = 100000;
 
-// Settings SIGHUP may change without a restart (access policy and quotas).
+// Settings SIGHUP may change without a restart (access policy, quotas and
+// region limits; daemon.cc's IsLiveSetting names their sections).
 struct Policy {
   std::vector<uint32_t> allowed_uids;              // besides the daemon's uid and root
   std::vector<uint32_t> allowed_gids;              // peers in these groups are allowed too
