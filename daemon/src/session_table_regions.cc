@@ -31,6 +31,17 @@ std::string JobKey(uid_t uid, const std::string& job_id) {
   return std::to_string(uid) + ":" + job_id;
 }
 
+// What the caller of a region a byte limit refused can do about it.
+std::string RegionLimitHint(uint64_t rounded, uint64_t limit) {
+  return rounded > limit ? "; it is larger than the whole limit and can never fit"
+                         : "; delete old checkpoints (a deleted or expired region still open "
+                           "by a reader counts until it is closed)";
+}
+
+std::string Regions(uint64_t count) {
+  return std::to_string(count) + (count == 1 ? " region" : " regions");
+}
+
 double UnixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -160,20 +171,20 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                       "); delete it first, or use a new name");
   }
   if ((*job)->by_name.size() >= policy.max_regions_per_job) {
-    return ResourceExhausted("job " + s.hello.job_id + " holds " +
-                             std::to_string((*job)->by_name.size()) +
-                             " regions, the limit (regions.max_per_job); delete old ones");
+    return ResourceExhausted("job " + s.hello.job_id + " holds " + Regions((*job)->by_name.size()) +
+                             ", the limit (regions.max_per_job); delete old ones");
   }
   const UidRegions uid_held = UidRegionsOf(s.peer.uid);
   if (policy.max_regions_per_uid != 0 && uid_held.count >= policy.max_regions_per_uid) {
     return ResourceExhausted("uid " + std::to_string(s.peer.uid) + " holds " +
-                             std::to_string(uid_held.count) +
-                             " regions over all its jobs, the limit (regions.max_per_uid); "
-                             "delete old ones");
+                             Regions(uid_held.count) +
+                             " over all its jobs, the limit (regions.max_per_uid); delete old "
+                             "ones (a deleted or expired region still open by a reader counts "
+                             "until it is closed)");
   }
   if (region_count_ >= policy.max_regions) {
-    return ResourceExhausted("the node holds " + std::to_string(region_count_) +
-                             " regions, the limit (regions.max_count); delete old checkpoints");
+    return ResourceExhausted("the node holds " + Regions(region_count_) +
+                             ", the limit (regions.max_count); delete old checkpoints");
   }
   const uint64_t page = arena_->page_bytes();
   if (size_bytes > arena_->capacity_bytes()) {
@@ -186,16 +197,16 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
     return ResourceExhausted("region " + name + " (" + FormatSize(rounded) + ") over job " +
                              s.hello.job_id + "'s region limit: it holds " +
                              FormatSize((*job)->held_bytes) + " of " +
-                             FormatSize(policy.region_job_max_bytes) +
-                             " (regions.job_max_bytes); delete old checkpoints");
+                             FormatSize(policy.region_job_max_bytes) + " (regions.job_max_bytes)" +
+                             RegionLimitHint(rounded, policy.region_job_max_bytes));
   }
   if (policy.region_uid_max_bytes != 0 &&
       uid_held.held_bytes + rounded > policy.region_uid_max_bytes) {
     return ResourceExhausted("region " + name + " (" + FormatSize(rounded) + ") over uid " +
                              std::to_string(s.peer.uid) + "'s region limit: its jobs hold " +
                              FormatSize(uid_held.held_bytes) + " of " +
-                             FormatSize(policy.region_uid_max_bytes) +
-                             " (regions.uid_max_bytes); delete old checkpoints");
+                             FormatSize(policy.region_uid_max_bytes) + " (regions.uid_max_bytes)" +
+                             RegionLimitHint(rounded, policy.region_uid_max_bytes));
   }
   if (region_bytes_ + rounded > policy.region_max_bytes) {
     return ResourceExhausted("region " + name + " (" + FormatSize(rounded) +
@@ -246,8 +257,10 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   if (!own.ok()) return own.status();
   Region& r = *own->region;
   if (r.state != RegionState::kWriting || r.writer != session_id) {
-    return FailedPrecondition("region " + name + " is " + RegionStateName(r.state) +
-                              (r.state == RegionState::kWriting ? " by another session" : "") +
+    return FailedPrecondition("region " + name +
+                              (r.state == RegionState::kWriting
+                                   ? " is being written by another session"
+                                   : " is committed already") +
                               "; only its writer commits it, once");
   }
   if (used_bytes > r.held_bytes) {

@@ -213,6 +213,14 @@ TEST_F(RegionsTest, AUidsRegionsOverAllItsJobIdsAreBoundedAndAnotherUidKeepsItsR
   EXPECT_NE(over_bytes.status().message().find("regions.uid_max_bytes"), std::string::npos)
       << over_bytes.status().message();
   EXPECT_NE(over_bytes.status().message().find("uid 1000"), std::string::npos);
+  EXPECT_NE(over_bytes.status().message().find("delete old checkpoints"), std::string::npos);
+  // Larger than the whole limit: no delete helps, and the message says so.
+  auto never =
+      table_->CreateRegion(other.session_id, other.token, "big", 768 * kKiB, milliseconds(0));
+  EXPECT_EQ(never.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(never.status().message().find("larger than the whole limit and can never fit"),
+            std::string::npos)
+      << never.status().message();
   // The other uid, with the same job id, is not held back.
   Save(other, "one", 256 * kKiB, 256 * kKiB);
 
