@@ -88,7 +88,11 @@ int RunZeroingBench(int argc, char** argv) {
       std::fprintf(stderr, "reserve: %s\n", g.status().ToString().c_str());
       return 1;
     }
-    (void)table.Close(s->session_id, daemon::CloseReason::kLifelineClosed);
+    if (auto closed = table.Close(s->session_id, daemon::CloseReason::kLifelineClosed);
+        !closed.ok()) {
+      std::fprintf(stderr, "close: %s\n", closed.status().ToString().c_str());
+      return 1;
+    }
   }
   const daemon::ArenaSnapshot snap = table.Snapshot();
   if (snap.replaced_backings != chunks * rounds) {

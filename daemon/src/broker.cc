@@ -89,12 +89,23 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   void CloseSession(CloseReason reason) {
     if (session_id_ == 0) return;
-    Result<uint64_t> reclaimed = broker_->table_->Close(session_id_, reason);
-    if (reclaimed.ok()) {
-      broker_->metrics_->SessionClosed(reason, *reclaimed);
-      MO_LOG_INFO("session %lu (pid %d, job '%s', rank %d) closed (%s); reclaimed %lu bytes",
+    Result<SessionTable::Closed> closed = broker_->table_->Close(session_id_, reason);
+    if (closed.ok()) {
+      broker_->metrics_->SessionClosed(reason, closed->group_bytes);
+      const std::string regions = closed->regions == 0
+                                      ? ""
+                                      : " and " + std::to_string(closed->region_bytes) +
+                                            " bytes of " + std::to_string(closed->regions) +
+                                            (closed->regions == 1 ? " region" : " regions") +
+                                            " (left unfinished, or deleted and last read by it)";
+      MO_LOG_INFO("session %lu (pid %d, job '%s', rank %d) closed (%s); reclaimed %lu bytes%s",
                   static_cast<unsigned long>(session_id_), peer_.pid, hello_.job_id.c_str(),
-                  hello_.rank, CloseReasonName(reason), static_cast<unsigned long>(*reclaimed));
+                  hello_.rank, CloseReasonName(reason),
+                  static_cast<unsigned long>(closed->group_bytes), regions.c_str());
+    } else {
+      // The broker closes each session once; a second close means a bug.
+      MO_LOG_ERROR("internal error: closing session %lu: %s",
+                   static_cast<unsigned long>(session_id_), closed.status().ToString().c_str());
     }
     session_id_ = 0;
   }

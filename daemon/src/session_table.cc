@@ -193,7 +193,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   return grant;
 }
 
-Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
+Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReason) {
   Completions done;
   std::unique_lock<std::mutex> lock(mu_);
   auto it = sessions_.find(session_id);
@@ -216,7 +216,9 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
     uid->second.held_bytes -= reclaimed;
     if (--uid->second.sessions == 0) uid_totals_.erase(uid);
   }
-  ForgetRegionsOf(it->second);
+  Closed closed;
+  closed.group_bytes = reclaimed;
+  ForgetRegionsOf(it->second, &closed);
   tenant_chunks_.Forget(session_id);
   // Dropped after the lock: the last reference takes the metrics' lock.
   std::shared_ptr<RankSeries> series = std::move(it->second.series);
@@ -227,7 +229,7 @@ Result<uint64_t> SessionTable::Close(uint64_t session_id, CloseReason) {
   lock.unlock();
   series.reset();
   Run(&done);
-  return reclaimed;
+  return closed;
 }
 
 Result<SessionTable::Session*> SessionTable::Authenticate(uint64_t session_id,

@@ -473,7 +473,7 @@ uint64_t SessionTable::ExpireRegions(Clock::time_point now) {
   return expired;
 }
 
-void SessionTable::ForgetRegionsOf(const Session& session) {
+void SessionTable::ForgetRegionsOf(const Session& session, Closed* closed) {
   auto job = regions_.find(session.job_key);
   if (job == regions_.end()) return;
   const uint64_t id = session.grant.session_id;
@@ -481,10 +481,12 @@ void SessionTable::ForgetRegionsOf(const Session& session) {
     auto next = std::next(it);
     Region& r = it->second;
     r.readers.erase(std::remove(r.readers.begin(), r.readers.end(), id), r.readers.end());
-    if (r.state == RegionState::kWriting && r.writer == id) {
-      DropRegion(&job->second, it);  // never committed: it never reads as complete
-    } else if (r.deleted && r.readers.empty()) {
-      DropRegion(&job->second, it);
+    // Never committed (it never reads as complete), or deleted and no longer
+    // read by anyone.
+    if ((r.state == RegionState::kWriting && r.writer == id) || (r.deleted && r.readers.empty())) {
+      const uint64_t freed = DropRegion(&job->second, it);
+      closed->region_bytes += freed;
+      closed->regions += freed != 0;
     }
     it = next;
   }

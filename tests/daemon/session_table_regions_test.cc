@@ -89,7 +89,12 @@ TEST_F(RegionsTest, ARegionItsWriterNeverCommittedVanishesWithTheWriter) {
   ASSERT_TRUE(
       table_->CreateRegion(writer.session_id, writer.token, "ckpt", kMiB, milliseconds(0)).ok());
   EXPECT_EQ(table_->Snapshot().region_bytes, kMiB);
-  ASSERT_TRUE(table_->Close(writer.session_id, CloseReason::kProcessExited).ok());
+  auto closed = table_->Close(writer.session_id, CloseReason::kProcessExited);
+  ASSERT_TRUE(closed.ok());
+  // What the daemon logs for the session: the region is counted as freed.
+  EXPECT_EQ(closed->group_bytes, 0u);
+  EXPECT_EQ(closed->regions, 1u);
+  EXPECT_EQ(closed->region_bytes, kMiB);
   EXPECT_EQ(table_->Snapshot().region_bytes, 0u);
   EXPECT_EQ(table_->Snapshot().regions, 0u);
   SessionGrant next = OpenAs(*table_, 1000, "train");
@@ -287,8 +292,12 @@ TEST_F(RegionsTest, ADeleteWhileReadHidesTheRegionAndFreesItWhenTheLastReaderGoe
   EXPECT_EQ(table_->Snapshot().committed_region_bytes, 0u);
   ASSERT_TRUE(table_->CloseRegion(r1.session_id, r1.token, "ckpt").ok());
   EXPECT_EQ(table_->Snapshot().region_bytes, kMiB);
-  // The last reader's session ends without closing it: freed then.
-  ASSERT_TRUE(table_->Close(r2.session_id, CloseReason::kLifelineClosed).ok());
+  // The last reader's session ends without closing it: freed then, and
+  // counted as its session's.
+  auto closed = table_->Close(r2.session_id, CloseReason::kLifelineClosed);
+  ASSERT_TRUE(closed.ok());
+  EXPECT_EQ(closed->regions, 1u);
+  EXPECT_EQ(closed->region_bytes, kMiB);
   EXPECT_EQ(table_->Snapshot().region_bytes, 0u);
   EXPECT_EQ(table_->Snapshot().free_bytes, 4 * kMiB);
 }

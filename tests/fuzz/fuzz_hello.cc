@@ -54,11 +54,12 @@ void ExerciseSession(const Hello& hello) {
     Check(s.job_id == hello.job_id && s.rank == hello.rank && s.local_rank == hello.local_rank,
           "ListSessions does not report the hello's identity");
   }
-  Result<uint64_t> closed_a = table.Close(a->session_id, daemon::CloseReason::kLifelineClosed);
-  Result<uint64_t> closed_b = table.Close(b->session_id, daemon::CloseReason::kShutdown);
+  auto closed_a = table.Close(a->session_id, daemon::CloseReason::kLifelineClosed);
+  auto closed_b = table.Close(b->session_id, daemon::CloseReason::kShutdown);
   CheckOk(closed_a.status(), "Close a");
   CheckOk(closed_b.status(), "Close b");
-  Check(*closed_a == held_a && *closed_b == held_b, "Close reclaimed a different byte count");
+  Check(closed_a->group_bytes == held_a && closed_b->group_bytes == held_b,
+        "Close reclaimed a different byte count");
   CheckOk(table.CheckInvariants(), "invariants after Close");
   Check(arena->allocator().free_bytes() == arena->capacity_bytes(),
         "bytes left allocated after both sessions closed");

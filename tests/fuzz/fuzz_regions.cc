@@ -413,20 +413,29 @@ class Harness {
   }
 
   void EndSession(int slot) {
-    CheckOk(
-        table_->Close(slots_[slot].grant.session_id, daemon::CloseReason::kProcessExited).status(),
-        "closing a session");
+    auto closed = table_->Close(slots_[slot].grant.session_id, daemon::CloseReason::kProcessExited);
+    CheckOk(closed.status(), "closing a session");
     slots_[slot].open = false;
+    uint64_t freed_bytes = 0;
+    uint32_t freed = 0;
     for (auto& [key, job] : jobs_) {
       for (auto it = job.begin(); it != job.end();) {
         auto next = std::next(it);
         ModelRegion& r = it->second;
         r.readers.erase(std::remove(r.readers.begin(), r.readers.end(), slot), r.readers.end());
         if (!r.committed && r.writer == slot) r.deleted = true;
+        if (r.deleted && r.readers.empty()) {
+          freed_bytes += r.held;
+          ++freed;
+        }
         Settle(&job, it->first);
         it = next;
       }
     }
+    Check(closed->regions == freed && closed->region_bytes == freed_bytes,
+          "Close freed " + std::to_string(closed->regions) + " regions of " +
+              std::to_string(closed->region_bytes) + " bytes, model " + std::to_string(freed) +
+              " of " + std::to_string(freed_bytes));
   }
 
   void Expire() {

@@ -111,11 +111,11 @@ class Harness : private ServiceModel {
   }
 
   void CloseSession(ModelSession* s) {
-    Result<uint64_t> closed =
-        table_->Close(s->grant.session_id, daemon::CloseReason::kLifelineClosed);
+    auto closed = table_->Close(s->grant.session_id, daemon::CloseReason::kLifelineClosed);
     CheckOk(closed.status(), "Close");
-    Check(*closed == s->Held(), "Close reclaimed " + std::to_string(*closed) + " bytes, model " +
-                                    std::to_string(s->Held()));
+    Check(closed->group_bytes == s->Held(), "Close reclaimed " +
+                                                std::to_string(closed->group_bytes) +
+                                                " bytes, model " + std::to_string(s->Held()));
     s->open = false;
     s->groups.clear();
     closed_ids_.push_back(s->grant.session_id);

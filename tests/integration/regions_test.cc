@@ -54,6 +54,12 @@ TEST(Regions, AWriterKilledBeforeItsCommitLeavesNothingAndACommittedRegionOutliv
   // The daemon freed it with the writer's session.
   for (int i = 0; i < 100 && daemon->Status().region_bytes() != 0; ++i) usleep(20000);
   EXPECT_EQ(daemon->Status().region_bytes(), 0u);
+  // Its session's log line counts the region it freed (3 MiB + 123 bytes
+  // in 4 KiB pages), not "reclaimed 0 bytes" alone.
+  const std::string freed = "reclaimed 0 bytes and " + std::to_string(3 * kMiB + 4096) +
+                            " bytes of 1 region (left unfinished";
+  for (int i = 0; i < 100 && daemon->Log().find(freed) == std::string::npos; ++i) usleep(20000);
+  EXPECT_NE(daemon->Log().find(freed), std::string::npos) << daemon->Log();
 
   out = Worker({"write", dir, "train", "dcp/2/__0_0.distcp", size, "commit"}, &code);
   ASSERT_EQ(code, 0) << out;

@@ -208,9 +208,17 @@ class SessionTable {
   Result<std::vector<ChunkGrant>> GrantChunks(uint64_t session_id,
                                               const std::vector<uint32_t>& chunks);
 
+  // What closing a session gave back to the free pool.
+  struct Closed {
+    uint64_t group_bytes = 0;  // its groups (activations)
+    // Regions freed with it: the one it was writing (never committed), and
+    // deleted ones it was the last to read.
+    uint64_t region_bytes = 0;
+    uint32_t regions = 0;
+  };
   // Ends a session and returns everything it holds to the free pool.
-  // Returns the bytes reclaimed; NOT_FOUND if the session is already gone.
-  Result<uint64_t> Close(uint64_t session_id, CloseReason reason);
+  // NOT_FOUND if the session is already gone.
+  Result<Closed> Close(uint64_t session_id, CloseReason reason);
 
   // Each checks the session (NOT_FOUND), then the token in constant time
   // (UNAUTHENTICATED), then the group and its state.
@@ -421,7 +429,8 @@ class SessionTable {
   uint64_t DropRegion(JobRegions* job, std::map<std::string, Region>::iterator it);
   // A closing session's regions: those it was writing are freed, its opens
   // closed. Requires mu_.
-  void ForgetRegionsOf(const Session& session);
+  // Adds what it freed to *closed.
+  void ForgetRegionsOf(const Session& session, Closed* closed);
   RegionSnapshot SnapshotOf(const Region& region, Clock::time_point now) const;
   // Counts the extents (delta +1) or uncounts them (-1) in the chunks they
   // pin; with tenants only. Requires mu_.
