@@ -450,6 +450,13 @@ Status ExtentAllocator::AllocateInPool(uint64_t bytes, bool single_extent, uint3
   return AllocateFrom(bytes, single_extent, Scope{nullptr, pool}, out);
 }
 
+bool ExtentAllocator::FitsInPool(uint64_t bytes, bool single_extent, uint32_t pool) {
+  if (pool >= pool_lists_.size() || bytes == 0) return false;
+  const uint64_t pages = (bytes >> page_shift_) + ((bytes & (page_bytes_ - 1)) != 0);
+  if (!single_extent) return pool_free_pages_[pool] >= pages;
+  return FindFit(pages, /*exact=*/true, Scope{nullptr, pool}) != kNoNode;
+}
+
 uint64_t ExtentAllocator::chunk_free_bytes(uint32_t chunk) const {
   return chunk < chunk_pages_.size() ? ToBytes(chunk_free_pages_[chunk]) : 0;
 }

@@ -297,6 +297,11 @@ const std::vector<Setting>& Settings() {
       U64Setting("quotas", "uid_max_bytes", Kind::kSize,
                  "byte limit of all sessions of one uid, whatever job ids they name (0: none)",
                  [](DaemonConfig* c) { return &c->policy.uid_max_bytes; }),
+      CountSetting(
+          "quotas", "uid_max_chunks",
+          "chunks the tenants of one uid may own at once, for its groups and its "
+          "regions, whatever job ids they name (0: no limit; ignored with tenant = none)",
+          1 << 23, [](DaemonConfig* c) { return &c->policy.uid_max_chunks; }, 0),
       U64Setting("quotas", "node_reserve_bytes", Kind::kSize,
                  "arena bytes never handed out (default 0)",
                  [](DaemonConfig* c) { return &c->policy.node_reserve_bytes; }),

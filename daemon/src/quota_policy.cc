@@ -42,6 +42,8 @@ const char* RejectReasonName(RejectReason reason) {
       return "group_limit";
     case RejectReason::kUidLimit:
       return "uid_limit";
+    case RejectReason::kUidChunks:
+      return "uid_chunks";
   }
   return "unknown";
 }
@@ -69,6 +71,30 @@ Status QuotaPolicy::CheckFitsArena(uint64_t size_bytes, uint64_t capacity_bytes,
                            " is larger than the whole usable arena (" + FormatSize(usable) +
                            " of " + FormatSize(capacity_bytes) + "; node reserve " +
                            FormatSize(policy_.node_reserve_bytes) + ")");
+}
+
+Status QuotaPolicy::CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk_bytes,
+                                       RejectReason* reject) const {
+  const uint64_t cap = policy_.uid_max_chunks;
+  if (cap == 0 || chunk_bytes == 0 || bytes <= cap * chunk_bytes) return Status::Ok();
+  *reject = RejectReason::kUidChunks;
+  return ResourceExhausted("uid chunk limit: " + FormatSize(bytes) + " is more than the " +
+                           std::to_string(cap) + (cap == 1 ? " chunk" : " chunks") + " of " +
+                           FormatSize(chunk_bytes) + " the tenants of uid " + std::to_string(uid) +
+                           " may own (quotas.uid_max_chunks); it can never fit");
+}
+
+Status QuotaPolicy::MayTakeChunk(uid_t uid, uint32_t owned_chunks, uint64_t bytes,
+                                 RejectReason* reject) const {
+  const uint64_t cap = policy_.uid_max_chunks;
+  if (cap == 0 || owned_chunks < cap) return Status::Ok();
+  *reject = RejectReason::kUidChunks;
+  return ResourceExhausted(
+      "uid chunk limit: the tenants of uid " + std::to_string(uid) + " own " +
+      std::to_string(owned_chunks) + (owned_chunks == 1 ? " chunk" : " chunks") +
+      ", the most quotas.uid_max_chunks allows, and " + FormatSize(bytes) +
+      " do not fit in the free space of its own chunks: release groups or delete regions of "
+      "its jobs (chunks are not shared between tenants), or raise the limit");
 }
 
 QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {

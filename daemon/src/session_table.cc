@@ -183,7 +183,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
     job.requested_limit = hello.job_max_bytes;
     job_limit_lowered = job.sessions > 1;
   }
-  s.owned = tenant_chunks_.Join(s.tenant);
+  s.owned = tenant_chunks_.Join(s.tenant, peer.uid);
   SessionGrant grant = s.grant;
   sessions_.emplace(grant.session_id, std::move(s));
   // The job's other sessions may have waiters the new limit can never fit.

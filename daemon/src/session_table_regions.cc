@@ -215,6 +215,7 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              FormatSize(policy.region_max_bytes) + " (regions.max_bytes)");
   }
   RejectReason reject = RejectReason::kNone;
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckFitsUidChunks(s, rounded, &reject));
   std::vector<Extent> extents;
   MEMOFFLOAD_RETURN_IF_ERROR(Place(s, rounded, /*single_extent=*/false, 0, &extents, &reject));
   // With tenants, a region keeps its whole chunk from every other tenant for

@@ -29,12 +29,13 @@ std::string SessionTable::QueueTenant(const Session& session) const {
   return session.tenant.empty() ? "uid:" + std::to_string(session.peer.uid) : session.tenant;
 }
 
-bool SessionTable::QuotaHeld(const ReserveQueue::Waiter& waiter) const {
+bool SessionTable::QuotaHeld(const ReserveQueue::Waiter& waiter) {
   auto pending = pending_.find(waiter.ticket);
   if (pending == pending_.end()) return true;
   auto session = sessions_.find(pending->second.session_id);
   if (session == sessions_.end()) return true;  // answered when it closes
-  return !quota_.Check(UsageOf(session->second), waiter.bytes).allowed();
+  return !quota_.Check(UsageOf(session->second), waiter.bytes).allowed() ||
+         UidChunksHold(session->second, waiter.bytes, pending->second.single_extent);
 }
 
 Status SessionTable::QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
@@ -97,6 +98,7 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
     reject = quota.reason;
     return answer(std::move(quota.status));
   }
+  if (Status st = CheckFitsUidChunks(s, rounded, &reject); !st.ok()) return answer(st);
 
   // With nobody waiting (the common case) nobody is ahead: no queue walk,
   // and the clock is read only if this request is about to wait.
@@ -174,15 +176,17 @@ Status SessionTable::Place(const Session& s, uint64_t rounded, bool single_exten
     placed = alloc.AllocateInto(rounded, single_extent, nullptr, out);
   } else {
     // Only the tenant's own chunks (its pool); take over empty ones until
-    // it fits.
-    auto empty = [this, &alloc](uint32_t c) {
-      return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
-    };
+    // it fits, as many as its uid may own.
     placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);
     while (!placed.ok()) {
       if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
-      const int64_t c = tenant_chunks_.Claimable(s.tenant, empty);
-      if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant).ok()) break;
+      bool capped = false;
+      const int64_t c = ClaimableFor(s, &capped);
+      if (capped) {
+        return quota_.MayTakeChunk(s.peer.uid, tenant_chunks_.UidChunks(s.peer.uid), rounded,
+                                   reject);
+      }
+      if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant, s.peer.uid).ok()) break;
       placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);  // c is in it
     }
   }
@@ -282,6 +286,10 @@ void SessionTable::FailWaitersThatCanNeverFit(Completions* out) {
         !st.ok()) {
       d.verdict = QuotaVerdict::kNever;
       d.status = st;
+    } else if (Status chunks = CheckFitsUidChunks(session->second, p.rounded, &d.reason);
+               !chunks.ok()) {
+      d.verdict = QuotaVerdict::kNever;
+      d.status = chunks;
     } else {
       d = quota_.Check(UsageOf(session->second), p.rounded);
     }
@@ -370,7 +378,9 @@ void SessionTable::DispatchWaiters(Completions* out) {
         TryReserve(&s, p.group_id, p.rounded, p.single_extent, keep_free_bytes, &reason);
     if (!r.ok() && r.status().code() == StatusCode::kResourceExhausted) {
       p.last = r.status();
-      return ReserveQueue::Try::kNoRoom;
+      // Its uid's chunk limit holds it, not the arena: others go on.
+      return reason == RejectReason::kUidChunks ? ReserveQueue::Try::kQuotaHeld
+                                                : ReserveQueue::Try::kNoRoom;
     }
     const bool placed = r.ok();
     Answer(w.ticket, std::move(r), reason, out);

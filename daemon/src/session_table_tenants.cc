@@ -14,7 +14,44 @@ ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
 
 }  // namespace
 
-Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
+uint32_t SessionTable::UidChunks(uid_t uid) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return tenant_chunks_.UidChunks(uid);
+}
+
+int64_t SessionTable::ClaimableFor(const Session& s, bool* capped) {
+  ExtentAllocator& alloc = arena_->allocator();
+  auto empty = [this, &alloc](uint32_t c) {
+    return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
+  };
+  *capped = false;
+  const uint64_t cap = quota_.policy().uid_max_chunks;
+  if (cap == 0 || tenant_chunks_.UidChunks(s.peer.uid) < cap) {
+    return tenant_chunks_.Claimable(s.tenant, empty);
+  }
+  const int64_t own = tenant_chunks_.Claimable(s.tenant, empty, &s.peer.uid);
+  if (own < 0) *capped = tenant_chunks_.Claimable(s.tenant, empty) >= 0;
+  return own;
+}
+
+bool SessionTable::UidChunksHold(const Session& s, uint64_t rounded, bool single_extent) {
+  const uint64_t cap = quota_.policy().uid_max_chunks;
+  if (s.owned == nullptr || cap == 0 || tenant_chunks_.UidChunks(s.peer.uid) < cap ||
+      arena_->allocator().FitsInPool(rounded, single_extent, s.owned->pool)) {
+    return false;
+  }
+  bool capped = false;
+  ClaimableFor(s, &capped);
+  return capped;
+}
+
+Status SessionTable::CheckFitsUidChunks(const Session& s, uint64_t rounded,
+                                        RejectReason* reject) const {
+  if (tenant_chunks_.mode() == TenantMode::kNone) return Status::Ok();
+  return quota_.CheckFitsUidChunks(s.peer.uid, rounded, arena_->chunk_size_bytes(), reject);
+}
+
+Status SessionTable::Claim(uint32_t chunk, const std::string& tenant, uid_t uid) {
   if (tenant_chunks_.ChangesTenant(chunk, tenant)) {
     // Fds and mappings cannot be revoked: zeroing pages an old holder still
     // maps would hand it the new tenant's bytes. A new memfd instead.
@@ -41,7 +78,7 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant) {
     }
     ++replaced_backings_;
   }
-  tenant_chunks_.Assign(chunk, tenant);
+  tenant_chunks_.Assign(chunk, tenant, uid);
   // Its free space (all of it: only empty chunks change tenant) joins the
   // tenant's pool, where its Reserves search.
   if (Status moved = arena_->allocator().SetChunkPool(chunk, tenant_chunks_.Find(tenant)->pool);

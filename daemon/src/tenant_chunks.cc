@@ -25,9 +25,10 @@ const TenantChunks::Owned* TenantChunks::Find(const std::string& tenant) const {
   return it == owned_.end() ? nullptr : &it->second;
 }
 
-TenantChunks::Owned& TenantChunks::Entry(const std::string& tenant) {
+TenantChunks::Owned& TenantChunks::Entry(const std::string& tenant, uid_t uid) {
   auto [it, made] = owned_.try_emplace(tenant);
   if (made) {
+    it->second.uid = uid;
     if (free_pools_.empty()) {
       it->second.pool = next_pool_++;
     } else {
@@ -43,9 +44,9 @@ void TenantChunks::Drop(std::unordered_map<std::string, Owned>::iterator entry) 
   owned_.erase(entry);
 }
 
-const TenantChunks::Owned* TenantChunks::Join(const std::string& tenant) {
+const TenantChunks::Owned* TenantChunks::Join(const std::string& tenant, uid_t uid) {
   if (mode_ == TenantMode::kNone) return nullptr;
-  Owned& entry = Entry(tenant);
+  Owned& entry = Entry(tenant, uid);
   ++entry.sessions;
   return &entry;
 }
@@ -106,11 +107,16 @@ void TenantChunks::Forget(uint64_t session_id) {
 }
 
 int64_t TenantChunks::Claimable(const std::string& tenant,
-                                const std::function<bool(uint32_t)>& empty) const {
+                                const std::function<bool(uint32_t)>& empty,
+                                const uid_t* only_of_uid) const {
   int64_t reused = -1;
   for (uint32_t c = 0; c < chunks_.size(); ++c) {
     const ChunkOwner& owner = chunks_[c];
     if (owner.tenant == tenant || !empty(c)) continue;
+    if (only_of_uid != nullptr &&
+        (owner.tenant.empty() || owned_.at(owner.tenant).uid != *only_of_uid)) {
+      continue;
+    }
     // No open session of another tenant may still have it mapped.
     if (std::any_of(owner.holders.begin(), owner.holders.end(),
                     [&](const Holder& h) { return h.tenant != tenant; })) {
@@ -127,7 +133,7 @@ bool TenantChunks::ChangesTenant(uint32_t chunk, const std::string& tenant) cons
   return !owner.empty() && owner != tenant;
 }
 
-void TenantChunks::Assign(uint32_t chunk, const std::string& tenant) {
+void TenantChunks::Assign(uint32_t chunk, const std::string& tenant, uid_t uid) {
   ChunkOwner& owner = chunks_[chunk];
   if (owner.tenant == tenant) return;
   if (!owner.tenant.empty()) {
@@ -136,10 +142,13 @@ void TenantChunks::Assign(uint32_t chunk, const std::string& tenant) {
     auto old = owned_.find(owner.tenant);
     std::vector<uint32_t>& list = old->second.chunks;
     list.erase(std::lower_bound(list.begin(), list.end(), chunk));
+    auto count = uid_chunks_.find(old->second.uid);
+    if (--count->second == 0) uid_chunks_.erase(count);
     if (list.empty() && old->second.sessions == 0) Drop(old);
   }
-  std::vector<uint32_t>& list = Entry(tenant).chunks;
-  list.insert(std::upper_bound(list.begin(), list.end(), chunk), chunk);
+  Owned& entry = Entry(tenant, uid);
+  entry.chunks.insert(std::upper_bound(entry.chunks.begin(), entry.chunks.end(), chunk), chunk);
+  ++uid_chunks_[entry.uid];
   owner.tenant = tenant;
 }
 
@@ -147,6 +156,7 @@ Status TenantChunks::CheckInvariants(
     const std::unordered_map<std::string, uint32_t>& sessions_by_tenant) const {
   size_t listed = 0;
   std::unordered_map<uint32_t, std::string> pools;
+  std::unordered_map<uid_t, uint32_t> uid_chunks;
   for (const auto& [tenant, entry] : owned_) {
     if (entry.pool == kNoTenantPool || !pools.emplace(entry.pool, tenant).second) {
       return Internal("tenant '" + tenant + "' has pool " + std::to_string(entry.pool) +
@@ -167,6 +177,10 @@ Status TenantChunks::CheckInvariants(
       }
     }
     listed += entry.chunks.size();
+    if (!entry.chunks.empty()) uid_chunks[entry.uid] += entry.chunks.size();
+  }
+  if (uid_chunks != uid_chunks_) {
+    return Internal("the chunks counted per uid disagree with the tenants' chunk lists");
   }
   for (const auto& [tenant, count] : sessions_by_tenant) {
     if (count != 0 && owned_.count(tenant) == 0) {

@@ -108,6 +108,31 @@ TEST(QuotaPolicyTest, AUidsSessionsTogetherAreHeldByItsLimitAndNamedInTheRefusal
   EXPECT_STREQ(RejectReasonName(RejectReason::kUidLimit), "uid_limit");
 }
 
+TEST(QuotaPolicyTest, AUidsChunkLimitHoldsAtItsCountAndRefusesMoreThanItsChunksForever) {
+  Policy p;
+  QuotaPolicy none(p);
+  RejectReason reason = RejectReason::kNone;
+  // 0: no limit, whatever the uid owns.
+  EXPECT_TRUE(none.MayTakeChunk(1000, 1000, kMiB, &reason).ok());
+  EXPECT_TRUE(none.CheckFitsUidChunks(1000, 1ull << 40, kMiB, &reason).ok());
+  EXPECT_EQ(reason, RejectReason::kNone);
+  p.uid_max_chunks = 2;
+  QuotaPolicy quota(p);
+  EXPECT_TRUE(quota.MayTakeChunk(1000, 1, kMiB, &reason).ok());
+  Status st = quota.MayTakeChunk(1000, 2, kMiB, &reason);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(st.message().find("the tenants of uid 1000 own 2 chunks"), std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("quotas.uid_max_chunks"), std::string::npos);
+  reason = RejectReason::kNone;
+  EXPECT_TRUE(quota.CheckFitsUidChunks(1000, 2 * kMiB, kMiB, &reason).ok());
+  st = quota.CheckFitsUidChunks(1000, 2 * kMiB + 1, kMiB, &reason);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(st.message().find("it can never fit"), std::string::npos) << st.message();
+  EXPECT_STREQ(RejectReasonName(RejectReason::kUidChunks), "uid_chunks");
+}
+
 TEST(QuotaPolicyTest, RoomIsTheUsableArenaLessWhatIsUsedWithAndWithoutKeptBytes) {
   Policy p;
   p.node_reserve_bytes = kMiB;

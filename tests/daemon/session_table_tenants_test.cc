@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <set>
 
 #include "memoffload/daemon/session_table.h"
@@ -118,6 +119,106 @@ TEST_F(TenantChunks, JobModeSeparatesJobsOfOneUid) {
             StatusCode::kPermissionDenied);
   SessionGrant a2 = Open(1000, "job-a");
   EXPECT_TRUE(table_->GrantChunks(a2.session_id, {*a_chunks.begin()}).ok());
+}
+
+// quotas.uid_max_chunks: the chunks the tenants of one uid own, over every
+// job id it names. Without it, each job id's tenant takes a chunk of its own
+// with a few KiB, and a uid keeps as many chunks from other uids as it
+// names jobs.
+TEST_F(TenantChunks, AUidsChunkLimitSpansItsJobIdsAndLeavesOtherUidsTheirChunks) {
+  Make(TenantMode::kJob);
+  Policy policy;
+  policy.uid_max_chunks = 2;
+  table_->SetPolicy(policy);
+  SessionGrant a = Open(1000, "a");
+  SessionGrant b = Open(1000, "b");
+  SessionGrant c = Open(1000, "c");
+  SessionGrant other = Open(2000, "a");
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 4096, false).ok());
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, 4096, false).ok());
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(c.session_id, c.token, 1, 4096, false, std::nullopt, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(r.status().message().find("the tenants of uid 1000 own 2 chunks, the most "
+                                      "quotas.uid_max_chunks allows"),
+            std::string::npos)
+      << r.status().message();
+  // Another uid takes a chunk of its own; a job of the capped uid still
+  // places in the chunk it owns.
+  EXPECT_TRUE(table_->Reserve(other.session_id, other.token, 1, 4096, false).ok());
+  EXPECT_TRUE(table_->Reserve(a.session_id, a.token, 2, 512 * kKiB, false).ok());
+  // More than two whole chunks can never fit, and says so at once.
+  r = table_->Reserve(a.session_id, a.token, 3, 2 * kMiB + 4096, false,
+                      std::chrono::steady_clock::now() + std::chrono::seconds(60), &reason);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(r.status().message().find("it can never fit"), std::string::npos)
+      << r.status().message();
+  // A chunk another job of the uid left empty moves to c: the uid's count
+  // stays 2.
+  ASSERT_TRUE(table_->Release(b.session_id, b.token, 1).ok());
+  EXPECT_TRUE(table_->Reserve(c.session_id, c.token, 1, 4096, false).ok());
+  EXPECT_EQ(table_->Snapshot().owned_chunks, 3u);
+}
+
+// A waiter its uid's chunk limit holds back neither ages into keeping bytes
+// free from other uids nor waits forever: it is served when its own chunks
+// have room.
+TEST_F(TenantChunks, AWaiterHeldByItsUidsChunkLimitDoesNotHoldBackOtherUids) {
+  Make(TenantMode::kUid);
+  Policy policy;
+  policy.uid_max_chunks = 1;
+  policy.reserve_aging_ms = 0;       // every waiter is aged at once
+  policy.node_reserve_bytes = kMiB;  // 3 MiB usable
+  table_->SetPolicy(policy);
+  SessionGrant capped = Open(1000);
+  SessionGrant second = Open(2000);
+  SessionGrant third = Open(3000);
+  ASSERT_TRUE(table_->Reserve(capped.session_id, capped.token, 1, 4096, false).ok());
+  ASSERT_TRUE(table_->Reserve(capped.session_id, capped.token, 2, 512 * kKiB, false).ok());
+  // 768 KiB do not fit in the 508 KiB its one chunk has left: it waits.
+  std::optional<Result<ReserveResult>> answer;
+  RejectReason answer_reason = RejectReason::kNone;
+  table_->ReserveAsync(capped.session_id, capped.token, 3, 768 * kKiB, false,
+                       std::chrono::steady_clock::now() + std::chrono::seconds(60),
+                       [&](Result<ReserveResult>&& result, RejectReason why) {
+                         answer.emplace(std::move(result));
+                         answer_reason = why;
+                       });
+  ASSERT_FALSE(answer.has_value());
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 1u);
+  // Aged at once, yet its limit, not the arena, holds it: other uids take
+  // over empty chunks as if it were not there. Keeping its 768 KiB free
+  // would refuse the third uid's chunk (516 KiB + 2 MiB + 768 KiB > 3 MiB).
+  EXPECT_TRUE(table_->Reserve(second.session_id, second.token, 1, kMiB, false).ok());
+  auto r = table_->Reserve(third.session_id, third.token, 1, kMiB, false);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_FALSE(answer.has_value());
+  // Its own chunk gets room back: it is served there.
+  ASSERT_TRUE(table_->Release(capped.session_id, capped.token, 2).ok());
+  ASSERT_TRUE(answer.has_value());
+  ASSERT_TRUE(answer->ok()) << answer->status().ToString();
+  EXPECT_EQ(answer_reason, RejectReason::kNone);
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
+}
+
+// With tenant = uid, single-extent reserves larger than any hole of its own
+// chunks made a uid take over chunk after chunk; the limit stops that too.
+TEST_F(TenantChunks, SingleExtentReservesTakeNoMoreChunksThanTheUidLimit) {
+  Make(TenantMode::kUid);
+  Policy policy;
+  policy.uid_max_chunks = 2;
+  table_->SetPolicy(policy);
+  SessionGrant s = Open(1000);
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 768 * kKiB, true).ok());
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 2, 768 * kKiB, true).ok());
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 3, 768 * kKiB, true, std::nullopt, &reason);
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  // Split over its own chunks' holes it fits.
+  EXPECT_TRUE(table_->Reserve(s.session_id, s.token, 3, 384 * kKiB, false).ok());
+  EXPECT_EQ(table_->Snapshot().owned_chunks, 2u);
 }
 
 TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {

@@ -20,12 +20,12 @@ const auto kAllEmpty = [](uint32_t) { return true; };
 TEST(TenantChunksTest, NeverUsedChunksAreClaimedFirstThenTheLowestEmptyOne) {
   TenantChunks t(4, TenantMode::kUid);
   EXPECT_EQ(t.Claimable("a", kAllEmpty), 0);
-  t.Assign(0, "a");
+  t.Assign(0, "a", 0);
   EXPECT_EQ(t.Claimable("a", kAllEmpty), 1);  // its own chunk is not claimable
   EXPECT_EQ(t.Claimable("b", kAllEmpty), 1);  // never used beats a's empty chunk 0
-  t.Assign(1, "b");
-  t.Assign(2, "b");
-  t.Assign(3, "a");
+  t.Assign(1, "b", 0);
+  t.Assign(2, "b", 0);
+  t.Assign(3, "a", 0);
   // Everything used: the lowest empty chunk of another tenant.
   EXPECT_EQ(t.Claimable("b", kAllEmpty), 0);
   EXPECT_EQ(t.Claimable("b", [](uint32_t c) { return c == 3; }), 3);
@@ -36,23 +36,23 @@ TEST(TenantChunksTest, NeverUsedChunksAreClaimedFirstThenTheLowestEmptyOne) {
 
 TEST(TenantChunksTest, EachTenantHasItsOwnPoolNumberReusedAfterItGoes) {
   TenantChunks t(4, TenantMode::kUid);
-  const uint32_t a = t.Join("a")->pool;
-  const uint32_t b = t.Join("b")->pool;
+  const uint32_t a = t.Join("a", 0)->pool;
+  const uint32_t b = t.Join("b", 0)->pool;
   EXPECT_NE(a, TenantChunks::kNoTenantPool);
   EXPECT_NE(b, TenantChunks::kNoTenantPool);
   EXPECT_NE(a, b);
-  t.Assign(0, "a");
+  t.Assign(0, "a", 0);
   EXPECT_EQ(t.Find("a")->pool, a);  // the same entry, the same pool
   // b goes (no session, no chunk): its number goes to the next new tenant.
   t.Leave("b");
   EXPECT_EQ(t.Find("b"), nullptr);
-  EXPECT_EQ(t.Join("c")->pool, b);
+  EXPECT_EQ(t.Join("c", 0)->pool, b);
   // a keeps its entry, and pool, while it owns a chunk without a session.
   t.Leave("a");
   ASSERT_NE(t.Find("a"), nullptr);
   EXPECT_EQ(t.Find("a")->pool, a);
   // Assign makes an entry for a tenant without one, with a fresh pool.
-  t.Assign(1, "d");
+  t.Assign(1, "d", 0);
   const uint32_t d = t.Find("d")->pool;
   EXPECT_TRUE(d != a && d != b && d != TenantChunks::kNoTenantPool) << d;
   EXPECT_TRUE(t.CheckInvariants({{"c", 1}}).ok()) << t.CheckInvariants({{"c", 1}}).ToString();
@@ -60,9 +60,9 @@ TEST(TenantChunksTest, EachTenantHasItsOwnPoolNumberReusedAfterItGoes) {
 
 TEST(TenantChunksTest, AChunkAnOpenSessionOfAnotherTenantHoldsIsNotClaimable) {
   TenantChunks t(2, TenantMode::kUid);
-  t.Join("a");
-  t.Assign(0, "a");
-  t.Assign(1, "a");
+  t.Join("a", 0);
+  t.Assign(0, "a", 0);
+  t.Assign(1, "a", 0);
   EXPECT_EQ(t.Attach(7, "a", 100), (std::vector<uint32_t>{0, 1}));
   EXPECT_EQ(t.Claimable("b", kAllEmpty), -1);  // session 7 maps both
   t.Forget(7);
@@ -70,16 +70,16 @@ TEST(TenantChunksTest, AChunkAnOpenSessionOfAnotherTenantHoldsIsNotClaimable) {
   EXPECT_EQ(t.Claimable("b", kAllEmpty), 0);
   // A tenant never claims its own chunk, held or not.
   TenantChunks u(1, TenantMode::kUid);
-  u.Join("a");
-  u.Assign(0, "a");
+  u.Join("a", 0);
+  u.Assign(0, "a", 0);
   u.Attach(1, "a", 100);
   EXPECT_EQ(u.Claimable("a", kAllEmpty), -1);  // already its own
 }
 
 TEST(TenantChunksTest, ChangingTenantHandsTheOldRecipientsBackAndForgetsThem) {
   TenantChunks t(2, TenantMode::kUid);
-  t.Join("a");
-  t.Assign(0, "a");
+  t.Join("a", 0);
+  t.Assign(0, "a", 0);
   EXPECT_FALSE(t.ChangesTenant(0, "a"));
   EXPECT_FALSE(t.ChangesTenant(1, "b"));  // never used: no new backing
   t.Attach(1, "a", 100);
@@ -89,7 +89,7 @@ TEST(TenantChunksTest, ChangingTenantHandsTheOldRecipientsBackAndForgetsThem) {
   EXPECT_EQ(t.recipients(0), (std::vector<pid_t>{100, 200}));
   EXPECT_TRUE(t.ChangesTenant(0, "b"));
   for (uint64_t session : {1, 2, 3}) t.Forget(session);
-  t.Assign(0, "b");
+  t.Assign(0, "b", 0);
   EXPECT_TRUE(t.recipients(0).empty());
   EXPECT_EQ(t.OwnerOf(0), "b");
   ASSERT_NE(t.Find("a"), nullptr);  // a still has its session
@@ -100,18 +100,44 @@ TEST(TenantChunksTest, ChangingTenantHandsTheOldRecipientsBackAndForgetsThem) {
 
 TEST(TenantChunksTest, SessionsAreHandedOnlyTheirTenantsChunks) {
   TenantChunks t(3, TenantMode::kJob);
-  t.Assign(0, "job:1:x");
-  t.Assign(2, "job:1:x");
-  t.Assign(1, "job:1:y");
+  t.Assign(0, "job:1:x", 0);
+  t.Assign(2, "job:1:x", 0);
+  t.Assign(1, "job:1:y", 0);
   EXPECT_EQ(t.Attach(1, "job:1:x", 10), (std::vector<uint32_t>{0, 2}));
   EXPECT_EQ(t.Grant(1, "job:1:x", 10, {0, 1}).code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(t.Grant(1, "job:1:x", 10, {3}).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.recipients(1), std::vector<pid_t>{});  // the refused grant recorded nothing
   TenantChunks none(3, TenantMode::kNone);
-  EXPECT_EQ(none.Join("uid:1"), nullptr);
+  EXPECT_EQ(none.Join("uid:1", 0), nullptr);
   EXPECT_EQ(none.Attach(1, "", 10), (std::vector<uint32_t>{0, 1, 2}));
   EXPECT_TRUE(none.Grant(1, "", 10, {1, 2}).ok());
   EXPECT_EQ(none.owned_chunks(), 0u);
+}
+
+TEST(TenantChunksTest, ChunksAreCountedPerUidOverItsTenantsAndMoveBetweenThem) {
+  TenantChunks t(4, TenantMode::kJob);
+  auto all_empty = [](uint32_t) { return true; };
+  t.Join("job:7:x", 7);
+  t.Assign(0, "job:7:x", 7);
+  t.Assign(1, "job:7:y", 7);  // an entry made by the claim, before any session
+  t.Assign(2, "job:8:x", 8);
+  EXPECT_EQ(t.UidChunks(7), 2u);
+  EXPECT_EQ(t.UidChunks(8), 1u);
+  EXPECT_EQ(t.UidChunks(9), 0u);
+  EXPECT_TRUE(t.CheckInvariants({{"job:7:x", 1}}).ok());
+  // Only chunks of another tenant of the same uid: job:7:y's, not uid 8's,
+  // nor the one nobody owns.
+  const uid_t seven = 7;
+  EXPECT_EQ(t.Claimable("job:7:x", all_empty, &seven), 1);
+  EXPECT_EQ(t.Claimable("job:7:x", all_empty), 3);  // never used first
+  // Moving between tenants of one uid keeps its count; to another uid, not.
+  t.Assign(1, "job:7:x", 7);
+  EXPECT_EQ(t.UidChunks(7), 2u);
+  EXPECT_EQ(t.Claimable("job:7:x", all_empty, &seven), -1);
+  t.Assign(2, "job:7:x", 7);
+  EXPECT_EQ(t.UidChunks(7), 3u);
+  EXPECT_EQ(t.UidChunks(8), 0u);
+  EXPECT_TRUE(t.CheckInvariants({{"job:7:x", 1}}).ok());
 }
 
 // Random opens, closes, grants and claims against a model of the rules:
@@ -134,7 +160,7 @@ TEST(TenantChunksTest, RandomTurnoverFollowsTheRules) {
     const std::string& tenant = tenants[rng() % tenants.size()];
     switch (rng() % 5) {
       case 0: {  // open
-        const TenantChunks::Owned* entry = t.Join(tenant);
+        const TenantChunks::Owned* entry = t.Join(tenant, 0);
         if (sessions[tenant]++ > 0) {
           ASSERT_EQ(entry, entries[tenant]);
         }
@@ -174,7 +200,7 @@ TEST(TenantChunksTest, RandomTurnoverFollowsTheRules) {
         ASSERT_EQ(t.ChangesTenant(static_cast<uint32_t>(c), tenant), !owner[c].empty());
         if (!owner[c].empty()) holders[c].clear();
         owner[c] = tenant;
-        t.Assign(static_cast<uint32_t>(c), tenant);
+        t.Assign(static_cast<uint32_t>(c), tenant, 0);
         break;
       }
       case 3: {  // fill or empty a chunk

@@ -221,6 +221,7 @@ class Harness : private ServiceModel {
         policy_.session_max_bytes = PickLimit();
         policy_.job_max_bytes = PickLimit();
         policy_.uid_max_bytes = PickLimit();
+        policy_.uid_max_chunks = in_->ConsumeIntegralInRange<uint64_t>(0, 3);
         policy_.node_reserve_bytes = kMiB / 2 * in_->ConsumeIntegralInRange<uint64_t>(0, 7);
         table_->SetPolicy(policy_);
         daemon::DaemonConfig config;
@@ -306,8 +307,15 @@ class Harness : private ServiceModel {
 
   void DoReserve(const v1::ReserveRequest& req, ModelSession* s, StatusCode expect) {
     v1::ReserveResponse resp;
+    const uint32_t uid_chunks_before = s != nullptr ? table_->UidChunks(s->uid) : 0;
     const grpc::Status st = service_->ReserveAndWait(req, &resp);
     const auto code = static_cast<StatusCode>(st.error_code());
+    // No Reserve takes a chunk over for a uid at quotas.uid_max_chunks (a
+    // SIGHUP may have lowered it below what the uid owned already).
+    const uint64_t cap = policy_.uid_max_chunks;
+    Check(s == nullptr || cap == 0 ||
+              table_->UidChunks(s->uid) <= std::max<uint64_t>(cap, uid_chunks_before),
+          "Reserve took a chunk over beyond the uid's quotas.uid_max_chunks");
     if (s == nullptr) {
       Check(code == expect, "Reserve: expected " + std::to_string(static_cast<int>(expect)) +
                                 ", got " + GrpcText(st));

@@ -185,6 +185,46 @@ TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
   EXPECT_TRUE(c->Reserve(1, 40 * kMiB).ok());
 }
 
+// With tenant = job each job id is a tenant with chunks of its own: a uid
+// kept one chunk from every other uid per job id it named, with 4 KiB in
+// each. quotas.uid_max_chunks bounds the chunks of all its job ids.
+TEST(Quotas, AUidChunkLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534", "--tenant=job", "--uid-max-chunks=2"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto a = Attach(*daemon, "a");
+  auto b = Attach(*daemon, "b");
+  auto c = Attach(*daemon, "c");
+  ASSERT_TRUE(a && b && c);
+  ASSERT_TRUE(a->Reserve(1, 4096).ok());
+  ASSERT_TRUE(b->Reserve(1, 4096).ok());
+  auto r = c->Reserve(1, 4096);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("uid chunk limit: the tenants of uid " +
+                                      std::to_string(getuid()) + " own 2 chunks"),
+            std::string::npos)
+      << r.status().message();
+  // Another uid still takes a chunk of the four.
+  std::string out;
+  const int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(),
+                               "65534", "a", std::to_string(32 * kMiB), "0"},
+                              &out);
+  EXPECT_EQ(code, 0) << out << daemon->Log();
+  EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
+  // A job's chunk passes to another job of the uid once it is empty and no
+  // process of the job has it mapped.
+  ASSERT_TRUE(b->Release(1).ok());
+  EXPECT_EQ(c->Reserve(1, 4096).status().code(), StatusCode::kResourceExhausted);
+  b.reset();
+  for (int i = 0; i < 100 && daemon->Status().sessions() != 2; ++i) usleep(20000);
+  r = c->Reserve(1, 4096);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(daemon->Status().owned_chunks(), 3u);
+}
+
 TEST(Tenants, JobTenantsOfDifferentUidsDoNotShareChunks) {
   std::string error;
   DaemonProcess::Options options;

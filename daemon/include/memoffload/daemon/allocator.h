@@ -87,6 +87,10 @@ class ExtentAllocator {
   // Returns an extent obtained from Allocate (or a page-aligned sub-range of
   // one, as produced by Trim). Freeing anything else is a bug; it is detected
   // and reported as FAILED_PRECONDITION without corrupting state.
+  // Whether `bytes` fit in the pool's free space now: in one free extent
+  // with single_extent, else in its free pages (the extent limit aside).
+  bool FitsInPool(uint64_t bytes, bool single_extent, uint32_t pool);
+
   Status Free(const Extent& extent);
 
   // Keeps the first `keep_bytes` (rounded up to a page) of an allocation

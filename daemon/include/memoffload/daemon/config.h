@@ -42,13 +42,14 @@ inline constexpr uint64_t kMaxExtentsPerReserveLimit = 100000;
 // Settings SIGHUP may change without a restart (access policy, quotas and
 // region limits; daemon.cc's IsLiveSetting names their sections).
 struct Policy {
-  std::vector<uint32_t> allowed_uids;              // besides the daemon's uid and root
-  std::vector<uint32_t> allowed_gids;              // peers in these groups are allowed too
-  uint64_t session_max_bytes = 0;                  // 0: no per-session limit
-  uint64_t job_max_bytes = 0;                      // 0: no per-job limit
-  uint64_t uid_max_bytes = 0;                      // all sessions of one uid; 0: no limit
-  uint64_t node_reserve_bytes = 0;                 // never handed out
-  uint64_t max_wait_ms = 30000;                    // cap for waiting reserves without deadline
+  std::vector<uint32_t> allowed_uids;  // besides the daemon's uid and root
+  std::vector<uint32_t> allowed_gids;  // peers in these groups are allowed too
+  uint64_t session_max_bytes = 0;      // 0: no per-session limit
+  uint64_t job_max_bytes = 0;          // 0: no per-job limit
+  uint64_t uid_max_bytes = 0;          // all sessions of one uid; 0: no limit
+  uint64_t uid_max_chunks = 0;         // chunks one uid's tenants own (tenant uid/job); 0: no limit
+  uint64_t node_reserve_bytes = 0;     // never handed out
+  uint64_t max_wait_ms = 30000;        // cap for waiting reserves without deadline
   uint64_t max_waiting_reserves = 1024;            // queued at once, all tenants
   uint64_t max_waiting_reserves_per_tenant = 256;  // queued at once, one tenant
   uint64_t reserve_aging_ms = 2000;                // then a waiter's bytes are kept free for it

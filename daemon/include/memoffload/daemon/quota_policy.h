@@ -19,6 +19,12 @@
 //   its session's, its job's or its uid's held bytes plus the request exceed
 //   the limit.
 //   Checked in that order; the first that fails names the refusal.
+// - With tenants, the chunks the tenants of one uid own (whatever job ids
+//   they name) are at most quotas.uid_max_chunks (0: no limit): a request
+//   larger than that many chunks can never fit; one that needs a chunk
+//   more while its uid owns that many is held back by its own quota. A
+//   uid's bytes limit alone lets it pin a chunk with each of a few small
+//   groups or regions; this bounds the chunks it keeps from others.
 // - Room: a request fits the arena now when used + bytes <= usable. It
 //   leaves an aged waiter's keep_free_bytes free when used + bytes +
 //   keep_free_bytes <= usable too.
@@ -49,8 +55,9 @@ enum class RejectReason {
   kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
   kGroupLimit,     // the session holds quotas.max_groups_per_session groups
   kUidLimit,       // quotas.uid_max_bytes: what all sessions of the uid hold
+  kUidChunks,      // quotas.uid_max_chunks: the chunks the uid's tenants own
 };
-inline constexpr int kRejectReasonCount = 12;
+inline constexpr int kRejectReasonCount = 13;
 const char* RejectReasonName(RejectReason reason);
 
 // What a request is measured against: its session's and its job's holdings
@@ -106,6 +113,16 @@ class QuotaPolicy {
   // The one quota check of a try to place `bytes` (page-rounded) for
   // `usage`: every session and job limit and the group count, once.
   QuotaDecision Check(const QuotaUsage& usage, uint64_t bytes) const;
+  // quotas.uid_max_chunks: RESOURCE_EXHAUSTED (kUidChunks) when `bytes`
+  // exceed the whole limit of `uid` in chunks of `chunk_bytes` (it can never
+  // fit), else OK. 0: no limit.
+  Status CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk_bytes,
+                            RejectReason* reject) const;
+  // Whether a placement of `bytes` for `uid`, whose tenants own
+  // `owned_chunks`, may take over one chunk more: OK, or RESOURCE_EXHAUSTED
+  // (kUidChunks) naming the limit (the request waits for its uid's own
+  // chunks to have room).
+  Status MayTakeChunk(uid_t uid, uint32_t owned_chunks, uint64_t bytes, RejectReason* reject) const;
   // The one capacity check of a placement: whether `bytes` fit the usable
   // arena now, and leave keep_free_bytes free.
   ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,

@@ -335,6 +335,8 @@ class SessionTable {
   bool draining() const;
 
   ArenaSnapshot Snapshot() const;
+  // The chunks the tenants of `uid` own (0 with TenantMode::kNone).
+  uint32_t UidChunks(uid_t uid) const;
   std::vector<SessionSnapshot> ListSessions() const;
 
   // Runs the allocator's invariant check plus the table's own accounting.
@@ -479,7 +481,17 @@ class SessionTable {
   // with TenantMode::kNone.
   std::string QueueTenant(const Session& session) const;
   // Whether the waiter's own quota holds it back now. Requires mu_.
-  bool QuotaHeld(const ReserveQueue::Waiter& waiter) const;
+  bool QuotaHeld(const ReserveQueue::Waiter& waiter);
+  // A chunk the session's tenant may take over now, or -1. With its uid at
+  // quotas.uid_max_chunks, only one another tenant of the uid owns; *capped
+  // then says that the limit, not the arena, kept it from another chunk.
+  int64_t ClaimableFor(const Session& s, bool* capped);
+  // Whether quotas.uid_max_chunks alone holds back `rounded` for `s`: its
+  // uid owns that many chunks, they have no room for it, and another chunk
+  // could be taken over but for the limit.
+  bool UidChunksHold(const Session& s, uint64_t rounded, bool single_extent);
+  // quotas.uid_max_chunks's "never fits" (with tenants only).
+  Status CheckFitsUidChunks(const Session& s, uint64_t rounded, RejectReason* reject) const;
   // Offers free space to the waiters. Requires mu_.
   void DispatchWaiters(Completions* out);
   // Removes the waiter from pending_ and queues its answer. Requires mu_.
@@ -525,7 +537,7 @@ class SessionTable {
   // memfd when it belonged to another tenant (never faults pages: see
   // FreshBacking) and retiring the old one to its recipients. Fails,
   // changing nothing, only when no memfd can be created. Requires mu_.
-  Status Claim(uint32_t chunk, const std::string& tenant);
+  Status Claim(uint32_t chunk, const std::string& tenant, uid_t uid);
   // tenant_chunks_ agrees with the sessions. Requires mu_.
   Status CheckTenantChunks() const;
   TenantChunks tenant_chunks_;  // guarded by mu_

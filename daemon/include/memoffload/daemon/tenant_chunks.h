@@ -26,6 +26,8 @@
 //   in (SessionTable moves a chunk there when the tenant takes it over):
 //   distinct among the entries, never 0 (kNoTenantPool, the chunks nobody
 //   claimed yet), and reused after its entry is dropped.
+// - Each tenant is of one uid (its sessions'); the chunks the tenants of a
+//   uid own are counted per uid (UidChunks), for quotas.uid_max_chunks.
 #ifndef MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_
 #define MEMOFFLOAD_DAEMON_TENANT_CHUNKS_H_
 
@@ -61,6 +63,7 @@ class TenantChunks {
     std::vector<uint32_t> chunks;
     uint32_t sessions = 0;
     uint32_t pool = 0;  // the allocator's pool of these chunks
+    uid_t uid = 0;      // of its sessions
   };
   static constexpr uint32_t kNoTenantPool = 0;
 
@@ -78,7 +81,7 @@ class TenantChunks {
   // A session of `tenant` opens: returns its tenant's entry, which stays
   // valid (and at the same address) while the session is open; nullptr with
   // kNone. Leave, when it closes, drops an entry with no session and no chunk.
-  const Owned* Join(const std::string& tenant);
+  const Owned* Join(const std::string& tenant, uid_t uid);
   void Leave(const std::string& tenant);
 
   // The chunks a new session is handed: its tenant's, every chunk with kNone.
@@ -91,15 +94,23 @@ class TenantChunks {
   void Forget(uint64_t session_id);
 
   // A chunk `tenant` may take over now, or -1. `empty(c)`: chunk c holds no
-  // extent.
-  int64_t Claimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty) const;
+  // extent. With `only_of_uid`, only a chunk another tenant of that uid owns
+  // (taking it over leaves the uid's count as it is).
+  int64_t Claimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty,
+                    const uid_t* only_of_uid = nullptr) const;
+  // The chunks the tenants of `uid` own.
+  uint32_t UidChunks(uid_t uid) const {
+    auto it = uid_chunks_.find(uid);
+    return it == uid_chunks_.end() ? 0 : it->second;
+  }
   // Whether assigning the chunk to `tenant` takes it from another tenant
   // (then it needs a new backing, and its old one goes to recipients()).
   bool ChangesTenant(uint32_t chunk, const std::string& tenant) const;
   // The processes handed the chunk's current backing.
   const std::vector<pid_t>& recipients(uint32_t chunk) const { return chunks_[chunk].recipients; }
-  // Makes the chunk the tenant's, moving it between the tenants' lists.
-  void Assign(uint32_t chunk, const std::string& tenant);
+  // Makes the chunk the tenant's (a tenant of `uid`), moving it between the
+  // tenants' lists.
+  void Assign(uint32_t chunk, const std::string& tenant, uid_t uid);
 
   // The lists agree with the chunks' tenants, are ascending, and count the
   // sessions in `sessions_by_tenant`; INTERNAL naming the first violation.
@@ -117,7 +128,7 @@ class TenantChunks {
   };
   // The tenant's entry, made (with a pool) if it has none; dropping one
   // frees its pool number.
-  Owned& Entry(const std::string& tenant);
+  Owned& Entry(const std::string& tenant, uid_t uid);
   void Drop(std::unordered_map<std::string, Owned>::iterator entry);
   // Records the session and its process as holding the chunk.
   void Hand(uint32_t chunk, uint64_t session_id, const std::string& tenant, pid_t pid);
@@ -127,7 +138,8 @@ class TenantChunks {
   // By tenant; the inverse of chunks_[c].tenant. Entries are stable
   // (sessions point at theirs).
   std::unordered_map<std::string, Owned> owned_;
-  std::vector<uint32_t> free_pools_;  // pool numbers of dropped entries
+  std::vector<uint32_t> free_pools_;                // pool numbers of dropped entries
+  std::unordered_map<uid_t, uint32_t> uid_chunks_;  // chunks owned, by uid; no 0 entry
   uint32_t next_pool_ = kNoTenantPool + 1;
 };
 
