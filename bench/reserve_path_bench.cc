@@ -26,6 +26,7 @@
 
 #include "bench_arena.h"
 #include "benches.h"
+#include "memoffload/daemon/fresh_backing.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/units.h"
 
@@ -57,7 +58,14 @@ class Table {
     if (arena == nullptr) return nullptr;
     auto t = std::unique_ptr<Table>(new Table);
     t->arena_ = std::move(arena);
-    t->table_ = std::make_unique<daemon::SessionTable>(t->arena_.get(), daemon::Policy{}, mode);
+    // New memfds for chunks that change tenant, as the daemon makes them
+    // (Daemon::Serve): one spare kept pre-faulted by a background thread.
+    daemon::FreshBackingOptions fresh;
+    fresh.chunk_size_bytes = kChunkBytes;
+    fresh.spares = mode == daemon::TenantMode::kNone ? 0 : 1;
+    t->fresh_ = std::make_unique<daemon::FreshBacking>(fresh);
+    t->table_ = std::make_unique<daemon::SessionTable>(t->arena_.get(), daemon::Policy{}, mode,
+                                                       t->fresh_.get());
     for (uint32_t s = 0; s < kSessions; ++s) {
       Hello hello;
       hello.job_id = "bench";
@@ -121,6 +129,7 @@ class Table {
  private:
   Table() = default;
   std::unique_ptr<daemon::Arena> arena_;
+  std::unique_ptr<daemon::FreshBacking> fresh_;
   std::unique_ptr<daemon::SessionTable> table_;
   std::vector<daemon::SessionGrant> sessions_;
   std::vector<Live> live_;
