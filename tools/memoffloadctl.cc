@@ -111,6 +111,24 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
   row("waiting reserves", std::to_string(s->waiting_reserves()));
   row("regions", std::to_string(s->regions()) + " holding " + FormatSize(s->region_bytes()) +
                      " of " + FormatSize(s->region_max_bytes()) + " (regions.max_bytes)");
+  // Per uid, next to the limits that count it ("of" only where one is set).
+  auto of = [](const std::string& value, uint64_t limit, const std::string& limit_text) {
+    return limit == 0 ? value : value + " of " + limit_text;
+  };
+  for (const auto& u : s->uids()) {
+    row(("uid " + std::to_string(u.uid())).c_str(),
+        std::to_string(u.sessions()) + (u.sessions() == 1 ? " session, " : " sessions, ") +
+            of(FormatSize(u.held_bytes()), s->uid_max_bytes(), FormatSize(s->uid_max_bytes())) +
+            " held, " +
+            of(std::to_string(u.owned_chunks()), s->uid_max_chunks(),
+               std::to_string(s->uid_max_chunks())) +
+            " chunks, " +
+            of(std::to_string(u.regions()), s->max_regions_per_uid(),
+               std::to_string(s->max_regions_per_uid())) +
+            " regions of " +
+            of(FormatSize(u.region_bytes()), s->region_uid_max_bytes(),
+               FormatSize(s->region_uid_max_bytes())));
+  }
   row("draining", s->draining() ? "yes" : "no");
   row("uptime", std::to_string(static_cast<uint64_t>(s->uptime_seconds())) + " s");
   return kExitOk;

@@ -252,6 +252,24 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_regions(s.regions);
   resp->set_region_bytes(s.region_bytes);
   resp->set_region_max_bytes(s.region_max_bytes);
+  for (const UidSnapshot& u : table_->ListUids()) {
+    v1::UidUsage* out = resp->add_uids();
+    out->set_uid(u.uid);
+    out->set_sessions(u.sessions);
+    out->set_held_bytes(u.held_bytes);
+    out->set_owned_chunks(u.owned_chunks);
+    out->set_region_bytes(u.region_bytes);
+    out->set_regions(u.regions);
+  }
+  Policy policy;
+  {
+    std::lock_guard<std::mutex> lock(config_mu_);
+    policy = config_.policy;
+  }
+  resp->set_uid_max_bytes(policy.uid_max_bytes);
+  resp->set_uid_max_chunks(policy.uid_max_chunks);
+  resp->set_region_uid_max_bytes(policy.region_uid_max_bytes);
+  resp->set_max_regions_per_uid(policy.max_regions_per_uid);
 
   resp->set_uptime_seconds(std::chrono::duration<double>(Clock::now() - started_).count());
   return Finish(Method::kGetStatus, start, Status::Ok());

@@ -2,6 +2,8 @@
 // empty chunk of another tenant with a new memfd (fresh backing). Which
 // chunk is whose is TenantChunks' business; this file adds the sessions and
 // the backings.
+#include <map>
+
 #include "memoffload/daemon/log.h"
 #include "memoffload/daemon/session_table.h"
 
@@ -17,6 +19,29 @@ ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
 uint32_t SessionTable::UidChunks(uid_t uid) const {
   std::lock_guard<std::mutex> lock(mu_);
   return tenant_chunks_.UidChunks(uid);
+}
+
+std::vector<UidSnapshot> SessionTable::ListUids() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::map<uid_t, UidSnapshot> by_uid;
+  for (const auto& [uid, totals] : uid_totals_) {
+    UidSnapshot& u = by_uid[uid];
+    u.sessions = totals.sessions;
+    u.held_bytes = totals.held_bytes;
+  }
+  for (const auto& [uid, chunks] : tenant_chunks_.chunks_by_uid())
+    by_uid[uid].owned_chunks = chunks;
+  for (const auto& [uid, regions] : uid_regions_) {
+    UidSnapshot& u = by_uid[uid];
+    u.region_bytes = regions.held_bytes;
+    u.regions = regions.count;
+  }
+  std::vector<UidSnapshot> out;
+  for (auto& [uid, u] : by_uid) {
+    u.uid = uid;
+    out.push_back(u);
+  }
+  return out;
 }
 
 int64_t SessionTable::ClaimableFor(const Session& s, bool* capped) {

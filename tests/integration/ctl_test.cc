@@ -10,6 +10,7 @@
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
+#include "memoffload/shared_mem/units.h"
 #include "memoffload/v1/memoffload.pb.h"
 
 namespace memoffload::testing {
@@ -36,6 +37,62 @@ Message ParseJson(const std::string& json) {
   auto st = google::protobuf::util::JsonStringToMessage(json, &m);
   EXPECT_TRUE(st.ok()) << st.ToString() << "\n" << json;
   return m;
+}
+
+// What each uid holds, next to the per-uid limits: what an operator reads
+// when a Reserve is refused with uid_limit or uid_chunks.
+TEST(CtlUids, StatusShowsEachUidNextToItsLimits) {
+  std::string error;
+  DaemonProcess::Options options;
+  options.open_permissions = true;
+  options.extra_args = {"--allowed-uids=65534", "--uid-max-bytes=64MiB", "--uid-max-chunks=3"};
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  std::vector<std::unique_ptr<client::Client>> clients;
+  for (const char* job : {"a", "b"}) {
+    client::AttachOptions attach;
+    attach.runtime_dir = daemon->runtime_dir();
+    attach.job_id = job;
+    auto c = client::Client::Attach(attach);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE((*c)->Reserve(1, 3 * kMiB).ok());
+    clients.push_back(std::move(c).value());
+  }
+  // uid 65534 reserves and exits: its session is gone, its chunk stays its.
+  std::string out;
+  ASSERT_EQ(RunCapture(std::vector<std::string>{BinDir() + "/offload_worker", "job-as",
+                                                daemon->runtime_dir(), "65534", "c",
+                                                std::to_string(kMiB), "0"},
+                       &out),
+            0)
+      << out;
+  auto ctl = [&](std::vector<std::string> args) {
+    args.insert(args.begin(),
+                {BinDir() + "/memoffloadctl", "--runtime-dir", daemon->runtime_dir()});
+    EXPECT_EQ(RunCapture(args, &out), 0) << out;
+  };
+  for (int i = 0; i < 100 && daemon->Status().sessions() != 2; ++i) usleep(20000);
+  ctl({"status"});
+  const std::string me = std::to_string(getuid());
+  EXPECT_NE(out.find("uid " + me + std::string(17 - me.size(), ' ') +
+                     "2 sessions, 6.00 MiB of 64.00 MiB held, 1 of 3 chunks, 0 regions of 0 B"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("uid 65534            0 sessions, 0 B of 64.00 MiB held, 1 of 3 chunks"),
+            std::string::npos)
+      << out;
+  ctl({"status", "--json"});
+  auto status = ParseJson<v1::GetStatusResponse>(out);
+  EXPECT_EQ(status.uid_max_bytes(), 64 * kMiB);
+  EXPECT_EQ(status.uid_max_chunks(), 3u);
+  ASSERT_EQ(status.uids_size(), 2) << out;
+  EXPECT_EQ(status.uids(0).uid(), getuid());
+  EXPECT_EQ(status.uids(0).sessions(), 2u);
+  EXPECT_EQ(status.uids(0).held_bytes(), 6 * kMiB);
+  EXPECT_EQ(status.uids(0).owned_chunks(), 1u);
+  EXPECT_EQ(status.uids(1).uid(), 65534u);
+  EXPECT_EQ(status.uids(1).sessions(), 0u);
+  EXPECT_EQ(status.uids(1).owned_chunks(), 1u);
 }
 
 TEST_F(CtlTest, StatusHumanAndJson) {

@@ -181,6 +181,17 @@ struct SessionSnapshot {
   double age_seconds = 0;
 };
 
+// What one uid holds now, over all its job ids: what the per-uid limits
+// count (memoffloadctl status).
+struct UidSnapshot {
+  uid_t uid = 0;
+  uint32_t sessions = 0;
+  uint64_t held_bytes = 0;    // its sessions' groups: quotas.uid_max_bytes
+  uint32_t owned_chunks = 0;  // its tenants' chunks: quotas.uid_max_chunks
+  uint64_t region_bytes = 0;  // its regions: regions.uid_max_bytes
+  uint64_t regions = 0;       // regions.max_per_uid
+};
+
 class SessionTable {
  public:
   // fresh_backing (not owned; may be null in tests: new backings are then
@@ -337,6 +348,8 @@ class SessionTable {
   ArenaSnapshot Snapshot() const;
   // The chunks the tenants of `uid` own (0 with TenantMode::kNone).
   uint32_t UidChunks(uid_t uid) const;
+  // Every uid with a session, a chunk or a region, by uid.
+  std::vector<UidSnapshot> ListUids() const;
   std::vector<SessionSnapshot> ListSessions() const;
 
   // Runs the allocator's invariant check plus the table's own accounting.

@@ -99,6 +99,7 @@ class TenantChunks {
   int64_t Claimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty,
                     const uid_t* only_of_uid = nullptr) const;
   // The chunks the tenants of `uid` own.
+  const std::unordered_map<uid_t, uint32_t>& chunks_by_uid() const { return uid_chunks_; }
   uint32_t UidChunks(uid_t uid) const {
     auto it = uid_chunks_.find(uid);
     return it == uid_chunks_.end() ? 0 : it->second;
