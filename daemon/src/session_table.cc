@@ -176,7 +176,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.job = &job;
   ++job.sessions;
   s.uid_totals = &uid_totals_[peer.uid];
-  ++s.uid_totals->sessions;
+  if (++s.uid_totals->sessions == 1) WarnIfSharedWithoutUidLimits(peer.uid);
   bool job_limit_lowered = false;
   if (hello.job_max_bytes != 0 &&
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {

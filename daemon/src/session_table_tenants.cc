@@ -21,6 +21,30 @@ uint32_t SessionTable::UidChunks(uid_t uid) const {
   return tenant_chunks_.UidChunks(uid);
 }
 
+void SessionTable::WarnIfSharedWithoutUidLimits(uid_t uid) {
+  if (warned_shared_uids_ || uid_totals_.size() < 2) return;
+  const Policy& p = quota_.policy();
+  const bool bytes_off = p.uid_max_bytes == 0;
+  const bool chunks_off = p.uid_max_chunks == 0 && tenant_chunks_.mode() != TenantMode::kNone;
+  if (!bytes_off && !chunks_off) return;
+  uid_t other = uid;
+  for (const auto& [u, totals] : uid_totals_) {
+    if (u != uid) other = u;
+  }
+  const std::string off = bytes_off && chunks_off ? "quotas.uid_max_bytes and uid_max_chunks are"
+                          : bytes_off             ? "quotas.uid_max_bytes is"
+                                                  : "quotas.uid_max_chunks is";
+  warned_shared_uids_ = true;
+  MO_LOG_WARN(
+      "uid %u opened a session while uid %u has sessions, and %s 0 (no limit): one uid can %s. "
+      "On a node shared by several uids set them (docs/reliability.md, 'Local peers'); "
+      "logged once",
+      static_cast<unsigned>(uid), static_cast<unsigned>(other), off.c_str(),
+      bytes_off && chunks_off ? "hold the whole arena and keep every chunk from the others"
+      : bytes_off             ? "hold the whole arena"
+                              : "keep every chunk from the others with a few KiB in each");
+}
+
 std::vector<UidSnapshot> SessionTable::ListUids() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::map<uid_t, UidSnapshot> by_uid;

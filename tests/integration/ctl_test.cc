@@ -93,6 +93,8 @@ TEST(CtlUids, StatusShowsEachUidNextToItsLimits) {
   EXPECT_EQ(status.uids(1).uid(), 65534u);
   EXPECT_EQ(status.uids(1).sessions(), 0u);
   EXPECT_EQ(status.uids(1).owned_chunks(), 1u);
+  // Both per-uid limits are set: no warning about a shared node.
+  EXPECT_EQ(daemon->Log().find("opened a session while"), std::string::npos) << daemon->Log();
 }
 
 TEST_F(CtlTest, StatusHumanAndJson) {

@@ -223,6 +223,11 @@ TEST(Quotas, AUidChunkLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
   r = c->Reserve(1, 4096);
   EXPECT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(daemon->Status().owned_chunks(), 3u);
+  // The chunk limit is set, the bytes limit is not: the warning names that.
+  EXPECT_NE(daemon->Log().find("and quotas.uid_max_bytes is 0 (no limit): one uid can hold the "
+                               "whole arena"),
+            std::string::npos)
+      << daemon->Log();
 }
 
 TEST(Tenants, JobTenantsOfDifferentUidsDoNotShareChunks) {
@@ -252,6 +257,16 @@ TEST(Tenants, JobTenantsOfDifferentUidsDoNotShareChunks) {
   EXPECT_NE(("," + std::string(refused) + ",").find("," + my_chunk + ","), std::string::npos)
       << out;
   EXPECT_EQ(("," + std::string(got) + ",").find("," + my_chunk + ","), std::string::npos) << out;
+  // No per-uid limit is set: the operator is told once that one uid can take
+  // the arena from the other.
+  const std::string warning = "WARN uid 65534 opened a session while uid " +
+                              std::to_string(getuid()) +
+                              " has sessions, and quotas.uid_max_bytes and uid_max_chunks are 0";
+  const std::string log = daemon->Log();
+  EXPECT_NE(log.find(warning), std::string::npos) << log;
+  EXPECT_EQ(log.find("opened a session while", log.find(warning) + warning.size()),
+            std::string::npos)
+      << log;
 }
 
 TEST(Quotas, WaitingReserveIsServedWhenAnotherSessionReleases) {

@@ -503,6 +503,10 @@ class SessionTable {
   // uid owns that many chunks, they have no room for it, and another chunk
   // could be taken over but for the limit.
   bool UidChunksHold(const Session& s, uint64_t rounded, bool single_extent);
+  // A second uid opened a session: warns once, per daemon, when the per-uid
+  // limits that keep one uid from taking the arena are off. Requires mu_.
+  void WarnIfSharedWithoutUidLimits(uid_t uid);
+  bool warned_shared_uids_ = false;  // guarded by mu_
   // quotas.uid_max_chunks's "never fits" (with tenants only).
   Status CheckFitsUidChunks(const Session& s, uint64_t rounded, RejectReason* reject) const;
   // Offers free space to the waiters. Requires mu_.
