@@ -60,13 +60,21 @@ int Fail(const Status& st) {
   return kExitDaemonError;
 }
 
-void PrintJson(const google::protobuf::Message& message) {
+// Prints the reply as JSON; an error (and kExitDaemonError) if protobuf
+// cannot, rather than an empty line a script would take for an answer.
+int PrintJson(const google::protobuf::Message& message) {
   std::string json;
   google::protobuf::util::JsonPrintOptions options;
   options.preserve_proto_field_names = true;
   options.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  const auto st = google::protobuf::util::MessageToJsonString(message, &json, options);
+  if (!st.ok()) {
+    std::fprintf(stderr, "memoffloadctl: cannot print the reply as JSON: %s\n",
+                 st.ToString().c_str());
+    return kExitDaemonError;
+  }
   std::printf("%s\n", json.c_str());
+  return kExitOk;
 }
 
 std::string Percent(uint64_t part, uint64_t whole) {
@@ -79,8 +87,7 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
   auto s = admin.GetStatus();
   if (!s.ok()) return Fail(s.status());
   if (json) {
-    PrintJson(*s);
-    return kExitOk;
+    return PrintJson(*s);
   }
   auto row = [](const char* k, const std::string& v) { std::printf("%-20s %s\n", k, v.c_str()); };
   row("version", s->version());
@@ -138,8 +145,7 @@ int Sessions(memoffload::client::AdminClient& admin, bool json) {
   auto r = admin.ListSessions();
   if (!r.ok()) return Fail(r.status());
   if (json) {
-    PrintJson(*r);
-    return kExitOk;
+    return PrintJson(*r);
   }
   std::printf("%-8s %-20s %6s %8s %6s %12s %7s %8s\n", "SESSION", "JOB", "RANK", "PID", "UID",
               "HELD", "GROUPS", "AGE");
@@ -158,8 +164,7 @@ int Drain(memoffload::client::AdminClient& admin, bool drain, bool json) {
   auto r = admin.Drain(drain);
   if (!r.ok()) return Fail(r.status());
   if (json) {
-    PrintJson(*r);
-    return kExitOk;
+    return PrintJson(*r);
   }
   if (r->draining()) {
     std::printf("draining: new attaches and reserves are refused; %u sessions still hold %s\n",
@@ -174,8 +179,7 @@ int Config(memoffload::client::AdminClient& admin, bool json) {
   auto r = admin.GetConfig();
   if (!r.ok()) return Fail(r.status());
   if (json) {
-    PrintJson(*r);
-    return kExitOk;
+    return PrintJson(*r);
   }
   std::fputs(r->toml().c_str(), stdout);
   return kExitOk;
@@ -185,8 +189,7 @@ int Regions(memoffload::client::AdminClient& admin, const std::string& prefix, b
   auto r = admin.ListRegions(prefix);
   if (!r.ok()) return Fail(r.status());
   if (json) {
-    PrintJson(*r);
-    return kExitOk;
+    return PrintJson(*r);
   }
   std::printf("%6s %-20s %-40s %-9s %12s %10s %7s %4s\n", "UID", "JOB", "NAME", "STATE", "USED",
               "EXPIRES", "READERS", "CRC");
@@ -217,8 +220,7 @@ int DeleteRegion(memoffload::client::AdminClient& admin, const std::vector<std::
   auto r = admin.DeleteRegion(static_cast<uint32_t>(uid), args[1], args[2]);
   if (!r.ok()) return Fail(r.status());
   if (json) {
-    PrintJson(*r);
-    return kExitOk;
+    return PrintJson(*r);
   }
   if (r->freed_bytes() != 0) {
     std::printf("deleted %s: %s freed\n", args[2].c_str(), FormatSize(r->freed_bytes()).c_str());

@@ -110,8 +110,14 @@ Result<std::shared_ptr<Chunk>> FreshBacking::Create(uint64_t size_bytes, bool pr
       MO_LOG_WARN("fresh chunk backing: %s", st.ToString().c_str());
     }
   }
-  // Best effort, like the arena: a backing that cannot be locked still isolates.
-  if (options_.mlock) (void)c->LockOnFault().ok();
+  // Best effort, like the arena: a backing that cannot be locked still
+  // isolates, but may be swapped out; the operator is told.
+  if (options_.mlock) {
+    if (Status locked = c->LockOnFault(); !locked.ok()) {
+      MO_LOG_WARN_LIMITED("fresh chunk backing not locked (it may be swapped out): %s",
+                          locked.ToString().c_str());
+    }
+  }
   if (prefault) MEMOFFLOAD_RETURN_IF_ERROR(c->Prefault(0, c->size_bytes(), Chunk::kMmapLockPiece));
   return c;
 }
