@@ -156,6 +156,17 @@ TEST(Quotas, SameJobIdUnderAnotherUidIsAnotherJob) {
 
 // A job id is the client's to name: quotas.uid_max_bytes bounds all the
 // sessions of one uid, whatever job ids they name, and not another uid's.
+// uid 65534 (offload_worker) attaches as job "a" and reserves 32 MiB: a
+// uid at its own limit leaves another uid its room.
+void ExpectNobodyReserves32MiB(const DaemonProcess& daemon) {
+  std::string out;
+  const int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon.runtime_dir(),
+                               "65534", "a", std::to_string(32 * kMiB), "0"},
+                              &out);
+  EXPECT_EQ(code, 0) << out << daemon.Log();
+  EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
+}
+
 TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
   std::string error;
   DaemonProcess::Options options;
@@ -175,12 +186,7 @@ TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
                                       " hold 64.00 MiB of its 64.00 MiB"),
             std::string::npos)
       << r.status().message();
-  std::string out;
-  const int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(),
-                               "65534", "a", std::to_string(32 * kMiB), "0"},
-                              &out);
-  EXPECT_EQ(code, 0) << out << daemon->Log();
-  EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
+  ExpectNobodyReserves32MiB(*daemon);
   ASSERT_TRUE(a->Release(1).ok());
   EXPECT_TRUE(c->Reserve(1, 40 * kMiB).ok());
 }
@@ -208,12 +214,7 @@ TEST(Quotas, AUidChunkLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
             std::string::npos)
       << r.status().message();
   // Another uid still takes a chunk of the four.
-  std::string out;
-  const int code = RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(),
-                               "65534", "a", std::to_string(32 * kMiB), "0"},
-                              &out);
-  EXPECT_EQ(code, 0) << out << daemon->Log();
-  EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
+  ExpectNobodyReserves32MiB(*daemon);
   // A job's chunk passes to another job of the uid once it is empty and no
   // process of the job has it mapped.
   ASSERT_TRUE(b->Release(1).ok());
