@@ -78,10 +78,12 @@ Status QuotaPolicy::CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk
   const uint64_t cap = policy_.uid_max_chunks;
   if (cap == 0 || chunk_bytes == 0 || bytes <= cap * chunk_bytes) return Status::Ok();
   *reject = RejectReason::kUidChunks;
-  return ResourceExhausted("uid chunk limit: " + FormatSize(bytes) + " is more than the " +
-                           std::to_string(cap) + (cap == 1 ? " chunk" : " chunks") + " of " +
-                           FormatSize(chunk_bytes) + " the tenants of uid " + std::to_string(uid) +
-                           " may own (quotas.uid_max_chunks); it can never fit");
+  // Exact bytes: FormatSize would show a page over a whole chunk as equal.
+  return ResourceExhausted(
+      "uid chunk limit: " + std::to_string(bytes) + " bytes is more than the " +
+      std::to_string(cap) + (cap == 1 ? " chunk" : " chunks") + " of " + FormatSize(chunk_bytes) +
+      " (" + std::to_string(cap * chunk_bytes) + " bytes) the tenants of uid " +
+      std::to_string(uid) + " may own (quotas.uid_max_chunks); it can never fit");
 }
 
 Status QuotaPolicy::MayTakeChunk(uid_t uid, uint32_t owned_chunks, uint64_t bytes,
@@ -92,7 +94,7 @@ Status QuotaPolicy::MayTakeChunk(uid_t uid, uint32_t owned_chunks, uint64_t byte
   return ResourceExhausted(
       "uid chunk limit: the tenants of uid " + std::to_string(uid) + " own " +
       std::to_string(owned_chunks) + (owned_chunks == 1 ? " chunk" : " chunks") +
-      ", the most quotas.uid_max_chunks allows, and " + FormatSize(bytes) +
+      " (quotas.uid_max_chunks is " + std::to_string(cap) + "), and " + FormatSize(bytes) +
       " do not fit in the free space of its own chunks: release groups or delete regions of "
       "its jobs (chunks are not shared between tenants), or raise the limit");
 }

@@ -93,6 +93,14 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   }
   const uint64_t page = arena_->page_bytes();
   const uint64_t rounded = (size_bytes + page - 1) & ~(page - 1);  // a power of two
+  if (single_extent && rounded > arena_->chunk_size_bytes()) {
+    reject = RejectReason::kTooLarge;
+    return answer(ResourceExhausted(
+        "a single-extent group of " + FormatSize(rounded) + " is larger than a chunk (" +
+        FormatSize(arena_->chunk_size_bytes()) +
+        ", arena.chunk_size): an extent never spans chunks, so it can never fit; reserve it "
+        "without single_extent, or in smaller groups"));
+  }
   QuotaDecision quota = quota_.Check(UsageOf(s), rounded);
   if (quota.verdict == QuotaVerdict::kNever) {
     reject = quota.reason;

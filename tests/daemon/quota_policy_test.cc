@@ -124,11 +124,19 @@ TEST(QuotaPolicyTest, AUidsChunkLimitHoldsAtItsCountAndRefusesMoreThanItsChunksF
   EXPECT_EQ(reason, RejectReason::kUidChunks);
   EXPECT_NE(st.message().find("the tenants of uid 1000 own 2 chunks"), std::string::npos)
       << st.message();
-  EXPECT_NE(st.message().find("quotas.uid_max_chunks"), std::string::npos);
+  EXPECT_NE(st.message().find("(quotas.uid_max_chunks is 2)"), std::string::npos);
+  // Over it (a SIGHUP lowered it): the count and the limit, as they are.
+  st = quota.MayTakeChunk(1000, 5, kMiB, &reason);
+  EXPECT_NE(st.message().find("own 5 chunks (quotas.uid_max_chunks is 2)"), std::string::npos)
+      << st.message();
   reason = RejectReason::kNone;
   EXPECT_TRUE(quota.CheckFitsUidChunks(1000, 2 * kMiB, kMiB, &reason).ok());
   st = quota.CheckFitsUidChunks(1000, 2 * kMiB + 1, kMiB, &reason);
   EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(st.message().find("2097153 bytes is more than the 2 chunks of 1.00 MiB (2097152 "
+                              "bytes)"),
+            std::string::npos)
+      << st.message();
   EXPECT_NE(st.message().find("it can never fit"), std::string::npos) << st.message();
   EXPECT_STREQ(RejectReasonName(RejectReason::kUidChunks), "uid_chunks");
 }

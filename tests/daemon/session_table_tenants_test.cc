@@ -140,8 +140,8 @@ TEST_F(TenantChunks, AUidsChunkLimitSpansItsJobIdsAndLeavesOtherUidsTheirChunks)
   auto r = table_->Reserve(c.session_id, c.token, 1, 4096, false, std::nullopt, &reason);
   ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(reason, RejectReason::kUidChunks);
-  EXPECT_NE(r.status().message().find("the tenants of uid 1000 own 2 chunks, the most "
-                                      "quotas.uid_max_chunks allows"),
+  EXPECT_NE(r.status().message().find("the tenants of uid 1000 own 2 chunks "
+                                      "(quotas.uid_max_chunks is 2)"),
             std::string::npos)
       << r.status().message();
   // Another uid takes a chunk of its own; a job of the capped uid still

@@ -392,6 +392,14 @@ TEST_F(SessionTableTest, RequestsThatCanNeverFitFailAtOnceEvenWhenWaiting) {
           "job limit: 3.00 MiB is more than the whole 2.00 MiB limit of job 'job' (by 1.00 MiB)"),
       std::string::npos)
       << r.status().message();
+  // One extent never spans the arena's 1 MiB chunks (it said "arena full").
+  r = table_->Reserve(t.session_id, t.token, 1, kMiB + 1, true, deadline, &reason);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kTooLarge);
+  EXPECT_NE(r.status().message().find("single-extent group of 1.00 MiB is larger than a chunk"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_TRUE(table_->Reserve(t.session_id, t.token, 1, kMiB, true).ok());
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500));
   EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
 }
