@@ -312,7 +312,9 @@ const std::vector<Setting>& Settings() {
                    "waiting reserves queued at once, all tenants (default 1024)", 1 << 20,
                    [](DaemonConfig* c) { return &c->policy.max_waiting_reserves; }),
       CountSetting("quotas", "max_waiting_reserves_per_tenant",
-                   "waiting reserves queued at once by one tenant (default 256)", 1 << 20,
+                   "waiting reserves queued at once by one tenant, and by all tenants of one uid "
+                   "together (default 256)",
+                   1 << 20,
                    [](DaemonConfig* c) { return &c->policy.max_waiting_reserves_per_tenant; }),
       U64Setting("quotas", "reserve_aging", Kind::kDuration,
                  "after this wait, a waiting reserve's bytes are kept free for it against "

@@ -9,7 +9,7 @@ ReserveQueue::ReserveQueue(Limits limits) : limits_(limits) {}
 void ReserveQueue::SetLimits(const Limits& limits) { limits_ = limits; }
 
 Result<uint64_t> ReserveQueue::Add(const std::string& tenant, uint64_t bytes, Clock::time_point now,
-                                   Clock::time_point deadline) {
+                                   Clock::time_point deadline, uint64_t owner) {
   if (tenant_of_.size() >= limits_.max_waiters) {
     return ResourceExhausted("too many waiting reserves: " + std::to_string(tenant_of_.size()) +
                              " wait already, the limit quotas.max_waiting_reserves is " +
@@ -22,8 +22,19 @@ Result<uint64_t> ReserveQueue::Add(const std::string& tenant, uint64_t bytes, Cl
                              " wait already, the limit quotas.max_waiting_reserves_per_tenant is " +
                              std::to_string(limits_.max_waiters_per_tenant));
   }
+  if (owner != kNoOwner) {
+    auto count = owner_waiters_.find(owner);
+    if (count != owner_waiters_.end() && count->second >= limits_.max_waiters_per_tenant) {
+      return ResourceExhausted(
+          "too many waiting reserves of uid " + std::to_string(owner) + ": " +
+          std::to_string(count->second) +
+          " wait already over its job ids, the limit quotas.max_waiting_reserves_per_tenant is " +
+          std::to_string(limits_.max_waiters_per_tenant) + " for all tenants of a uid together");
+    }
+    ++owner_waiters_[owner];
+  }
   const uint64_t ticket = next_ticket_++;
-  lines_[tenant].push_back(Waiter{ticket, tenant, bytes, now, deadline});
+  lines_[tenant].push_back(Waiter{ticket, tenant, owner, bytes, now, deadline});
   tenant_of_.emplace(ticket, tenant);
   return ticket;
 }
@@ -34,8 +45,13 @@ bool ReserveQueue::Remove(uint64_t ticket) {
   const std::string tenant = it->second;
   tenant_of_.erase(it);
   std::deque<Waiter>& line = lines_[tenant];
-  line.erase(std::find_if(line.begin(), line.end(),
-                          [ticket](const Waiter& w) { return w.ticket == ticket; }));
+  auto waiter = std::find_if(line.begin(), line.end(),
+                             [ticket](const Waiter& w) { return w.ticket == ticket; });
+  if (waiter->owner != kNoOwner) {
+    auto count = owner_waiters_.find(waiter->owner);
+    if (--count->second == 0) owner_waiters_.erase(count);
+  }
+  line.erase(waiter);
   EraseTenantIfEmpty(tenant);
   return true;
 }
@@ -165,6 +181,7 @@ std::vector<ReserveQueue::Waiter> ReserveQueue::TakeAll() {
   for (const auto& [tenant, line] : lines_) all.insert(all.end(), line.begin(), line.end());
   lines_.clear();
   tenant_of_.clear();
+  owner_waiters_.clear();
   return all;
 }
 

@@ -144,11 +144,11 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
         ResourceExhausted("waited 0 ms for " + FormatSize(rounded) +
                           ": the deadline leaves no time to wait; refusal: " + refusal.message()));
   }
-  Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *wait_until);
+  Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *wait_until, s.peer.uid);
   if (!ticket.ok()) {
     // Callers that went away still count until asked: ask them now.
     DropCancelledWaiters(&others);
-    ticket = queue_.Add(tenant, rounded, now, *wait_until);
+    ticket = queue_.Add(tenant, rounded, now, *wait_until, s.peer.uid);
   }
   if (!ticket.ok()) {
     reject = RejectReason::kTooManyWaiters;

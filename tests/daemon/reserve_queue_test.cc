@@ -204,6 +204,39 @@ TEST(ReserveQueue, BoundsAreNamedAndNothingIsQueuedOverThem) {
   EXPECT_EQ(q.size(), 3u);
 }
 
+// With tenant = job a uid's job ids are tenants of their own: they share one
+// per-tenant bound, so naming more job ids takes no more of the queue.
+TEST(ReserveQueue, TheTenantsOfOneOwnerShareThePerTenantBound) {
+  ReserveQueue::Limits limits;
+  limits.max_waiters = 100;
+  limits.max_waiters_per_tenant = 2;
+  ReserveQueue q(limits);
+  auto add = [&](const std::string& tenant, uint64_t owner) {
+    return q.Add(tenant, 1, kT0, kFar, owner);
+  };
+  ASSERT_TRUE(add("job:7:a", 7).ok());
+  Result<uint64_t> second = add("job:7:b", 7);
+  ASSERT_TRUE(second.ok());
+  Result<uint64_t> third = add("job:7:c", 7);
+  ASSERT_FALSE(third.ok());
+  EXPECT_NE(third.status().message().find("too many waiting reserves of uid 7: 2 wait already "
+                                          "over its job ids"),
+            std::string::npos)
+      << third.status().message();
+  // Another owner has its own bound; a leaving waiter gives the owner room.
+  EXPECT_TRUE(add("job:8:a", 8).ok());
+  EXPECT_TRUE(add("job:8:b", 8).ok());
+  ASSERT_TRUE(q.Remove(*second));
+  EXPECT_TRUE(add("job:7:c", 7).ok());
+  EXPECT_FALSE(add("job:7:d", 7).ok());
+  // Expired and taken waiters count no more either.
+  EXPECT_EQ(q.TakeExpired(kFar + std::chrono::seconds(1)).size(), 4u);
+  EXPECT_TRUE(add("job:7:a", 7).ok());
+  EXPECT_EQ(q.TakeAll().size(), 1u);
+  EXPECT_TRUE(add("job:7:a", 7).ok());
+  EXPECT_TRUE(add("job:7:b", 7).ok());
+}
+
 TEST(ReserveQueue, DeadlinesExpireInTimeAndRemoveOnlyThoseDue) {
   ReserveQueue q;
   EXPECT_FALSE(q.NextDeadline().has_value());

@@ -202,6 +202,42 @@ TEST_F(TenantChunks, AWaiterHeldByItsUidsChunkLimitDoesNotHoldBackOtherUids) {
   EXPECT_EQ(table_->Snapshot().waiting_reserves, 0u);
 }
 
+// With tenant = job each job id has a line of the waiting queue; the lines
+// of one uid share quotas.max_waiting_reserves_per_tenant, so a uid cannot
+// fill the queue (and make other uids' waits fail) by naming job ids.
+TEST_F(TenantChunks, TheJobIdsOfAUidShareOneShareOfTheWaitingQueue) {
+  Make(TenantMode::kJob);
+  Policy policy;
+  policy.uid_max_bytes = 4096;  // every further Reserve of a uid waits
+  policy.max_waiting_reserves = 6;
+  policy.max_waiting_reserves_per_tenant = 2;
+  table_->SetPolicy(policy);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  int answered = 0;
+  auto wait = [&](const SessionGrant& s, uint64_t group) {
+    table_->ReserveAsync(s.session_id, s.token, group, 4096, false, deadline,
+                         [&](Result<ReserveResult>&&, RejectReason) { ++answered; });
+  };
+  SessionGrant a = Open(1000, "a");
+  SessionGrant b = Open(1000, "b");
+  SessionGrant other = Open(2000, "a");
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 4096, false).ok());
+  ASSERT_TRUE(table_->Reserve(other.session_id, other.token, 1, 4096, false).ok());
+  wait(a, 2);
+  wait(a, 3);
+  EXPECT_EQ(answered, 0);
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(b.session_id, b.token, 2, 4096, false, deadline, &reason);
+  EXPECT_EQ(reason, RejectReason::kTooManyWaiters);
+  EXPECT_NE(r.status().message().find("too many waiting reserves of uid 1000"), std::string::npos)
+      << r.status().message();
+  // Another uid still queues.
+  wait(other, 2);
+  EXPECT_EQ(table_->Snapshot().waiting_reserves, 3u);
+  table_->BeginShutdown();  // answers the waiters
+  EXPECT_EQ(answered, 3);
+}
+
 // With tenant = uid, single-extent reserves larger than any hole of its own
 // chunks made a uid take over chunk after chunk; the limit stops that too.
 TEST_F(TenantChunks, SingleExtentReservesTakeNoMoreChunksThanTheUidLimit) {

@@ -18,7 +18,10 @@
 //   (keep_free_bytes), so returned bytes accumulate for it and it is not
 //   overtaken forever.
 // - Bounds: at most max_waiters in all, and max_waiters_per_tenant per
-//   tenant; Add over a bound is RESOURCE_EXHAUSTED naming it.
+//   tenant and per owner (the uid of the waiter: with tenant = job, the
+//   tenants of one uid share one bound, so a uid gets no more of the queue
+//   by naming more job ids); Add over a bound is RESOURCE_EXHAUSTED naming
+//   it.
 #ifndef MEMOFFLOAD_DAEMON_RESERVE_QUEUE_H_
 #define MEMOFFLOAD_DAEMON_RESERVE_QUEUE_H_
 
@@ -47,9 +50,12 @@ class ReserveQueue {
     Clock::duration aging = std::chrono::seconds(2);
   };
 
+  static constexpr uint64_t kNoOwner = UINT64_MAX;
+
   struct Waiter {
     uint64_t ticket = 0;
     std::string tenant;
+    uint64_t owner = kNoOwner;
     uint64_t bytes = 0;
     Clock::time_point queued_at;
     Clock::time_point deadline;
@@ -73,7 +79,7 @@ class ReserveQueue {
   // (never 0). RESOURCE_EXHAUSTED naming the bound when the queue or the
   // tenant's line is full; nothing is queued then.
   Result<uint64_t> Add(const std::string& tenant, uint64_t bytes, Clock::time_point now,
-                       Clock::time_point deadline);
+                       Clock::time_point deadline, uint64_t owner = kNoOwner);
   // Removes a waiter; false if it is not queued.
   bool Remove(uint64_t ticket);
   // The queued waiter, or nullptr.
@@ -120,6 +126,7 @@ class ReserveQueue {
   std::map<std::string, std::deque<Waiter>> lines_;  // per tenant, arrival order
   std::string last_served_;  // a round starts at the tenant after it (name order)
   std::unordered_map<uint64_t, std::string> tenant_of_;  // ticket -> tenant
+  std::unordered_map<uint64_t, size_t> owner_waiters_;   // owner -> waiters; no 0 entry
 };
 
 }  // namespace memoffload::daemon
