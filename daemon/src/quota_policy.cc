@@ -86,17 +86,18 @@ Status QuotaPolicy::CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk
       std::to_string(uid) + " may own (quotas.uid_max_chunks); it can never fit");
 }
 
-Status QuotaPolicy::MayTakeChunk(uid_t uid, uint32_t owned_chunks, uint64_t bytes,
-                                 RejectReason* reject) const {
+Status QuotaPolicy::MayTakeChunks(uid_t uid, uint32_t owned_chunks, uint64_t more_chunks,
+                                  uint64_t bytes, RejectReason* reject) const {
   const uint64_t cap = policy_.uid_max_chunks;
-  if (cap == 0 || owned_chunks < cap) return Status::Ok();
+  if (cap == 0 || more_chunks == 0 || owned_chunks + more_chunks <= cap) return Status::Ok();
   *reject = RejectReason::kUidChunks;
   return ResourceExhausted(
       "uid chunk limit: the tenants of uid " + std::to_string(uid) + " own " +
       std::to_string(owned_chunks) + (owned_chunks == 1 ? " chunk" : " chunks") +
       " (quotas.uid_max_chunks is " + std::to_string(cap) + "), and " + FormatSize(bytes) +
-      " do not fit in the free space of its own chunks: release groups or delete regions of "
-      "its jobs (chunks are not shared between tenants), or raise the limit");
+      " need " + std::to_string(more_chunks) + (more_chunks == 1 ? " chunk" : " chunks") +
+      " more than the free space of its own chunks: release groups or delete regions of its "
+      "jobs (chunks are not shared between tenants), or raise the limit");
 }
 
 QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {

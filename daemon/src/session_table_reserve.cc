@@ -186,13 +186,16 @@ Status SessionTable::Place(const Session& s, uint64_t rounded, bool single_exten
     // Only the tenant's own chunks (its pool); take over empty ones until
     // it fits, as many as its uid may own.
     placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);
+    if (!placed.ok() && room.leaves_kept_free) {
+      MEMOFFLOAD_RETURN_IF_ERROR(UidChunksFor(s, rounded, single_extent, reject));
+    }
     while (!placed.ok()) {
       if (!room.leaves_kept_free) return arena_full(keep_free_bytes);
       bool capped = false;
       const int64_t c = ClaimableFor(s, &capped);
       if (capped) {
-        return quota_.MayTakeChunk(s.peer.uid, tenant_chunks_.UidChunks(s.peer.uid), rounded,
-                                   reject);
+        return quota_.MayTakeChunks(s.peer.uid, tenant_chunks_.UidChunks(s.peer.uid), 1, rounded,
+                                    reject);
       }
       if (c < 0 || !Claim(static_cast<uint32_t>(c), s.tenant, s.peer.uid).ok()) break;
       placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);  // c is in it

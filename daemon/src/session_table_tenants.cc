@@ -83,12 +83,35 @@ int64_t SessionTable::ClaimableFor(const Session& s, bool* capped) {
   return own;
 }
 
+Status SessionTable::UidChunksFor(const Session& s, uint64_t rounded, bool single_extent,
+                                  RejectReason* reject) {
+  if (quota_.policy().uid_max_chunks == 0) return Status::Ok();
+  const uint64_t chunk = arena_->chunk_size_bytes();
+  const uint64_t pool_free = arena_->allocator().pool_free_bytes(s.owned->pool);
+  const uint64_t more =
+      single_extent ? 1 : (rounded - std::min(rounded, pool_free) + chunk - 1) / chunk;
+  const uint32_t owned = tenant_chunks_.UidChunks(s.peer.uid);
+  if (quota_.MayTakeChunks(s.peer.uid, owned, more, rounded, reject).ok()) return Status::Ok();
+  // Chunks another job of the uid left empty move without raising the count.
+  ExtentAllocator& alloc = arena_->allocator();
+  const uint32_t movable = tenant_chunks_.CountClaimable(
+      s.tenant,
+      [this, &alloc](uint32_t c) {
+        return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
+      },
+      &s.peer.uid);
+  return quota_.MayTakeChunks(s.peer.uid, owned, more > movable ? more - movable : 0, rounded,
+                              reject);
+}
+
 bool SessionTable::UidChunksHold(const Session& s, uint64_t rounded, bool single_extent) {
-  const uint64_t cap = quota_.policy().uid_max_chunks;
-  if (s.owned == nullptr || cap == 0 || tenant_chunks_.UidChunks(s.peer.uid) < cap ||
+  if (s.owned == nullptr || quota_.policy().uid_max_chunks == 0 ||
       arena_->allocator().FitsInPool(rounded, single_extent, s.owned->pool)) {
     return false;
   }
+  // Placement would refuse it for the limit before or while taking chunks.
+  RejectReason ignored;
+  if (!UidChunksFor(s, rounded, single_extent, &ignored).ok()) return true;
   bool capped = false;
   ClaimableFor(s, &capped);
   return capped;

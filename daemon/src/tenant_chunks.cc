@@ -106,26 +106,38 @@ void TenantChunks::Forget(uint64_t session_id) {
   }
 }
 
+bool TenantChunks::MayClaim(uint32_t c, const std::string& tenant,
+                            const std::function<bool(uint32_t)>& empty,
+                            const uid_t* only_of_uid) const {
+  const ChunkOwner& owner = chunks_[c];
+  if (owner.tenant == tenant || !empty(c)) return false;
+  if (only_of_uid != nullptr &&
+      (owner.tenant.empty() || owned_.at(owner.tenant).uid != *only_of_uid)) {
+    return false;
+  }
+  // No open session of another tenant may still have it mapped.
+  return std::none_of(owner.holders.begin(), owner.holders.end(),
+                      [&](const Holder& h) { return h.tenant != tenant; });
+}
+
 int64_t TenantChunks::Claimable(const std::string& tenant,
                                 const std::function<bool(uint32_t)>& empty,
                                 const uid_t* only_of_uid) const {
   int64_t reused = -1;
   for (uint32_t c = 0; c < chunks_.size(); ++c) {
-    const ChunkOwner& owner = chunks_[c];
-    if (owner.tenant == tenant || !empty(c)) continue;
-    if (only_of_uid != nullptr &&
-        (owner.tenant.empty() || owned_.at(owner.tenant).uid != *only_of_uid)) {
-      continue;
-    }
-    // No open session of another tenant may still have it mapped.
-    if (std::any_of(owner.holders.begin(), owner.holders.end(),
-                    [&](const Holder& h) { return h.tenant != tenant; })) {
-      continue;
-    }
-    if (owner.tenant.empty()) return c;  // never used: no new backing needed
+    if (!MayClaim(c, tenant, empty, only_of_uid)) continue;
+    if (chunks_[c].tenant.empty()) return c;  // never used: no new backing needed
     if (reused < 0) reused = c;
   }
   return reused;
+}
+
+uint32_t TenantChunks::CountClaimable(const std::string& tenant,
+                                      const std::function<bool(uint32_t)>& empty,
+                                      const uid_t* only_of_uid) const {
+  uint32_t count = 0;
+  for (uint32_t c = 0; c < chunks_.size(); ++c) count += MayClaim(c, tenant, empty, only_of_uid);
+  return count;
 }
 
 bool TenantChunks::ChangesTenant(uint32_t chunk, const std::string& tenant) const {

@@ -113,20 +113,28 @@ TEST(QuotaPolicyTest, AUidsChunkLimitHoldsAtItsCountAndRefusesMoreThanItsChunksF
   QuotaPolicy none(p);
   RejectReason reason = RejectReason::kNone;
   // 0: no limit, whatever the uid owns.
-  EXPECT_TRUE(none.MayTakeChunk(1000, 1000, kMiB, &reason).ok());
+  EXPECT_TRUE(none.MayTakeChunks(1000, 1000, 1, kMiB, &reason).ok());
   EXPECT_TRUE(none.CheckFitsUidChunks(1000, 1ull << 40, kMiB, &reason).ok());
   EXPECT_EQ(reason, RejectReason::kNone);
   p.uid_max_chunks = 2;
   QuotaPolicy quota(p);
-  EXPECT_TRUE(quota.MayTakeChunk(1000, 1, kMiB, &reason).ok());
-  Status st = quota.MayTakeChunk(1000, 2, kMiB, &reason);
+  EXPECT_TRUE(quota.MayTakeChunks(1000, 1, 1, kMiB, &reason).ok());
+  Status st = quota.MayTakeChunks(1000, 2, 1, kMiB, &reason);
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(reason, RejectReason::kUidChunks);
   EXPECT_NE(st.message().find("the tenants of uid 1000 own 2 chunks"), std::string::npos)
       << st.message();
   EXPECT_NE(st.message().find("(quotas.uid_max_chunks is 2)"), std::string::npos);
+  // Several chunks at once: refused when they would pass the limit, and
+  // moving chunks between its own tenants (0 more) is always allowed.
+  st = quota.MayTakeChunks(1000, 1, 2, 2 * kMiB, &reason);
+  EXPECT_NE(st.message().find("own 1 chunk (quotas.uid_max_chunks is 2), and 2.00 MiB need 2 "
+                              "chunks more"),
+            std::string::npos)
+      << st.message();
+  EXPECT_TRUE(quota.MayTakeChunks(1000, 5, 0, kMiB, &reason).ok());
   // Over it (a SIGHUP lowered it): the count and the limit, as they are.
-  st = quota.MayTakeChunk(1000, 5, kMiB, &reason);
+  st = quota.MayTakeChunks(1000, 5, 1, kMiB, &reason);
   EXPECT_NE(st.message().find("own 5 chunks (quotas.uid_max_chunks is 2)"), std::string::npos)
       << st.message();
   reason = RejectReason::kNone;

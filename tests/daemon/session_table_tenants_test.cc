@@ -257,6 +257,28 @@ TEST_F(TenantChunks, SingleExtentReservesTakeNoMoreChunksThanTheUidLimit) {
   EXPECT_EQ(table_->Snapshot().owned_chunks, 2u);
 }
 
+// A Reserve that needs more chunks than its uid may still take is refused
+// before it takes any (it took one, kept it empty, and counted it).
+TEST_F(TenantChunks, AReserveTheChunkLimitCannotCoverTakesNoChunk) {
+  Make(TenantMode::kUid);
+  Policy policy;
+  policy.uid_max_chunks = 2;
+  table_->SetPolicy(policy);
+  SessionGrant s = Open(1000);
+  ASSERT_TRUE(table_->Reserve(s.session_id, s.token, 1, 4096, false).ok());
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(s.session_id, s.token, 2, 2 * kMiB, false, std::nullopt, &reason);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(r.status().message().find("own 1 chunk (quotas.uid_max_chunks is 2), and 2.00 MiB "
+                                      "need 2 chunks more"),
+            std::string::npos)
+      << r.status().message();
+  EXPECT_EQ(table_->Snapshot().owned_chunks, 1u);
+  // One chunk more is within the limit.
+  EXPECT_TRUE(table_->Reserve(s.session_id, s.token, 2, kMiB, false).ok());
+  EXPECT_EQ(table_->Snapshot().owned_chunks, 2u);
+}
+
 TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {
   Make(TenantMode::kNone);
   SessionGrant a = Open(1000);

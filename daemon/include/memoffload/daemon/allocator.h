@@ -105,6 +105,10 @@ class ExtentAllocator {
   uint32_t chunk_count() const { return static_cast<uint32_t>(chunk_pages_.size()); }
   // Free bytes inside chunk `chunk`.
   uint64_t chunk_free_bytes(uint32_t chunk) const;
+  // Free bytes in the pool's chunks (0 for a pool without lists).
+  uint64_t pool_free_bytes(uint32_t pool) const {
+    return pool < pool_free_pages_.size() ? ToBytes(pool_free_pages_[pool]) : 0;
+  }
 
   // Verifies: free + used == capacity, free extents do not overlap and lie in
   // their chunk, no two adjacent free extents are left uncoalesced, every free

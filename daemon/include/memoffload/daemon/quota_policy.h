@@ -119,10 +119,11 @@ class QuotaPolicy {
   Status CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk_bytes,
                             RejectReason* reject) const;
   // Whether a placement of `bytes` for `uid`, whose tenants own
-  // `owned_chunks`, may take over one chunk more: OK, or RESOURCE_EXHAUSTED
-  // (kUidChunks) naming the limit (the request waits for its uid's own
-  // chunks to have room).
-  Status MayTakeChunk(uid_t uid, uint32_t owned_chunks, uint64_t bytes, RejectReason* reject) const;
+  // `owned_chunks`, may take over `more_chunks` chunks more: OK, or
+  // RESOURCE_EXHAUSTED (kUidChunks) naming the limit (the request waits for
+  // its uid's own chunks to have room).
+  Status MayTakeChunks(uid_t uid, uint32_t owned_chunks, uint64_t more_chunks, uint64_t bytes,
+                       RejectReason* reject) const;
   // The one capacity check of a placement: whether `bytes` fit the usable
   // arena now, and leave keep_free_bytes free.
   ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,

@@ -499,14 +499,18 @@ class SessionTable {
   // quotas.uid_max_chunks, only one another tenant of the uid owns; *capped
   // then says that the limit, not the arena, kept it from another chunk.
   int64_t ClaimableFor(const Session& s, bool* capped);
-  // Whether quotas.uid_max_chunks alone holds back `rounded` for `s`: its
-  // uid owns that many chunks, they have no room for it, and another chunk
-  // could be taken over but for the limit.
+  // Whether quotas.uid_max_chunks holds back `rounded` for `s`: its uid's
+  // chunks have no room for it, and it needs more chunks than the limit lets
+  // the uid take (UidChunksFor), or another could be taken but for it.
   bool UidChunksHold(const Session& s, uint64_t rounded, bool single_extent);
   // A second uid opened a session: warns once, per daemon, when the per-uid
   // limits that keep one uid from taking the arena are off. Requires mu_.
   void WarnIfSharedWithoutUidLimits(uid_t uid);
   bool warned_shared_uids_ = false;  // guarded by mu_
+  // Before a placement takes over chunks: whether the uid's chunk limit
+  // leaves enough of them for `rounded` beyond the free space of its pool
+  // (a claim that still does not fit would keep its chunk). Requires mu_.
+  Status UidChunksFor(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject);
   // quotas.uid_max_chunks's "never fits" (with tenants only).
   Status CheckFitsUidChunks(const Session& s, uint64_t rounded, RejectReason* reject) const;
   // Offers free space to the waiters. Requires mu_.

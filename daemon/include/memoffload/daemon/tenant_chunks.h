@@ -98,6 +98,9 @@ class TenantChunks {
   // (taking it over leaves the uid's count as it is).
   int64_t Claimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty,
                     const uid_t* only_of_uid = nullptr) const;
+  // How many chunks Claimable could offer now, one after the other.
+  uint32_t CountClaimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty,
+                          const uid_t* only_of_uid = nullptr) const;
   // The chunks the tenants of `uid` own.
   const std::unordered_map<uid_t, uint32_t>& chunks_by_uid() const { return uid_chunks_; }
   uint32_t UidChunks(uid_t uid) const {
@@ -130,6 +133,9 @@ class TenantChunks {
   // The tenant's entry, made (with a pool) if it has none; dropping one
   // frees its pool number.
   Owned& Entry(const std::string& tenant, uid_t uid);
+  // Whether `tenant` may take over chunk c now (Claimable's rule).
+  bool MayClaim(uint32_t c, const std::string& tenant, const std::function<bool(uint32_t)>& empty,
+                const uid_t* only_of_uid) const;
   void Drop(std::unordered_map<std::string, Owned>::iterator entry);
   // Records the session and its process as holding the chunk.
   void Hand(uint32_t chunk, uint64_t session_id, const std::string& tenant, pid_t pid);
