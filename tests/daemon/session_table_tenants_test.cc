@@ -279,6 +279,35 @@ TEST_F(TenantChunks, AReserveTheChunkLimitCannotCoverTakesNoChunk) {
   EXPECT_EQ(table_->Snapshot().owned_chunks, 2u);
 }
 
+// A waiter that needs more chunks than its uid may still take is held by
+// its own limit too: aged at once, it keeps nothing free from other uids.
+TEST_F(TenantChunks, AWaiterNeedingMoreChunksThanItsUidMayTakeHoldsNobodyBack) {
+  Make(TenantMode::kUid);
+  Policy policy;
+  policy.uid_max_chunks = 2;
+  policy.reserve_aging_ms = 0;
+  policy.node_reserve_bytes = kMiB;  // 3 MiB usable
+  table_->SetPolicy(policy);
+  SessionGrant capped = Open(1000);
+  SessionGrant other = Open(2000);
+  ASSERT_TRUE(table_->Reserve(capped.session_id, capped.token, 1, 4096, false).ok());
+  // 2 MiB need two chunks beyond its first one's 1020 KiB; it may take one.
+  std::optional<Result<ReserveResult>> answer;
+  table_->ReserveAsync(
+      capped.session_id, capped.token, 2, 2 * kMiB, false,
+      std::chrono::steady_clock::now() + std::chrono::seconds(60),
+      [&](Result<ReserveResult>&& result, RejectReason) { answer.emplace(std::move(result)); });
+  ASSERT_FALSE(answer.has_value());
+  // Keeping its 2 MiB free would refuse this (4 KiB + 1 MiB + 2 MiB > 3 MiB).
+  auto r = table_->Reserve(other.session_id, other.token, 1, kMiB, false);
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  ASSERT_FALSE(answer.has_value());
+  // Its first chunk empties: one chunk more covers it now, and it is served.
+  ASSERT_TRUE(table_->Release(capped.session_id, capped.token, 1).ok());
+  ASSERT_TRUE(answer.has_value());
+  EXPECT_TRUE(answer->ok()) << answer->status().ToString();
+}
+
 TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {
   Make(TenantMode::kNone);
   SessionGrant a = Open(1000);
