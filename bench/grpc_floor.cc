@@ -56,6 +56,7 @@ int RunGrpcFloorWorker(const std::string& socket_path, double seconds) {
   char go = 0;
   if (read(STDIN_FILENO, &go, 1) != 1) return 1;
   MethodStats stats;
+  const CpuTime cpu0 = SelfCpu();
   const auto start = Clock::now();
   const auto deadline =
       start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
@@ -69,6 +70,7 @@ int RunGrpcFloorWorker(const std::string& socket_path, double seconds) {
   }
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   PrintMethodStats(0, stats);
+  PrintCpu(SelfCpu() - cpu0);
   std::printf("S 0 0 0 %.6f\nEND\n", elapsed);
   std::fflush(stdout);
   return 0;

@@ -5,6 +5,8 @@
 #ifndef MEMOFFLOAD_BENCH_LATENCY_STATS_H_
 #define MEMOFFLOAD_BENCH_LATENCY_STATS_H_
 
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -59,6 +61,30 @@ inline void PrintMethodStats(int method, const MethodStats& s) {
     }
   }
 }
+
+// CPU time, user and system, in seconds.
+struct CpuTime {
+  double user = 0;
+  double sys = 0;
+  CpuTime operator-(const CpuTime& o) const { return {user - o.user, sys - o.sys}; }
+  CpuTime& operator+=(const CpuTime& o) {
+    user += o.user;
+    sys += o.sys;
+    return *this;
+  }
+};
+
+// This process's CPU time so far (every thread).
+inline CpuTime SelfCpu() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  auto secs = [](const timeval& t) { return static_cast<double>(t.tv_sec) + t.tv_usec / 1e6; };
+  return {secs(u.ru_utime), secs(u.ru_stime)};
+}
+
+// A worker's CPU time over its timed window, for the parent to add up
+// ("C user sys").
+inline void PrintCpu(const CpuTime& c) { std::printf("C %.6f %.6f\n", c.user, c.sys); }
 
 }  // namespace memoffload::bench
 

@@ -132,7 +132,46 @@ struct PhaseTotals {
   uint64_t write_errors = 0;
   double elapsed_max = 0;
   std::vector<std::string> messages;
+  CpuTime clients;  // the workers' timed windows, added up
+  // The server's, from the start signal until every worker reported (its
+  // drain included); server_known is false when it could not be read.
+  CpuTime server;
+  bool server_known = false;
+  int phases = 0;  // merged into this
 };
+
+// The CPU time of the server the workers call: the daemon's, from the pid in
+// its instance lock (/proc/PID/stat), or, for the floor served by this
+// process, this process's own. False when it cannot be read.
+bool ServerCpu(const LoadOptions& o, CpuTime* out) {
+  if (!o.floor_socket.empty()) {
+    *out = SelfCpu();
+    return true;
+  }
+  FILE* lock = std::fopen((o.runtime_dir + "/memoffloadd.lock").c_str(), "r");
+  if (lock == nullptr) return false;
+  long pid = 0;
+  const bool have_pid = std::fscanf(lock, "%ld", &pid) == 1 && pid > 0;
+  std::fclose(lock);
+  if (!have_pid) return false;
+  FILE* stat = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (stat == nullptr) return false;
+  char buf[1024];
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, stat);
+  std::fclose(stat);
+  buf[n] = '\0';
+  // Fields after the command name (which may hold spaces): state is the
+  // 3rd field, utime and stime the 14th and 15th.
+  const char* p = std::strrchr(buf, ')');
+  unsigned long utime = 0, stime = 0;
+  if (p == nullptr || std::sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu",
+                                  &utime, &stime) != 2) {
+    return false;
+  }
+  const double tick = static_cast<double>(sysconf(_SC_CLK_TCK));
+  *out = {static_cast<double>(utime) / tick, static_cast<double>(stime) / tick};
+  return true;
+}
 
 // Starts o.clients workers, runs them together and merges their reports.
 // Returns false (after a message) when they could not be started.
@@ -158,6 +197,8 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
       return false;
     }
   }
+  CpuTime server0;
+  t->server_known = ServerCpu(o, &server0);
   for (Worker& w : workers) {
     if (write(w.to_child, "g", 1) != 1) {
       std::fprintf(stderr, "memoffload-bench load: cannot start a worker: %s\n",
@@ -191,6 +232,8 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
         cycles += a3;
         t->write_errors += a4;
         elapsed_max = std::max(elapsed_max, secs);
+      } else if (CpuTime c; std::sscanf(line, "C %lf %lf", &c.user, &c.sys) == 2) {
+        t->clients += c;
       } else if (std::strncmp(line, "E ", 2) == 0) {
         std::string msg(line + 2);
         if (!msg.empty() && msg.back() == '\n') msg.pop_back();
@@ -204,20 +247,21 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
     workers[i].pid = -1;
     if (!ended || !WIFEXITED(status) || WEXITSTATUS(status) != 0) ++lost_workers;
   }
+  CpuTime server1;
+  t->server_known = t->server_known && ServerCpu(o, &server1);
+  if (t->server_known) t->server = server1 - server0;
   StopWorkers(&workers);
   return true;
 }
 
-// Measures the floor with the same clients and time; fills *floor.
-bool RunFloor(const LoadOptions& o, MethodStats* floor) {
+// Measures the floor with the same clients and time; fills *t (its calls
+// in t->total[0]).
+bool RunFloor(const LoadOptions& o, PhaseTotals* t) {
   Result<std::unique_ptr<GrpcFloorServer>> server = GrpcFloorServer::Start();
   if (!server.ok()) return false;
   LoadOptions f = o;
   f.floor_socket = (*server)->socket_path();
-  PhaseTotals t;
-  const bool ok = RunPhase(f, &t) && t.lost_workers == 0;
-  *floor = t.total[0];
-  return ok;
+  return RunPhase(f, t) && t->lost_workers == 0;
 }
 
 void Merge(MethodStats* into, const MethodStats& s) {
@@ -235,6 +279,10 @@ void Merge(PhaseTotals* into, const PhaseTotals& t) {
   into->lost_workers += t.lost_workers;
   into->write_errors += t.write_errors;
   into->elapsed_max += t.elapsed_max;  // the phases run one after another
+  into->clients += t.clients;
+  into->server += t.server;
+  into->server_known = (into->phases == 0 || into->server_known) && t.server_known;
+  ++into->phases;
   for (const std::string& m : t.messages) {
     if (into->messages.size() < 10) into->messages.push_back(m);
   }
@@ -278,12 +326,49 @@ void PrintPairRatios(const LoadOptions& o, const std::vector<PairRatios>& pairs)
   }
 }
 
+uint64_t Calls(const PhaseTotals& t) {
+  uint64_t calls = 0;
+  for (const MethodStats& s : t.total) calls += s.ops + s.errors + s.rejected;
+  return calls;
+}
+
+// Where the CPU went in `what` (the daemon's phases or the floor's): the
+// clients' timed windows and the server's, per call. With 2 cores and
+// hundreds of clients, every microsecond of it is queueing for the others.
+void PrintCpuUse(const LoadOptions& o, const char* what, const PhaseTotals& t) {
+  const double calls = static_cast<double>(std::max<uint64_t>(Calls(t), 1));
+  const double client_us = (t.clients.user + t.clients.sys) / calls * 1e6;
+  const double server_us = (t.server.user + t.server.sys) / calls * 1e6;
+  if (o.json) {
+    std::printf(
+        "{\"bench\":\"load\",\"cpu\":\"%s\",\"clients\":%d,\"calls\":%lu,"
+        "\"client_user_s\":%.3f,\"client_sys_s\":%.3f,\"client_us_per_call\":%.1f,",
+        what, o.clients, static_cast<unsigned long>(Calls(t)), t.clients.user, t.clients.sys,
+        client_us);
+    if (t.server_known) {
+      std::printf("\"server_user_s\":%.3f,\"server_sys_s\":%.3f,\"server_us_per_call\":%.1f}\n",
+                  t.server.user, t.server.sys, server_us);
+    } else {
+      std::printf("\"server_user_s\":null,\"server_sys_s\":null,\"server_us_per_call\":null}\n");
+    }
+    return;
+  }
+  std::printf("cpu %-6s clients %.1f us/call (user %.2f s, sys %.2f s)", what, client_us,
+              t.clients.user, t.clients.sys);
+  if (t.server_known) {
+    std::printf("; server %.1f us/call (user %.2f s, sys %.2f s)\n", server_us, t.server.user,
+                t.server.sys);
+  } else {
+    std::printf("; server not readable (its pid from memoffloadd.lock, /proc/PID/stat)\n");
+  }
+}
+
 int RunParent(const LoadOptions& o) {
   // With --baseline, `pairs` rounds of the daemon's load then the floor, so
   // that whatever else the machine does hits both alike; the tables merge
   // every round, the ratios are per pair.
-  PhaseTotals t;
-  MethodStats floor;
+  PhaseTotals t, floor_totals;
+  const MethodStats& floor = floor_totals.total[0];
   std::vector<PairRatios> pairs;
   bool have_floor = o.baseline;
   for (int p = 0; p < (o.baseline ? o.pairs : 1); ++p) {
@@ -291,12 +376,13 @@ int RunParent(const LoadOptions& o) {
     if (!RunPhase(o, &one)) return 1;
     Merge(&t, one);
     if (!o.baseline) break;
-    MethodStats f;
-    if (!RunFloor(o, &f)) {
+    PhaseTotals ft;
+    if (!RunFloor(o, &ft)) {
       have_floor = false;
       break;
     }
-    Merge(&floor, f);
+    Merge(&floor_totals, ft);
+    const MethodStats& f = ft.total[0];
     PairRatios r;
     for (int m = 0; m < kMethods; ++m) {
       r.p50[m] = one.total[m].PercentileUs(0.5) / f.PercentileUs(0.5);
@@ -363,6 +449,8 @@ int RunParent(const LoadOptions& o) {
     }
     PrintPairRatios(o, pairs);
   }
+  PrintCpuUse(o, "daemon", t);
+  if (have_floor) PrintCpuUse(o, "floor", floor_totals);
   const double bytes_per_second = static_cast<double>(offloaded_bytes) / seconds;
   if (o.json) {
     std::printf(

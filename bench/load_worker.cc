@@ -147,6 +147,7 @@ int RunWorker(const LoadOptions& o) {
     }
   };
 
+  const CpuTime cpu0 = SelfCpu();
   const auto start = Clock::now();
   const auto deadline =
       start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
@@ -187,9 +188,11 @@ int RunWorker(const LoadOptions& o) {
     ++cycles;
   }
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  const CpuTime cpu = SelfCpu() - cpu0;
   while (!held.empty()) read_back(false);
 
   for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);
+  PrintCpu(cpu);
   std::printf("S %lu %lu %lu %.6f %lu\n", static_cast<unsigned long>(offloaded_bytes),
               static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(cycles),
               elapsed, static_cast<unsigned long>(write_errors));
