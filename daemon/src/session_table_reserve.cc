@@ -188,6 +188,7 @@ Status SessionTable::Place(const Session& s, uint64_t rounded, bool single_exten
     placed = alloc.AllocateInPool(rounded, single_extent, s.owned->pool, out);
     if (!placed.ok() && room.leaves_kept_free) {
       MEMOFFLOAD_RETURN_IF_ERROR(UidChunksFor(s, rounded, single_extent, reject));
+      MEMOFFLOAD_RETURN_IF_ERROR(ClaimsCover(s, rounded, single_extent, reject));
     }
     while (!placed.ok()) {
       if (!room.leaves_kept_free) return arena_full(keep_free_bytes);

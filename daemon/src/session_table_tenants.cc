@@ -2,10 +2,12 @@
 // empty chunk of another tenant with a new memfd (fresh backing). Which
 // chunk is whose is TenantChunks' business; this file adds the sessions and
 // the backings.
+#include <algorithm>
 #include <map>
 
 #include "memoffload/daemon/log.h"
 #include "memoffload/daemon/session_table.h"
+#include "memoffload/shared_mem/units.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -102,6 +104,43 @@ Status SessionTable::UidChunksFor(const Session& s, uint64_t rounded, bool singl
       &s.peer.uid);
   return quota_.MayTakeChunks(s.peer.uid, owned, more > movable ? more - movable : 0, rounded,
                               reject);
+}
+
+Status SessionTable::ClaimsCover(const Session& s, uint64_t rounded, bool single_extent,
+                                 RejectReason* reject) {
+  ExtentAllocator& alloc = arena_->allocator();
+  auto empty = [this, &alloc](uint32_t c) {
+    return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
+  };
+  // With the uid's chunk limit set, at most `fresh` chunks that raise its
+  // count; those another tenant of the uid owns move without raising it.
+  const uint64_t cap = quota_.policy().uid_max_chunks;
+  const uint32_t owned = tenant_chunks_.UidChunks(s.peer.uid);
+  uint64_t fresh = cap == 0 ? UINT64_MAX : (cap > owned ? cap - owned : 0);
+  const uint64_t pool_free = alloc.pool_free_bytes(s.owned->pool);
+  uint64_t cover = single_extent ? 0 : pool_free;
+  uint32_t takeable = 0;
+  std::vector<uint32_t> moving;
+  if (cap != 0) moving = tenant_chunks_.ClaimableChunks(s.tenant, empty, &s.peer.uid);
+  for (uint32_t c : tenant_chunks_.ClaimableChunks(s.tenant, empty)) {
+    if (!std::binary_search(moving.begin(), moving.end(), c)) {
+      if (fresh == 0) continue;
+      --fresh;
+    }
+    ++takeable;
+    const uint64_t size = arena_->chunk_bytes(c);
+    cover = single_extent ? std::max(cover, size) : cover + size;
+    if (cover >= rounded) return Status::Ok();
+  }
+  *reject = RejectReason::kArenaFull;
+  return ResourceExhausted(
+      "arena full: cannot reserve " + FormatSize(rounded) +
+      (single_extent ? " as one extent" : "") + " in the chunks of tenant " + s.tenant +
+      " (chunks of other tenants are not shared): " + FormatSize(pool_free) + " free in its " +
+      std::to_string(s.owned->chunks.size()) + " chunk" + (s.owned->chunks.size() == 1 ? "" : "s") +
+      ", and " + std::to_string(takeable) + " empty chunk" + (takeable == 1 ? "" : "s") +
+      " it may take over; none was taken (the rest of the free space is in chunks other "
+      "tenants hold or still map)");
 }
 
 bool SessionTable::UidChunksHold(const Session& s, uint64_t rounded, bool single_extent) {

@@ -132,6 +132,16 @@ int64_t TenantChunks::Claimable(const std::string& tenant,
   return reused;
 }
 
+std::vector<uint32_t> TenantChunks::ClaimableChunks(const std::string& tenant,
+                                                    const std::function<bool(uint32_t)>& empty,
+                                                    const uid_t* only_of_uid) const {
+  std::vector<uint32_t> out;
+  for (uint32_t c = 0; c < chunks_.size(); ++c) {
+    if (MayClaim(c, tenant, empty, only_of_uid)) out.push_back(c);
+  }
+  return out;
+}
+
 uint32_t TenantChunks::CountClaimable(const std::string& tenant,
                                       const std::function<bool(uint32_t)>& empty,
                                       const uid_t* only_of_uid) const {

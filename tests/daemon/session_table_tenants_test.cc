@@ -308,6 +308,37 @@ TEST_F(TenantChunks, AWaiterNeedingMoreChunksThanItsUidMayTakeHoldsNobodyBack) {
   EXPECT_TRUE(answer->ok()) << answer->status().ToString();
 }
 
+// A Reserve that the empty chunks it may take over cannot cover either is
+// refused before it takes any: it took them, failed anyway, and kept them
+// empty from the other tenants (whose next claim then needed a new memfd).
+TEST_F(TenantChunks, AReserveTheClaimableChunksCannotCoverTakesNoChunk) {
+  Make(TenantMode::kUid);
+  SessionGrant a = Open(1000);
+  SessionGrant b = Open(2000);
+  ASSERT_TRUE(table_->Reserve(a.session_id, a.token, 1, 4096, false).ok());  // chunk 0
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 1, 4096, false).ok());  // chunk 1
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 2, kMiB, false).ok());  // and 2
+  // A's 1020 KiB and the one empty chunk (1 MiB) cannot hold 2 MiB, though
+  // the arena has 3 MiB - 8 KiB free.
+  RejectReason reason = RejectReason::kNone;
+  auto r = table_->Reserve(a.session_id, a.token, 2, 2 * kMiB, false, std::nullopt, &reason);
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kArenaFull);
+  EXPECT_NE(r.status().message().find("1020.00 KiB free in its 1 chunk, and 1 empty chunk it "
+                                      "may take over; none was taken"),
+            std::string::npos)
+      << r.status().message();
+  auto uids = table_->ListUids();
+  ASSERT_EQ(uids.size(), 2u);
+  for (const UidSnapshot& u : uids) EXPECT_EQ(u.owned_chunks, u.uid == 1000 ? 1u : 2u);
+  // The empty chunk is still never used: B takes it without a new memfd.
+  ASSERT_TRUE(table_->Reserve(b.session_id, b.token, 3, kMiB, true).ok());
+  EXPECT_EQ(table_->Snapshot().replaced_backings, 0u);
+  // What the claimable chunks do cover is still placed.
+  ASSERT_TRUE(table_->Release(b.session_id, b.token, 3).ok());
+  EXPECT_TRUE(table_->Reserve(a.session_id, a.token, 2, 2 * kMiB - 8 * kKiB, false).ok());
+}
+
 TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {
   Make(TenantMode::kNone);
   SessionGrant a = Open(1000);

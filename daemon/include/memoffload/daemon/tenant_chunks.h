@@ -98,6 +98,10 @@ class TenantChunks {
   // (taking it over leaves the uid's count as it is).
   int64_t Claimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty,
                     const uid_t* only_of_uid = nullptr) const;
+  // The chunks Claimable could offer now, one after the other, ascending.
+  std::vector<uint32_t> ClaimableChunks(const std::string& tenant,
+                                        const std::function<bool(uint32_t)>& empty,
+                                        const uid_t* only_of_uid = nullptr) const;
   // How many chunks Claimable could offer now, one after the other.
   uint32_t CountClaimable(const std::string& tenant, const std::function<bool(uint32_t)>& empty,
                           const uid_t* only_of_uid = nullptr) const;
