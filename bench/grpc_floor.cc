@@ -3,9 +3,16 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <random>
+#include <vector>
 
 #include "latency_stats.h"
+#include "load_options.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
 
 namespace memoffload::bench {
@@ -42,35 +49,83 @@ GrpcFloorServer::~GrpcFloorServer() {
   if (!dir_.empty()) rmdir(dir_.c_str());
 }
 
-int RunGrpcFloorWorker(const std::string& socket_path, double seconds) {
+int RunGrpcFloorWorker(const LoadOptions& o) {
   auto stub = v1::Offload::NewStub(
-      grpc::CreateChannel("unix:" + socket_path, grpc::InsecureChannelCredentials()));
+      grpc::CreateChannel("unix:" + o.floor_socket, grpc::InsecureChannelCredentials()));
   {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
     v1::GetStatusResponse resp;
     if (!stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok()) return 1;
   }
+  // The load worker's data (load_worker.cc): a source of max_group + span
+  // random bytes, groups drawn log-uniform, a ring of `window` slots.
+  std::mt19937_64 rng(o.seed * 1000003 + static_cast<uint64_t>(o.index));
+  std::vector<uint8_t> source, slots, readback;
+  if (o.floor_copies) {
+    source.resize(o.max_group + kShiftSpan);
+    for (size_t i = 0; i < source.size(); i += 8) {
+      const uint64_t v = rng();
+      std::memcpy(source.data() + i, &v, std::min<size_t>(8, source.size() - i));
+    }
+    slots.assign(o.max_group * o.window, 1);  // faulted now, not in the window
+    readback.assign(o.max_group, 1);
+  }
+  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(o.min_group)),
+                                                  std::log(static_cast<double>(o.max_group)));
   std::printf("READY\n");
   std::fflush(stdout);
   char go = 0;
   if (read(STDIN_FILENO, &go, 1) != 1) return 1;
   MethodStats stats;
-  const CpuTime cpu0 = SelfCpu();
-  const auto start = Clock::now();
-  const auto deadline =
-      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
-  while (Clock::now() < deadline) {
+  auto call = [&] {
     grpc::ClientContext ctx;
     v1::GetStatusResponse resp;
     const auto t0 = Clock::now();
     const bool ok = stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok();
     stats.Record(Clock::now() - t0);
     ok ? ++stats.ops : ++stats.errors;
+  };
+  struct Held {
+    uint64_t group, bytes;
+  };
+  std::deque<Held> held;
+  double copy_seconds = 0;
+  uint64_t mismatches = 0, next_group = 1;
+  const CpuTime cpu0 = SelfCpu();
+  const auto start = Clock::now();
+  const auto deadline =
+      start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.seconds));
+  while (Clock::now() < deadline) {
+    if (!o.floor_copies) {
+      call();
+      continue;
+    }
+    const uint64_t g = next_group++;
+    const uint64_t bytes = std::min(o.max_group, static_cast<uint64_t>(std::exp(log_size(rng))));
+    uint8_t* slot = slots.data() + (g % o.window) * o.max_group;
+    call();  // as Reserve
+    double c0 = ThreadCpuSeconds();
+    std::memcpy(slot, source.data() + SourceOffset(g), bytes);
+    copy_seconds += ThreadCpuSeconds() - c0;
+    call();  // as Commit
+    held.push_back({g, bytes});
+    if (static_cast<int>(held.size()) < o.window) continue;
+    const Held h = held.front();
+    held.pop_front();
+    call();  // as Prefetch
+    c0 = ThreadCpuSeconds();
+    std::memcpy(readback.data(), slots.data() + (h.group % o.window) * o.max_group, h.bytes);
+    mismatches += std::memcmp(readback.data(), source.data() + SourceOffset(h.group), h.bytes) != 0;
+    copy_seconds += ThreadCpuSeconds() - c0;
+    call();  // as Release
   }
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+  CpuTime cpu = SelfCpu() - cpu0;
+  cpu.copy = copy_seconds;
+  stats.errors += mismatches;  // a bench bug: the slots are never shared
   PrintMethodStats(0, stats);
-  PrintCpu(SelfCpu() - cpu0);
+  PrintCpu(cpu);
   std::printf("S 0 0 0 %.6f\nEND\n", elapsed);
   std::fflush(stdout);
   return 0;

@@ -28,9 +28,17 @@ class GrpcFloorServer {
   std::string socket_path_;
 };
 
+struct LoadOptions;
+
 // Worker side: waits for "go" on stdin after printing READY, calls the floor
-// for `seconds`, and reports as method 0 in the load bench's line format.
-int RunGrpcFloorWorker(const std::string& socket_path, double seconds);
+// at o.floor_socket for o.seconds, and reports as method 0 in the load
+// bench's line format. With o.floor_copies each client also does the load
+// worker's copies between its calls: per cycle, the same group sizes (same
+// seed), written into a private pre-faulted buffer between two calls and,
+// o.window groups later, read back and compared between two more. The
+// ratio to that floor leaves out what the copies cost on a saturated
+// machine, and how their uneven bursts spread the clients' turns.
+int RunGrpcFloorWorker(const LoadOptions& o);
 
 }  // namespace memoffload::bench
 

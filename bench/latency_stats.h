@@ -6,6 +6,7 @@
 #define MEMOFFLOAD_BENCH_LATENCY_STATS_H_
 
 #include <sys/resource.h>
+#include <time.h>
 
 #include <chrono>
 #include <cmath>
@@ -62,17 +63,28 @@ inline void PrintMethodStats(int method, const MethodStats& s) {
   }
 }
 
-// CPU time, user and system, in seconds.
+// CPU time, user and system, in seconds; `copy` is the part a load worker
+// spent copying bytes into and out of the arena and verifying them (the
+// floor's workers copy nothing).
 struct CpuTime {
   double user = 0;
   double sys = 0;
-  CpuTime operator-(const CpuTime& o) const { return {user - o.user, sys - o.sys}; }
+  double copy = 0;
+  CpuTime operator-(const CpuTime& o) const { return {user - o.user, sys - o.sys, copy - o.copy}; }
   CpuTime& operator+=(const CpuTime& o) {
     user += o.user;
     sys += o.sys;
+    copy += o.copy;
     return *this;
   }
 };
+
+// The calling thread's CPU time so far, in seconds.
+inline double ThreadCpuSeconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + ts.tv_nsec / 1e9;
+}
 
 // This process's CPU time so far (every thread).
 inline CpuTime SelfCpu() {
@@ -84,7 +96,7 @@ inline CpuTime SelfCpu() {
 
 // A worker's CPU time over its timed window, for the parent to add up
 // ("C user sys").
-inline void PrintCpu(const CpuTime& c) { std::printf("C %.6f %.6f\n", c.user, c.sys); }
+inline void PrintCpu(const CpuTime& c) { std::printf("C %.6f %.6f %.6f\n", c.user, c.sys, c.copy); }
 
 }  // namespace memoffload::bench
 

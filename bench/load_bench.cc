@@ -81,6 +81,8 @@ bool StartWorker(const LoadOptions& o, int index, Worker* w) {
                                    "--min-group",      std::to_string(o.min_group),
                                    "--max-group",      std::to_string(o.max_group),
                                    "--window",         std::to_string(o.window)};
+  if (o.cold) args.push_back("--cold");
+  if (o.floor_copies) args.push_back("--floor-copies");
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -232,7 +234,7 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
         cycles += a3;
         t->write_errors += a4;
         elapsed_max = std::max(elapsed_max, secs);
-      } else if (CpuTime c; std::sscanf(line, "C %lf %lf", &c.user, &c.sys) == 2) {
+      } else if (CpuTime c; std::sscanf(line, "C %lf %lf %lf", &c.user, &c.sys, &c.copy) == 3) {
         t->clients += c;
       } else if (std::strncmp(line, "E ", 2) == 0) {
         std::string msg(line + 2);
@@ -292,6 +294,7 @@ void Merge(PhaseTotals* into, const PhaseTotals& t) {
 struct PairRatios {
   double p50[kMethods] = {};
   double p99[kMethods] = {};
+  double cpu = 0;  // CPU per call, clients and server, vs the floor's (0: unknown)
 };
 
 struct Spread {
@@ -324,6 +327,21 @@ void PrintPairRatios(const LoadOptions& o, const std::vector<PairRatios>& pairs)
                   kMethodNames[m], a.median, a.min, a.max, b.median, b.min, b.max, pairs.size());
     }
   }
+  std::vector<double> cpu;
+  for (const PairRatios& r : pairs) {
+    if (r.cpu > 0) cpu.push_back(r.cpu);
+  }
+  if (cpu.size() != pairs.size() || cpu.empty()) return;  // a server's CPU was unreadable
+  const Spread c = SpreadOf(cpu);
+  if (o.json) {
+    std::printf(
+        "{\"bench\":\"load\",\"cpu_per_call_vs_floor\":%.2f,\"cpu_per_call_vs_floor_min\":%.2f,"
+        "\"cpu_per_call_vs_floor_max\":%.2f,\"clients\":%d,\"pairs\":%zu}\n",
+        c.median, c.min, c.max, o.clients, pairs.size());
+  } else {
+    std::printf("CPU per call (clients and server) %.2fx floor (%.2f..%.2f), %zu pairs\n", c.median,
+                c.min, c.max, pairs.size());
+  }
 }
 
 uint64_t Calls(const PhaseTotals& t) {
@@ -332,19 +350,29 @@ uint64_t Calls(const PhaseTotals& t) {
   return calls;
 }
 
+// Client and server CPU per call (us), copies included, of a phase.
+double CpuPerCallUs(const PhaseTotals& t) {
+  const double calls = static_cast<double>(std::max<uint64_t>(Calls(t), 1));
+  return (t.clients.user + t.clients.sys + t.server.user + t.server.sys) / calls * 1e6;
+}
+
 // Where the CPU went in `what` (the daemon's phases or the floor's): the
-// clients' timed windows and the server's, per call. With 2 cores and
-// hundreds of clients, every microsecond of it is queueing for the others.
+// clients' timed windows (of which their copies and verify) and the
+// server's, per call. With hundreds of clients on a few cores the machine
+// is saturated: a call's latency is then mostly its wait for the CPU the
+// other calls use, so the p50 ratio follows the ratio of CPU per call.
 void PrintCpuUse(const LoadOptions& o, const char* what, const PhaseTotals& t) {
   const double calls = static_cast<double>(std::max<uint64_t>(Calls(t), 1));
   const double client_us = (t.clients.user + t.clients.sys) / calls * 1e6;
+  const double copy_us = t.clients.copy / calls * 1e6;
   const double server_us = (t.server.user + t.server.sys) / calls * 1e6;
   if (o.json) {
     std::printf(
         "{\"bench\":\"load\",\"cpu\":\"%s\",\"clients\":%d,\"calls\":%lu,"
-        "\"client_user_s\":%.3f,\"client_sys_s\":%.3f,\"client_us_per_call\":%.1f,",
+        "\"client_user_s\":%.3f,\"client_sys_s\":%.3f,\"client_copy_s\":%.3f,"
+        "\"client_us_per_call\":%.1f,\"client_copy_us_per_call\":%.1f,",
         what, o.clients, static_cast<unsigned long>(Calls(t)), t.clients.user, t.clients.sys,
-        client_us);
+        t.clients.copy, client_us, copy_us);
     if (t.server_known) {
       std::printf("\"server_user_s\":%.3f,\"server_sys_s\":%.3f,\"server_us_per_call\":%.1f}\n",
                   t.server.user, t.server.sys, server_us);
@@ -353,8 +381,10 @@ void PrintCpuUse(const LoadOptions& o, const char* what, const PhaseTotals& t) {
     }
     return;
   }
-  std::printf("cpu %-6s clients %.1f us/call (user %.2f s, sys %.2f s)", what, client_us,
-              t.clients.user, t.clients.sys);
+  std::printf(
+      "cpu %-6s clients %.1f us/call (user %.2f s, sys %.2f s; copies and verify %.1f "
+      "us/call)",
+      what, client_us, t.clients.user, t.clients.sys, copy_us);
   if (t.server_known) {
     std::printf("; server %.1f us/call (user %.2f s, sys %.2f s)\n", server_us, t.server.user,
                 t.server.sys);
@@ -363,7 +393,53 @@ void PrintCpuUse(const LoadOptions& o, const char* what, const PhaseTotals& t) {
   }
 }
 
+// Without --cold: takes every chunk it can for the bench's tenant (whole
+// chunks reserved, then released; a tenant keeps its chunks after), so that
+// each client is handed them all at attach and populates its page tables
+// there, before the timed window. A trainer that runs for hours pays that
+// once per chunk (docs/arena.md, first write); a 5 s window of hundreds of
+// new processes would pay it on nearly every cycle. Returns false after a
+// message when it cannot attach.
+bool ClaimChunks(const LoadOptions& o) {
+  if (o.cold) return true;
+  client::AttachOptions attach;
+  attach.runtime_dir = o.runtime_dir;
+  attach.job_id = o.job_id;
+  auto attached = client::Client::Attach(attach);
+  if (!attached.ok()) {
+    std::fprintf(stderr, "memoffload-bench load: cannot attach to claim the chunks: %s\n",
+                 attached.status().ToString().c_str());
+    return false;
+  }
+  client::Client& c = **attached;
+  std::vector<uint64_t> groups;
+  for (uint32_t k = 0; k < c.chunk_count(); ++k) {
+    client::ReserveOptions one;
+    one.single_extent = true;
+    if (!c.Reserve(k + 1, c.chunk_size_bytes(k), one).ok()) break;
+    groups.push_back(k + 1);
+  }
+  for (uint64_t g : groups) {
+    if (Status st = c.Release(g); !st.ok()) {
+      std::fprintf(stderr, "memoffload-bench load: releasing claim group %lu: %s\n",
+                   static_cast<unsigned long>(g), st.ToString().c_str());
+      return false;
+    }
+  }
+  if (o.json) {
+    std::printf("{\"bench\":\"load\",\"warmup\":true,\"claimed_chunks\":%zu,\"chunks\":%u}\n",
+                groups.size(), c.chunk_count());
+  } else {
+    std::printf(
+        "warm-up: %zu of %u chunks claimed for this tenant; each client maps and populates them "
+        "at attach (--cold: on first use, in the timed window)\n",
+        groups.size(), c.chunk_count());
+  }
+  return true;
+}
+
 int RunParent(const LoadOptions& o) {
+  if (!ClaimChunks(o)) return 1;
   // With --baseline, `pairs` rounds of the daemon's load then the floor, so
   // that whatever else the machine does hits both alike; the tables merge
   // every round, the ratios are per pair.
@@ -388,6 +464,7 @@ int RunParent(const LoadOptions& o) {
       r.p50[m] = one.total[m].PercentileUs(0.5) / f.PercentileUs(0.5);
       r.p99[m] = one.total[m].PercentileUs(0.99) / f.PercentileUs(0.99);
     }
+    if (one.server_known && ft.server_known) r.cpu = CpuPerCallUs(one) / CpuPerCallUs(ft);
     pairs.push_back(r);
   }
   if (o.baseline && !have_floor) {
@@ -437,15 +514,16 @@ int RunParent(const LoadOptions& o) {
       std::printf(
           "{\"bench\":\"load\",\"method\":\"grpc_floor\",\"clients\":%d,\"ops\":%lu,"
           "\"ops_per_second\":%.1f,\"p50_us\":%.1f,\"p90_us\":%.1f,\"p99_us\":%.1f,"
-          "\"errors\":%lu}\n",
+          "\"errors\":%lu,\"floor_copies\":%s}\n",
           o.clients, static_cast<unsigned long>(floor.ops),
           static_cast<double>(floor.ops) / floor_seconds, f50, floor.PercentileUs(0.9), f99,
-          static_cast<unsigned long>(floor.errors));
+          static_cast<unsigned long>(floor.errors), o.floor_copies ? "true" : "false");
     } else {
-      std::printf("%-9s %10lu %10.0f %9.1f %9.1f %9.1f %7lu   (trivial unary gRPC, same clients)\n",
-                  "floor", static_cast<unsigned long>(floor.ops),
-                  static_cast<double>(floor.ops) / floor_seconds, f50, floor.PercentileUs(0.9), f99,
-                  static_cast<unsigned long>(floor.errors));
+      std::printf(
+          "%-9s %10lu %10.0f %9.1f %9.1f %9.1f %7lu   (trivial unary gRPC, same clients%s)\n",
+          "floor", static_cast<unsigned long>(floor.ops),
+          static_cast<double>(floor.ops) / floor_seconds, f50, floor.PercentileUs(0.9), f99,
+          static_cast<unsigned long>(floor.errors), o.floor_copies ? " doing the same copies" : "");
     }
     PrintPairRatios(o, pairs);
   }

@@ -8,12 +8,13 @@
 namespace memoffload::bench {
 
 int Usage(const char* message) {
-  std::fprintf(stderr,
-               "memoffload-bench load: %s\n"
-               "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
-               "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
-               "         [--job-id ID] [--seed N] [--baseline [--pairs N]]\n",
-               message);
+  std::fprintf(
+      stderr,
+      "memoffload-bench load: %s\n"
+      "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
+      "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
+      "         [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--cold]\n",
+      message);
   return 2;
 }
 
@@ -26,6 +27,14 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
     }
     if (flag == "--json") {
       o->json = true;
+      continue;
+    }
+    if (flag == "--cold") {
+      o->cold = true;
+      continue;
+    }
+    if (flag == "--floor-copies") {
+      o->floor_copies = true;
       continue;
     }
     if (i + 1 >= argc) {

@@ -27,7 +27,20 @@ struct LoadOptions {
   std::string floor_socket;  // worker side: call the floor service here
   int index = 0;             // worker only
   int pairs = 1;             // parent: (daemon, floor) pairs with --baseline
+  // Without it, the chunks are first claimed for the bench's tenant and
+  // every client maps and populates them at attach (untimed): the steady
+  // state of a long-running trainer. With it, each client fills its page
+  // tables on first use, inside the timed window.
+  bool cold = false;
+  // The floor's clients do the load worker's copies between their calls
+  // (grpc_floor.h).
+  bool floor_copies = false;
 };
+
+// Bytes of group g are source[offset(g) .. offset(g) + bytes): every group has
+// distinct contents without generating data on the hot path.
+inline constexpr uint64_t kShiftSpan = 65536;
+inline uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
 
 // Prints the usage with `message`; returns 2.
 int Usage(const char* message);

@@ -32,19 +32,15 @@ struct Held {
   uint64_t bytes;
 };
 
-// Bytes of group g are source[offset(g) .. offset(g) + bytes): every group has
-// distinct contents without generating data on the hot path.
-constexpr uint64_t kShiftSpan = 65536;
-uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
-
 int RunWorker(const LoadOptions& o) {
-  if (!o.floor_socket.empty()) return RunGrpcFloorWorker(o.floor_socket, o.seconds);
+  if (!o.floor_socket.empty()) return RunGrpcFloorWorker(o);
   client::AttachOptions attach;
   attach.runtime_dir = o.runtime_dir;
   attach.job_id = o.job_id;
   attach.rank = o.index;
   attach.local_rank = o.index;
   attach.max_bytes = o.max_bytes;
+  attach.populate = !o.cold;  // the chunks its tenant owns, mapped and populated at attach
   auto attached = client::Client::Attach(attach);
   if (!attached.ok()) {
     std::fprintf(stderr, "load-worker %d: attach failed: %s\n", o.index,
@@ -106,6 +102,7 @@ int RunWorker(const LoadOptions& o) {
     }
   };
   std::deque<Held> held;
+  double copy_seconds = 0;  // CPU in Write, Read and the verify, timed window only
 
   // Prefetch, read and verify, Release the oldest held group.
   auto read_back = [&](bool timed) {
@@ -120,6 +117,7 @@ int RunWorker(const LoadOptions& o) {
       count_error(kPrefetch, p.status());
     } else {
       ++stats[kPrefetch].ops;
+      const double c0 = ThreadCpuSeconds();
       const auto r0 = Clock::now();
       Status st = p->used_bytes == h.bytes
                       ? c.Read(p->extents, 0, readback.data(), h.bytes)
@@ -133,6 +131,7 @@ int RunWorker(const LoadOptions& o) {
                                           " read back different bytes")
                                : st);
       }
+      if (timed) copy_seconds += ThreadCpuSeconds() - c0;
     }
     t0 = Clock::now();
     Status st = c.Release(h.group_id, copy);
@@ -165,9 +164,11 @@ int RunWorker(const LoadOptions& o) {
       continue;
     }
     ++stats[kReserve].ops;
+    const double c0 = ThreadCpuSeconds();
     const auto w0 = Clock::now();
     Status st = c.Write(r->extents, 0, source.data() + SourceOffset(g), bytes);
     const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
+    copy_seconds += ThreadCpuSeconds() - c0;
     if (!st.ok()) {
       ++write_errors;  // the client's copy into the arena, not an RPC
       note("write", st);
@@ -188,7 +189,8 @@ int RunWorker(const LoadOptions& o) {
     ++cycles;
   }
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-  const CpuTime cpu = SelfCpu() - cpu0;
+  CpuTime cpu = SelfCpu() - cpu0;
+  cpu.copy = copy_seconds;
   while (!held.empty()) read_back(false);
 
   for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);

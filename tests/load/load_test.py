@@ -99,6 +99,25 @@ class LoadTest(unittest.TestCase):
                 lo, mid, hi = (r[f"{q}_vs_floor_min"], r[f"{q}_vs_floor"],
                                r[f"{q}_vs_floor_max"])
                 self.assertTrue(0 < lo <= mid <= hi, f"{method} {q}: {r}")
+        # Where the CPU went: clients (their copies a part) and server, per
+        # call, for the daemon's phases and the floor's; and its ratio.
+        cpu = {l["cpu"]: l for l in lines if "cpu" in l}
+        self.assertEqual(set(cpu), {"daemon", "floor"}, output)
+        for what, c in cpu.items():
+            self.assertGreater(c["calls"], 0, c)
+            self.assertGreater(c["client_us_per_call"], c["client_copy_us_per_call"], c)
+            self.assertIsNotNone(c["server_us_per_call"], f"server CPU unread: {c}")
+            self.assertGreater(c["server_us_per_call"], 0, c)
+        self.assertGreater(cpu["daemon"]["client_copy_us_per_call"], 0, output)
+        self.assertEqual(cpu["floor"]["client_copy_us_per_call"], 0, output)  # a plain floor
+        [ratio] = [l for l in lines if "cpu_per_call_vs_floor" in l]
+        self.assertTrue(0 < ratio["cpu_per_call_vs_floor_min"] <= ratio["cpu_per_call_vs_floor"]
+                        <= ratio["cpu_per_call_vs_floor_max"], ratio)
+        # Warm (the default): every chunk was claimed for the bench's tenant
+        # first, for the clients to populate at attach.
+        [warm] = [l for l in lines if l.get("warmup")]
+        self.assertEqual(warm["claimed_chunks"], warm["chunks"], warm)
+        self.assertEqual(warm["chunks"], 8, warm)  # 512 MiB in 64 MiB chunks
         print(json.dumps({"summary": summary,
                           "p50_us": {k: by_method[k]["p50_us"] for k in by_method},
                           "p99_us": {k: by_method[k]["p99_us"] for k in by_method}}))
@@ -113,6 +132,24 @@ class LoadTest(unittest.TestCase):
         bad = [l for l in self.log().splitlines() if "] ERROR " in l or "] WARN " in l
                if "mlock failed" not in l]
         self.assertEqual(bad, [], self.log())
+
+    def test_cold_clients_next_to_a_floor_doing_the_same_copies(self):
+        argv = [str(self.bin / "memoffload-bench"), "load", "--runtime-dir",
+                str(self.runtime_dir), "--clients", "8", "--seconds", "2", "--max-group",
+                "256KiB", "--baseline", "--floor-copies", "--cold", "--json"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        output = f"{' '.join(argv)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+        self.assertEqual(r.returncode, 0, output)
+        lines = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+        self.assertEqual([l for l in lines if l.get("warmup")], [], output)  # --cold
+        [floor] = [l for l in lines if l.get("method") == "grpc_floor"]
+        self.assertIs(floor["floor_copies"], True, floor)
+        self.assertEqual(floor["errors"], 0, floor)  # its read-backs compared equal
+        cpu = {l["cpu"]: l for l in lines if "cpu" in l}
+        for what in ("daemon", "floor"):
+            self.assertGreater(cpu[what]["client_copy_us_per_call"], 0, cpu)
+        [summary] = [l for l in lines if l.get("summary")]
+        self.assertEqual(summary["errors"], 0, output)
 
 
 def main():
