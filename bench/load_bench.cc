@@ -1,6 +1,6 @@
 // memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]
 //     [--max-bytes B] [--min-group B] [--max-group B] [--window N]
-//     [--job-id ID] [--seed N] [--baseline [--pairs N]]
+//     [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--warm]
 //
 // A traffic generator against a running memoffloadd. Starts N client
 // processes (fork + exec of this binary with the hidden `load-worker`
@@ -21,13 +21,20 @@
 // no error, write error or verify failure happened (and, with --baseline,
 // the floor was measured without errors), 1 otherwise, 2 on usage.
 //
+// --warm claims the chunks for the bench's tenant first, so that every
+// client maps and populates them at attach (untimed). Both phases report
+// the CPU per call of the clients (their copies apart) and of the server,
+// and each pair the ratio of the two (docs/reliability.md, "Where the gap
+// comes from").
+//
 // --baseline also measures the plain gRPC floor in the same run: a trivial
 // unary service (GetStatus answered at once, nothing else) served by this
 // process on its own Unix socket, called in a loop by the same number of
 // client processes for the same time. Each method's p50/p99 is then printed
 // next to the floor's, as a ratio. --pairs N runs N such (daemon, floor)
 // pairs one after the other and prints each ratio as the median over the
-// pairs with its min..max.
+// pairs with its min..max. --floor-copies makes the floor's clients do the
+// same copies between their calls (grpc_floor.h).
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -81,7 +88,7 @@ bool StartWorker(const LoadOptions& o, int index, Worker* w) {
                                    "--min-group",      std::to_string(o.min_group),
                                    "--max-group",      std::to_string(o.max_group),
                                    "--window",         std::to_string(o.window)};
-  if (o.cold) args.push_back("--cold");
+  if (o.warm) args.push_back("--warm");
   if (o.floor_copies) args.push_back("--floor-copies");
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
@@ -393,15 +400,15 @@ void PrintCpuUse(const LoadOptions& o, const char* what, const PhaseTotals& t) {
   }
 }
 
-// Without --cold: takes every chunk it can for the bench's tenant (whole
-// chunks reserved, then released; a tenant keeps its chunks after), so that
-// each client is handed them all at attach and populates its page tables
-// there, before the timed window. A trainer that runs for hours pays that
-// once per chunk (docs/arena.md, first write); a 5 s window of hundreds of
-// new processes would pay it on nearly every cycle. Returns false after a
+// With --warm: takes every chunk it can for the bench's tenant (whole chunks
+// reserved, then released; a tenant keeps its chunks after), so that each
+// client is handed them all at attach and populates its page tables there,
+// before the timed window, as a trainer that ran for a while has. Without
+// it, a 5 s window of hundreds of new processes pays that first use on
+// nearly every cycle (docs/arena.md, first write). Returns false after a
 // message when it cannot attach.
 bool ClaimChunks(const LoadOptions& o) {
-  if (o.cold) return true;
+  if (!o.warm) return true;
   client::AttachOptions attach;
   attach.runtime_dir = o.runtime_dir;
   attach.job_id = o.job_id;
@@ -432,7 +439,7 @@ bool ClaimChunks(const LoadOptions& o) {
   } else {
     std::printf(
         "warm-up: %zu of %u chunks claimed for this tenant; each client maps and populates them "
-        "at attach (--cold: on first use, in the timed window)\n",
+        "at attach (without --warm: on first use, in the timed window)\n",
         groups.size(), c.chunk_count());
   }
   return true;

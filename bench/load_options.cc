@@ -13,7 +13,7 @@ int Usage(const char* message) {
       "memoffload-bench load: %s\n"
       "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
       "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
-      "         [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--cold]\n",
+      "         [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--warm]\n",
       message);
   return 2;
 }
@@ -29,8 +29,8 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
       o->json = true;
       continue;
     }
-    if (flag == "--cold") {
-      o->cold = true;
+    if (flag == "--warm") {
+      o->warm = true;
       continue;
     }
     if (flag == "--floor-copies") {

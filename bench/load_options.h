@@ -27,11 +27,12 @@ struct LoadOptions {
   std::string floor_socket;  // worker side: call the floor service here
   int index = 0;             // worker only
   int pairs = 1;             // parent: (daemon, floor) pairs with --baseline
-  // Without it, the chunks are first claimed for the bench's tenant and
-  // every client maps and populates them at attach (untimed): the steady
-  // state of a long-running trainer. With it, each client fills its page
-  // tables on first use, inside the timed window.
-  bool cold = false;
+  // The chunks are first claimed for the bench's tenant and every client
+  // maps and populates them at attach (untimed), as in a trainer that ran
+  // for a while. Without it, each client fills its page tables on first
+  // use, inside the timed window. (It lowers the clients' CPU per call at
+  // 256 clients but not the p99 ratio: docs/reliability.md.)
+  bool warm = false;
   // The floor's clients do the load worker's copies between their calls
   // (grpc_floor.h).
   bool floor_copies = false;

@@ -40,7 +40,7 @@ int RunWorker(const LoadOptions& o) {
   attach.rank = o.index;
   attach.local_rank = o.index;
   attach.max_bytes = o.max_bytes;
-  attach.populate = !o.cold;  // the chunks its tenant owns, mapped and populated at attach
+  attach.populate = o.warm;  // the chunks its tenant owns, mapped and populated at attach
   auto attached = client::Client::Attach(attach);
   if (!attached.ok()) {
     std::fprintf(stderr, "load-worker %d: attach failed: %s\n", o.index,
