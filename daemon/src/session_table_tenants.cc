@@ -12,6 +12,13 @@
 namespace memoffload::daemon {
 namespace {
 
+// TenantChunks' `empty`: chunk c of the arena holds no extent.
+std::function<bool(uint32_t)> EmptyIn(Arena* arena) {
+  return [arena](uint32_t c) {
+    return arena->allocator().chunk_free_bytes(c) == arena->chunk(c).size_bytes();
+  };
+}
+
 ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
   return {chunk, arena.generation(chunk), arena.backing(chunk)};
 }
@@ -71,10 +78,7 @@ std::vector<UidSnapshot> SessionTable::ListUids() const {
 }
 
 int64_t SessionTable::ClaimableFor(const Session& s, bool* capped) {
-  ExtentAllocator& alloc = arena_->allocator();
-  auto empty = [this, &alloc](uint32_t c) {
-    return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
-  };
+  const std::function<bool(uint32_t)> empty = EmptyIn(arena_);
   *capped = false;
   const uint64_t cap = quota_.policy().uid_max_chunks;
   if (cap == 0 || tenant_chunks_.UidChunks(s.peer.uid) < cap) {
@@ -95,29 +99,20 @@ Status SessionTable::UidChunksFor(const Session& s, uint64_t rounded, bool singl
   const uint32_t owned = tenant_chunks_.UidChunks(s.peer.uid);
   if (quota_.MayTakeChunks(s.peer.uid, owned, more, rounded, reject).ok()) return Status::Ok();
   // Chunks another job of the uid left empty move without raising the count.
-  ExtentAllocator& alloc = arena_->allocator();
-  const uint32_t movable = tenant_chunks_.CountClaimable(
-      s.tenant,
-      [this, &alloc](uint32_t c) {
-        return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
-      },
-      &s.peer.uid);
+  const uint32_t movable = tenant_chunks_.CountClaimable(s.tenant, EmptyIn(arena_), &s.peer.uid);
   return quota_.MayTakeChunks(s.peer.uid, owned, more > movable ? more - movable : 0, rounded,
                               reject);
 }
 
 Status SessionTable::ClaimsCover(const Session& s, uint64_t rounded, bool single_extent,
                                  RejectReason* reject) {
-  ExtentAllocator& alloc = arena_->allocator();
-  auto empty = [this, &alloc](uint32_t c) {
-    return alloc.chunk_free_bytes(c) == arena_->chunk(c).size_bytes();
-  };
+  const std::function<bool(uint32_t)> empty = EmptyIn(arena_);
   // With the uid's chunk limit set, at most `fresh` chunks that raise its
   // count; those another tenant of the uid owns move without raising it.
   const uint64_t cap = quota_.policy().uid_max_chunks;
   const uint32_t owned = tenant_chunks_.UidChunks(s.peer.uid);
   uint64_t fresh = cap == 0 ? UINT64_MAX : (cap > owned ? cap - owned : 0);
-  const uint64_t pool_free = alloc.pool_free_bytes(s.owned->pool);
+  const uint64_t pool_free = arena_->allocator().pool_free_bytes(s.owned->pool);
   uint64_t cover = single_extent ? 0 : pool_free;
   uint32_t takeable = 0;
   std::vector<uint32_t> moving;
