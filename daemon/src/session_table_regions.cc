@@ -485,9 +485,11 @@ void SessionTable::ForgetRegionsOf(const Session& session, Closed* closed) {
     // Never committed (it never reads as complete), or deleted and no longer
     // read by anyone.
     if ((r.state == RegionState::kWriting && r.writer == id) || (r.deleted && r.readers.empty())) {
-      const uint64_t freed = DropRegion(&job->second, it);
-      closed->region_bytes += freed;
-      closed->regions += freed != 0;
+      // Dropped in both cases (a region being written has no readers), also
+      // one committed with 0 bytes, which frees none.
+      const bool dropped = r.readers.empty();
+      closed->region_bytes += DropRegion(&job->second, it);
+      closed->regions += dropped;
     }
     it = next;
   }

@@ -84,6 +84,26 @@ TEST_F(RegionsTest, ACommittedRegionOutlivesItsWriterAndIsReadByTheNextSessionOf
             StatusCode::kFailedPrecondition);
 }
 
+// Found by fuzz_regions: a region committed with 0 bytes, deleted while its
+// last reader had it open, is dropped when that reader's session closes, and
+// the close counts it though it frees no byte (it said "0 regions").
+TEST_F(RegionsTest, AnEmptyDeletedRegionIsCountedWhenItsLastReaderCloses) {
+  SessionGrant s = OpenAs(*table_, 1000, "train");
+  ASSERT_TRUE(table_->CreateRegion(s.session_id, s.token, "empty", 4096, milliseconds(0)).ok());
+  auto k = table_->CommitRegion(s.session_id, s.token, "empty", 0, {});
+  ASSERT_TRUE(k.ok()) << k.status().ToString();
+  EXPECT_EQ(k->committed_bytes, 0u);
+  ASSERT_TRUE(table_->OpenRegion(s.session_id, s.token, "empty").ok());
+  auto deleted = table_->DeleteRegion(s.session_id, s.token, "empty");
+  ASSERT_TRUE(deleted.ok()) << deleted.status().ToString();
+  EXPECT_EQ(table_->Snapshot().regions, 1u);  // still read
+  auto closed = table_->Close(s.session_id, CloseReason::kProcessExited);
+  ASSERT_TRUE(closed.ok());
+  EXPECT_EQ(closed->regions, 1u);
+  EXPECT_EQ(closed->region_bytes, 0u);
+  EXPECT_EQ(table_->Snapshot().regions, 0u);
+}
+
 TEST_F(RegionsTest, ARegionItsWriterNeverCommittedVanishesWithTheWriter) {
   SessionGrant writer = OpenAs(*table_, 1000, "train");
   ASSERT_TRUE(
