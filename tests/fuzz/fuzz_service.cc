@@ -316,6 +316,14 @@ class Harness : private ServiceModel {
     Check(s == nullptr || cap == 0 ||
               table_->UidChunks(s->uid) <= std::max<uint64_t>(cap, uid_chunks_before),
           "Reserve took a chunk over beyond the uid's quotas.uid_max_chunks");
+    // A refused Reserve takes no chunk: one that its pool and the chunks it
+    // may take over cannot hold is refused before it claims any (it used to
+    // claim them, fail, and keep them empty). The extent limit refuses only
+    // after placing, so its refusal may keep what it claimed.
+    Check(s == nullptr || code != StatusCode::kResourceExhausted ||
+              st.error_message().rfind("arena fragmented", 0) == 0 ||
+              table_->UidChunks(s->uid) <= uid_chunks_before,
+          "a refused Reserve took a chunk over: " + GrpcText(st));
     if (s == nullptr) {
       Check(code == expect, "Reserve: expected " + std::to_string(static_cast<int>(expect)) +
                                 ", got " + GrpcText(st));
