@@ -3,12 +3,10 @@
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
-#include <random>
+#include <optional>
 #include <vector>
 
 #include "latency_stats.h"
@@ -58,21 +56,15 @@ int RunGrpcFloorWorker(const LoadOptions& o) {
     v1::GetStatusResponse resp;
     if (!stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp).ok()) return 1;
   }
-  // The load worker's data (load_worker.cc): a source of max_group + span
-  // random bytes, groups drawn log-uniform, a ring of `window` slots.
-  std::mt19937_64 rng(o.seed * 1000003 + static_cast<uint64_t>(o.index));
-  std::vector<uint8_t> source, slots, readback;
+  // The load worker's data and sizes, and a ring of `window` slots; none
+  // for the plain floor, whose clients carry no data.
+  std::optional<WorkerData> data;
+  std::vector<uint8_t> slots, readback;
   if (o.floor_copies) {
-    source.resize(o.max_group + kShiftSpan);
-    for (size_t i = 0; i < source.size(); i += 8) {
-      const uint64_t v = rng();
-      std::memcpy(source.data() + i, &v, std::min<size_t>(8, source.size() - i));
-    }
+    data.emplace(o);
     slots.assign(o.max_group * o.window, 1);  // faulted now, not in the window
     readback.assign(o.max_group, 1);
   }
-  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(o.min_group)),
-                                                  std::log(static_cast<double>(o.max_group)));
   std::printf("READY\n");
   std::fflush(stdout);
   char go = 0;
@@ -102,11 +94,11 @@ int RunGrpcFloorWorker(const LoadOptions& o) {
       continue;
     }
     const uint64_t g = next_group++;
-    const uint64_t bytes = std::min(o.max_group, static_cast<uint64_t>(std::exp(log_size(rng))));
+    const uint64_t bytes = data->NextSize();
     uint8_t* slot = slots.data() + (g % o.window) * o.max_group;
     call();  // as Reserve
     double c0 = ThreadCpuSeconds();
-    std::memcpy(slot, source.data() + SourceOffset(g), bytes);
+    std::memcpy(slot, data->BytesOf(g), bytes);
     copy_seconds += ThreadCpuSeconds() - c0;
     call();  // as Commit
     held.push_back({g, bytes});
@@ -116,7 +108,7 @@ int RunGrpcFloorWorker(const LoadOptions& o) {
     call();  // as Prefetch
     c0 = ThreadCpuSeconds();
     std::memcpy(readback.data(), slots.data() + (h.group % o.window) * o.max_group, h.bytes);
-    mismatches += std::memcmp(readback.data(), source.data() + SourceOffset(h.group), h.bytes) != 0;
+    mismatches += std::memcmp(readback.data(), data->BytesOf(h.group), h.bytes) != 0;
     copy_seconds += ThreadCpuSeconds() - c0;
     call();  // as Release
   }

@@ -1,11 +1,30 @@
 #include "load_options.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "memoffload/shared_mem/units.h"
 
 namespace memoffload::bench {
+
+WorkerData::WorkerData(const LoadOptions& o)
+    : max_group_(o.max_group),
+      rng_(o.seed * 1000003 + static_cast<uint64_t>(o.index)),
+      source_(o.max_group + kShiftSpan),
+      log_size_(std::log(static_cast<double>(o.min_group)),
+                std::log(static_cast<double>(o.max_group))) {
+  for (size_t i = 0; i < source_.size(); i += 8) {
+    const uint64_t v = rng_();
+    std::memcpy(source_.data() + i, &v, std::min<size_t>(8, source_.size() - i));
+  }
+}
+
+uint64_t WorkerData::NextSize() {
+  return std::min(max_group_, static_cast<uint64_t>(std::exp(log_size_(rng_))));
+}
 
 int Usage(const char* message) {
   std::fprintf(

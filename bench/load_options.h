@@ -4,7 +4,9 @@
 #define MEMOFFLOAD_BENCH_LOAD_OPTIONS_H_
 
 #include <cstdint>
+#include <random>
 #include <string>
+#include <vector>
 
 namespace memoffload::bench {
 
@@ -42,6 +44,25 @@ struct LoadOptions {
 // distinct contents without generating data on the hot path.
 inline constexpr uint64_t kShiftSpan = 65536;
 inline uint64_t SourceOffset(uint64_t group_id) { return (group_id * 4099) % kShiftSpan; }
+
+// A worker's data and group sizes, the same for the load worker and the
+// --floor-copies floor worker of one index and seed: max_group + kShiftSpan
+// random bytes (group g's start at SourceOffset(g)) and sizes log-uniform in
+// [min_group, max_group].
+class WorkerData {
+ public:
+  explicit WorkerData(const LoadOptions& o);
+  uint64_t NextSize();
+  const uint8_t* BytesOf(uint64_t group_id) const {
+    return source_.data() + SourceOffset(group_id);
+  }
+
+ private:
+  uint64_t max_group_;
+  std::mt19937_64 rng_;
+  std::vector<uint8_t> source_;
+  std::uniform_real_distribution<double> log_size_;
+};
 
 // Prints the usage with `message`; returns 2.
 int Usage(const char* message);

@@ -7,13 +7,11 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -49,15 +47,8 @@ int RunWorker(const LoadOptions& o) {
   }
   client::Client& c = **attached;
 
-  std::mt19937_64 rng(o.seed * 1000003 + static_cast<uint64_t>(o.index));
-  std::vector<uint8_t> source(o.max_group + kShiftSpan);
-  for (size_t i = 0; i < source.size(); i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(source.data() + i, &v, std::min<size_t>(8, source.size() - i));
-  }
+  WorkerData data(o);
   std::vector<uint8_t> readback(o.max_group);
-  std::uniform_real_distribution<double> log_size(std::log(static_cast<double>(o.min_group)),
-                                                  std::log(static_cast<double>(o.max_group)));
 
   // One untimed cycle first: attaching and mapping the first chunk are not
   // request-path costs (memoffload-bench attach measures them), and the
@@ -67,7 +58,7 @@ int RunWorker(const LoadOptions& o) {
     const uint64_t bytes = o.min_group;
     Result<client::Reservation> r = c.Reserve(kWarmupGroup, bytes);
     if (r.ok()) {
-      Status st = c.Write(r->extents, 0, source.data(), bytes);
+      Status st = c.Write(r->extents, 0, data.BytesOf(0), bytes);
       if (st.ok()) st = c.Commit(kWarmupGroup, bytes).status();
       if (st.ok()) st = c.Prefetch(kWarmupGroup).status();
       const Status released = c.Release(kWarmupGroup);
@@ -124,8 +115,7 @@ int RunWorker(const LoadOptions& o) {
                       : InvalidArgument("prefetch says " + std::to_string(p->used_bytes) +
                                         " bytes, committed " + std::to_string(h.bytes));
       copy = {h.bytes, std::chrono::duration<double>(Clock::now() - r0).count()};
-      if (!st.ok() ||
-          std::memcmp(readback.data(), source.data() + SourceOffset(h.group_id), h.bytes) != 0) {
+      if (!st.ok() || std::memcmp(readback.data(), data.BytesOf(h.group_id), h.bytes) != 0) {
         ++verify_failures;
         note("verify", st.ok() ? Internal("group " + std::to_string(h.group_id) +
                                           " read back different bytes")
@@ -153,7 +143,7 @@ int RunWorker(const LoadOptions& o) {
   uint64_t next_group = 1;
   while (Clock::now() < deadline) {
     const uint64_t g = next_group++;
-    const uint64_t bytes = std::min(o.max_group, static_cast<uint64_t>(std::exp(log_size(rng))));
+    const uint64_t bytes = data.NextSize();
     auto t0 = Clock::now();
     Result<client::Reservation> r = c.Reserve(g, bytes);
     stats[kReserve].Record(Clock::now() - t0);
@@ -166,7 +156,7 @@ int RunWorker(const LoadOptions& o) {
     ++stats[kReserve].ops;
     const double c0 = ThreadCpuSeconds();
     const auto w0 = Clock::now();
-    Status st = c.Write(r->extents, 0, source.data() + SourceOffset(g), bytes);
+    Status st = c.Write(r->extents, 0, data.BytesOf(g), bytes);
     const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
     copy_seconds += ThreadCpuSeconds() - c0;
     if (!st.ok()) {
