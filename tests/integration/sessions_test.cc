@@ -7,6 +7,7 @@
 #include <chrono>
 #include <fstream>
 #include <thread>
+#include <vector>
 
 #include "daemon_process.h"
 #include "memoffload/client/admin.h"
@@ -167,13 +168,22 @@ void ExpectNobodyReserves32MiB(const DaemonProcess& daemon) {
   EXPECT_EQ(out.rfind("RESERVED 33554432 ", 0), 0u) << out;
 }
 
-TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
+// A daemon that uid 65534 may attach to too, with `flags` (a per-uid limit
+// among them); nullptr (after a test failure) when it does not start.
+std::unique_ptr<DaemonProcess> StartWithSecondUid(std::vector<std::string> flags) {
   std::string error;
   DaemonProcess::Options options;
   options.open_permissions = true;
-  options.extra_args = {"--allowed-uids=65534", "--uid-max-bytes=64MiB"};
+  options.extra_args = {"--allowed-uids=65534"};
+  options.extra_args.insert(options.extra_args.end(), flags.begin(), flags.end());
   auto daemon = DaemonProcess::Start(options, &error);
-  ASSERT_NE(daemon, nullptr) << error;
+  if (daemon == nullptr) ADD_FAILURE() << error;
+  return daemon;
+}
+
+TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
+  auto daemon = StartWithSecondUid({"--uid-max-bytes=64MiB"});
+  ASSERT_NE(daemon, nullptr);
   auto a = Attach(*daemon, "a");
   auto b = Attach(*daemon, "b");
   auto c = Attach(*daemon, "c");
@@ -195,12 +205,8 @@ TEST(Quotas, AUidLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
 // kept one chunk from every other uid per job id it named, with 4 KiB in
 // each. quotas.uid_max_chunks bounds the chunks of all its job ids.
 TEST(Quotas, AUidChunkLimitSpansEveryJobIdTheUidNamesAndNotAnotherUid) {
-  std::string error;
-  DaemonProcess::Options options;
-  options.open_permissions = true;
-  options.extra_args = {"--allowed-uids=65534", "--tenant=job", "--uid-max-chunks=2"};
-  auto daemon = DaemonProcess::Start(options, &error);
-  ASSERT_NE(daemon, nullptr) << error;
+  auto daemon = StartWithSecondUid({"--tenant=job", "--uid-max-chunks=2"});
+  ASSERT_NE(daemon, nullptr);
   auto a = Attach(*daemon, "a");
   auto b = Attach(*daemon, "b");
   auto c = Attach(*daemon, "c");
