@@ -1,6 +1,7 @@
 // memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]
 //     [--max-bytes B] [--min-group B] [--max-group B] [--window N]
 //     [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--warm]
+//     [--no-copies]
 //
 // A traffic generator against a running memoffloadd. Starts N client
 // processes (fork + exec of this binary with the hidden `load-worker`
@@ -34,7 +35,12 @@
 // next to the floor's, as a ratio. --pairs N runs N such (daemon, floor)
 // pairs one after the other and prints each ratio as the median over the
 // pairs with its min..max. --floor-copies makes the floor's clients do the
-// same copies between their calls (grpc_floor.h).
+// same copies between their calls (grpc_floor.h). --no-copies makes the
+// load's clients copy nothing (no write, read back or verify; Prefetch's
+// size is still checked), so that both sides run only their calls: the
+// request path next to the trivial one. With 256 clients on 2 cores the
+// copies' CPU and cache misses, not the calls, set the plain-floor ratio
+// (docs/reliability.md, "Where the gap comes from").
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
@@ -57,6 +63,7 @@
 #include "grpc_floor.h"
 #include "latency_stats.h"
 #include "load_options.h"
+#include "load_report.h"
 #include "memoffload/client/client.h"
 #include "memoffload/shared_mem/units.h"
 
@@ -90,6 +97,7 @@ bool StartWorker(const LoadOptions& o, int index, Worker* w) {
                                    "--window",         std::to_string(o.window)};
   if (o.warm) args.push_back("--warm");
   if (o.floor_copies) args.push_back("--floor-copies");
+  if (o.no_copies) args.push_back("--no-copies");
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -134,20 +142,6 @@ std::string JsonEscape(const std::string& s) {
   }
   return out;
 }
-
-struct PhaseTotals {
-  MethodStats total[kMethods];
-  uint64_t offloaded_bytes = 0, verify_failures = 0, cycles = 0, lost_workers = 0;
-  uint64_t write_errors = 0;
-  double elapsed_max = 0;
-  std::vector<std::string> messages;
-  CpuTime clients;  // the workers' timed windows, added up
-  // The server's, from the start signal until every worker reported (its
-  // drain included); server_known is false when it could not be read.
-  CpuTime server;
-  bool server_known = false;
-  int phases = 0;  // merged into this
-};
 
 // The CPU time of the server the workers call: the daemon's, from the pid in
 // its instance lock (/proc/PID/stat), or, for the floor served by this
@@ -273,133 +267,6 @@ bool RunFloor(const LoadOptions& o, PhaseTotals* t) {
   return RunPhase(f, t) && t->lost_workers == 0;
 }
 
-void Merge(MethodStats* into, const MethodStats& s) {
-  into->ops += s.ops;
-  into->errors += s.errors;
-  into->rejected += s.rejected;
-  for (int b = 0; b < kBuckets; ++b) into->histogram[b] += s.histogram[b];
-}
-
-void Merge(PhaseTotals* into, const PhaseTotals& t) {
-  for (int m = 0; m < kMethods; ++m) Merge(&into->total[m], t.total[m]);
-  into->offloaded_bytes += t.offloaded_bytes;
-  into->verify_failures += t.verify_failures;
-  into->cycles += t.cycles;
-  into->lost_workers += t.lost_workers;
-  into->write_errors += t.write_errors;
-  into->elapsed_max += t.elapsed_max;  // the phases run one after another
-  into->clients += t.clients;
-  into->server += t.server;
-  into->server_known = (into->phases == 0 || into->server_known) && t.server_known;
-  ++into->phases;
-  for (const std::string& m : t.messages) {
-    if (into->messages.size() < 10) into->messages.push_back(m);
-  }
-}
-
-// One (daemon, floor) pair's ratios per method.
-struct PairRatios {
-  double p50[kMethods] = {};
-  double p99[kMethods] = {};
-  double cpu = 0;  // CPU per call, clients and server, vs the floor's (0: unknown)
-};
-
-struct Spread {
-  double median = 0, min = 0, max = 0;
-};
-
-Spread SpreadOf(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return {v[v.size() / 2], v.front(), v.back()};
-}
-
-// Each pair's ratios, then per method the median over the pairs and its
-// spread (the figure the load targets are read from).
-void PrintPairRatios(const LoadOptions& o, const std::vector<PairRatios>& pairs) {
-  for (int m = 0; m < kMethods; ++m) {
-    std::vector<double> p50, p99;
-    for (const PairRatios& r : pairs) {
-      p50.push_back(r.p50[m]);
-      p99.push_back(r.p99[m]);
-    }
-    const Spread a = SpreadOf(p50), b = SpreadOf(p99);
-    if (o.json) {
-      std::printf(
-          "{\"bench\":\"load\",\"method\":\"%s\",\"clients\":%d,\"pairs\":%zu,"
-          "\"p50_vs_floor\":%.2f,\"p50_vs_floor_min\":%.2f,\"p50_vs_floor_max\":%.2f,"
-          "\"p99_vs_floor\":%.2f,\"p99_vs_floor_min\":%.2f,\"p99_vs_floor_max\":%.2f}\n",
-          kMethodNames[m], o.clients, pairs.size(), a.median, a.min, a.max, b.median, b.min, b.max);
-    } else {
-      std::printf("%-9s p50 %.2fx floor (%.2f..%.2f), p99 %.2fx floor (%.2f..%.2f), %zu pairs\n",
-                  kMethodNames[m], a.median, a.min, a.max, b.median, b.min, b.max, pairs.size());
-    }
-  }
-  std::vector<double> cpu;
-  for (const PairRatios& r : pairs) {
-    if (r.cpu > 0) cpu.push_back(r.cpu);
-  }
-  if (cpu.size() != pairs.size() || cpu.empty()) return;  // a server's CPU was unreadable
-  const Spread c = SpreadOf(cpu);
-  if (o.json) {
-    std::printf(
-        "{\"bench\":\"load\",\"cpu_per_call_vs_floor\":%.2f,\"cpu_per_call_vs_floor_min\":%.2f,"
-        "\"cpu_per_call_vs_floor_max\":%.2f,\"clients\":%d,\"pairs\":%zu}\n",
-        c.median, c.min, c.max, o.clients, pairs.size());
-  } else {
-    std::printf("CPU per call (clients and server) %.2fx floor (%.2f..%.2f), %zu pairs\n", c.median,
-                c.min, c.max, pairs.size());
-  }
-}
-
-uint64_t Calls(const PhaseTotals& t) {
-  uint64_t calls = 0;
-  for (const MethodStats& s : t.total) calls += s.ops + s.errors + s.rejected;
-  return calls;
-}
-
-// Client and server CPU per call (us), copies included, of a phase.
-double CpuPerCallUs(const PhaseTotals& t) {
-  const double calls = static_cast<double>(std::max<uint64_t>(Calls(t), 1));
-  return (t.clients.user + t.clients.sys + t.server.user + t.server.sys) / calls * 1e6;
-}
-
-// Where the CPU went in `what` (the daemon's phases or the floor's): the
-// clients' timed windows (of which their copies and verify) and the
-// server's, per call. With hundreds of clients on a few cores the machine
-// is saturated: a call's latency is then mostly its wait for the CPU the
-// other calls use, so the p50 ratio follows the ratio of CPU per call.
-void PrintCpuUse(const LoadOptions& o, const char* what, const PhaseTotals& t) {
-  const double calls = static_cast<double>(std::max<uint64_t>(Calls(t), 1));
-  const double client_us = (t.clients.user + t.clients.sys) / calls * 1e6;
-  const double copy_us = t.clients.copy / calls * 1e6;
-  const double server_us = (t.server.user + t.server.sys) / calls * 1e6;
-  if (o.json) {
-    std::printf(
-        "{\"bench\":\"load\",\"cpu\":\"%s\",\"clients\":%d,\"calls\":%lu,"
-        "\"client_user_s\":%.3f,\"client_sys_s\":%.3f,\"client_copy_s\":%.3f,"
-        "\"client_us_per_call\":%.1f,\"client_copy_us_per_call\":%.1f,",
-        what, o.clients, static_cast<unsigned long>(Calls(t)), t.clients.user, t.clients.sys,
-        t.clients.copy, client_us, copy_us);
-    if (t.server_known) {
-      std::printf("\"server_user_s\":%.3f,\"server_sys_s\":%.3f,\"server_us_per_call\":%.1f}\n",
-                  t.server.user, t.server.sys, server_us);
-    } else {
-      std::printf("\"server_user_s\":null,\"server_sys_s\":null,\"server_us_per_call\":null}\n");
-    }
-    return;
-  }
-  std::printf(
-      "cpu %-6s clients %.1f us/call (user %.2f s, sys %.2f s; copies and verify %.1f "
-      "us/call)",
-      what, client_us, t.clients.user, t.clients.sys, copy_us);
-  if (t.server_known) {
-    std::printf("; server %.1f us/call (user %.2f s, sys %.2f s)\n", server_us, t.server.user,
-                t.server.sys);
-  } else {
-    std::printf("; server not readable (its pid from memoffloadd.lock, /proc/PID/stat)\n");
-  }
-}
-
 // With --warm: takes every chunk it can for the bench's tenant (whole chunks
 // reserved, then released; a tenant keeps its chunks after), so that each
 // client is handed them all at attach and populates its page tables there,
@@ -502,9 +369,10 @@ int RunParent(const LoadOptions& o) {
           static_cast<unsigned long>(s.errors), static_cast<unsigned long>(s.rejected));
     } else {
       if (m == 0) {
-        std::printf("load: %d clients, %.1f s, groups %s..%s, window %d%s\n", o.clients, seconds,
+        std::printf("load: %d clients, %.1f s, groups %s..%s, window %d%s%s\n", o.clients, seconds,
                     FormatSize(o.min_group).c_str(), FormatSize(o.max_group).c_str(), o.window,
-                    o.max_bytes ? (", session limit " + FormatSize(o.max_bytes)).c_str() : "");
+                    o.max_bytes ? (", session limit " + FormatSize(o.max_bytes)).c_str() : "",
+                    o.no_copies ? ", no copies (the request path alone)" : "");
         std::printf("%-9s %10s %10s %9s %9s %9s %7s %9s\n", "method", "ops", "ops/s", "p50 us",
                     "p90 us", "p99 us", "errors", "rejected");
       }
@@ -543,13 +411,13 @@ int RunParent(const LoadOptions& o) {
         "\"ops_per_second\":%.1f,\"cycles\":%lu,\"cycles_per_second\":%.1f,"
         "\"offloaded_bytes\":%lu,\"offload_bytes_per_second\":%.0f,\"errors\":%lu,"
         "\"rejected\":%lu,\"verify_failures\":%lu,\"write_errors\":%lu,\"failed_workers\":%lu,"
-        "\"floor_ok\":%s,\"messages\":[",
+        "\"copies\":%s,\"floor_ok\":%s,\"messages\":[",
         o.clients, seconds, static_cast<unsigned long>(ops), static_cast<double>(ops) / seconds,
         static_cast<unsigned long>(cycles), static_cast<double>(cycles) / seconds,
         static_cast<unsigned long>(offloaded_bytes), bytes_per_second,
         static_cast<unsigned long>(errors), static_cast<unsigned long>(rejected),
         static_cast<unsigned long>(verify_failures), static_cast<unsigned long>(t.write_errors),
-        static_cast<unsigned long>(lost_workers),
+        static_cast<unsigned long>(lost_workers), o.no_copies ? "false" : "true",
         !o.baseline ? "null"
         : floor_ok  ? "true"
                     : "false");

@@ -32,7 +32,8 @@ int Usage(const char* message) {
       "memoffload-bench load: %s\n"
       "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
       "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
-      "         [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--warm]\n",
+      "         [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--warm]\n"
+      "         [--no-copies]\n",
       message);
   return 2;
 }
@@ -54,6 +55,10 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
     }
     if (flag == "--floor-copies") {
       o->floor_copies = true;
+      continue;
+    }
+    if (flag == "--no-copies") {
+      o->no_copies = true;
       continue;
     }
     if (i + 1 >= argc) {
@@ -119,6 +124,12 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
   }
   if (o->runtime_dir.empty() && o->floor_socket.empty()) {
     *error = "--runtime-dir is required";
+    return false;
+  }
+  if (o->no_copies && o->floor_copies) {
+    *error =
+        "--no-copies and --floor-copies contradict each other (clients copying nothing, "
+        "a floor copying as they do)";
     return false;
   }
   if (o->min_group == 0 || o->min_group > o->max_group || o->max_group > (uint64_t{1} << 34)) {

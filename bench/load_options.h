@@ -38,6 +38,11 @@ struct LoadOptions {
   // The floor's clients do the load worker's copies between their calls
   // (grpc_floor.h).
   bool floor_copies = false;
+  // The load's clients copy nothing: Reserve, Commit, Prefetch and Release
+  // with the same sizes, but no write into the arena, read back or verify.
+  // What is left is the request path alone, which the plain floor
+  // measures the trivial counterpart of (docs/reliability.md).
+  bool no_copies = false;
 };
 
 // Bytes of group g are source[offset(g) .. offset(g) + bytes): every group has

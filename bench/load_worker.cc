@@ -108,20 +108,25 @@ int RunWorker(const LoadOptions& o) {
       count_error(kPrefetch, p.status());
     } else {
       ++stats[kPrefetch].ops;
-      const double c0 = ThreadCpuSeconds();
-      const auto r0 = Clock::now();
+      // With --no-copies only the size is checked: nothing was written.
       Status st = p->used_bytes == h.bytes
-                      ? c.Read(p->extents, 0, readback.data(), h.bytes)
+                      ? Status::Ok()
                       : InvalidArgument("prefetch says " + std::to_string(p->used_bytes) +
                                         " bytes, committed " + std::to_string(h.bytes));
-      copy = {h.bytes, std::chrono::duration<double>(Clock::now() - r0).count()};
-      if (!st.ok() || std::memcmp(readback.data(), data.BytesOf(h.group_id), h.bytes) != 0) {
-        ++verify_failures;
-        note("verify", st.ok() ? Internal("group " + std::to_string(h.group_id) +
-                                          " read back different bytes")
-                               : st);
+      if (st.ok() && !o.no_copies) {
+        const double c0 = ThreadCpuSeconds();
+        const auto r0 = Clock::now();
+        st = c.Read(p->extents, 0, readback.data(), h.bytes);
+        copy = {h.bytes, std::chrono::duration<double>(Clock::now() - r0).count()};
+        if (st.ok() && std::memcmp(readback.data(), data.BytesOf(h.group_id), h.bytes) != 0) {
+          st = Internal("group " + std::to_string(h.group_id) + " read back different bytes");
+        }
+        if (timed) copy_seconds += ThreadCpuSeconds() - c0;
       }
-      if (timed) copy_seconds += ThreadCpuSeconds() - c0;
+      if (!st.ok()) {
+        ++verify_failures;
+        note("verify", st);
+      }
     }
     t0 = Clock::now();
     Status st = c.Release(h.group_id, copy);
@@ -154,11 +159,15 @@ int RunWorker(const LoadOptions& o) {
       continue;
     }
     ++stats[kReserve].ops;
-    const double c0 = ThreadCpuSeconds();
-    const auto w0 = Clock::now();
-    Status st = c.Write(r->extents, 0, data.BytesOf(g), bytes);
-    const client::CopyStats copy{bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
-    copy_seconds += ThreadCpuSeconds() - c0;
+    Status st;
+    client::CopyStats copy;
+    if (!o.no_copies) {
+      const double c0 = ThreadCpuSeconds();
+      const auto w0 = Clock::now();
+      st = c.Write(r->extents, 0, data.BytesOf(g), bytes);
+      copy = {bytes, std::chrono::duration<double>(Clock::now() - w0).count()};
+      copy_seconds += ThreadCpuSeconds() - c0;
+    }
     if (!st.ok()) {
       ++write_errors;  // the client's copy into the arena, not an RPC
       note("write", st);

@@ -10,7 +10,8 @@ and the floor report ops and latency percentiles; the floor saw no error;
 the CPU per call of clients (their copies apart) and server is reported for
 both phases, with its ratio per pair. A second, short run with --warm and
 --floor-copies checks the warm-up claimed every chunk and the floor's clients
-copied.
+copied. A third, with --no-copies, checks that neither side copied and
+every cycle still went through (the request path next to the plain floor).
 Then checks the daemon exits cleanly with 0 and logged no WARN or ERROR line
 (this load kills no client, so none is expected). Standard library only.
 """
@@ -154,6 +155,34 @@ class LoadTest(unittest.TestCase):
             self.assertGreater(cpu[what]["client_copy_us_per_call"], 0, cpu)
         [summary] = [l for l in lines if l.get("summary")]
         self.assertEqual(summary["errors"], 0, output)
+
+    def test_the_request_path_alone_next_to_the_plain_floor(self):
+        argv = [str(self.bin / "memoffload-bench"), "load", "--runtime-dir",
+                str(self.runtime_dir), "--clients", "8", "--seconds", "2", "--max-group",
+                "256KiB", "--baseline", "--no-copies", "--json"]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        output = f"{' '.join(argv)} exited {r.returncode}\n{r.stdout}\n{r.stderr}"
+        self.assertEqual(r.returncode, 0, output)
+        lines = [json.loads(l) for l in r.stdout.splitlines() if l.startswith("{")]
+        [summary] = [l for l in lines if l.get("summary")]
+        self.assertIs(summary["copies"], False, summary)
+        for key in ("errors", "verify_failures", "write_errors", "failed_workers"):
+            self.assertEqual(summary[key], 0, f"{key}: {output}")
+        self.assertGreater(summary["offloaded_bytes"], 0, summary)  # groups went through
+        cpu = {l["cpu"]: l for l in lines if "cpu" in l}
+        self.assertEqual(set(cpu), {"daemon", "floor"}, output)
+        for what in ("daemon", "floor"):  # neither side copied
+            self.assertEqual(cpu[what]["client_copy_us_per_call"], 0, cpu)
+            self.assertGreater(cpu[what]["client_us_per_call"], 0, cpu)
+        ratios = {l["method"]: l for l in lines if "p99_vs_floor" in l}
+        self.assertEqual(set(ratios), set(METHODS), output)
+        [floor] = [l for l in lines if l.get("method") == "grpc_floor"]
+        self.assertIs(floor["floor_copies"], False, floor)
+        # A floor that copies next to clients that do not compares nothing.
+        bad = subprocess.run(argv + ["--floor-copies"], capture_output=True, text=True,
+                             timeout=30)
+        self.assertEqual(bad.returncode, 2, bad.stderr)
+        self.assertIn("--no-copies and --floor-copies", bad.stderr)
 
 
 def main():
