@@ -427,10 +427,11 @@ int RunParent(const LoadOptions& o) {
     std::printf("]}\n");
   } else {
     std::printf(
-        "total: %lu ops (%.0f ops/s), %lu cycles (%.0f/s), offloaded %s (%s/s), "
+        "total: %lu ops (%.0f ops/s), %lu cycles (%.0f/s), %s %s (%s/s), "
         "%lu errors, %lu rejected, %lu verify failures, %lu write errors, %lu failed workers\n",
         static_cast<unsigned long>(ops), static_cast<double>(ops) / seconds,
         static_cast<unsigned long>(cycles), static_cast<double>(cycles) / seconds,
+        o.no_copies ? "committed, nothing copied," : "offloaded",
         FormatSize(offloaded_bytes).c_str(),
         FormatSize(static_cast<uint64_t>(bytes_per_second)).c_str(),
         static_cast<unsigned long>(errors), static_cast<unsigned long>(rejected),
