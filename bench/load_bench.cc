@@ -450,6 +450,9 @@ int RunLoadBench(int argc, char** argv) {
   LoadOptions o;
   std::string error;
   if (!ParseFlags(argc, argv, &o, &error)) return Usage(error.c_str());
+  if (o.floor_copies && !o.baseline) {
+    return Usage("--floor-copies changes the floor, which only --baseline runs");
+  }
   signal(SIGPIPE, SIG_IGN);
   return RunParent(o);
 }

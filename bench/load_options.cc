@@ -33,7 +33,13 @@ int Usage(const char* message) {
       "usage: memoffload-bench load --runtime-dir DIR --clients N --seconds S [--json]\n"
       "         [--max-bytes B] [--min-group B] [--max-group B] [--window N]\n"
       "         [--job-id ID] [--seed N] [--baseline [--pairs N] [--floor-copies]] [--warm]\n"
-      "         [--no-copies]\n",
+      "         [--no-copies]\n"
+      "  --baseline       also run a trivial gRPC service with the same clients, in turn\n"
+      "  --pairs N        N (daemon, floor) pairs; ratios are medians with their spread\n"
+      "  --floor-copies   the floor's clients copy as the load's do (needs --baseline)\n"
+      "  --no-copies      the load's clients copy nothing: the request path alone\n"
+      "                   (not with --floor-copies)\n"
+      "  --warm           claim every chunk first; clients populate them at attach\n",
       message);
   return 2;
 }
@@ -60,6 +66,14 @@ bool ParseFlags(int argc, char** argv, LoadOptions* o, std::string* error) {
     if (flag == "--no-copies") {
       o->no_copies = true;
       continue;
+    }
+    static const char* const kValueFlags[] = {"--runtime-dir", "--clients",      "--seconds",
+                                              "--pairs",       "--window",       "--seed",
+                                              "--index",       "--floor-socket", "--job-id",
+                                              "--max-bytes",   "--min-group",    "--max-group"};
+    if (std::find(std::begin(kValueFlags), std::end(kValueFlags), flag) == std::end(kValueFlags)) {
+      *error = "unknown flag '" + flag + "'";
+      return false;
     }
     if (i + 1 >= argc) {
       *error = "flag " + flag + " needs a value";
