@@ -413,9 +413,13 @@ class Daemon {
     draining_for_exit_ = true;
     notifier_.Stopping();
     const ArenaSnapshot s = table_->Snapshot();
-    MO_LOG_INFO("received SIGTERM: draining (%u sessions, %s held; deadline %lu ms)", s.sessions,
-                FormatSize(s.capacity_bytes - s.free_bytes).c_str(),
-                static_cast<unsigned long>(config_.drain_timeout_ms));
+    // The bytes waited for are the groups'; regions are not (CheckDrained).
+    MO_LOG_INFO(
+        "received SIGTERM: draining (%u sessions, %s held in groups; deadline %lu ms; "
+        "%u checkpoint region%s (%s) not waited for)",
+        s.sessions, FormatSize(s.capacity_bytes - s.free_bytes - s.region_bytes).c_str(),
+        static_cast<unsigned long>(config_.drain_timeout_ms), s.regions, s.regions == 1 ? "" : "s",
+        FormatSize(s.region_bytes).c_str());
     table_->BeginShutdown();
     drain_deadline_ = Clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
     CheckDrained();
