@@ -116,10 +116,11 @@ int RunGrpcFloorWorker(const LoadOptions& o) {
   CpuTime cpu = SelfCpu() - cpu0;
   cpu.copy = copy_seconds;
   stats.errors += mismatches;  // a bench bug: the slots are never shared
+  if (!WaitForEveryWindowToEnd()) return 1;
   PrintMethodStats(0, stats);
   PrintCpu(cpu);
   std::printf("S 0 0 0 %.6f\nEND\n", elapsed);
-  std::fflush(stdout);
+  StayUntilTheParentCloses();
   return 0;
 }
 

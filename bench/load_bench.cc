@@ -15,6 +15,12 @@
 // `rejected`, not errors. Copy times are reported to the daemon with Commit
 // and Release (its client copy throughput metric).
 //
+// The phase has two barriers: every client's timed window ends before any
+// client drains its held groups or reports, and every client has reported
+// before any exits, so that no drain, unmapping or session reclaim of one
+// client falls in the window of another (the floor's clients, which hold
+// nothing, would not pay for them).
+//
 // Reports per method: ops, ops/s, client-side latency p50/p90/p99, errors and
 // rejections, then a summary (one JSON object per line with --json). A
 // failed Release counts as an error even in the untimed final drain; a failed
@@ -209,16 +215,35 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
     }
   }
 
+  // Every worker's window first (TIMED), then the server's CPU, then the
+  // word to go on: drains and reports fall in nobody's window. A worker
+  // whose output ends early is lost.
+  std::vector<bool> open(o.clients, true);
+  for (int i = 0; i < o.clients; ++i) {
+    while (true) {
+      if (std::fgets(line, sizeof line, workers[i].from_child) == nullptr) {
+        open[i] = false;
+        break;
+      }
+      if (std::strcmp(line, "TIMED\n") == 0) break;
+    }
+  }
+  CpuTime server1;
+  t->server_known = t->server_known && ServerCpu(o, &server1);
+  if (t->server_known) t->server = server1 - server0;
+  for (int i = 0; i < o.clients; ++i) {
+    if (open[i] && write(workers[i].to_child, "d", 1) != 1) open[i] = false;
+  }
+
   MethodStats* total = t->total;
   uint64_t& offloaded_bytes = t->offloaded_bytes;
   uint64_t& verify_failures = t->verify_failures;
   uint64_t& cycles = t->cycles;
-  uint64_t& lost_workers = t->lost_workers;
   double& elapsed_max = t->elapsed_max;
   std::vector<std::string>& messages = t->messages;
+  std::vector<bool> ended(o.clients, false);
   for (int i = 0; i < o.clients; ++i) {
-    bool ended = false;
-    while (std::fgets(line, sizeof line, workers[i].from_child) != nullptr) {
+    while (open[i] && std::fgets(line, sizeof line, workers[i].from_child) != nullptr) {
       int m = 0, b = 0;
       unsigned long a1 = 0, a2 = 0, a3 = 0, a4 = 0;
       double secs = 0;
@@ -242,17 +267,23 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
         if (!msg.empty() && msg.back() == '\n') msg.pop_back();
         if (messages.size() < 10) messages.push_back("worker " + std::to_string(i) + ": " + msg);
       } else if (std::strcmp(line, "END\n") == 0) {
-        ended = true;
+        ended[i] = true;
+        break;
       }
     }
+  }
+  // Now they may all exit (their unmapping and the daemon's reclaims
+  // after every window and report).
+  for (Worker& w : workers) {
+    close(w.to_child);
+    w.to_child = -1;
+  }
+  for (int i = 0; i < o.clients; ++i) {
     int status = 0;
     waitpid(workers[i].pid, &status, 0);
     workers[i].pid = -1;
-    if (!ended || !WIFEXITED(status) || WEXITSTATUS(status) != 0) ++lost_workers;
+    if (!ended[i] || !WIFEXITED(status) || WEXITSTATUS(status) != 0) ++t->lost_workers;
   }
-  CpuTime server1;
-  t->server_known = t->server_known && ServerCpu(o, &server1);
-  if (t->server_known) t->server = server1 - server0;
   StopWorkers(&workers);
   return true;
 }

@@ -1,5 +1,7 @@
 #include "load_options.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -24,6 +26,20 @@ WorkerData::WorkerData(const LoadOptions& o)
 
 uint64_t WorkerData::NextSize() {
   return std::min(max_group_, static_cast<uint64_t>(std::exp(log_size_(rng_))));
+}
+
+bool WaitForEveryWindowToEnd() {
+  std::printf("TIMED\n");
+  std::fflush(stdout);
+  char word = 0;
+  return read(STDIN_FILENO, &word, 1) == 1;
+}
+
+void StayUntilTheParentCloses() {
+  std::fflush(stdout);
+  char c = 0;
+  while (read(STDIN_FILENO, &c, 1) > 0) {
+  }
 }
 
 int Usage(const char* message) {

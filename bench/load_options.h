@@ -69,6 +69,16 @@ class WorkerData {
   std::uniform_real_distribution<double> log_size_;
 };
 
+// A worker's side of a phase's barriers (load_bench.cc, RunPhase), for the
+// load worker and the floor's alike. After its timed window a worker says
+// TIMED and waits for the parent's word, which comes once every worker's
+// window is over: what follows (the final drain, the report) falls in
+// nobody's window. After END it stays until the parent closes its stdin, so
+// that no exit (unmapping the arena, the daemon reclaiming the session)
+// does either. False when the parent went away.
+bool WaitForEveryWindowToEnd();
+void StayUntilTheParentCloses();
+
 // Prints the usage with `message`; returns 2.
 int Usage(const char* message);
 

@@ -20,8 +20,9 @@ struct PhaseTotals {
   double elapsed_max = 0;
   std::vector<std::string> messages;
   CpuTime clients;  // the workers' timed windows, added up
-  // The server's, from the start signal until every worker reported (its
-  // drain included); server_known is false when it could not be read.
+  // The server's, from the start signal until every worker's window ended
+  // (drains and exits come after); server_known is false when it could not
+  // be read.
   CpuTime server;
   bool server_known = false;
   int phases = 0;  // merged into this

@@ -190,6 +190,7 @@ int RunWorker(const LoadOptions& o) {
   const double elapsed = std::chrono::duration<double>(Clock::now() - start).count();
   CpuTime cpu = SelfCpu() - cpu0;
   cpu.copy = copy_seconds;
+  if (!WaitForEveryWindowToEnd()) return 1;  // the parent gave up
   while (!held.empty()) read_back(false);
 
   for (int m = 0; m < kMethods; ++m) PrintMethodStats(m, stats[m]);
@@ -199,7 +200,7 @@ int RunWorker(const LoadOptions& o) {
               elapsed, static_cast<unsigned long>(write_errors));
   for (const std::string& m : messages) std::printf("E %s\n", m.c_str());
   std::printf("END\n");
-  std::fflush(stdout);
+  StayUntilTheParentCloses();
   return 0;
 }
 
