@@ -129,6 +129,15 @@ std::unique_ptr<DaemonProcess> DaemonProcess::Start(const Options& options, std:
         _exit(126);
       }
     }
+    if (options.drop_fd_caps) {
+      for (int cap : {CAP_SYS_ADMIN, CAP_SYS_RESOURCE}) {
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) {
+          dprintf(STDERR_FILENO, "test: cannot drop capability %d: %s\n", cap,
+                  std::strerror(errno));
+          _exit(126);
+        }
+      }
+    }
     std::vector<char*> args;
     for (const std::string& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);

@@ -47,6 +47,11 @@ class DaemonProcess {
     // When non-zero, the daemon runs with RLIMIT_NOFILE (soft and hard) at
     // this many descriptors.
     uint64_t nofile_limit = 0;
+    // The daemon runs without CAP_SYS_ADMIN and CAP_SYS_RESOURCE (dropped
+    // from the bounding set before exec), as a non-root daemon does: the
+    // kernel then bounds the fds it has in flight in Unix sockets by its
+    // RLIMIT_NOFILE.
+    bool drop_fd_caps = false;
   };
 
   // The scratch directory (parent of the runtime dir), for test files.

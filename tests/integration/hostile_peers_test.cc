@@ -215,8 +215,9 @@ TEST(HostilePeers, OneUidAtItsConnectionLimitDoesNotLockOutAnother) {
 }
 
 // Item 3: a client that asks for chunks and never reads the replies held
-// the broker's only thread 5 s per reply. Now other attaches go through at
-// once and the slow reader is dropped.
+// the broker's only thread 5 s per reply. Then it could pile up chunk fds in
+// its socket (hoarded_fds_test.cc). Now its second request without reading
+// ends its connection at once, and other attaches go through.
 TEST(HostilePeers, PeerThatNeverReadsItsRepliesDelaysNoOne) {
   std::string error;
   auto daemon = DaemonProcess::Start({}, &error);
@@ -233,8 +234,8 @@ TEST(HostilePeers, PeerThatNeverReadsItsRepliesDelaysNoOne) {
   ASSERT_TRUE(grant.ok() && grant->code == StatusCode::kOk);
   for (uint32_t i = 0; i < grant->fd_frames; ++i) ASSERT_TRUE(RecvFrame(hog, &payload, &fds).ok());
   CloseFds(&fds);
-  // Ask for chunk 0 over and over, reading nothing, until our own send
-  // buffer is full (the daemon stopped reading us).
+  // Ask for chunk 0 over and over, reading nothing, until the daemon stops
+  // taking requests (it closed the connection) or a second passes.
   ChunkRequest request;
   request.chunk_indexes = {0};
   std::string frame = EncodeChunkRequest(request);
@@ -246,12 +247,11 @@ TEST(HostilePeers, PeerThatNeverReadsItsRepliesDelaysNoOne) {
       ++sent;
       continue;
     }
-    // Full: the daemon reads on while its replies fit, so wait until it
-    // takes no more for a second.
+    if (errno != EAGAIN && errno != EWOULDBLOCK) break;  // closed by the daemon
     pollfd p{hog, POLLOUT, 0};
     if (poll(&p, 1, 1000) <= 0) break;
   }
-  ASSERT_GT(sent, 100);
+  ASSERT_GE(sent, 2);
 
   for (int i = 0; i < 5; ++i) {
     const auto start = Clock::now();
@@ -259,8 +259,7 @@ TEST(HostilePeers, PeerThatNeverReadsItsRepliesDelaysNoOne) {
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
     EXPECT_LT(seconds, 2.0) << "attach " << i << " waited behind the peer that does not read";
   }
-  // The slow reader is dropped (its session closed) while it still reads
-  // nothing; then, after the replies already sent, it sees EOF.
+  // Its session is closed, and after the reply already sent it sees EOF.
   const auto drop_deadline = Clock::now() + std::chrono::seconds(20);
   while (Clock::now() < drop_deadline && daemon->Status().sessions() != 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -279,7 +278,8 @@ TEST(HostilePeers, PeerThatNeverReadsItsRepliesDelaysNoOne) {
   EXPECT_TRUE(dropped) << "sent " << sent << " requests; log tail:\n"
                        << daemon->Log().substr(
                               daemon->Log().size() > 3000 ? daemon->Log().size() - 3000 : 0);
-  EXPECT_NE(daemon->Log().find("did not read its reply"), std::string::npos);
+  EXPECT_NE(daemon->Log().find("asked for chunks before reading its last reply"), std::string::npos)
+      << daemon->Log();
 }
 
 // Item 3: a hello length prefix alone made the broker allocate (and touch)

@@ -19,6 +19,15 @@
 //  - Replies are written without blocking. A connection holds at most one
 //    reply (it is not read while its reply is unsent), and a peer that has
 //    not taken its reply within kReplyTimeoutMs is dropped (slow reader).
+//  - Chunk fds in replies a peer has not read count against the daemon's
+//    uid (RLIMIT_NOFILE) until it reads or closes them. So a chunk request
+//    that comes while the last reply is unread ends the connection, a
+//    request names each chunk once, and a closed connection whose peer
+//    still has replies unread keeps its socket and its slot (lingers) until
+//    the peer reads or closes them: one uid holds at most
+//    max_connections_per_uid replies' fds in flight. Should the kernel still
+//    refuse to pass fds (ETOOMANYREFS), a chunk request is refused with
+//    RESOURCE_EXHAUSTED and the session goes on.
 //  - A failing accept (EMFILE...) backs off, 10 ms doubling to 1 s.
 //  - Log lines a peer can cause are rate-limited (MO_LOG_WARN_LIMITED).
 //
@@ -36,6 +45,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/metrics.h"
@@ -78,9 +88,17 @@ class Broker {
 
  private:
   class Connection;
+  using Socket = boost::asio::local::stream_protocol::socket;
+  // How often lingering sockets are checked.
+  static constexpr std::chrono::milliseconds kLingerSweep{250};
   void Accept();
   void AcceptFailed(const boost::system::error_code& ec);
-  void OnClosed(uint64_t connection_id, uid_t uid);
+  void OnClosed(uint64_t connection_id, uid_t uid, bool release_slot = true);
+  // Keeps `socket` (its connection closed, its peer still holding unread
+  // replies) and its uid's connection slot until the peer has read or
+  // closed them.
+  void Linger(Socket socket, const PeerCredentials& peer);
+  void ScheduleLingerSweep();
 
   boost::asio::io_context& io_;
   const Arena* arena_;
@@ -94,6 +112,12 @@ class Broker {
   ConnectionLimits limits_;
   uint64_t next_connection_id_ = 1;
   std::unordered_map<uint64_t, std::shared_ptr<Connection>> connections_;
+  struct Lingering {
+    Socket socket;
+    uid_t uid;
+  };
+  std::vector<Lingering> lingering_;
+  boost::asio::steady_timer linger_timer_;
 };
 
 }  // namespace memoffload::daemon
