@@ -5,6 +5,7 @@
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
 #include <prometheus/exposer.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -44,6 +45,11 @@ namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
 constexpr char kAdminTokenName[] = "admin.token";
+// Threads of gRPC's synchronous pool (region calls, health, reflection).
+constexpr int kMaxSyncThreads = 64;
+// Calls one gRPC connection may have open at once (a rank may have a
+// thousand waiting Reserves; a stalled call costs memory, not a thread).
+constexpr int kMaxStreamsPerConnection = 4096;
 
 Result<gid_t> ResolveGroup(const std::string& name) {
   if (name.empty()) return static_cast<gid_t>(-1);
@@ -279,6 +285,15 @@ class Daemon {
     // No listening port: GrpcListener accepts and hands each admitted
     // connection to the server.
     builder.RegisterService(service_.get());
+    // A call whose reply the peer never takes (its HTTP/2 window at 0) is
+    // held until the peer goes. On the synchronous pool (the region calls,
+    // health, reflection) each such call holds a thread: bound the pool
+    // (past it a call is refused, RESOURCE_EXHAUSTED) and the calls one
+    // connection may have open at once.
+    grpc::ResourceQuota sync_threads("memoffloadd-sync");
+    sync_threads.SetMaxThreads(kMaxSyncThreads);
+    builder.SetResourceQuota(sync_threads);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path_);
     grpc_listener_.Start(server_.get());

@@ -220,6 +220,38 @@ grpc::Status OffloadService::DoRelease(const v1::ReleaseRequest& request,
   return Finish(Method::kRelease, start, st);
 }
 
+grpc::ServerUnaryReactor* OffloadService::GetStatus(grpc::CallbackServerContext* ctx,
+                                                    const v1::GetStatusRequest* req,
+                                                    v1::GetStatusResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(GetStatus(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OffloadService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListSessionsRequest* req,
+                                                       v1::ListSessionsResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(ListSessions(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OffloadService::GetConfig(grpc::CallbackServerContext* ctx,
+                                                    const v1::GetConfigRequest* req,
+                                                    v1::GetConfigResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(GetConfig(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* OffloadService::Drain(grpc::CallbackServerContext* ctx,
+                                                const v1::DrainRequest* req,
+                                                v1::DrainResponse* resp) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Drain(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+  return reactor;
+}
+
 grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
                                        v1::GetStatusResponse* resp) {
   const auto start = Clock::now();

@@ -30,14 +30,21 @@ struct ServiceInfo {
 };
 
 // The gRPC methods of the request path (Reserve, Commit, Prefetch,
-// Release) use the callback API: a request is answered on the thread that
-// read it, with no hand-off to a thread pool. The admin reads stay
-// synchronous.
+// Release) and the admin calls (GetStatus, ListSessions, GetConfig, Drain)
+// use the callback API: a request is answered on the thread that read it,
+// with no hand-off to a thread pool, and a call whose reply the peer does
+// not take (an HTTP/2 window kept at 0) holds no thread. The checkpoint
+// region calls, which may take long, stay on the synchronous pool, whose
+// threads the daemon bounds (daemon.cc).
 using OffloadServiceBase = memoffload::v1::Offload::WithCallbackMethod_Reserve<
     memoffload::v1::Offload::WithCallbackMethod_Commit<
         memoffload::v1::Offload::WithCallbackMethod_Prefetch<
             memoffload::v1::Offload::WithCallbackMethod_Release<
-                memoffload::v1::Offload::Service>>>>;
+                memoffload::v1::Offload::WithCallbackMethod_GetStatus<
+                    memoffload::v1::Offload::WithCallbackMethod_ListSessions<
+                        memoffload::v1::Offload::WithCallbackMethod_GetConfig<
+                            memoffload::v1::Offload::WithCallbackMethod_Drain<
+                                memoffload::v1::Offload::Service>>>>>>>>;
 
 class OffloadService final : public OffloadServiceBase {
  public:
@@ -80,6 +87,19 @@ class OffloadService final : public OffloadServiceBase {
                         v1::PrefetchResponse* resp) override;
   grpc::Status Release(grpc::ServerContext* ctx, const v1::ReleaseRequest* req,
                        v1::ReleaseResponse* resp) override;
+  grpc::ServerUnaryReactor* GetStatus(grpc::CallbackServerContext* ctx,
+                                      const v1::GetStatusRequest* req,
+                                      v1::GetStatusResponse* resp) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* ctx,
+                                         const v1::ListSessionsRequest* req,
+                                         v1::ListSessionsResponse* resp) override;
+  grpc::ServerUnaryReactor* GetConfig(grpc::CallbackServerContext* ctx,
+                                      const v1::GetConfigRequest* req,
+                                      v1::GetConfigResponse* resp) override;
+  grpc::ServerUnaryReactor* Drain(grpc::CallbackServerContext* ctx, const v1::DrainRequest* req,
+                                  v1::DrainResponse* resp) override;
+  // The same four, synchronous: what the callbacks answer with (also
+  // called directly by tests and fuzzers).
   grpc::Status GetStatus(grpc::ServerContext* ctx, const v1::GetStatusRequest* req,
                          v1::GetStatusResponse* resp) override;
   grpc::Status ListSessions(grpc::ServerContext* ctx, const v1::ListSessionsRequest* req,

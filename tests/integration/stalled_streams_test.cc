@@ -1,0 +1,124 @@
+// Stop 28's adversarial run: a raw HTTP/2 peer on memoffload.sock that
+// keeps its flow-control window at 0 never lets the daemon send a reply
+// body, so each of its calls stays open until the peer goes. Calls on gRPC's
+// synchronous pool held a daemon thread each: 8 connections of 250 calls to
+// GetStatus made 2,023 threads, and under a task limit `memoffloadctl
+// status` failed. Now the admin calls use the callback API (no thread per
+// call), the synchronous pool (region calls, health, reflection) is bounded,
+// and so are the calls one connection may have open.
+#include <gtest/gtest.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "daemon_process.h"
+
+namespace memoffload::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string H2Frame(uint8_t type, uint8_t flags, uint32_t stream, const std::string& payload) {
+  std::string f(9, '\0');
+  const uint32_t len = static_cast<uint32_t>(payload.size());
+  f[0] = static_cast<char>(len >> 16);
+  f[1] = static_cast<char>(len >> 8);
+  f[2] = static_cast<char>(len);
+  f[3] = static_cast<char>(type);
+  f[4] = static_cast<char>(flags);
+  f[5] = static_cast<char>((stream >> 24) & 0x7f);
+  f[6] = static_cast<char>(stream >> 16);
+  f[7] = static_cast<char>(stream >> 8);
+  f[8] = static_cast<char>(stream);
+  return f + payload;
+}
+
+// An HPACK header field, literal without indexing, new name.
+std::string Header(const std::string& name, const std::string& value) {
+  return std::string(1, '\0') + static_cast<char>(name.size()) + name +
+         static_cast<char>(value.size()) + value;
+}
+
+// Opens a connection that announces an initial window of 0 and starts
+// `calls` unary calls to `method` (an empty request each), then reads and
+// acknowledges nothing. Returns the socket, or -1.
+int StallCalls(const std::string& socket_path, const std::string& method, int calls) {
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  strncpy(addr.sun_path, socket_path.c_str(), sizeof(addr.sun_path) - 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  const std::string window_zero = std::string{0x00, 0x04, 0x00, 0x00, 0x00, 0x00};
+  std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + H2Frame(4, 0, 0, window_zero);
+  const std::string headers = Header(":method", "POST") + Header(":scheme", "http") +
+                              Header(":path", "/memoffload.v1.Offload/" + method) +
+                              Header(":authority", "localhost") +
+                              Header("content-type", "application/grpc") + Header("te", "trailers");
+  for (int i = 0; i < calls; ++i) {
+    const uint32_t stream = 1 + 2 * static_cast<uint32_t>(i);
+    out += H2Frame(1, 0x4, stream, headers);               // HEADERS, END_HEADERS
+    out += H2Frame(0, 0x1, stream, std::string(5, '\0'));  // an empty message, END_STREAM
+  }
+  for (size_t off = 0; off < out.size();) {
+    const ssize_t n = send(fd, out.data() + off, out.size() - off, MSG_NOSIGNAL);
+    if (n <= 0) {
+      close(fd);
+      return -1;
+    }
+    off += static_cast<size_t>(n);
+  }
+  return fd;
+}
+
+int Threads(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
+  }
+  return -1;
+}
+
+TEST(StalledStreams, CallsWhoseRepliesAreNeverTakenHoldBoundedThreads) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const std::string sock = daemon->runtime_dir() + "/memoffload.sock";
+  const int before = Threads(daemon->pid());
+  ASSERT_GT(before, 0);
+  std::vector<int> held;
+  for (const char* method :
+       {"GetStatus", "GetStatus", "ListSessions", "ListRegions", "ListRegions"}) {
+    held.push_back(StallCalls(sock, method, 100));
+    ASSERT_GE(held.back(), 0) << method;
+  }
+  // Give the daemon time to take every call; watch its thread count.
+  int most = before;
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  while (Clock::now() < until) {
+    most = std::max(most, Threads(daemon->pid()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  // 300 stalled admin calls add none; 200 stalled region calls at most the
+  // synchronous pool's 64 threads.
+  EXPECT_LE(most - before, 72) << "threads " << before << " -> " << most;
+  // The daemon answers as usual meanwhile.
+  const auto start = Clock::now();
+  EXPECT_GT(daemon->Status().capacity_bytes(), 0u);
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(1));
+  for (int fd : held) close(fd);
+}
+
+}  // namespace
+}  // namespace memoffload::testing
