@@ -6,7 +6,16 @@
 
 namespace memoffload::daemon {
 namespace {
+
 using Clock = std::chrono::steady_clock;
+
+// Finishes a callback call at once with `status`, on the thread that read it.
+grpc::ServerUnaryReactor* Answered(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(status);
+  return reactor;
+}
+
 }  // namespace
 
 Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session) {
@@ -125,9 +134,7 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
 grpc::ServerUnaryReactor* OffloadService::Commit(grpc::CallbackServerContext* ctx,
                                                  const v1::CommitRequest* req,
                                                  v1::CommitResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(DoCommit(*req, resp));
-  return reactor;
+  return Answered(ctx, DoCommit(*req, resp));
 }
 
 grpc::Status OffloadService::Commit(grpc::ServerContext*, const v1::CommitRequest* req,
@@ -158,9 +165,7 @@ grpc::Status OffloadService::DoCommit(const v1::CommitRequest& request, v1::Comm
 grpc::ServerUnaryReactor* OffloadService::Prefetch(grpc::CallbackServerContext* ctx,
                                                    const v1::PrefetchRequest* req,
                                                    v1::PrefetchResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(DoPrefetch(*req, resp));
-  return reactor;
+  return Answered(ctx, DoPrefetch(*req, resp));
 }
 
 grpc::Status OffloadService::Prefetch(grpc::ServerContext*, const v1::PrefetchRequest* req,
@@ -191,9 +196,7 @@ grpc::Status OffloadService::DoPrefetch(const v1::PrefetchRequest& request,
 grpc::ServerUnaryReactor* OffloadService::Release(grpc::CallbackServerContext* ctx,
                                                   const v1::ReleaseRequest* req,
                                                   v1::ReleaseResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(DoRelease(*req, resp));
-  return reactor;
+  return Answered(ctx, DoRelease(*req, resp));
 }
 
 grpc::Status OffloadService::Release(grpc::ServerContext*, const v1::ReleaseRequest* req,
@@ -223,33 +226,25 @@ grpc::Status OffloadService::DoRelease(const v1::ReleaseRequest& request,
 grpc::ServerUnaryReactor* OffloadService::GetStatus(grpc::CallbackServerContext* ctx,
                                                     const v1::GetStatusRequest* req,
                                                     v1::GetStatusResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(GetStatus(static_cast<grpc::ServerContext*>(nullptr), req, resp));
-  return reactor;
+  return Answered(ctx, GetStatus(static_cast<grpc::ServerContext*>(nullptr), req, resp));
 }
 
 grpc::ServerUnaryReactor* OffloadService::ListSessions(grpc::CallbackServerContext* ctx,
                                                        const v1::ListSessionsRequest* req,
                                                        v1::ListSessionsResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ListSessions(static_cast<grpc::ServerContext*>(nullptr), req, resp));
-  return reactor;
+  return Answered(ctx, ListSessions(static_cast<grpc::ServerContext*>(nullptr), req, resp));
 }
 
 grpc::ServerUnaryReactor* OffloadService::GetConfig(grpc::CallbackServerContext* ctx,
                                                     const v1::GetConfigRequest* req,
                                                     v1::GetConfigResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(GetConfig(static_cast<grpc::ServerContext*>(nullptr), req, resp));
-  return reactor;
+  return Answered(ctx, GetConfig(static_cast<grpc::ServerContext*>(nullptr), req, resp));
 }
 
 grpc::ServerUnaryReactor* OffloadService::Drain(grpc::CallbackServerContext* ctx,
                                                 const v1::DrainRequest* req,
                                                 v1::DrainResponse* resp) {
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(Drain(static_cast<grpc::ServerContext*>(nullptr), req, resp));
-  return reactor;
+  return Answered(ctx, Drain(static_cast<grpc::ServerContext*>(nullptr), req, resp));
 }
 
 grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
