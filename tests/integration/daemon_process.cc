@@ -1,5 +1,6 @@
 #include "daemon_process.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/capability.h>
@@ -10,6 +11,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -247,6 +249,28 @@ DaemonProcess::Options TwoTenantOptions(const std::string& arena_size,
   options.open_permissions = true;
   options.extra_args = {"--allowed-uids=65534"};
   return options;
+}
+
+int ConnectUnix(const std::string& path, bool nonblocking) {
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
+  if (fd < 0) return -1;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+int ThreadCount(pid_t pid) {
+  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
+  if (dir == nullptr) return -1;
+  int count = 0;
+  while (dirent* e = readdir(dir)) count += e->d_name[0] == '.' ? 0 : 1;
+  closedir(dir);
+  return count;
 }
 
 int ConnectLoopback(int port) {

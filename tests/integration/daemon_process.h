@@ -116,6 +116,10 @@ int RunCapture(const std::vector<std::string>& argv, std::string* out, int timeo
 std::string HttpGet(int port, const std::string& path, int timeout_ms = 5000);
 // A TCP socket connected to 127.0.0.1:port (the caller closes it), or -1.
 int ConnectLoopback(int port);
+// A connected Unix stream socket to `path`, or -1.
+int ConnectUnix(const std::string& path, bool nonblocking = false);
+// The threads of process `pid` (its /proc tasks), or -1.
+int ThreadCount(pid_t pid);
 // Everything readable from fd until the peer closes it or timeout_ms passes.
 std::string ReadUntilClosed(int fd, int timeout_ms = 5000);
 

@@ -2,7 +2,6 @@
 // daemon: another uid's waiter does not refuse a Reserve that fits, waiting
 // costs no daemon thread and ends with the shortfall named, and the limits
 // on waiters, extents per Reserve and groups per session hold.
-#include <dirent.h>
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -47,15 +46,6 @@ bool WaitUntil(F condition, int timeout_ms) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   return true;
-}
-
-int ThreadCount(pid_t pid) {
-  DIR* dir = opendir(("/proc/" + std::to_string(pid) + "/task").c_str());
-  if (dir == nullptr) return -1;
-  int count = 0;
-  while (dirent* e = readdir(dir)) count += e->d_name[0] == '.' ? 0 : 1;
-  closedir(dir);
-  return count;
 }
 
 std::unique_ptr<client::Client> AttachRoot(const DaemonProcess& daemon) {

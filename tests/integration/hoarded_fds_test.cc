@@ -12,7 +12,6 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -33,15 +32,8 @@ using Clock = std::chrono::steady_clock;
 // A raw attach: the hello, the reply and its fd frames read (and the fds
 // closed). Returns the connection, or -1.
 int RawAttach(const std::string& runtime_dir) {
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string path = runtime_dir + "/broker.sock";
-  strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
+  const int fd = ConnectUnix(runtime_dir + "/broker.sock");
+  if (fd < 0) return -1;
   Hello hello;
   hello.job_id = "hoarder";
   std::string payload;

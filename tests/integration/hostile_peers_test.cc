@@ -9,7 +9,6 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -28,18 +27,6 @@ namespace memoffload::testing {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-int ConnectUnix(const std::string& path, bool nonblocking = false) {
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | (nonblocking ? SOCK_NONBLOCK : 0), 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
 
 // The port in the daemon's "  health  http://127.0.0.1:PORT/readyz" line.
 int HealthPort(const DaemonProcess& daemon) {

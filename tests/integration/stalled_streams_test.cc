@@ -9,12 +9,10 @@
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -51,14 +49,8 @@ std::string Header(const std::string& name, const std::string& value) {
 // `calls` unary calls to `method` (an empty request each), then reads and
 // acknowledges nothing. Returns the socket, or -1.
 int StallCalls(const std::string& socket_path, const std::string& method, int calls) {
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  strncpy(addr.sun_path, socket_path.c_str(), sizeof(addr.sun_path) - 1);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    close(fd);
-    return -1;
-  }
+  const int fd = ConnectUnix(socket_path);
+  if (fd < 0) return -1;
   const std::string window_zero = std::string{0x00, 0x04, 0x00, 0x00, 0x00, 0x00};
   std::string out = "PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + H2Frame(4, 0, 0, window_zero);
   const std::string headers = Header(":method", "POST") + Header(":scheme", "http") +
@@ -81,21 +73,12 @@ int StallCalls(const std::string& socket_path, const std::string& method, int ca
   return fd;
 }
 
-int Threads(pid_t pid) {
-  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("Threads:", 0) == 0) return std::stoi(line.substr(8));
-  }
-  return -1;
-}
-
 TEST(StalledStreams, CallsWhoseRepliesAreNeverTakenHoldBoundedThreads) {
   std::string error;
   auto daemon = DaemonProcess::Start({}, &error);
   ASSERT_NE(daemon, nullptr) << error;
   const std::string sock = daemon->runtime_dir() + "/memoffload.sock";
-  const int before = Threads(daemon->pid());
+  const int before = ThreadCount(daemon->pid());
   ASSERT_GT(before, 0);
   std::vector<int> held;
   for (const char* method :
@@ -107,7 +90,7 @@ TEST(StalledStreams, CallsWhoseRepliesAreNeverTakenHoldBoundedThreads) {
   int most = before;
   const auto until = Clock::now() + std::chrono::seconds(2);
   while (Clock::now() < until) {
-    most = std::max(most, Threads(daemon->pid()));
+    most = std::max(most, ThreadCount(daemon->pid()));
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   // 300 stalled admin calls add none; 200 stalled region calls at most the
