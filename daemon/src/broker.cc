@@ -1,7 +1,5 @@
 #include "memoffload/daemon/broker.h"
 
-#include <linux/sockios.h>
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -108,8 +106,7 @@ void Broker::ScheduleLingerSweep() {
   linger_timer_.async_wait([this](error_code ec) {
     if (ec) return;
     for (auto it = lingering_.begin(); it != lingering_.end();) {
-      int unread = 0;
-      if (ioctl(it->socket.native_handle(), SIOCOUTQ, &unread) == 0 && unread > 0) {
+      if (UnreadBytes(it->socket.native_handle()) > 0) {
         ++it;
         continue;
       }

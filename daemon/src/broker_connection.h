@@ -49,10 +49,16 @@ inline std::string FrameHeader(size_t len) {
 struct OutFrame {
   std::string bytes;  // length prefix + payload
   std::vector<int> fds;
-  // Sent instead (without fds) when the kernel refuses to pass them
-  // (ETOOMANYREFS); empty: the connection ends instead.
-  std::string fallback;
+  // A chunk reply: when the kernel refuses to pass its fds (ETOOMANYREFS),
+  // RefusedChunkReply() goes instead; any other frame ends the connection.
+  bool chunk_reply = false;
 };
+
+// Bytes (with the fds they carry) sent on `fd` and not yet read by its peer.
+inline int UnreadBytes(int fd) {
+  int unread = 0;
+  return ioctl(fd, SIOCOUTQ, &unread) == 0 ? unread : 0;
+}
 
 // One attached (or attaching) client. Lives in Broker::connections_ until its
 // socket closes. It reads one frame at a time (as bytes arrive), and reads
@@ -84,13 +90,16 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     ReadFrame([this] { OnHello(); });
   }
 
-  void Shutdown() {
+  // Stops every watch and shuts the socket down both ways; closes it too
+  // unless `keep_socket` (it is about to linger, Broker::Linger).
+  void Shutdown(bool keep_socket = false) {
     error_code ignored;
     hello_timer_.cancel();
     write_timer_.cancel();
     pidfd_.close(ignored);
+    socket_.cancel(ignored);
     socket_.shutdown(Socket::shutdown_both, ignored);
-    socket_.close(ignored);
+    if (!keep_socket) socket_.close(ignored);
   }
 
   void CloseSession(CloseReason reason) {
@@ -289,7 +298,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     // daemon's uid (RLIMIT_NOFILE) until read: past that limit no peer
     // could be handed a chunk. So each connection has at most one reply's
     // fds unread.
-    if (const int unread = UnreadByPeer(); unread > 0) {
+    if (const int unread = UnreadBytes(socket_.native_handle()); unread > 0) {
       MO_LOG_WARN_LIMITED(
           "session %lu (pid %d uid %u) asked for chunks before reading its last reply; closing "
           "it (a client reads each reply before it asks again; %d bytes queued)",
@@ -330,17 +339,8 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
                           st.ToString().c_str());
     }
     std::vector<OutFrame> frames;
-    const bool with_fds = !fds.empty();
     frames.push_back(Frame(EncodeChunkReply(reply), std::move(fds)));
-    if (with_fds) {
-      ChunkReply refused;
-      refused.code = StatusCode::kResourceExhausted;
-      refused.message =
-          "memoffloadd cannot pass descriptors now (its uid has too many in flight, "
-          "RLIMIT_NOFILE); "
-          "try again";
-      frames.back().fallback = Frame(EncodeChunkReply(refused)).bytes;
-    }
+    frames.back().chunk_reply = true;
     Send(std::move(frames), [this] { WatchLifeline(); });
   }
 
@@ -417,11 +417,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
               "broker: cannot pass %zu chunk fds to pid %d uid %u: the daemon's uid has more "
               "descriptors in flight than RLIMIT_NOFILE; %s",
               frame.fds.size(), peer_.pid, peer_.uid,
-              frame.fallback.empty() ? "ending the attach" : "refusing the chunk request");
-          if (!frame.fallback.empty()) {
+              frame.chunk_reply ? "refusing the chunk request" : "ending the attach");
+          if (frame.chunk_reply) {
             DropFds(&frame);
-            frame.bytes = std::move(frame.fallback);
-            frame.fallback.clear();
+            frame = RefusedChunkReply();
             continue;
           }
         }
@@ -482,10 +481,13 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     for (size_t i = out_frame_; i < out_.size(); ++i) DropFds(&out_[i]);
   }
 
-  // Bytes sent and not yet read by the peer (with the fds they carry).
-  int UnreadByPeer() {
-    int unread = 0;
-    return ioctl(socket_.native_handle(), SIOCOUTQ, &unread) == 0 ? unread : 0;
+  static OutFrame RefusedChunkReply() {
+    ChunkReply refused;
+    refused.code = StatusCode::kResourceExhausted;
+    refused.message =
+        "memoffloadd cannot pass descriptors now (its uid has too many in flight, over "
+        "RLIMIT_NOFILE); try again";
+    return Frame(EncodeChunkReply(refused));
   }
 
   // The connection is over: reclaim and forget it. A socket whose peer has
@@ -495,19 +497,11 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     closed_ = true;
     CloseSession(CloseReason::kLifelineClosed);
     DropAllFds();
-    if (UnreadByPeer() > 0) {
-      error_code ignored;
-      hello_timer_.cancel();
-      write_timer_.cancel();
-      pidfd_.close(ignored);
-      socket_.cancel(ignored);
-      socket_.shutdown(Socket::shutdown_both, ignored);
-      broker_->Linger(std::move(socket_), peer_);
-      broker_->OnClosed(id_, peer_.uid, /*release_slot=*/false);
-      return;
-    }
-    Shutdown();
-    broker_->OnClosed(id_, peer_.uid);  // may drop the last owner but `self`
+    const bool unread = UnreadBytes(socket_.native_handle()) > 0;
+    Shutdown(/*keep_socket=*/unread);
+    if (unread) broker_->Linger(std::move(socket_), peer_);
+    // May drop the last owner but `self`; a lingering socket keeps its slot.
+    broker_->OnClosed(id_, peer_.uid, /*release_slot=*/!unread);
   }
 
   Broker* broker_;
