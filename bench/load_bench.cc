@@ -182,6 +182,42 @@ bool ServerCpu(const LoadOptions& o, CpuTime* out) {
   return true;
 }
 
+// Adds worker `index`'s report (its lines up to END) to *t. False when its
+// output ended before END.
+bool ReadReport(FILE* from, int index, PhaseTotals* t) {
+  char line[4096];
+  while (std::fgets(line, sizeof line, from) != nullptr) {
+    int m = 0, b = 0;
+    unsigned long a1 = 0, a2 = 0, a3 = 0, a4 = 0;
+    double secs = 0;
+    if (std::sscanf(line, "M %d %lu %lu %lu", &m, &a1, &a2, &a3) == 4 && m >= 0 && m < kMethods) {
+      t->total[m].ops += a1;
+      t->total[m].errors += a2;
+      t->total[m].rejected += a3;
+    } else if (std::sscanf(line, "H %d %d %lu", &m, &b, &a1) == 3 && m >= 0 && m < kMethods &&
+               b >= 0 && b < kBuckets) {
+      t->total[m].histogram[b] += a1;
+    } else if (std::sscanf(line, "S %lu %lu %lu %lf %lu", &a1, &a2, &a3, &secs, &a4) == 5) {
+      t->offloaded_bytes += a1;
+      t->verify_failures += a2;
+      t->cycles += a3;
+      t->write_errors += a4;
+      t->elapsed_max = std::max(t->elapsed_max, secs);
+    } else if (CpuTime c; std::sscanf(line, "C %lf %lf %lf", &c.user, &c.sys, &c.copy) == 3) {
+      t->clients += c;
+    } else if (std::strncmp(line, "E ", 2) == 0) {
+      std::string msg(line + 2);
+      if (!msg.empty() && msg.back() == '\n') msg.pop_back();
+      if (t->messages.size() < 10) {
+        t->messages.push_back("worker " + std::to_string(index) + ": " + msg);
+      }
+    } else if (std::strcmp(line, "END\n") == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Starts o.clients workers, runs them together and merges their reports.
 // Returns false (after a message) when they could not be started.
 bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
@@ -235,42 +271,9 @@ bool RunPhase(const LoadOptions& o, PhaseTotals* t) {
     if (open[i] && write(workers[i].to_child, "d", 1) != 1) open[i] = false;
   }
 
-  MethodStats* total = t->total;
-  uint64_t& offloaded_bytes = t->offloaded_bytes;
-  uint64_t& verify_failures = t->verify_failures;
-  uint64_t& cycles = t->cycles;
-  double& elapsed_max = t->elapsed_max;
-  std::vector<std::string>& messages = t->messages;
   std::vector<bool> ended(o.clients, false);
   for (int i = 0; i < o.clients; ++i) {
-    while (open[i] && std::fgets(line, sizeof line, workers[i].from_child) != nullptr) {
-      int m = 0, b = 0;
-      unsigned long a1 = 0, a2 = 0, a3 = 0, a4 = 0;
-      double secs = 0;
-      if (std::sscanf(line, "M %d %lu %lu %lu", &m, &a1, &a2, &a3) == 4 && m >= 0 && m < kMethods) {
-        total[m].ops += a1;
-        total[m].errors += a2;
-        total[m].rejected += a3;
-      } else if (std::sscanf(line, "H %d %d %lu", &m, &b, &a1) == 3 && m >= 0 && m < kMethods &&
-                 b >= 0 && b < kBuckets) {
-        total[m].histogram[b] += a1;
-      } else if (std::sscanf(line, "S %lu %lu %lu %lf %lu", &a1, &a2, &a3, &secs, &a4) == 5) {
-        offloaded_bytes += a1;
-        verify_failures += a2;
-        cycles += a3;
-        t->write_errors += a4;
-        elapsed_max = std::max(elapsed_max, secs);
-      } else if (CpuTime c; std::sscanf(line, "C %lf %lf %lf", &c.user, &c.sys, &c.copy) == 3) {
-        t->clients += c;
-      } else if (std::strncmp(line, "E ", 2) == 0) {
-        std::string msg(line + 2);
-        if (!msg.empty() && msg.back() == '\n') msg.pop_back();
-        if (messages.size() < 10) messages.push_back("worker " + std::to_string(i) + ": " + msg);
-      } else if (std::strcmp(line, "END\n") == 0) {
-        ended[i] = true;
-        break;
-      }
-    }
+    if (open[i]) ended[i] = ReadReport(workers[i].from_child, i, t);
   }
   // Now they may all exit (their unmapping and the daemon's reclaims
   // after every window and report).
