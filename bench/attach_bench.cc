@@ -1,5 +1,5 @@
 // memoffload-bench attach [--arena-size SIZE] [--write-size SIZE]
-//                         [--attach-samples N] [--json]
+//                         [--attach-samples N] [--hugepages] [--json]
 //
 // Starts the real memoffloadd (the binary next to this one) with a temporary
 // runtime dir, then measures in the same run:
@@ -17,6 +17,9 @@
 //    page) and map_populate_first_write_gbps (MAP_POPULATE of each chunk when
 //    it is mapped), and rewrite_gbps (second write into the same extents).
 // Write measurements run 3 rounds, interleaved; each metric is the median.
+// --hugepages starts the daemon with --hugepages (MFD_HUGETLB chunks); where
+// too few hugepages are free the daemon falls back to 4 KiB pages, and the
+// result says so (hugepage_fallback, from the daemon's log).
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -65,7 +68,7 @@ class Daemon {
   ~Daemon() { Stop(); }
 
   bool Start(const std::string& binary, const std::string& runtime_dir,
-             const std::string& arena_size, const std::string& log_path) {
+             const std::string& arena_size, const std::string& log_path, bool hugepages) {
     pid_ = fork();
     if (pid_ < 0) return false;
     if (pid_ == 0) {
@@ -77,7 +80,8 @@ class Daemon {
       const std::string dir_flag = "--runtime-dir=" + runtime_dir;
       const std::string size_flag = "--arena-size=" + arena_size;
       execl(binary.c_str(), binary.c_str(), dir_flag.c_str(), size_flag.c_str(),
-            "--metrics-address=none", static_cast<char*>(nullptr));
+            "--metrics-address=none", hugepages ? "--hugepages" : "--log-level=info",
+            static_cast<char*>(nullptr));
       _exit(127);
     }
     return true;
@@ -154,9 +158,23 @@ Result<WriteResult> MeasureWrites(client::AttachOptions options, uint64_t bytes,
   return result;
 }
 
+// Whether the daemon's log says --hugepages fell back to 4 KiB pages.
+bool LogSaysHugepageFallback(const std::string& log_path) {
+  FILE* f = std::fopen(log_path.c_str(), "r");
+  if (f == nullptr) return false;
+  char line[1024];
+  bool fallback = false;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    if (std::strstr(line, "--hugepages: using normal pages") != nullptr) fallback = true;
+  }
+  std::fclose(f);
+  return fallback;
+}
+
 // Everything after the daemon is up; returns the exit code.
 int MeasureAll(const client::AttachOptions& options, const std::string& scratch_dir,
-               int attach_samples, uint64_t arena_bytes, uint64_t write_bytes, bool json) {
+               int attach_samples, uint64_t arena_bytes, uint64_t write_bytes, bool json,
+               bool hugepages, bool hugepage_fallback) {
   Result<AttachLatency> latency = MeasureAttachLatency(options, scratch_dir, attach_samples);
   if (!latency.ok()) {
     std::fprintf(stderr, "attach: %s\n", latency.status().ToString().c_str());
@@ -216,13 +234,18 @@ int MeasureAll(const client::AttachOptions& options, const std::string& scratch_
         "\"attach_floor_ms\":%.4f,\"attach_floor_p99_ms\":%.4f,\"attach_floor_ratio\":%.1f,"
         "\"first_write_gbps\":%.3f,\"prefaulted_memcpy_gbps\":%.3f,"
         "\"fresh_private_write_gbps\":%.3f,\"ratio\":%.3f,\"rewrite_gbps\":%.3f,"
-        "\"lazy_first_write_gbps\":%.3f,\"map_populate_first_write_gbps\":%.3f}\n",
+        "\"lazy_first_write_gbps\":%.3f,\"map_populate_first_write_gbps\":%.3f,"
+        "\"hugepages\":%s,\"hugepage_fallback\":%s}\n",
         static_cast<unsigned long long>(arena_bytes), static_cast<unsigned long long>(write_bytes),
         a.samples, a.p50_ms, a.p99_ms, a.call_p50_ms, a.floor_p50_ms, a.floor_p99_ms,
         a.p50_ms / a.floor_p50_ms, first_write, prefaulted, fresh_private, first_write / prefaulted,
-        Median(rewrite_v), Median(lazy_v), Median(populate_v));
+        Median(rewrite_v), Median(lazy_v), Median(populate_v), hugepages ? "true" : "false",
+        hugepage_fallback ? "true" : "false");
   } else {
-    std::printf("arena %s, writes of %s\n", FormatSize(arena_bytes).c_str(),
+    std::printf("arena %s%s, writes of %s\n", FormatSize(arena_bytes).c_str(),
+                !hugepages          ? ""
+                : hugepage_fallback ? " (--hugepages, fell back to 4 KiB pages)"
+                                    : " on hugepages",
                 FormatSize(write_bytes).c_str());
     std::printf(
         "attach to the first writable extent: p50 %.3f ms, p99 %.3f ms (%d samples; Attach "
@@ -241,17 +264,19 @@ int MeasureAll(const client::AttachOptions& options, const std::string& scratch_
 void PrintUsage() {
   std::fprintf(stderr,
                "usage: memoffload-bench attach [--arena-size SIZE] [--write-size SIZE]\n"
-               "                               [--attach-samples N] [--json]\n"
+               "                               [--attach-samples N] [--hugepages] [--json]\n"
                "Starts memoffloadd (next to this binary) with a temporary runtime dir and\n"
                "measures attach latency (p50/p99 of N, next to a raw Unix-socket floor) and\n"
                "first-write bandwidth next to private-memory baselines. Defaults: 4GiB arena,\n"
-               "write min(arena/4, 1GiB), 200 attach samples.\n");
+               "write min(arena/4, 1GiB), 200 attach samples. --hugepages: the daemon's\n"
+               "arena on hugepages (it falls back to 4 KiB pages, and says so, without).\n");
 }
 
 }  // namespace
 
 int RunAttachBench(int argc, char** argv) {
   bool json = false;
+  bool hugepages = false;
   uint64_t arena_bytes = 4 * kGiB;
   uint64_t write_bytes = 0;
   int attach_samples = 200;
@@ -259,6 +284,8 @@ int RunAttachBench(int argc, char** argv) {
     const char* a = argv[i];
     if (std::strcmp(a, "--json") == 0) {
       json = true;
+    } else if (std::strcmp(a, "--hugepages") == 0) {
+      hugepages = true;
     } else if ((std::strcmp(a, "--arena-size") == 0 || std::strcmp(a, "--write-size") == 0) &&
                i + 1 < argc) {
       Result<uint64_t> r = ParseSize(argv[++i]);
@@ -307,7 +334,7 @@ int RunAttachBench(int argc, char** argv) {
   int rc = 1;
   {
     Daemon daemon;
-    if (!daemon.Start(binary, runtime_dir, std::to_string(arena_bytes), log_path)) {
+    if (!daemon.Start(binary, runtime_dir, std::to_string(arena_bytes), log_path, hugepages)) {
       std::fprintf(stderr, "attach: fork failed\n");
       cleanup();
       return 1;
@@ -335,7 +362,8 @@ int RunAttachBench(int argc, char** argv) {
       return 1;
     }
 
-    rc = MeasureAll(options, scratch, attach_samples, arena_bytes, write_bytes, json);
+    rc = MeasureAll(options, scratch, attach_samples, arena_bytes, write_bytes, json, hugepages,
+                    hugepages && LogSaysHugepageFallback(log_path));
   }
   cleanup();
   return rc;
