@@ -11,7 +11,14 @@ Prints one JSON object per line:
 2. overlap: a matmul loop alone, arena D2H copies alone, and both at once.
    overlap = (compute + copies - both) / min(compute, copies): 1 when the
    copies hide entirely behind compute, 0 when they run one after the other.
-3. step: training step time and peak device memory of a small Llama-like
+3. register: in a new process, the first offload through a fresh session
+   with the CUDA engine (attach, and registration of the one arena chunk
+   it lands in with cuMemHostRegister) next to the same with the host engine
+   (attach alone); the difference per GiB of chunk is the registration's
+   cost, next to cudaHostAlloc (torch.empty(pin_memory=True)),
+   pin_memory() of a pageable tensor and cudaHostRegister of faulted pageable
+   memory, all of one chunk's bytes, in that same process.
+4. step: training step time and peak device memory of a small Llama-like
    decoder (RMSNorm, rotary-free attention through scaled_dot_product_attention,
    SwiGLU MLP, bf16) without offload, with offload_layers, and with a per-rank
    pinned pool (torch.autograd.graph.save_on_cpu(pin_memory=True): what
@@ -106,6 +113,72 @@ def bench_copies(dev: Device, off, nbytes: int, rounds: int) -> dict:
     row["d2h_arena_vs_pinned"] = gbps["d2h_arena_gbps"] / gbps["d2h_pinned_gbps"]
     row["h2d_arena_vs_pinned"] = gbps["h2d_arena_gbps"] / gbps["h2d_pinned_gbps"]
     return row
+
+
+def register_probe(runtime_dir: str, chunk_bytes: int, cuda: bool) -> dict:
+    """Runs in a process of its own (--register-probe): see the file comment."""
+    from memoffload import _C
+
+    if cuda:
+        torch.zeros(1, device="cuda")  # the context exists before anything is timed
+    tiny = torch.ones(1024, device="cuda" if cuda else "cpu")
+    stream = torch.cuda.current_stream().cuda_stream if cuda else 0
+    first = {}
+    for engine in ("host", "cuda"):
+        off = _C.GroupOffloader(runtime_dir=runtime_dir, job_id="gpu-bench-register",
+                                use_cuda=engine == "cuda")
+        start = time.perf_counter()
+        off.offload_group(1, [tiny], stream)
+        off.flush()
+        if cuda:
+            torch.cuda.synchronize()
+        first[engine] = time.perf_counter() - start
+        stats = off.stats()
+        off.release_group(1)
+        off.flush()
+        first[engine + "_engine"] = stats["engine"]
+        del off
+    gib = chunk_bytes / 2**30
+    row = {"bench": "gpu_register", "chunk_bytes": chunk_bytes,
+           "attach_s": first["host"], "attach_register_s": first["cuda"],
+           "engines": [first["host_engine"], first["cuda_engine"]],
+           "register_s_per_gib": max(0.0, first["cuda"] - first["host"]) / gib}
+    if cuda:
+        def time_it(fn):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            return time.perf_counter() - t, out
+
+        row["cuda_host_alloc_s_per_gib"] = time_it(
+            lambda: torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True))[0] / gib
+        pageable = torch.ones(chunk_bytes, dtype=torch.uint8)  # faulted
+        row["pin_memory_s_per_gib"] = time_it(lambda: pageable.pin_memory())[0] / gib
+        cudart = torch.cuda.cudart()
+        seconds, err = time_it(lambda: cudart.cudaHostRegister(pageable.data_ptr(), chunk_bytes, 0))
+        row["cuda_host_register_s_per_gib"] = seconds / gib if int(err) == 0 else None
+        if int(err) == 0:
+            cudart.cudaHostUnregister(pageable.data_ptr())
+        row["register_vs_cuda_host_register"] = (
+            row["register_s_per_gib"] / row["cuda_host_register_s_per_gib"]
+            if row["cuda_host_register_s_per_gib"] else None)
+    return row
+
+
+def bench_register(dev: Device, runtime_dir: str) -> dict:
+    """register_probe in a new process (a fresh CUDA context, no mapping yet)."""
+    import subprocess
+
+    import memoffload.torch as mot
+
+    chunk = int(mot.daemon_status(runtime_dir)["chunk_size_bytes"])
+    args = [sys.executable, os.path.abspath(__file__), "--register-probe", runtime_dir,
+            str(chunk)] + ([] if dev.cuda else ["--cpu-smoke"])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"gpu_bench: the registration probe failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def bench_overlap(dev: Device, off, nbytes: int, dim: int, rounds: int) -> dict:
@@ -242,7 +315,13 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer rounds and steps")
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="run on the CPU with tiny sizes (tests the script only)")
+    parser.add_argument("--register-probe", nargs=2, metavar=("RUNTIME_DIR", "CHUNK_BYTES"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.register_probe:
+        emit(register_probe(args.register_probe[0], int(args.register_probe[1]),
+                            cuda=not args.cpu_smoke))
+        return 0
     if not args.cpu_smoke and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device (torch.cuda.is_available() is False): nothing measured",
               file=sys.stderr)
@@ -269,6 +348,7 @@ def main() -> int:
                   "torch": torch.__version__, "engine": off.stats()["engine"]})
             for nbytes in ([1 << 20] if small else [64 << 20, 512 << 20]):
                 emit(bench_copies(dev, off, nbytes, rounds))
+            emit(bench_register(dev, runtime_dir))
             emit(bench_overlap(dev, off, (1 << 20) if small else (256 << 20),
                                64 if small else 8192, rounds))
             emit(bench_step(dev, runtime_dir, shape, 2 if small else (5 if args.quick else 10)))

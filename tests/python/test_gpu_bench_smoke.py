@@ -28,7 +28,11 @@ def test_cpu_smoke_prints_every_figure_next_to_its_baseline():
                        timeout=600)
     assert r.returncode == 0, r.stderr
     rows = {row["bench"]: row for row in map(json.loads, r.stdout.splitlines())}
-    assert set(rows) == {"gpu_info", "gpu_copies", "gpu_overlap", "gpu_step"}, rows
+    assert set(rows) == {"gpu_info", "gpu_copies", "gpu_register", "gpu_overlap", "gpu_step"}, rows
+    register = rows["gpu_register"]
+    assert register["attach_s"] > 0 and register["attach_register_s"] > 0, register
+    assert register["engines"] == ["host", "host"], register  # no CUDA device here
+    assert register["register_s_per_gib"] >= 0, register
     for direction in ("d2h", "h2d"):
         for path in ("arena", "pinned", "pageable"):
             assert rows["gpu_copies"][f"{direction}_{path}_gbps"] > 0
