@@ -13,10 +13,11 @@ DEPS_BUILD=(
 # Headers for the Python extension. Torch itself, pytest and transformers come
 # from PyPI into the project's virtual environment (scripts/venv.sh).
 DEPS_TORCH=(python3-dev pybind11-dev)
-# Tests and benchmarks.
+# Tests and benchmarks; patchelf for the GPU kit (scripts/gpu-kit.sh).
 DEPS_TEST=(ccache ninja-build googletest libgtest-dev libgmock-dev libbenchmark-dev prometheus curl
   yamllint systemd strace python3-yaml
-  clang-14 libclang-rt-14-dev)
+  clang-14 libclang-rt-14-dev
+  patchelf)
 # The container tests (CTest label container, tests/deploy/test_container.py
 # and test_systemd_boot.py): podman with runc (crun fails on hybrid cgroups),
 # and debootstrap for the base image, since no registry is reachable.
