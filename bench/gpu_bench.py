@@ -18,7 +18,12 @@ Prints one JSON object per line:
    cost, next to cudaHostAlloc (torch.empty(pin_memory=True)),
    pin_memory() of a pageable tensor and cudaHostRegister of faulted pageable
    memory, all of one chunk's bytes, in that same process.
-4. step: training step time and peak device memory of a small Llama-like
+4. checkpoint: dcp.save and dcp.load (one process, no process group) of a
+   state dict on the device through memoffload.torch.checkpoint (copies
+   straight between the device and the region) next to FileSystemWriter /
+   FileSystemReader into a temporary directory on local disk (warm page
+   cache: what a restart on the same node reads), GB/s of the state's bytes.
+5. step: training step time and peak device memory of a small Llama-like
    decoder (RMSNorm, rotary-free attention through scaled_dot_product_attention,
    SwiGLU MLP, bf16) without offload, with offload_layers, and with a per-rank
    pinned pool (torch.autograd.graph.save_on_cpu(pin_memory=True): what
@@ -39,6 +44,7 @@ import json
 import os
 import statistics
 import sys
+import shutil
 import tempfile
 import time
 
@@ -137,32 +143,45 @@ def register_probe(runtime_dir: str, chunk_bytes: int, cuda: bool) -> dict:
         off.release_group(1)
         off.flush()
         first[engine + "_engine"] = stats["engine"]
+        if engine == "cuda":
+            first["unpinned"] = stats["unpinned_bytes"]
         del off
     gib = chunk_bytes / 2**30
     row = {"bench": "gpu_register", "chunk_bytes": chunk_bytes,
            "attach_s": first["host"], "attach_register_s": first["cuda"],
            "engines": [first["host_engine"], first["cuda_engine"]],
            "register_s_per_gib": max(0.0, first["cuda"] - first["host"]) / gib}
+    row["unpinned_bytes"] = first["unpinned"]
     if cuda:
-        def time_it(fn):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn()
-            torch.cuda.synchronize()
-            return time.perf_counter() - t, out
+        # The baselines, each of one chunk's bytes; one that fails is
+        # recorded as such and does not cost the figures above.
+        def per_gib(name, fn):
+            try:
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                row[f"{name}_s_per_gib"] = (time.perf_counter() - t) / gib
+            except Exception as e:  # recorded in the row, never hidden
+                row[f"{name}_s_per_gib"] = None
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"
 
-        row["cuda_host_alloc_s_per_gib"] = time_it(
-            lambda: torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True))[0] / gib
-        pageable = torch.ones(chunk_bytes, dtype=torch.uint8)  # faulted
-        row["pin_memory_s_per_gib"] = time_it(lambda: pageable.pin_memory())[0] / gib
+        per_gib("cuda_host_alloc",
+                lambda: torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True))
+        pageable = torch.ones(chunk_bytes, dtype=torch.uint8)  # faulted, like the arena
+        per_gib("pin_memory", lambda: pageable.pin_memory())
         cudart = torch.cuda.cudart()
-        seconds, err = time_it(lambda: cudart.cudaHostRegister(pageable.data_ptr(), chunk_bytes, 0))
-        row["cuda_host_register_s_per_gib"] = seconds / gib if int(err) == 0 else None
-        if int(err) == 0:
+
+        def register():
+            err = cudart.cudaHostRegister(pageable.data_ptr(), chunk_bytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister returned {err}")
+
+        per_gib("cuda_host_register", register)
+        if row["cuda_host_register_s_per_gib"] is not None:
             cudart.cudaHostUnregister(pageable.data_ptr())
-        row["register_vs_cuda_host_register"] = (
-            row["register_s_per_gib"] / row["cuda_host_register_s_per_gib"]
-            if row["cuda_host_register_s_per_gib"] else None)
+            row["register_vs_cuda_host_register"] = (
+                row["register_s_per_gib"] / row["cuda_host_register_s_per_gib"])
     return row
 
 
@@ -179,6 +198,53 @@ def bench_register(dev: Device, runtime_dir: str) -> dict:
     if r.returncode != 0:
         raise SystemExit(f"gpu_bench: the registration probe failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def bench_checkpoint(dev: Device, runtime_dir: str, nbytes: int, tensors: int, rounds: int) -> dict:
+    import uuid
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
+
+    gen = torch.Generator().manual_seed(7)
+    each = nbytes // tensors // 2  # bf16 elements
+    state = {f"t{i}": torch.randn(each, generator=gen).to(torch.bfloat16).to(dev.torch)
+             for i in range(tensors)}
+    back = {k: torch.empty_like(v) for k, v in state.items()}
+    job = f"gpu-bench-{uuid.uuid4().hex[:8]}"
+    kw = dict(job_id=job, runtime_dir=runtime_dir)
+    times = {"save_arena": [], "load_arena": [], "save_disk": [], "load_disk": []}
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as disk, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "single process" from DCP
+        writer = MemoffloadWriter(keep_last=1, fallback_dir=os.path.join(disk, "fallback"), **kw)
+        for r in range(rounds):
+            times["save_arena"].append(timed(dev, lambda: dcp.save(
+                state, storage_writer=writer, checkpoint_id=f"r{r}", no_dist=True)))
+            reader = MemoffloadReader(fallback_dir=os.path.join(disk, "fallback"), **kw)
+            times["load_arena"].append(timed(dev, lambda: dcp.load(
+                back, storage_reader=reader, checkpoint_id=f"r{r}", no_dist=True)))
+            mode = (writer.last_mode, reader.last_mode)
+            if mode != ("daemon", "daemon") or not all(torch.equal(back[k], v) for k, v in state.items()):
+                raise SystemExit(f"gpu_bench: the checkpoint through the daemon failed ({mode})")
+            path = os.path.join(disk, f"fs{r}")
+            times["save_disk"].append(timed(dev, lambda: dcp.save(
+                state, storage_writer=dcp.FileSystemWriter(path), no_dist=True)))
+            times["load_disk"].append(timed(dev, lambda: dcp.load(
+                back, storage_reader=dcp.FileSystemReader(path), no_dist=True)))
+            shutil.rmtree(path)
+        s, _ = store.attach(runtime_dir, job, -1, True)
+        for info in store.stored_checkpoints(s).values():
+            store.delete_checkpoint(s, info)
+        store.forget_all()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    size = sum(v.numel() * v.element_size() for v in state.values())
+    row = {"bench": "gpu_checkpoint", "bytes": size, "tensors": tensors, "rounds": rounds,
+           **{f"{k}_gbps": size / v / 1e9 for k, v in med.items()}}
+    row["save_arena_vs_disk"] = med["save_disk"] / med["save_arena"]
+    row["load_arena_vs_disk"] = med["load_disk"] / med["load_arena"]
+    return row
 
 
 def bench_overlap(dev: Device, off, nbytes: int, dim: int, rounds: int) -> dict:
@@ -349,6 +415,8 @@ def main() -> int:
             for nbytes in ([1 << 20] if small else [64 << 20, 512 << 20]):
                 emit(bench_copies(dev, off, nbytes, rounds))
             emit(bench_register(dev, runtime_dir))
+            emit(bench_checkpoint(dev, runtime_dir, (8 << 20) if small else (2 << 30),
+                                  4 if small else 32, rounds))
             emit(bench_overlap(dev, off, (1 << 20) if small else (256 << 20),
                                64 if small else 8192, rounds))
             emit(bench_step(dev, runtime_dir, shape, 2 if small else (5 if args.quick else 10)))

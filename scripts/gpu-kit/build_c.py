@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 
@@ -72,9 +73,17 @@ def main() -> int:
     seconds = time.monotonic() - start
     built = os.path.join(build_dir, "_C.so")
     shutil.copy2(built, os.path.join(package, "_C.so"))
-    # The copy in the package must load as memoffload._C, with its libraries.
-    sys.path.insert(0, os.path.dirname(package))
-    import memoffload._C as c  # noqa: F401
+    # The copy in the package must load as memoffload._C, with its libraries,
+    # in a fresh interpreter (this one has loaded the build's copy), after
+    # torch (whose libraries it links), as memoffload.torch imports it.
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(package))
+    check = subprocess.run([sys.executable, "-c", "import torch, memoffload._C as c; print(c.__file__)"],
+                           env=env, capture_output=True, text=True)
+    if check.returncode != 0 or os.path.realpath(check.stdout.strip()) != os.path.realpath(
+            os.path.join(package, "_C.so")):
+        print(f"build_c: memoffload._C does not import from {package}:\n{check.stdout}{check.stderr}",
+              file=sys.stderr)
+        return 1
 
     print(json.dumps({"step": "build_info", "sources": len(sources), "seconds": round(seconds, 1),
                       "torch": torch.__version__, "python": sys.version.split()[0],

@@ -22,7 +22,7 @@
 # (where _C is built; default KIT/work), MEMOFFLOAD_KIT_ARENA (the bench
 # daemon's arena; default 24GiB with a GPU, 256MiB without).
 set -uo pipefail
-KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+KIT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd -P)
 usage() { echo "usage: $0 OUTDIR [--only build|tests|bench]" >&2; exit 2; }
 [[ $# -ge 1 ]] || usage
 OUT=$1

@@ -29,7 +29,7 @@ def main() -> int:
                 except json.JSONDecodeError:
                     pass
     machine = next((r for r in rows if r.get("step") == "machine"), {})
-    device = machine.get("device") or "no CUDA device"
+    device = machine.get("device") or "no CUDA device (cpu smoke: the figures mean nothing)"
     parts = [f"memoffload gpu kit: {device}, driver {machine.get('driver') or '?'}, "
              f"torch {machine.get('torch', '?')}, python {machine.get('python', '?')}"]
     steps = [f"{r['step']} {r['status']} ({r['seconds']}s)" for r in rows if "status" in r
@@ -48,6 +48,9 @@ def main() -> int:
                            f"offload/save_on_cpu {fmt(r.get('offload_vs_pinned_pool'))}")
         elif bench == "gpu_register":
             figures.append(f"registration {fmt(r.get('register_s_per_gib'), 3)} s/GiB")
+        elif bench == "gpu_checkpoint":
+            figures.append(f"checkpoint vs disk save {fmt(r.get('save_arena_vs_disk'))} "
+                           f"load {fmt(r.get('load_arena_vs_disk'))}")
         elif bench == "attach":
             figures.append(f"attach first write{' (hugepages)' if r.get('hugepages') else ''} "
                            f"{fmt(r.get('ratio'))}x memcpy")

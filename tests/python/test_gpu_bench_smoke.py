@@ -28,7 +28,12 @@ def test_cpu_smoke_prints_every_figure_next_to_its_baseline():
                        timeout=600)
     assert r.returncode == 0, r.stderr
     rows = {row["bench"]: row for row in map(json.loads, r.stdout.splitlines())}
-    assert set(rows) == {"gpu_info", "gpu_copies", "gpu_register", "gpu_overlap", "gpu_step"}, rows
+    assert set(rows) == {"gpu_info", "gpu_copies", "gpu_register", "gpu_checkpoint", "gpu_overlap",
+                         "gpu_step"}, rows
+    ckpt = rows["gpu_checkpoint"]
+    for key in ("save_arena", "load_arena", "save_disk", "load_disk"):
+        assert ckpt[f"{key}_gbps"] > 0, ckpt
+    assert ckpt["bytes"] == 8 << 20 and ckpt["save_arena_vs_disk"] > 0, ckpt
     register = rows["gpu_register"]
     assert register["attach_s"] > 0 and register["attach_register_s"] > 0, register
     assert register["engines"] == ["host", "host"], register  # no CUDA device here
