@@ -1,5 +1,6 @@
 """One rank of a real FSDP run on CPU (gloo), started by mp.spawn from
-test_fsdp.py and bench/torch_recipes_bench.py.
+test_fsdp.py and bench/torch_recipes_bench.py; on a GPU (NCCL, FSDP2 only)
+from test_gpu_training.py.
 
 Each rank builds the same small decoder stack twice from one seed, shards both
 the same way (FSDP2 ``fully_shard`` or FSDP1 ``FullyShardedDataParallel`` with
@@ -84,9 +85,11 @@ def run(
     steps: int,
     offload: bool = True,
     shape: Tuple[int, int, int, int] = (3, 32, 2, 16),
+    device: str = "cpu",
 ) -> None:
     """mp.spawn entry: one process group, then each of ``kinds`` in turn
-    (one interpreter start for all of them: that is most of the time)."""
+    (one interpreter start for all of them: that is most of the time).
+    ``device`` "cuda": NCCL, rank r on GPU r (FSDP2 only)."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -95,12 +98,18 @@ def run(
         MEMOFFLOAD_JOB_ID=job_id,
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for kind in kinds:
             result: Dict[str, Any] = {"kind": kind, "rank": rank, "mismatches": [], "step_seconds": []}
             try:
-                _train(rank, world_size, kind, runtime_dir, bin_dir, steps, offload, shape, result)
+                _train(rank, world_size, kind, runtime_dir, bin_dir, steps, offload, shape, result,
+                       device)
             finally:
                 Path(out_dir, f"{kind}-rank{rank}.json").write_text(json.dumps(result, default=str))
     finally:
@@ -117,13 +126,14 @@ def _train(
     offload: bool,
     shape: Tuple[int, int, int, int],
     result: Dict[str, Any],
+    device: str = "cpu",
 ) -> None:
     """``shape``: layers, hidden size, batch, sequence length."""
     import memoffload.torch as mot
 
     torch.manual_seed(0)
     layers, dim, batch_size, seq = shape
-    base = DecoderStack(layers=layers, dim=dim, heads=4)
+    base = DecoderStack(layers=layers, dim=dim, heads=4).to(device)
     model = _shard(copy.deepcopy(base), kind)
     ref = _shard(base, kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -137,7 +147,7 @@ def _train(
     mismatches = result["mismatches"]
     for step in range(steps):
         gen = torch.Generator().manual_seed(1000 + step * world_size + rank)
-        batch = torch.randint(0, 97, (batch_size, seq), generator=gen)
+        batch = torch.randint(0, 97, (batch_size, seq), generator=gen).to(device)
         times = []
         for m in (model, ref):
             start = time.perf_counter()
@@ -170,6 +180,7 @@ def _train(
                 result["sessions_during"] = sessions(bin_dir, runtime_dir)
             dist.barrier()
     if handle is not None:
+        handle.flush()
         result["stats"] = handle.stats()
         handle.remove()
         handle.flush()
