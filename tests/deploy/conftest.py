@@ -16,6 +16,8 @@ _TIMINGS = cc.Timings()
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "container: builds and runs images with podman (CTest label container)")
+    config.addinivalue_line(
+        "markers", "gpukit: the GPU kit in a bare stand-in image (CTest label gpukit)")
 
 
 def pytest_terminal_summary(terminalreporter):
