@@ -3,6 +3,8 @@
 // computing each extent's CRC32C as it copies (on the bytes just written,
 // while they are in cache), and commits it; a RegionReader copies bytes out
 // of a committed region, checking its checksums at open or as it reads.
+// A tensor on a device (CUDA) is copied straight from the device into the
+// region's mapping, extent by extent, with no host copy in between.
 // Copies and RPCs release the GIL.
 #include "python_regions.h"
 
@@ -28,24 +30,32 @@ using client::Client;
 // after it is written, while it is still in the cache.
 constexpr uint64_t kCopyPiece = 256 << 10;
 
-// The bytes of a contiguous CPU tensor or of a C-contiguous buffer object;
-// holds the buffer (or the tensor) while the copy runs.
+// The bytes of a contiguous tensor (CPU, or CUDA for writes) or of a
+// C-contiguous buffer object; holds the buffer (or the tensor) while the copy
+// runs. data() is null for a device tensor: its bytes are device_bytes().
 class Bytes {
  public:
-  explicit Bytes(const py::handle& obj) {
+  explicit Bytes(const py::handle& obj, bool device_ok = false) {
     if (THPVariable_Check(obj.ptr())) {
       tensor_ = THPVariable_Unpack(obj.ptr());
-      if (!tensor_.device().is_cpu()) {
-        Raise(InvalidArgument("only CPU tensors can be copied into a region; got one on " +
-                              tensor_.device().str() + " (move it to the CPU first)"));
+      const bool on_cpu = tensor_.device().is_cpu();
+      if (!on_cpu && !(device_ok && tensor_.device().is_cuda())) {
+        Raise(InvalidArgument(std::string("only CPU ") + (device_ok ? "or CUDA " : "") +
+                              "tensors can be copied " + (device_ok ? "into" : "out of") +
+                              " a region; got one on " + tensor_.device().str() +
+                              " (move it to the CPU first)"));
       }
       if (!tensor_.is_contiguous()) {
         Raise(
             InvalidArgument("only contiguous tensors can be copied into a region (call "
                             ".contiguous() first)"));
       }
-      data_ = static_cast<uint8_t*>(tensor_.data_ptr());
       size_ = tensor_.nbytes();
+      if (on_cpu) {
+        data_ = static_cast<uint8_t*>(tensor_.data_ptr());
+      } else if (size_ != 0) {
+        device_bytes_ = tensor_.reshape({-1}).view(at::kByte);
+      }
       return;
     }
     if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS) != 0) {
@@ -62,9 +72,12 @@ class Bytes {
   Bytes& operator=(const Bytes&) = delete;
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
+  // The device tensor's bytes as a flat uint8 tensor (undefined otherwise).
+  const at::Tensor& device_bytes() const { return device_bytes_; }
 
  private:
   at::Tensor tensor_;
+  at::Tensor device_bytes_;
   Py_buffer view_{};
   bool has_view_ = false;
   uint8_t* data_ = nullptr;
@@ -92,7 +105,7 @@ class RegionWriter {
 
   uint64_t Append(const py::handle& obj) {
     if (state_ != State::kOpen) Raise(FailedPrecondition("region " + name_ + " is " + StateName()));
-    Bytes bytes(obj);
+    Bytes bytes(obj, /*device_ok=*/true);
     if (bytes.size() > reservation_.reserved_bytes - written_) {
       Raise(Status(StatusCode::kOutOfRange,
                    "appending " + std::to_string(bytes.size()) + " bytes to region " + name_ +
@@ -103,7 +116,7 @@ class RegionWriter {
     Status st;
     {
       py::gil_scoped_release release;
-      st = Copy(bytes.data(), bytes.size());
+      st = Copy(bytes, bytes.size());
     }
     Check(st);
     return at;
@@ -151,8 +164,12 @@ class RegionWriter {
   }
 
   // Appends at written_, extent by extent, checksumming each piece just
-  // written into its extent's running CRC.
-  Status Copy(const uint8_t* src, uint64_t length) {
+  // written into its extent's running CRC. A device tensor's bytes are copied
+  // once per extent straight into the mapping (a synchronous device-to-host
+  // copy), then checksummed piece by piece.
+  Status Copy(const Bytes& bytes, uint64_t length) {
+    const uint8_t* src = bytes.data();
+    uint64_t from = 0;  // into a device tensor's bytes
     const std::vector<Extent>& extents = reservation_.extents;
     if (crc_.size() != extents.size()) crc_.assign(extents.size(), 0);
     uint64_t start = 0;  // of extent i in the region's byte stream
@@ -161,23 +178,40 @@ class RegionWriter {
       if (written_ >= end) continue;
       const uint64_t in_extent = written_ - start;
       const uint64_t n = std::min(length, extents[i].length - in_extent);
+      if (src == nullptr) {
+        const Extent whole{extents[i].chunk, extents[i].offset + in_extent, n};
+        uint8_t* dst = client_->Address(whole);
+        if (dst == nullptr) return NotMapped(whole.chunk);
+        try {
+          at::from_blob(dst, {static_cast<int64_t>(n)}, at::TensorOptions().dtype(at::kByte))
+              .copy_(bytes.device_bytes().narrow(0, static_cast<int64_t>(from),
+                                                 static_cast<int64_t>(n)));
+        } catch (const std::exception& e) {
+          return Internal("region " + name_ + ": copying from the device failed: " + e.what());
+        }
+        from += n;
+      }
       for (uint64_t done = 0; done < n;) {
         const uint64_t k = std::min(kCopyPiece, n - done);
         const Extent piece{extents[i].chunk, extents[i].offset + in_extent + done, k};
         uint8_t* dst = client_->Address(piece);
-        if (dst == nullptr) {
-          return Internal("region " + name_ + ": chunk " + std::to_string(piece.chunk) +
-                          " is not mapped in this process");
+        if (dst == nullptr) return NotMapped(piece.chunk);
+        if (src != nullptr) {
+          std::memcpy(dst, src, k);
+          src += k;
         }
-        std::memcpy(dst, src, k);
         if (checksums_) crc_[i] = Crc32c(dst, k, crc_[i]);
-        src += k;
         done += k;
       }
       written_ += n;
       length -= n;
     }
     return Status::Ok();
+  }
+
+  Status NotMapped(uint32_t chunk) const {
+    return Internal("region " + name_ + ": chunk " + std::to_string(chunk) +
+                    " is not mapped in this process");
   }
 
   std::shared_ptr<Client> client_;

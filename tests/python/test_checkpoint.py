@@ -372,3 +372,33 @@ def test_checkpoints_do_not_survive_a_daemon_restart_and_the_writer_reattaches(o
             for info in _checkpoint_store.stored_checkpoints(s).values():
                 _checkpoint_store.delete_checkpoint(s, info)
         _checkpoint_store.forget_all()
+
+
+def test_a_region_takes_cpu_and_cuda_tensors_and_refuses_others_with_invalid_argument(region_daemon):
+    """RegionWriter.append copies a CPU tensor, or a CUDA one straight from the
+    device (test_gpu_training.py); a tensor on any other device is refused
+    with INVALID_ARGUMENT naming it, and nothing is written. read_into takes
+    CPU tensors only."""
+    import memoffload
+    from memoffload import _C
+
+    job = f"dev-{uuid.uuid4().hex[:8]}"
+    JOBS.append(job)
+    store = _C.RegionStore(runtime_dir=region_daemon.runtime_dir, job_id=job, rank=0,
+                           checksums=True, rpc_timeout_ms=10000)
+    writer = store.create("r", 64, 60)
+    with pytest.raises(memoffload.InvalidArgument, match="CPU or CUDA tensors .* got one on meta"):
+        writer.append(torch.empty(4, device="meta"))
+    assert writer.written == 0
+    data = torch.arange(16, dtype=torch.float32)
+    assert writer.append(data) == 0
+    writer.commit()
+    reader = store.open("r")
+    with pytest.raises(memoffload.InvalidArgument, match="only CPU tensors .* out of a region"):
+        reader.read_into(0, torch.empty(16, device="meta"))
+    back = torch.empty(16)
+    reader.read_into(0, back)
+    assert torch.equal(back, data)
+    reader.close()
+    store.delete("r")
+    store.close()

@@ -302,7 +302,10 @@ class MemoffloadWriter(StorageWriter):
                 blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
                 resolved.append((item, blob, len(blob), None, None))
             else:
-                t = data.detach().cpu().contiguous()
+                t = data.detach()
+                # A CUDA tensor is copied from the device straight into the
+                # region (RegionWriter.append); other devices through the CPU.
+                t = t.contiguous() if t.is_cuda else t.cpu().contiguous()
                 resolved.append((item, t, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
         total = sum(r[2] for r in resolved)
         if total == 0:  # nothing (or only empty items): no region (the daemon has no empty ones)
