@@ -27,6 +27,7 @@
 #include "memoffload/daemon/health.h"
 #include "memoffload/daemon/log.h"
 #include "memoffload/daemon/metrics.h"
+#include "memoffload/daemon/metrics_port.h"
 #include "memoffload/daemon/notifier.h"
 #include "memoffload/daemon/runtime_dir_claim.h"
 #include "memoffload/daemon/service.h"
@@ -50,6 +51,8 @@ constexpr int kMaxSyncThreads = 64;
 // Calls one gRPC connection may have open at once (a rank may have a
 // thousand waiting Reserves; a stalled call costs memory, not a thread).
 constexpr int kMaxStreamsPerConnection = 4096;
+// How often a taken metrics port is tried again (metrics_port.h).
+constexpr int kMetricsRetryMs = 5000;
 
 Result<gid_t> ResolveGroup(const std::string& name) {
   if (name.empty()) return static_cast<gid_t>(-1);
@@ -146,7 +149,8 @@ class Daemon {
         argv_(argv),
         grpc_listener_(io_, config_.policy, config_.max_connections,
                        config_.max_connections_per_uid),
-        health_(io_, [this] { return Probe(); }) {}
+        health_(io_, [this] { return Probe(); }),
+        metrics_port_(io_, config_.metrics_address, kMetricsRetryMs) {}
   ~Daemon() { StopServing(); }
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
@@ -217,11 +221,10 @@ class Daemon {
       if (!bound.ok()) return bound.status();
       health_bound_ = *bound;
     }
-    if (!config_.metrics_address.empty()) {
-      Result<std::unique_ptr<prometheus::Exposer>> listening =
-          Metrics::Listen(config_.metrics_address, &metrics_bound_);
-      if (!listening.ok()) return listening.status();
-      exposer_ = std::move(listening).value();
+    // A taken metrics port does not stop the daemon (metrics_port.h).
+    if (!config_.metrics_address.empty() && metrics_port_.TryBind()) {
+      metrics_bound_ = metrics_port_.bound();
+      exposer_ = metrics_port_.take();
     }
     Result<std::string> admin_token = WriteAdminToken(config_.runtime_dir);
     if (!admin_token.ok()) return admin_token.status();
@@ -274,6 +277,14 @@ class Daemon {
         table_.get(), MetricsInfo{DaemonVersion(), arena_->chunk_count(),
                                   arena_->chunk_size_bytes(), arena_->mlocked()});
     if (exposer_ != nullptr) metrics_->Serve(std::move(exposer_));
+    if (!metrics_port_.problem().empty()) {
+      metrics_port_.RetryUntilBound(
+          [this](std::unique_ptr<prometheus::Exposer> exposer, const std::string& bound) {
+            metrics_->Serve(std::move(exposer));
+            metrics_bound_ = bound;
+            service_->SetMetricsAddress(bound);
+          });
+    }
     service_ =
         std::make_unique<OffloadService>(arena_.get(), table_.get(), metrics_.get(),
                                          ServiceInfo{DaemonVersion(), config_.runtime_dir,
@@ -318,7 +329,9 @@ class Daemon {
     MO_LOG_INFO("listening: runtime dir %s", config_.runtime_dir.c_str());
     MO_LOG_INFO("  broker  %s", broker_path_.c_str());
     MO_LOG_INFO("  gRPC    unix:%s", grpc_path_.c_str());
-    MO_LOG_INFO("  metrics %s", metrics_bound_.empty()
+    MO_LOG_INFO("  metrics %s", !metrics_port_.problem().empty()
+                                    ? ("not served: " + metrics_port_.problem()).c_str()
+                                : metrics_bound_.empty()
                                     ? "disabled"
                                     : ("http://" + metrics_bound_ + "/metrics").c_str());
     MO_LOG_INFO("  health  %s", health_bound_.empty()
@@ -331,6 +344,7 @@ class Daemon {
     HealthState state;
     state.draining = table_ != nullptr && table_->draining();
     state.not_ready = grpc_listener_.Problem();
+    state.degraded = metrics_port_.problem();
     return state;
   }
 
@@ -474,6 +488,7 @@ class Daemon {
     region_timer_.cancel();
     drain_timer_.cancel();
     health_.Stop();
+    metrics_port_.Stop();
     if (broker_ != nullptr) broker_->StopAccepting();
     grpc_listener_.Stop();
     if (broker_ != nullptr) broker_->CloseAll();
@@ -501,6 +516,7 @@ class Daemon {
   asio::local::stream_protocol::acceptor broker_acceptor_{io_};
   HealthServer health_;
   std::string health_bound_, metrics_bound_;
+  MetricsPort metrics_port_;
   std::unique_ptr<prometheus::Exposer> exposer_;
   std::string admin_token_;
   ArenaBuildReport report_;

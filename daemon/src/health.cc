@@ -42,7 +42,7 @@ size_t HeadEnd(const std::string& data) {
 }  // namespace
 
 std::string HealthResponse(const std::string& request_head, bool draining,
-                           const std::string& not_ready) {
+                           const std::string& not_ready, const std::string& degraded) {
   const size_t eol = request_head.find('\n');
   if (eol == std::string::npos) return BadRequest();
   std::string line = request_head.substr(0, eol);
@@ -73,6 +73,7 @@ std::string HealthResponse(const std::string& request_head, bool draining,
     if (!not_ready.empty()) {
       return Reply(503, "Service Unavailable", "not ready: " + not_ready + "\n", head_only);
     }
+    if (!degraded.empty()) return Reply(200, "OK", "degraded: " + degraded + "\n", head_only);
     return Reply(200, "OK", "ok\n", head_only);
   }
   return Reply(404, "Not Found", "not found: try /livez, /readyz or /healthz\n", head_only);
@@ -122,8 +123,8 @@ class HealthServer::Connection : public std::enable_shared_from_this<Connection>
         if (self->fd_exhausted_ && state.not_ready.empty()) {
           state.not_ready = "file descriptors exhausted";
         }
-        self->Respond(
-            HealthResponse(self->request_.substr(0, end), state.draining, state.not_ready));
+        self->Respond(HealthResponse(self->request_.substr(0, end), state.draining, state.not_ready,
+                                     state.degraded));
       } else if (self->request_.size() >= kMaxRequestBytes) {
         self->Respond(BadRequest());
       } else {

@@ -50,6 +50,7 @@ OffloadService::OffloadService(const Arena* arena, SessionTable* table, Metrics*
       table_(table),
       metrics_(metrics),
       info_(std::move(info)),
+      metrics_address_(info_.metrics_address),
       started_(Clock::now()),
       config_(config) {}
 
@@ -247,13 +248,21 @@ grpc::ServerUnaryReactor* OffloadService::Drain(grpc::CallbackServerContext* ctx
   return Answered(ctx, Drain(static_cast<grpc::ServerContext*>(nullptr), req, resp));
 }
 
+void OffloadService::SetMetricsAddress(const std::string& address) {
+  std::lock_guard<std::mutex> lock(metrics_address_mu_);
+  metrics_address_ = address;
+}
+
 grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatusRequest*,
                                        v1::GetStatusResponse* resp) {
   const auto start = Clock::now();
   const ArenaSnapshot s = table_->Snapshot();
   resp->set_version(info_.version);
   resp->set_runtime_dir(info_.runtime_dir);
-  resp->set_metrics_address(info_.metrics_address);
+  {
+    std::lock_guard<std::mutex> lock(metrics_address_mu_);
+    resp->set_metrics_address(metrics_address_);
+  }
   resp->set_capacity_bytes(s.capacity_bytes);
   resp->set_used_bytes(s.capacity_bytes - s.free_bytes);
   resp->set_free_bytes(s.free_bytes);

@@ -177,32 +177,69 @@ TEST(RuntimeDir, ExitingDaemonLeavesItsSuccessorsSocketsAlone) {
   }
 }
 
-// A metrics port in use was found only after the whole arena was
-// pre-faulted, and the failed start left its runtime dir behind.
-TEST(RuntimeDir, BusyMetricsPortFailsBeforeTheArenaAndLeavesNoDir) {
-  const int busy = socket(AF_INET, SOCK_STREAM, 0);
+// A listening socket on a free loopback port (the caller closes it; a
+// daemon started later does not inherit it).
+int HoldLoopbackPort(int* port) {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ASSERT_EQ(bind(busy, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
-  ASSERT_EQ(listen(busy, 1), 0);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 1) != 0) {
+    close(fd);
+    return -1;
+  }
   socklen_t len = sizeof(addr);
-  getsockname(busy, reinterpret_cast<sockaddr*>(&addr), &len);
-  const std::string port = std::to_string(ntohs(addr.sin_port));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  *port = ntohs(addr.sin_port);
+  return fd;
+}
 
-  Scratch scratch;
-  const std::string dir = scratch.path() + "/run";
-  std::string out;
-  EXPECT_EQ(
-      RunDaemonToExit(
-          "--runtime-dir " + dir + " --arena-size 64MiB --metrics-address 127.0.0.1:" + port, &out),
-      1)
-      << out;
-  close(busy);
-  EXPECT_NE(out.find("127.0.0.1:" + port), std::string::npos) << out;
-  EXPECT_NE(out.find("--metrics-address none"), std::string::npos) << out;
-  EXPECT_EQ(out.find("building arena"), std::string::npos) << out;
-  EXPECT_FALSE(std::filesystem::exists(dir)) << "a failed start left " << dir;
+// Any local user could keep the daemon from starting by binding its metrics
+// port first (it exited 1 in 10 ms). Now it serves without metrics, says so
+// (log, /readyz "degraded"), and takes the port once it is free.
+TEST(RuntimeDir, ATakenMetricsPortDoesNotStopTheDaemonWhichBindsItOnceFree) {
+  int port = 0, health_port = 0;
+  const int squatter = HoldLoopbackPort(&port);
+  ASSERT_GE(squatter, 0);
+  const int health_probe = HoldLoopbackPort(&health_port);
+  ASSERT_GE(health_probe, 0);
+  close(health_probe);  // free again: the daemon's health endpoint takes it
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  DaemonProcess::Options options;
+  options.metrics_address = address;
+  options.extra_args = {"--health-address=127.0.0.1:" + std::to_string(health_port)};
+  std::string error;
+  auto daemon = DaemonProcess::Start(options, &error);
+  if (daemon == nullptr) close(squatter);
+  ASSERT_NE(daemon, nullptr) << error;
+
+  const std::string log = daemon->Log();
+  EXPECT_NE(log.find("cannot listen for metrics on " + address), std::string::npos) << log;
+  EXPECT_NE(log.find("serving without metrics"), std::string::npos) << log;
+  EXPECT_NE(log.find("metrics not served: metrics port " + address + " is taken"),
+            std::string::npos)
+      << log;
+  std::string ready = HttpGet(health_port, "/readyz");
+  EXPECT_NE(ready.find(" 200 "), std::string::npos) << ready;
+  EXPECT_NE(ready.find("degraded: metrics port " + address + " is taken"), std::string::npos)
+      << ready;
+  EXPECT_EQ(daemon->Status().metrics_address(), "");
+
+  close(squatter);
+  std::string metrics;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (metrics.find("memoffload_arena_capacity_bytes") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    metrics = HttpGet(port, "/metrics");
+  }
+  EXPECT_NE(metrics.find("memoffload_arena_capacity_bytes"), std::string::npos)
+      << "metrics never served on " << address << ": " << metrics << "\n"
+      << daemon->Log();
+  ready = HttpGet(health_port, "/readyz");
+  EXPECT_NE(ready.find("\r\n\r\nok\n"), std::string::npos) << ready;
+  EXPECT_EQ(daemon->Status().metrics_address(), address);
+  EXPECT_NE(daemon->Log().find("metrics: bound " + address), std::string::npos) << daemon->Log();
 }
 
 }  // namespace

@@ -3,7 +3,9 @@
 //
 //   GET /livez    200 "ok" (or "draining"): the event loop runs. Stays 200
 //                 while draining: restarting a draining daemon drops sessions.
-//   GET /readyz   200 "ok" while serving; 503 "draining" while the daemon
+//   GET /readyz   200 "ok" while serving (200 "degraded: <why>" while it
+//                 serves without a part that is not the data plane, e.g. its
+//                 metrics port is taken); 503 "draining" while the daemon
 //                 drains (SIGTERM or memoffloadctl drain), so traffic stops;
 //                 503 "not ready: <why>" while the data plane cannot serve
 //                 (the gRPC socket cannot accept, e.g. out of descriptors).
@@ -39,14 +41,16 @@ namespace memoffload::daemon {
 // The full HTTP response (status line, headers, body) to one request head
 // (the bytes up to and including the blank line), by the rules above.
 // `not_ready` is empty while the data plane serves, else why it does not.
+// `degraded` is empty, or why the daemon serves without some part.
 std::string HealthResponse(const std::string& request_head, bool draining,
-                           const std::string& not_ready = "");
+                           const std::string& not_ready = "", const std::string& degraded = "");
 
-// What the probes report: draining, and why the data plane cannot serve
-// ("" when it can).
+// What the probes report: draining, why the data plane cannot serve ("" when
+// it can), and what it serves without ("" when nothing).
 struct HealthState {
   bool draining = false;
   std::string not_ready;
+  std::string degraded;  // serves, but without this part (e.g. metrics)
 };
 
 class HealthServer {

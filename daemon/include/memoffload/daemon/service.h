@@ -24,7 +24,7 @@ namespace memoffload::daemon {
 struct ServiceInfo {
   std::string version;
   std::string runtime_dir;
-  std::string metrics_address;  // bound address, "" when disabled
+  std::string metrics_address;  // bound address, "" when disabled or not bound yet
   std::string admin_token;      // required by Drain
   uint64_t instance_id = 0;     // random per start
 };
@@ -123,6 +123,9 @@ class OffloadService final : public OffloadServiceBase {
   grpc::Status ListRegions(grpc::ServerContext* ctx, const v1::ListRegionsRequest* req,
                            v1::ListRegionsResponse* resp) override;
 
+  // The metrics address once bound after start (its port was taken then).
+  void SetMetricsAddress(const std::string& address);
+
  private:
   // Converts and records; `start` is when the request arrived.
   grpc::Status Finish(Method method, std::chrono::steady_clock::time_point start,
@@ -135,6 +138,8 @@ class OffloadService final : public OffloadServiceBase {
   SessionTable* table_;
   Metrics* metrics_;
   const ServiceInfo info_;
+  mutable std::mutex metrics_address_mu_;
+  std::string metrics_address_;  // guarded by metrics_address_mu_
   const std::chrono::steady_clock::time_point started_;
   mutable std::mutex config_mu_;
   DaemonConfig config_;  // guarded by config_mu_
