@@ -115,11 +115,14 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
     if ((st.st_mode & 077) != 0) {
       return PermissionDenied(Refused(where + " has mode " + Octal(st.st_mode) +
                                       ": a per-user runtime dir must be 0700 (chmod 0700 " + shown +
-                                      ", or restart the daemon, which makes it so)"));
+                                      ")"));
     }
   } else {
-    if (choice.source == RuntimeDirSource::kExplicit && st.st_uid != 0 && st.st_uid != me &&
-        st.st_uid != *named) {
+    // /run/memoffload, however it was named, can only have been made by root:
+    // its owner (root or the unit's user) is the daemon's.
+    const bool system =
+        choice.source == RuntimeDirSource::kSystem || std::string(resolved) == kSystemRuntimeDir;
+    if (!system && st.st_uid != 0 && st.st_uid != me && st.st_uid != *named) {
       return PermissionDenied(Refused(where + " belongs to " + Uid(st.st_uid) +
                                       ", neither root nor you (" + Uid(me) + ")" +
                                       UidHint(st.st_uid)));

@@ -202,3 +202,23 @@ def test_runtime_dir_of_follows_the_discovery_order(monkeypatch):
     assert store.runtime_dir_of("") == "/run/user/7/memoffload"  # for root too
     monkeypatch.delenv("XDG_RUNTIME_DIR")
     assert store.runtime_dir_of("") == f"/tmp/memoffload-{os.geteuid()}"
+
+
+def test_libmemoffload_discovers_the_dir_runtime_dir_of_names(monkeypatch, tmp_path):
+    """The same order in C++ and Python: with no daemon anywhere, the
+    native client's error names the socket of the dir Python names."""
+    from memoffload.torch import _checkpoint_store as store
+
+    if os.path.exists("/run/memoffload/broker.sock"):
+        pytest.skip("a system daemon here takes discovery first")
+    cases = [{"MEMOFFLOAD_RUNTIME_DIR": str(tmp_path / "env")},
+             {"MEMOFFLOAD_RUNTIME_DIR": "", "XDG_RUNTIME_DIR": str(tmp_path / "xdg")}]
+    if not os.path.lexists(f"/tmp/memoffload-{os.geteuid()}"):
+        cases.append({"MEMOFFLOAD_RUNTIME_DIR": "", "XDG_RUNTIME_DIR": ""})
+    for env in cases:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        expected = store.runtime_dir_of("")
+        with pytest.raises(memoffload.Unavailable) as raised:
+            mot.daemon_status(timeout_ms=500)
+        assert f"unix:{expected}/memoffload.sock" in str(raised.value), (env, str(raised.value))

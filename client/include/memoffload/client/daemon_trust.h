@@ -33,8 +33,8 @@ struct TrustedRuntimeDir {
 
 // Rules, by how the dir was found:
 //  - kPerUser: owned by the user (effective uid) and mode 0700;
-//  - kSystem (/run/memoffload, which only root can make): any owner, not
-//    writable by group or others;
+//  - kSystem, or an explicit dir that resolves to /run/memoffload (which
+//    only root can make): any owner, not writable by group or others;
 //  - kExplicit: owned by root, the user or the named daemon uid, not writable
 //    by group or others.
 // Every directory above (symlinks resolved) is owned by root, the user or the
