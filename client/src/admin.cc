@@ -4,6 +4,7 @@
 
 #include "grpc_util.h"
 #include "memoffload/client/daemon_status.h"
+#include "memoffload/client/daemon_trust.h"
 #include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
 
@@ -23,7 +24,9 @@ AdminClient::~AdminClient() = default;
 Result<std::unique_ptr<AdminClient>> AdminClient::Connect(const std::string& runtime_dir,
                                                           int timeout_ms) {
   auto impl = std::make_unique<Impl>();
-  impl->runtime_dir = ResolveRuntimeDir(runtime_dir);
+  Result<TrustedRuntimeDir> dir = DiscoverTrustedRuntimeDir(runtime_dir, kGrpcSocketName);
+  if (!dir.ok()) return dir.status();
+  impl->runtime_dir = dir->path;
   impl->socket_path = GrpcSocketPath(impl->runtime_dir);
   impl->timeout_ms = timeout_ms;
   impl->stub = v1::Offload::NewStub(MakeChannel(impl->socket_path));

@@ -17,6 +17,7 @@
 
 #include "client_impl.h"
 #include "grpc_util.h"
+#include "memoffload/client/daemon_trust.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/chunk.h"
 #include "memoffload/shared_mem/crc32c.h"
@@ -92,11 +93,17 @@ Client::~Client() = default;
 
 Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   auto impl = std::make_unique<Impl>();
-  impl->runtime_dir = ResolveRuntimeDir(options.runtime_dir);
+  // The daemon is verified before it is sent a byte (daemon_trust.h): the
+  // runtime dir, its broker socket, then who answers on it.
+  Result<TrustedRuntimeDir> dir = DiscoverTrustedRuntimeDir(options.runtime_dir, kBrokerSocketName);
+  if (!dir.ok()) return dir.status();
+  impl->runtime_dir = dir->path;
   impl->rpc_timeout_ms = options.rpc_timeout_ms;
-  Result<int> fd = ConnectUnix(BrokerSocketPath(impl->runtime_dir));
+  const std::string broker_path = BrokerSocketPath(impl->runtime_dir);
+  Result<int> fd = ConnectUnix(broker_path);
   if (!fd.ok()) return fd.status();
   impl->lifeline_fd = *fd;
+  MEMOFFLOAD_RETURN_IF_ERROR(VerifyPeer(*dir, impl->lifeline_fd, broker_path));
 
   Hello hello;
   hello.job_id = options.job_id;
@@ -147,7 +154,9 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
     }
     MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, batch->generations, &fds));
   }
-  impl->grpc_socket = impl->reply.grpc_socket;
+  // The gRPC socket of the verified dir, never a path the broker names.
+  MEMOFFLOAD_RETURN_IF_ERROR(VerifySocket(*dir, kGrpcSocketName));
+  impl->grpc_socket = GrpcSocketPath(impl->runtime_dir);
   impl->stub = v1::Offload::NewStub(MakeChannel(impl->grpc_socket));
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }

@@ -182,7 +182,11 @@ class Daemon {
   // Every listener is bound before the arena is built: a busy port or a bad
   // address is found in milliseconds, not after pre-faulting the arena.
   Status Listen() {
-    Result<std::unique_ptr<RuntimeDirClaim>> claim = RuntimeDirClaim::Claim(config_.runtime_dir);
+    // The per-user default dir is made private: clients trust it only so
+    // (memoffload/client/daemon_trust.h).
+    const bool per_user = geteuid() != 0 && config_.runtime_dir == DefaultRuntimeDir();
+    Result<std::unique_ptr<RuntimeDirClaim>> claim =
+        RuntimeDirClaim::Claim(config_.runtime_dir, per_user ? 0700 : 0755);
     if (!claim.ok()) return claim.status();
     claim_ = std::move(claim).value();
     Result<gid_t> socket_gid = ResolveGroup(config_.socket_group);

@@ -34,13 +34,14 @@ std::string LockHolder(int fd) {
 
 }  // namespace
 
-Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::string& dir) {
+Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::string& dir,
+                                                                mode_t create_mode) {
   std::unique_ptr<RuntimeDirClaim> claim(new RuntimeDirClaim());
   claim->dir_ = dir;
   struct stat st;
   if (lstat(dir.c_str(), &st) != 0) {
     if (errno != ENOENT) return ErrnoStatus("runtime dir " + dir, errno);
-    if (mkdir(dir.c_str(), 0755) != 0) {
+    if (mkdir(dir.c_str(), create_mode) != 0) {
       return FailedPrecondition("cannot create runtime dir " + dir + ": " + std::strerror(errno));
     }
     claim->created_dir_ = true;

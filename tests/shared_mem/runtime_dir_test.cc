@@ -1,6 +1,7 @@
-// ResolveRuntimeDir's order: the explicit argument, then
-// MEMOFFLOAD_RUNTIME_DIR, then the default (/run/memoffload for root, else
-// $XDG_RUNTIME_DIR/memoffload, else /tmp/memoffload-$UID).
+// The clients' discovery order (DiscoverRuntimeDir): the explicit argument,
+// then MEMOFFLOAD_RUNTIME_DIR, then /run/memoffload when its broker socket
+// exists, then $XDG_RUNTIME_DIR/memoffload, then /tmp/memoffload-$UID; and the
+// daemon's default (/run/memoffload for root, else the per-user dir).
 #include "memoffload/shared_mem/runtime_dir.h"
 
 #include <gtest/gtest.h>
@@ -51,16 +52,37 @@ TEST(RuntimeDir, EnvironmentVariableWhenNoArgument) {
   EXPECT_EQ(ResolveRuntimeDir(""), "/from/env");
 }
 
-TEST(RuntimeDir, EmptyEnvironmentVariableFallsBackToDefault) {
+TEST(RuntimeDir, EmptyEnvironmentVariableFallsBackToDiscovery) {
   ScopedEnv env(kRuntimeDirEnv, "");
-  EXPECT_EQ(ResolveRuntimeDir(""), DefaultRuntimeDir());
+  ScopedEnv xdg("XDG_RUNTIME_DIR", "/run/user/4242");
+  const std::string dir = ResolveRuntimeDir("");
+  EXPECT_TRUE(dir == "/run/memoffload" || dir == "/run/user/4242/memoffload") << dir;
 }
 
-TEST(RuntimeDir, UnsetEnvironmentVariableFallsBackToDefault) {
-  ScopedEnv env(kRuntimeDirEnv, std::nullopt);
-  ScopedEnv xdg("XDG_RUNTIME_DIR", "/run/user/4242");
-  EXPECT_EQ(ResolveRuntimeDir(""), DefaultRuntimeDir());
-  // The default is the one for this process's effective uid.
+// Each step of the order wins over the ones after it, whatever the uid.
+TEST(RuntimeDir, DiscoveryOrder) {
+  for (uint32_t uid : {0u, 1000u}) {
+    const std::string tmp = "/tmp/memoffload-" + std::to_string(uid);
+    auto d = DiscoverRuntimeDirFrom("/arg", "/env", true, "/xdg", uid);
+    EXPECT_EQ(d.path, "/arg");
+    EXPECT_EQ(d.source, RuntimeDirSource::kExplicit);
+    d = DiscoverRuntimeDirFrom("", "/env", true, "/xdg", uid);
+    EXPECT_EQ(d.path, "/env");
+    EXPECT_EQ(d.source, RuntimeDirSource::kExplicit);
+    d = DiscoverRuntimeDirFrom("", "", true, "/xdg", uid);
+    EXPECT_EQ(d.path, "/run/memoffload");
+    EXPECT_EQ(d.source, RuntimeDirSource::kSystem);
+    d = DiscoverRuntimeDirFrom("", nullptr, false, "/xdg", uid);
+    EXPECT_EQ(d.path, "/xdg/memoffload");
+    EXPECT_EQ(d.source, RuntimeDirSource::kPerUser);
+    d = DiscoverRuntimeDirFrom("", nullptr, false, "", uid);
+    EXPECT_EQ(d.path, tmp);
+    EXPECT_EQ(d.source, RuntimeDirSource::kPerUser);
+    EXPECT_EQ(DiscoverRuntimeDirFrom("", nullptr, false, nullptr, uid).path, tmp);
+  }
+}
+
+TEST(RuntimeDir, DaemonDefaultIsForTheEffectiveUid) {
   EXPECT_EQ(DefaultRuntimeDir(), DefaultRuntimeDirForUid(geteuid()));
 }
 

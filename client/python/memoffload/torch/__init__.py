@@ -289,12 +289,19 @@ class OffloadHandle:
         return self._off is not None
 
     def _check_connected(self) -> None:
-        if self._off is not None and not self._off.stats()["connected"]:
-            logs.drain(_C)
-            raise errors.Unavailable(
-                "strict=True and memoffloadd is not reachable (no session; "
-                "stats()['last_skip_reason'] says why)"
-            )
+        if self._off is None:
+            return
+        stats = self._off.stats()
+        if stats["connected"]:
+            return
+        logs.drain(_C)
+        if stats["last_skip_code"] == errors.StatusCode.PERMISSION_DENIED:
+            # The client refused the daemon it found (or the daemon refused it).
+            raise errors.PermissionDenied(f"strict=True and {stats['last_skip_reason']}")
+        raise errors.Unavailable(
+            "strict=True and memoffloadd is not reachable (no session; "
+            "stats()['last_skip_reason'] says why)"
+        )
 
     def _step_aside(self, why: str) -> None:
         self._counters.stepped_aside += 1

@@ -16,17 +16,20 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _C, errors, logs
+from . import _trusted_files
 
 REGION_PREFIX = "dcp/"
 METADATA_NAME = ".metadata"
 MARKER_NAME = ".memoffload-job"
 JOB_ID_ENV = "MEMOFFLOAD_JOB_ID"
 FALLBACK_DIR_ENV = "MEMOFFLOAD_CHECKPOINT_DIR"
+SYSTEM_RUNTIME_DIR = "/run/memoffload"
 # "dcp/" + id + "/__<rank>_0.distcp" must stay within the daemon's 255 bytes.
 MAX_CHECKPOINT_ID_BYTES = 200
 
@@ -81,23 +84,32 @@ def split_region_name(name: str) -> Optional[Tuple[str, str]]:
 
 
 def runtime_dir_of(runtime_dir: str) -> str:
-    """The runtime dir a client attaches to, resolved as libmemoffload does
-    (for messages only): the argument, $MEMOFFLOAD_RUNTIME_DIR, /run/memoffload
-    when its broker socket exists, else the user's default."""
+    """The runtime dir a client attaches to, found in libmemoffload's order
+    (shared_mem/runtime_dir.h; for messages only, libmemoffload verifies it):
+    the argument, $MEMOFFLOAD_RUNTIME_DIR, /run/memoffload when its broker
+    socket exists, $XDG_RUNTIME_DIR/memoffload, /tmp/memoffload-$EUID."""
     if runtime_dir:
         return runtime_dir
     env = os.environ.get("MEMOFFLOAD_RUNTIME_DIR", "")
     if env:
         return env
-    if os.geteuid() == 0 or os.path.exists("/run/memoffload/broker.sock"):
-        return "/run/memoffload"
+    if _is_socket(os.path.join(SYSTEM_RUNTIME_DIR, "broker.sock")):
+        return SYSTEM_RUNTIME_DIR
     xdg = os.environ.get("XDG_RUNTIME_DIR", "")
     return f"{xdg}/memoffload" if xdg else f"/tmp/memoffload-{os.geteuid()}"
 
 
+def _is_socket(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def fallback_dir_of(fallback_dir: Optional[str], job_id: str) -> str:
     """``fallback_dir``, else ``$MEMOFFLOAD_CHECKPOINT_DIR``, else
-    ``./memoffload-checkpoints/<job id>`` (absolute)."""
+    ``./memoffload-checkpoints/<job id>`` (absolute). Created 0700 and
+    checked before use (:mod:`._trusted_files`)."""
     value = fallback_dir or os.environ.get(FALLBACK_DIR_ENV, "")
     if not value:
         value = os.path.join("memoffload-checkpoints", job_id)
@@ -241,17 +253,31 @@ def write_marker(path: str, job_id: str) -> None:
     os.replace(tmp, os.path.join(path, MARKER_NAME))
 
 
-def filesystem_checkpoints(fallback_dir: str, job_id: str) -> Dict[str, float]:
+def filesystem_checkpoints(fallback_dir: str, job_id: str,
+                           problems: Optional[List[str]] = None) -> Dict[str, float]:
     """{checkpoint id: .metadata mtime} of the complete checkpoints this
-    module wrote for ``job_id`` under ``fallback_dir``."""
+    module wrote for ``job_id`` under ``fallback_dir``. What another user
+    could have written is left out, and why is added to ``problems``."""
     found: Dict[str, float] = {}
     try:
         names = os.listdir(fallback_dir)
     except FileNotFoundError:
         return found
+    problem = _trusted_files.fallback_dir_problem(fallback_dir)
+    if problem is not None:
+        if problems is not None:
+            problems.append(problem)
+        return found
     for name in names:
         path = os.path.join(fallback_dir, name)
         try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                continue
+            problem = _trusted_files.checkpoint_problem(path)
+            if problem is not None:
+                if problems is not None and os.path.lexists(os.path.join(path, METADATA_NAME)):
+                    problems.append(problem)
+                continue
             with open(os.path.join(path, MARKER_NAME)) as f:
                 if f.read().strip() != job_id:
                     continue
@@ -281,7 +307,8 @@ def retain_filesystem(fallback_dir: str, job_id: str, keep_last: Optional[int], 
 def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
                       fallback_dir: Optional[str] = None) -> Optional[str]:
     """The newest complete checkpoint of the job (in the daemon, or in the
-    fallback directory when that one is newer), or None."""
+    fallback directory when that one is newer), or None. Fallback checkpoints
+    another user could have written are ignored, with one warning."""
     job = job_id_of(job_id)
     best: Optional[Tuple[float, str]] = None
     store, _ = attach(runtime_dir, job, -1, True)
@@ -292,7 +319,10 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
                     best = (info.committed_unix, info.checkpoint_id)
         except errors.Unavailable:
             forget(store)
-    for ckpt_id, mtime in filesystem_checkpoints(fallback_dir_of(fallback_dir, job), job).items():
+    problems: List[str] = []
+    for ckpt_id, mtime in filesystem_checkpoints(fallback_dir_of(fallback_dir, job), job,
+                                                 problems).items():
         if best is None or (mtime, ckpt_id) > best:
             best = (mtime, ckpt_id)
+    _trusted_files.warn_ignored(problems)
     return None if best is None else best[1]

@@ -66,6 +66,7 @@ from torch.futures import Future
 
 from .. import errors, logs
 from . import _checkpoint_store as _store
+from . import _trusted_files
 from ._checkpoint_store import latest_checkpoint
 
 __all__ = ["MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]
@@ -244,6 +245,9 @@ class MemoffloadWriter(StorageWriter):
         if isinstance(target, _FallbackPlan):
             self.last_mode = FILESYSTEM
             path = os.path.join(self.fallback_dir, self.checkpoint_id)
+            _trusted_files.ensure_fallback_dir(self.fallback_dir)
+            if os.path.lexists(path):
+                _trusted_files.check_checkpoint(self.fallback_dir, path)
             _warn_fallback("save", _unreachable(target.runtime_dir, target.reason), path)
             self._fs = FileSystemWriter(path, sync_files=self.sync_files)
             self._fs.set_up_storage_writer(self._is_coordinator, rank=self._rank)
@@ -418,6 +422,7 @@ class MemoffloadReader(StorageReader):
         if not os.path.exists(os.path.join(path, _store.METADATA_NAME)):
             raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {path} "
                                     f"has no {_store.METADATA_NAME}")
+        _trusted_files.check_checkpoint(self.fallback_dir, path)  # before a byte is unpickled
         _warn_fallback("load", why, path)
         self._fs = FileSystemReader(path)
         self.last_mode = FILESYSTEM

@@ -30,7 +30,10 @@ inline constexpr char kInstanceLockName[] = "memoffloadd.lock";
 
 class RuntimeDirClaim {
  public:
-  static Result<std::unique_ptr<RuntimeDirClaim>> Claim(const std::string& dir);
+  // A dir that does not exist is created with `create_mode` (0700 for the
+  // per-user default dir, which clients accept only so).
+  static Result<std::unique_ptr<RuntimeDirClaim>> Claim(const std::string& dir,
+                                                        mode_t create_mode = 0755);
   // Removes what this instance created (see above) and drops the lock.
   ~RuntimeDirClaim();
   RuntimeDirClaim(const RuntimeDirClaim&) = delete;
