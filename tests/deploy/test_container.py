@@ -23,6 +23,9 @@ pytestmark = pytest.mark.container
 ARENA_BYTES = 64 * 1024 * 1024
 # The image's user (deploy/docker/Dockerfile: USER 10001:10001).
 IMAGE_UID = 10001
+# A host trainer trusts a daemon of another uid in a runtime dir other than
+# /run/memoffload only when it is named (docs/reliability.md).
+TRAINER_ENV = dict(os.environ, MEMOFFLOAD_DAEMON_UID=str(IMAGE_UID))
 
 
 def _tool(name: str) -> str:
@@ -49,10 +52,10 @@ class DaemonContainer:
     """memoffloadd in the image, its runtime dir a host directory (the volume
     trainers share) and its metrics on a free loopback port.
 
-    The volume is mounted at the same path inside as outside, as docs/deploy.md
-    requires: the attach reply names the gRPC socket by the daemon's path, and
-    a trainer that mounted the directory elsewhere fails its first Reserve
-    with UNAVAILABLE ("... memoffload.sock: No such file or directory")."""
+    The volume is mounted at the same path inside as outside (a trainer uses
+    the sockets of the dir it verified, so another path would work too). The
+    daemon runs as the image's user: host trainers name it in
+    MEMOFFLOAD_DAEMON_UID (TRAINER_ENV), as docs/deploy.md says."""
 
     def __init__(self, podman: cc.Podman, image: str, runtime_dir):
         self.podman = podman
@@ -118,13 +121,13 @@ def test_host_trainer_offloads_and_prefetches_bit_exact(daemon):
     prefetched and compared byte for byte, two in flight."""
     result = subprocess.run(
         [_tool("offload_worker"), "verify", str(daemon.runtime_dir), "7", "40", "4096",
-         str(4 * 1024 * 1024)], capture_output=True, text=True, timeout=120)
+         str(4 * 1024 * 1024)], capture_output=True, text=True, timeout=120, env=TRAINER_ENV)
     assert result.returncode == 0, result.stdout + result.stderr + daemon.logs()[-2000:]
     assert re.search(r"verified 40 groups, \d+ bytes", result.stdout), result.stdout
     print(result.stdout)
     status = subprocess.run(
         [_tool("memoffloadctl"), "--runtime-dir", str(daemon.runtime_dir), "status"],
-        capture_output=True, text=True, timeout=30)
+        capture_output=True, text=True, timeout=30, env=TRAINER_ENV)
     assert status.returncode == 0, status.stderr
     print(status.stdout)
 
@@ -146,7 +149,7 @@ def test_podman_stop_drains_and_exits_zero(podman, daemon):
     # The client's notes ("memoffload: session N on ...") go to stderr.
     holder = subprocess.Popen(
         [_tool("offload_worker"), "hold", str(daemon.runtime_dir), "2", str(1024 * 1024)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=TRAINER_ENV)
     stopper = None
     try:
         assert holder.stdout.readline().startswith("HELD"), daemon.logs()[-2000:]
