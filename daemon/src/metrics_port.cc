@@ -11,7 +11,7 @@
 namespace memoffload::daemon {
 
 MetricsPort::MetricsPort(boost::asio::io_context& io, std::string address, int retry_ms)
-    : io_(io), address_(std::move(address)), retry_ms_(retry_ms), timer_(io) {}
+    : address_(std::move(address)), retry_ms_(retry_ms), timer_(io) {}
 
 bool MetricsPort::TryBind() {
   std::string bound;

@@ -48,7 +48,6 @@ class MetricsPort {
  private:
   void Arm();
 
-  boost::asio::io_context& io_;
   const std::string address_;
   const int retry_ms_;
   boost::asio::steady_timer timer_;
