@@ -62,11 +62,17 @@ def default_metrics_port() -> int:
 
 
 def default_runtime_dir() -> str:
-    """The root default of DefaultRuntimeDir() in shared_mem/src/runtime_dir.cc."""
+    """The root default of DefaultRuntimeDir() in shared_mem/src/runtime_dir.cc
+    (kSystemRuntimeDir of runtime_dir.h, or a literal)."""
     text = _read(REPO / "shared_mem/src/runtime_dir.cc")
-    m = re.search(r'uid\s*==\s*0\)\s*return\s*"([^"]+)"', text)
+    m = re.search(r'uid\s*==\s*0\)\s*return\s*(?:"([^"]+)"|(\w+));', text)
     assert m, "root default runtime dir not found in runtime_dir.cc"
-    return m.group(1)
+    if m.group(1):
+        return m.group(1)
+    header = _read(REPO / "shared_mem/include/memoffload/shared_mem/runtime_dir.h")
+    c = re.search(rf'{m.group(2)}\[\]\s*=\s*"([^"]+)"', header)
+    assert c, f"{m.group(2)} not found in runtime_dir.h"
+    return c.group(1)
 
 
 def runtime_dir_env() -> str:
