@@ -86,6 +86,7 @@ class GroupOffloader::Impl {
       ++s.groups;
       ++s.groups_live;
       ++slot_stats.groups;
+      ++slot_stats.groups_live;
     });
     if (g->planned_bytes > 0) {
       const uint64_t bytes = g->planned_bytes;
@@ -423,7 +424,10 @@ class GroupOffloader::Impl {
   // The group's space goes back once autograd (or the caller) is done with
   // it and no storage over its arena bytes is alive any more.
   void PostRelease(const std::shared_ptr<Group>& g) {
-    stats_.Count([](OffloaderStats& s) { --s.groups_live; });
+    stats_.CountWithSlot(g->slot, [](OffloaderStats& s, SlotStats& slot_stats) {
+      --s.groups_live;
+      --slot_stats.groups_live;
+    });
     std::vector<c10::Storage> views;
     {
       std::lock_guard<std::mutex> lock(g->mu);

@@ -100,6 +100,9 @@ struct SlotStats {
   uint64_t groups = 0;
   uint64_t groups_offloaded = 0;
   uint64_t groups_skipped = 0;
+  // Begun and not yet released: held by a live autograd graph (or by the
+  // caller of the explicit API) until its last entry is dropped.
+  uint64_t groups_live = 0;
   uint64_t offloaded_bytes = 0;
   uint64_t prefetched_bytes = 0;
   uint64_t skipped_bytes = 0;
