@@ -134,6 +134,7 @@ class GroupOffloader::Impl {
 
   Status CloseGroup(uint64_t key) {
     std::shared_ptr<Group> g;
+    bool release = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = groups_.find(key);
@@ -144,8 +145,17 @@ class GroupOffloader::Impl {
       g->open = false;
       g->by_impl.clear();
       if (g->slot >= 0 && g->bump > 0) learned_bytes_[g->slot] = AlignUp(g->bump, kAlignBytes);
+      // A BeginGroup group goes with its last entry; one without a live
+      // entry (every saved tensor stayed in place, or was dropped while the
+      // group was open) has none left to drop: it goes now, reservation
+      // included. OffloadGroup's wait for the caller's ReleaseGroup.
+      if (g->arena_views_allowed && g->live == 0) {
+        release = true;
+        groups_.erase(it);
+      }
     }
     worker_.Post([this, g] { transfer_.Close(*g); });
+    if (release) PostRelease(g);
     return Status::Ok();
   }
 

@@ -150,8 +150,9 @@ class GroupOffloader {
   // Whether Get(key, ...) returns without waiting for the worker (the group
   // is open, unknown, or its prefetch is complete).
   bool WouldNotWait(uint64_t key);
-  // The entry will not be asked for again; the group is released when its
-  // last entry is dropped.
+  // The entry will not be asked for again; a BeginGroup group is released
+  // when its last entry is dropped after CloseGroup, or at CloseGroup when no
+  // entry is live then (none was added, or all were dropped while open).
   Status DropEntry(uint64_t key, int64_t entry);
   // Forgets the group and returns its space (asynchronous; once the last
   // tensor Get handed out over its arena bytes is gone). Unknown keys are
