@@ -210,8 +210,9 @@ def test_offload_activations_block_dropped(d, gc_mode):
 
 def test_group_with_nothing_offloaded_is_released(d, gc_mode):
     """A group whose saved tensors all stay in place has no entry whose drop
-    would release it: it goes at close, with the reservation its slot made at
-    begin (the size learned from the previous, bigger step)."""
+    would release it: it goes at close (its unused reservation, made at begin
+    with the size learned from the previous, bigger step, went back there
+    already; the group itself stayed in the offloader, counted live)."""
     torch.manual_seed(6)
     model = RMSStack(layers=2)
     ref = clone_model(model)

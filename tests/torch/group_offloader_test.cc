@@ -220,8 +220,8 @@ TEST_F(GroupOffloaderTest, ReleaseWithoutPrefetchFreesTheArena) {
 TEST_F(GroupOffloaderTest, GroupWithoutLiveEntryGoesAtClose) {
   // The saved-tensor hooks release a BeginGroup group through its entries'
   // DropEntry. One that has no live entry at close (every saved tensor stayed
-  // in place, or was dropped while the group was open) goes at close, with
-  // the reservation its slot made at begin.
+  // in place, or was dropped while the group was open) goes at close: it had
+  // no entry left whose drop would release it.
   const at::Tensor a = at::randn({256, 64});
   ASSERT_TRUE(offloader_->OffloadGroup(1, {a}, 0, /*slot=*/3).ok());
   ASSERT_TRUE(offloader_->ReleaseGroup(1).ok());

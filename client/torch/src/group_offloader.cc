@@ -147,8 +147,9 @@ class GroupOffloader::Impl {
       if (g->slot >= 0 && g->bump > 0) learned_bytes_[g->slot] = AlignUp(g->bump, kAlignBytes);
       // A BeginGroup group goes with its last entry; one without a live
       // entry (every saved tensor stayed in place, or was dropped while the
-      // group was open) has none left to drop: it goes now, reservation
-      // included. OffloadGroup's wait for the caller's ReleaseGroup.
+      // group was open) has none left to drop: it goes now (else it stayed
+      // in groups_ for good). OffloadGroup's wait for the caller's
+      // ReleaseGroup.
       if (g->arena_views_allowed && g->live == 0) {
         release = true;
         groups_.erase(it);
