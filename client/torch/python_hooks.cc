@@ -83,6 +83,21 @@ struct SavedEntryObject {
 
 PyTypeObject* saved_entry_type = nullptr;  // set once by BindSavedTensorHooks
 
+// What pack returns for a tensor `obj` that stays where it is: a detached
+// alias (same storage, sizes, strides and version counter) when it has
+// autograd history, else `obj` itself. Autograd keeps what pack returns in
+// the node that saved it; for a saved output (RMSNorm's rsqrt, softmax's
+// result) the tensor's grad_fn is that very node, so returning it as-is
+// makes a reference cycle through C++ that the garbage collector cannot
+// see: a graph dropped without backward is never freed, nor the groups its
+// offloaded entries hold. Unpack rebuilds the saved variable from the alias
+// and autograd's own metadata, so gradients do not change. A leaf holds its
+// gradient accumulator weakly: no cycle, no alias needed.
+py::object KeptInPlace(py::handle obj, const at::Tensor& t) {
+  if (t.is_leaf()) return py::reinterpret_borrow<py::object>(obj);
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t.detach()));
+}
+
 void SavedEntryDealloc(PyObject* self) {
   auto* e = reinterpret_cast<SavedEntryObject*>(self);
   if (e->weakrefs != nullptr) PyObject_ClearWeakRefs(self);
@@ -153,23 +168,23 @@ class PackHook {
   py::object operator()(py::handle obj) {
     if (!THPVariable_Check(obj.ptr())) return py::reinterpret_borrow<py::object>(obj);
     const at::Tensor& t = THPVariable_Unpack(obj.ptr());
-    if (t.layout() != c10::kStrided) return py::reinterpret_borrow<py::object>(obj);
+    if (t.layout() != c10::kStrided) return KeptInPlace(obj, t);
     const int64_t nbytes = t.numel() * static_cast<int64_t>(t.element_size());
     if (nbytes < min_tensor_bytes_) {
       counters_->small_bytes += nbytes;
-      return py::reinterpret_borrow<py::object>(obj);
+      return KeptInPlace(obj, t);
     }
     const Kind kind = Classify(obj, t);
     if (kind != Kind::kNotParam) {
       counters_->param_bytes += nbytes;
       if (kind == Kind::kWeightCopy) counters_->weight_copy_bytes += nbytes;
-      return py::reinterpret_borrow<py::object>(obj);
+      return KeptInPlace(obj, t);
     }
     if (!t.device().is_cpu()) return cuda_pack_(obj);
     Result<int64_t> entry = off_->Add(key_, t);
     // Not strided or without storage: stays as it is.
     if (!entry.ok() && entry.status().code() == StatusCode::kInvalidArgument) {
-      return py::reinterpret_borrow<py::object>(obj);
+      return KeptInPlace(obj, t);
     }
     return NewSavedEntry(off_, key_, Take(std::move(entry)));
   }

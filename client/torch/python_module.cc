@@ -71,6 +71,7 @@ py::dict SlotStatsDict(const SlotStats& s) {
   d["groups"] = s.groups;
   d["groups_offloaded"] = s.groups_offloaded;
   d["groups_skipped"] = s.groups_skipped;
+  d["groups_live"] = s.groups_live;
   d["offloaded_bytes"] = s.offloaded_bytes;
   d["prefetched_bytes"] = s.prefetched_bytes;
   d["skipped_bytes"] = s.skipped_bytes;

@@ -217,5 +217,31 @@ TEST_F(GroupOffloaderTest, ReleaseWithoutPrefetchFreesTheArena) {
   ExpectArenaEmpty();
 }
 
+TEST_F(GroupOffloaderTest, GroupWithoutLiveEntryGoesAtClose) {
+  // The saved-tensor hooks release a BeginGroup group through its entries'
+  // DropEntry. One that has no live entry at close (every saved tensor stayed
+  // in place, or was dropped while the group was open) goes at close: it had
+  // no entry left whose drop would release it.
+  const at::Tensor a = at::randn({256, 64});
+  ASSERT_TRUE(offloader_->OffloadGroup(1, {a}, 0, /*slot=*/3).ok());
+  ASSERT_TRUE(offloader_->ReleaseGroup(1).ok());
+  ASSERT_TRUE(offloader_->BeginGroup(2, 3).ok());  // reserved at begin
+  offloader_->Flush();
+  EXPECT_GE(Status().reserved_bytes, a.nbytes());
+  ASSERT_TRUE(offloader_->CloseGroup(2).ok());
+  ExpectArenaEmpty();
+  EXPECT_EQ(offloader_->stats().groups_live, 0u);
+  EXPECT_EQ(offloader_->slot_stats(3, 4).groups_live, 0u);
+
+  ASSERT_TRUE(offloader_->BeginGroup(4, 3).ok());
+  Result<int64_t> entry = offloader_->Add(4, a);
+  ASSERT_TRUE(entry.ok());
+  ASSERT_TRUE(offloader_->DropEntry(4, *entry).ok());  // dropped while open
+  EXPECT_EQ(offloader_->slot_stats(3, 4).groups_live, 1u);
+  ASSERT_TRUE(offloader_->CloseGroup(4).ok());
+  ExpectArenaEmpty();
+  EXPECT_EQ(offloader_->slot_stats(3, 4).groups_live, 0u);
+}
+
 }  // namespace
 }  // namespace memoffload::testing

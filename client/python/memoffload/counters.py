@@ -9,6 +9,7 @@ _GROUP_COUNTERS = (
     "groups",
     "groups_offloaded",
     "groups_skipped",
+    "groups_live",
     "offloaded_bytes",
     "prefetched_bytes",
     "skipped_bytes",

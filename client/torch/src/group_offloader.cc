@@ -86,6 +86,7 @@ class GroupOffloader::Impl {
       ++s.groups;
       ++s.groups_live;
       ++slot_stats.groups;
+      ++slot_stats.groups_live;
     });
     if (g->planned_bytes > 0) {
       const uint64_t bytes = g->planned_bytes;
@@ -133,6 +134,7 @@ class GroupOffloader::Impl {
 
   Status CloseGroup(uint64_t key) {
     std::shared_ptr<Group> g;
+    bool release = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = groups_.find(key);
@@ -143,8 +145,18 @@ class GroupOffloader::Impl {
       g->open = false;
       g->by_impl.clear();
       if (g->slot >= 0 && g->bump > 0) learned_bytes_[g->slot] = AlignUp(g->bump, kAlignBytes);
+      // A BeginGroup group goes with its last entry; one without a live
+      // entry (every saved tensor stayed in place, or was dropped while the
+      // group was open) has none left to drop: it goes now (else it stayed
+      // in groups_ for good). OffloadGroup's wait for the caller's
+      // ReleaseGroup.
+      if (g->arena_views_allowed && g->live == 0) {
+        release = true;
+        groups_.erase(it);
+      }
     }
     worker_.Post([this, g] { transfer_.Close(*g); });
+    if (release) PostRelease(g);
     return Status::Ok();
   }
 
@@ -423,7 +435,10 @@ class GroupOffloader::Impl {
   // The group's space goes back once autograd (or the caller) is done with
   // it and no storage over its arena bytes is alive any more.
   void PostRelease(const std::shared_ptr<Group>& g) {
-    stats_.Count([](OffloaderStats& s) { --s.groups_live; });
+    stats_.CountWithSlot(g->slot, [](OffloaderStats& s, SlotStats& slot_stats) {
+      --s.groups_live;
+      --slot_stats.groups_live;
+    });
     std::vector<c10::Storage> views;
     {
       std::lock_guard<std::mutex> lock(g->mu);

@@ -62,6 +62,7 @@ class StatsBook {
       sum.groups += s.groups;
       sum.groups_offloaded += s.groups_offloaded;
       sum.groups_skipped += s.groups_skipped;
+      sum.groups_live += s.groups_live;
       sum.offloaded_bytes += s.offloaded_bytes;
       sum.prefetched_bytes += s.prefetched_bytes;
       sum.skipped_bytes += s.skipped_bytes;

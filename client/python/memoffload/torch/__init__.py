@@ -186,7 +186,8 @@ def _cuda_pack(off: "_C.GroupOffloader", key: int) -> Callable[[torch.Tensor], A
         # -1: the offloader cannot take this tensor; it counted it as skipped.
         entry = off.add(key, t, stream)
         if entry < 0:
-            return t
+            # Never a saved output as-is: see _C.PackHook's KeptInPlace.
+            return t if t.is_leaf else t.detach()
         return _Packed(off, key, entry, t.device)
 
     return pack

@@ -100,6 +100,9 @@ struct SlotStats {
   uint64_t groups = 0;
   uint64_t groups_offloaded = 0;
   uint64_t groups_skipped = 0;
+  // Begun and not yet released: held by a live autograd graph (or by the
+  // caller of the explicit API) until its last entry is dropped.
+  uint64_t groups_live = 0;
   uint64_t offloaded_bytes = 0;
   uint64_t prefetched_bytes = 0;
   uint64_t skipped_bytes = 0;
@@ -147,8 +150,9 @@ class GroupOffloader {
   // Whether Get(key, ...) returns without waiting for the worker (the group
   // is open, unknown, or its prefetch is complete).
   bool WouldNotWait(uint64_t key);
-  // The entry will not be asked for again; the group is released when its
-  // last entry is dropped.
+  // The entry will not be asked for again; a BeginGroup group is released
+  // when its last entry is dropped after CloseGroup, or at CloseGroup when no
+  // entry is live then (none was added, or all were dropped while open).
   Status DropEntry(uint64_t key, int64_t entry);
   // Forgets the group and returns its space (asynchronous; once the last
   // tensor Get handed out over its arena bytes is gone). Unknown keys are
