@@ -111,7 +111,22 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   hello.local_rank = options.local_rank;
   hello.max_bytes = options.max_bytes;
   hello.job_max_bytes = options.job_max_bytes;
-  MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(impl->lifeline_fd, EncodeHello(hello)));
+  if (Status sent = SendFrame(impl->lifeline_fd, EncodeHello(hello)); !sent.ok()) {
+    // The daemon refuses some connections before it reads a hello (its
+    // connection caps): it sends the reason and closes at once, so the hello
+    // may meet a closed socket. The reason is still there to read.
+    std::string early;
+    std::vector<int> early_fds;
+    const Status read = RecvFrame(impl->lifeline_fd, &early, &early_fds);
+    CloseFds(&early_fds);
+    if (read.ok()) {
+      Result<AttachReply> refused = DecodeAttachReply(early);
+      if (refused.ok() && refused->code != StatusCode::kOk) {
+        return Status(refused->code, "memoffloadd refused the attach: " + refused->message);
+      }
+    }
+    return sent;
+  }
 
   std::string payload;
   std::vector<int> fds;
