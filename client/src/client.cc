@@ -111,27 +111,16 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   hello.local_rank = options.local_rank;
   hello.max_bytes = options.max_bytes;
   hello.job_max_bytes = options.job_max_bytes;
-  if (Status sent = SendFrame(impl->lifeline_fd, EncodeHello(hello)); !sent.ok()) {
-    // The daemon refuses some connections before it reads a hello (its
-    // connection caps): it sends the reason and closes at once, so the hello
-    // may meet a closed socket. The reason is still there to read.
-    std::string early;
-    std::vector<int> early_fds;
-    const Status read = RecvFrame(impl->lifeline_fd, &early, &early_fds);
-    CloseFds(&early_fds);
-    if (read.ok()) {
-      Result<AttachReply> refused = DecodeAttachReply(early);
-      if (refused.ok() && refused->code != StatusCode::kOk) {
-        return Status(refused->code, "memoffloadd refused the attach: " + refused->message);
-      }
-    }
-    return sent;
-  }
+  // The daemon refuses some connections before it reads a hello (its
+  // connection caps): it sends the reason and closes at once, so the hello
+  // may meet a closed socket. The reply below still says why.
+  const Status sent = SendFrame(impl->lifeline_fd, EncodeHello(hello));
 
   std::string payload;
   std::vector<int> fds;
   if (Status st = RecvFrame(impl->lifeline_fd, &payload, &fds); !st.ok()) {
     CloseFds(&fds);
+    if (!sent.ok()) return sent;
     return Unavailable("attach to memoffloadd failed: " + st.message());
   }
   CloseFds(&fds);  // the reply itself carries none
@@ -140,6 +129,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   if (reply->code != StatusCode::kOk) {
     return Status(reply->code, "memoffloadd refused the attach: " + reply->message);
   }
+  if (!sent.ok()) return sent;  // a grant for a hello that was never sent
   impl->reply = std::move(reply).value();
   impl->populate = options.populate;
   impl->checksums = options.checksums;

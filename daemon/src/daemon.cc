@@ -226,10 +226,7 @@ class Daemon {
       health_bound_ = *bound;
     }
     // A taken metrics port does not stop the daemon (metrics_port.h).
-    if (!config_.metrics_address.empty() && metrics_port_.TryBind()) {
-      metrics_bound_ = metrics_port_.bound();
-      exposer_ = metrics_port_.take();
-    }
+    if (!config_.metrics_address.empty()) metrics_port_.TryBind();
     Result<std::string> admin_token = WriteAdminToken(config_.runtime_dir);
     if (!admin_token.ok()) return admin_token.status();
     admin_token_ = *admin_token;
@@ -280,20 +277,19 @@ class Daemon {
     metrics_ = std::make_unique<Metrics>(
         table_.get(), MetricsInfo{DaemonVersion(), arena_->chunk_count(),
                                   arena_->chunk_size_bytes(), arena_->mlocked()});
-    if (exposer_ != nullptr) metrics_->Serve(std::move(exposer_));
+    if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
     if (!metrics_port_.problem().empty()) {
       metrics_port_.RetryUntilBound(
           [this](std::unique_ptr<prometheus::Exposer> exposer, const std::string& bound) {
             metrics_->Serve(std::move(exposer));
-            metrics_bound_ = bound;
             service_->SetMetricsAddress(bound);
           });
     }
-    service_ =
-        std::make_unique<OffloadService>(arena_.get(), table_.get(), metrics_.get(),
-                                         ServiceInfo{DaemonVersion(), config_.runtime_dir,
-                                                     metrics_bound_, admin_token_, instance_id},
-                                         config_);
+    service_ = std::make_unique<OffloadService>(
+        arena_.get(), table_.get(), metrics_.get(),
+        ServiceInfo{DaemonVersion(), config_.runtime_dir, metrics_port_.bound(), admin_token_,
+                    instance_id},
+        config_);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
@@ -335,9 +331,9 @@ class Daemon {
     MO_LOG_INFO("  gRPC    unix:%s", grpc_path_.c_str());
     MO_LOG_INFO("  metrics %s", !metrics_port_.problem().empty()
                                     ? ("not served: " + metrics_port_.problem()).c_str()
-                                : metrics_bound_.empty()
+                                : metrics_port_.bound().empty()
                                     ? "disabled"
-                                    : ("http://" + metrics_bound_ + "/metrics").c_str());
+                                    : ("http://" + metrics_port_.bound() + "/metrics").c_str());
     MO_LOG_INFO("  health  %s", health_bound_.empty()
                                     ? "disabled"
                                     : ("http://" + health_bound_ + "/readyz, /livez").c_str());
@@ -519,9 +515,8 @@ class Daemon {
   GrpcListener grpc_listener_;
   asio::local::stream_protocol::acceptor broker_acceptor_{io_};
   HealthServer health_;
-  std::string health_bound_, metrics_bound_;
-  MetricsPort metrics_port_;
-  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::string health_bound_;
+  MetricsPort metrics_port_;  // the metrics listener until Serve takes it
   std::string admin_token_;
   ArenaBuildReport report_;
   std::unique_ptr<Arena> arena_;

@@ -39,10 +39,6 @@ RuntimeDirChoice DiscoverRuntimeDir(const std::string& explicit_dir) {
                                 std::getenv("XDG_RUNTIME_DIR"), geteuid());
 }
 
-std::string ResolveRuntimeDir(const std::string& explicit_dir) {
-  return DiscoverRuntimeDir(explicit_dir).path;
-}
-
 std::string BrokerSocketPath(const std::string& runtime_dir) {
   return runtime_dir + "/" + kBrokerSocketName;
 }

@@ -43,19 +43,19 @@ class ScopedEnv {
 TEST(RuntimeDir, ExplicitArgumentWinsOverEnvironment) {
   ScopedEnv env(kRuntimeDirEnv, "/from/env");
   ScopedEnv xdg("XDG_RUNTIME_DIR", "/run/user/1000");
-  EXPECT_EQ(ResolveRuntimeDir("/from/arg"), "/from/arg");
+  EXPECT_EQ(DiscoverRuntimeDir("/from/arg").path, "/from/arg");
 }
 
 TEST(RuntimeDir, EnvironmentVariableWhenNoArgument) {
   ScopedEnv env(kRuntimeDirEnv, "/from/env");
   ScopedEnv xdg("XDG_RUNTIME_DIR", "/run/user/1000");
-  EXPECT_EQ(ResolveRuntimeDir(""), "/from/env");
+  EXPECT_EQ(DiscoverRuntimeDir("").path, "/from/env");
 }
 
 TEST(RuntimeDir, EmptyEnvironmentVariableFallsBackToDiscovery) {
   ScopedEnv env(kRuntimeDirEnv, "");
   ScopedEnv xdg("XDG_RUNTIME_DIR", "/run/user/4242");
-  const std::string dir = ResolveRuntimeDir("");
+  const std::string dir = DiscoverRuntimeDir("").path;
   EXPECT_TRUE(dir == "/run/memoffload" || dir == "/run/user/4242/memoffload") << dir;
 }
 

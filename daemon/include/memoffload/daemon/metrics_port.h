@@ -38,7 +38,6 @@ class MetricsPort {
   const std::string& bound() const { return bound_; }
   // Why the port is not served ("" once bound or when never tried).
   const std::string& problem() const { return problem_; }
-  uint64_t failures() const { return failures_; }
 
   // Retries every retry_ms until bound, then calls `bound` with the listener
   // and its address. Nothing to do when bound already.

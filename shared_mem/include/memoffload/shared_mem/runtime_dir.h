@@ -45,9 +45,6 @@ RuntimeDirChoice DiscoverRuntimeDirFrom(const std::string& explicit_dir, const c
                                         bool system_broker_exists, const char* xdg_dir,
                                         uint32_t uid);
 
-// DiscoverRuntimeDir(explicit_dir).path.
-std::string ResolveRuntimeDir(const std::string& explicit_dir);
-
 std::string BrokerSocketPath(const std::string& runtime_dir);
 std::string GrpcSocketPath(const std::string& runtime_dir);
 
