@@ -15,8 +15,9 @@
 # --only runs check and that one step (build first: later steps use its _C).
 # OUTDIR gets results.jsonl (one JSON line per step and per figure),
 # summary.txt (one line) and logs.tar.gz. Every process started is stopped.
-# Exit 0 when every step run passed (skips count as passed); else non-zero
-# with the failing step named.
+# Exit 0 when every step run passed; else non-zero with the failing step
+# named. The gpu tests count as skipped (not failed) only where no GPU is
+# present: a GPU that nvidia-smi sees but torch cannot use fails the check.
 #
 # Environment: MEMOFFLOAD_KIT_PYTHON (default python3), MEMOFFLOAD_KIT_WORK
 # (where _C is built; default KIT/work), MEMOFFLOAD_KIT_ARENA (the bench
@@ -164,6 +165,12 @@ missing = [what for what, ok in (("Python.h (the Python headers)", info["python_
                                  ("torch with the C++11 ABI", info["cxx11_abi"])) if not ok]
 if missing:
     print("missing: " + ", ".join(missing) + ": memoffload._C cannot be built here")
+    sys.exit(1)
+if info["driver"] and not info["cuda_available"]:
+    # Else the gpu tests would be "skipped" and the bench a CPU smoke run on
+    # a GPU machine, and the run would pass having measured nothing.
+    print(f"nvidia-smi sees a GPU (driver {info['driver']}) but torch {info['torch']} cannot use "
+          "it (torch.cuda.is_available() is False): nothing could be measured")
     sys.exit(1)
 EOF
   # Every binary and library of the kit must find what it needs (in the kit,

@@ -10,6 +10,7 @@ Marker `gpukit`, CTest label `gpukit` (about 8 minutes on 2 cores, plus a
 base image made with debootstrap on a machine that has none cached)."""
 
 import hashlib
+import os
 import importlib.metadata as metadata
 import json
 import re
@@ -226,3 +227,23 @@ def test_a_stage_before_the_build_says_to_build_first(podman, host_image, kit, t
     assert result.returncode != 0
     assert "--only build' first" in result.stderr + result.stdout
     assert "FAILED: build" in (out / "summary.txt").read_text()
+
+
+def test_a_gpu_that_torch_cannot_use_fails_the_check(kit, tmp_path):
+    """On a machine whose nvidia-smi sees a GPU but whose torch cannot use it,
+    the gpu tests would only be skipped and the bench a CPU smoke run: the
+    check must fail instead. nvidia-smi is a stand-in script here (the host,
+    not the image: this CPU torch sees no GPU)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580.159.04'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}", MEMOFFLOAD_KIT_PYTHON=sys.executable,
+               MEMOFFLOAD_KIT_WORK=str(tmp_path / "work"))
+    result = subprocess.run([str(kit / "run.sh"), str(out), "--only", "build"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout + result.stderr
+    check = _steps(_results(out))["check"]
+    assert check["status"] == "failed" and "cannot use it" in check["detail"], check
+    assert "build" not in _steps(_results(out))
