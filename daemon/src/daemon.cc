@@ -305,6 +305,9 @@ class Daemon {
     sync_threads.SetMaxThreads(kMaxSyncThreads);
     builder.SetResourceQuota(sync_threads);
     builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+    // What gRPC advertises is what the edge relay's guard enforces.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE,
+                               static_cast<int>(H2Limits{}.max_frame_bytes));
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path_);
     grpc_listener_.Start(server_.get());

@@ -4,9 +4,9 @@
 #include <grpcpp/server.h>
 #include <grpcpp/server_posix.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
+#include <boost/asio/post.hpp>
 #include <cerrno>
 #include <cstring>
 
@@ -22,6 +22,11 @@ constexpr std::chrono::milliseconds kFirstBackoff{10};
 constexpr std::chrono::milliseconds kMaxBackoff{1000};
 // Accepts per wake-up, so that a flood cannot keep the event loop to itself.
 constexpr int kAcceptsPerRound = 64;
+// A uid whose connection broke the HTTP/2 rules waits before it may connect
+// again: 1 s, doubled for each strike within kStrikesForget, at most 30 s.
+constexpr std::chrono::seconds kStrikesForget{60};
+constexpr int kMaxPenaltyShift = 5;  // 2^5 s > 30 s
+constexpr std::chrono::seconds kMaxPenalty{30};
 }  // namespace
 
 GrpcListener::GrpcListener(asio::io_context& io, Policy policy, size_t max_total,
@@ -30,9 +35,13 @@ GrpcListener::GrpcListener(asio::io_context& io, Policy policy, size_t max_total
       policy_(std::move(policy)),
       limits_(max_total, max_per_uid),
       acceptor_(io),
-      retry_(io) {}
+      retry_(io),
+      relay_(H2Limits{}) {}
 
-GrpcListener::~GrpcListener() { Stop(); }
+GrpcListener::~GrpcListener() {
+  Stop();
+  relay_.Stop();
+}
 
 Status GrpcListener::Adopt(int listen_fd) {
   error_code ec;
@@ -115,8 +124,7 @@ void GrpcListener::OnAccepted(int fd) {
   }
   backoff_ = std::chrono::milliseconds(0);
   Result<PeerCredentials> peer = PeerOf(fd);
-  struct stat st;
-  if (!peer.ok() || fstat(fd, &st) != 0) {
+  if (!peer.ok()) {
     MO_LOG_WARN_LIMITED("gRPC connection dropped: cannot read its peer credentials");
     close(fd);
     return;
@@ -126,39 +134,61 @@ void GrpcListener::OnAccepted(int fd) {
     close(fd);
     return;
   }
-  // A fd number gRPC closed may come back from accept: forget the old one.
-  if (auto old = handed_.find(fd); old != handed_.end()) {
-    limits_.Release(old->second.uid);
-    handed_.erase(old);
+  if (std::string wait = Penalized(peer->uid); !wait.empty()) {
+    MO_LOG_WARN_LIMITED("gRPC connection from pid %d uid %u refused: %s", peer->pid, peer->uid,
+                        wait.c_str());
+    close(fd);
+    return;
   }
-  if (limits_.Full(peer->uid)) Sweep();
   if (std::string full = limits_.Admit(peer->uid); !full.empty()) {
     MO_LOG_WARN_LIMITED("gRPC connection from pid %d uid %u refused: %s", peer->pid, peer->uid,
                         full.c_str());
     close(fd);
     return;
   }
-  handed_[fd] = Handed{st.st_dev, st.st_ino, peer->uid};
-  grpc::AddInsecureChannelFromFd(server_, fd);
-}
-
-void GrpcListener::Sweep() {
-  for (auto it = handed_.begin(); it != handed_.end();) {
-    struct stat st;
-    const bool same =
-        fstat(it->first, &st) == 0 && st.st_dev == it->second.dev && st.st_ino == it->second.ino;
-    if (same) {
-      ++it;
-      continue;
-    }
-    limits_.Release(it->second.uid);
-    it = handed_.erase(it);
+  const uid_t uid = peer->uid;
+  Result<int> grpc_end = relay_.Relay(fd, peer->pid, uid, [this, uid](H2Violation why) {
+    // On the relay's thread: the counts belong to the event loop's.
+    asio::post(io_, [this, uid, why] {
+      limits_.Release(uid);
+      if (why != H2Violation::kNone) Penalize(uid, why);
+    });
+  });
+  if (!grpc_end.ok()) {
+    limits_.Release(uid);
+    MO_LOG_WARN_LIMITED("gRPC connection from pid %d dropped: %s", peer->pid,
+                        grpc_end.status().message().c_str());
+    return;
   }
+  grpc::AddInsecureChannelFromFd(server_, *grpc_end);
 }
 
-size_t GrpcListener::connection_count() {
-  Sweep();
-  return limits_.total();
+void GrpcListener::Penalize(uid_t uid, H2Violation why) {
+  const auto now = std::chrono::steady_clock::now();
+  Penalty& p = penalties_[uid];
+  p.strikes = now - p.last_strike > kStrikesForget ? 1 : p.strikes + 1;
+  p.last_strike = now;
+  const auto wait = std::min<std::chrono::steady_clock::duration>(
+      std::chrono::seconds(1LL << std::min(p.strikes - 1, kMaxPenaltyShift)), kMaxPenalty);
+  p.until = now + wait;
+  MO_LOG_WARN_LIMITED(
+      "gRPC: uid %u broke the HTTP/2 rules (%s, strike %d): its new connections "
+      "are refused for %lld ms",
+      uid, H2ViolationName(why), p.strikes,
+      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(wait).count()));
+}
+
+std::string GrpcListener::Penalized(uid_t uid) {
+  auto it = penalties_.find(uid);
+  if (it == penalties_.end()) return "";
+  const auto now = std::chrono::steady_clock::now();
+  if (now >= it->second.until) {
+    if (now - it->second.last_strike > kStrikesForget) penalties_.erase(it);
+    return "";
+  }
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(it->second.until - now);
+  return "a connection of this uid broke the HTTP/2 rules; refused for " +
+         std::to_string(left.count()) + " ms more";
 }
 
 }  // namespace memoffload::daemon

@@ -7,9 +7,12 @@
 //    the broker (peer_access.h); a refused peer's connection is closed before
 //    gRPC sees a byte, so it cannot list sessions or call anything.
 //  - Limits: server.max_connections in total and server.max_connections_per_uid
-//    per uid. gRPC closes connections without telling us; a handed fd counts
-//    until a sweep finds it closed (its number gone or now a different
-//    socket, by inode), and sweeps run whenever a limit would refuse.
+//    per uid; a connection counts until the relay sees it closed.
+//  - What a peer may send: every admitted connection goes through the
+//    EdgeRelay (edge_relay.h), which passes gRPC only whole HTTP/2 frames
+//    that keep the H2Guard's rules and closes a connection that breaks one.
+//    The uid of such a peer then has its new connections refused for a
+//    while: 1 s, doubling with each strike within a minute, at most 30 s.
 //  - Exhaustion: when accept fails (EMFILE, ENFILE, ENOMEM...), the listener
 //    backs off (10 ms doubling to 1 s) and retries until accept works again;
 //    meanwhile Problem() says why the data plane does not serve, and /readyz
@@ -29,6 +32,7 @@
 #include <unordered_map>
 
 #include "memoffload/daemon/config.h"
+#include "memoffload/daemon/edge_relay.h"
 #include "memoffload/daemon/peer_access.h"
 
 namespace grpc {
@@ -50,26 +54,26 @@ class GrpcListener {
   // Starts handing accepted connections to `server`, which must outlive
   // Stop().
   void Start(grpc::Server* server);
-  // Closes the listening socket; handed connections stay with gRPC.
+  // Closes the listening socket; admitted connections keep being served
+  // (through the relay) until the listener is destroyed.
   void Stop();
   // Replaces the access policy for future connections (SIGHUP).
   void SetPolicy(const Policy& policy) { policy_ = policy; }
   // Empty while accepting works; else why the data plane cannot accept.
   const std::string& Problem() const { return problem_; }
-  // Connections handed to gRPC and still open (sweeps first).
-  size_t connection_count();
+  // Admitted connections still open.
+  size_t connection_count() const { return limits_.total(); }
+  // Connections the relay closed for breaking an HTTP/2 rule.
+  uint64_t closed_for(H2Violation v) const { return relay_.closed_for(v); }
 
  private:
-  struct Handed {
-    dev_t dev;
-    ino_t ino;
-    uid_t uid;
-  };
   void WaitForConnection();
   void AcceptPending();
   void OnAccepted(int fd);
   void BackOff(int error);
-  void Sweep();
+  void Penalize(uid_t uid, H2Violation why);
+  // Empty when `uid` may connect now; else why not.
+  std::string Penalized(uid_t uid);
 
   boost::asio::io_context& io_;
   Policy policy_;
@@ -78,9 +82,16 @@ class GrpcListener {
   boost::asio::steady_timer retry_;
   std::chrono::milliseconds backoff_{0};
   grpc::Server* server_ = nullptr;
-  std::unordered_map<int, Handed> handed_;  // fd -> the socket it was
   std::string problem_;
   bool stopped_ = false;
+  struct Penalty {
+    int strikes = 0;
+    std::chrono::steady_clock::time_point last_strike;
+    std::chrono::steady_clock::time_point until;
+  };
+  std::unordered_map<uid_t, Penalty> penalties_;
+  // Last: stopped (its connections closed) before the members above go.
+  EdgeRelay relay_;
 };
 
 }  // namespace memoffload::daemon
