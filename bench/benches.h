@@ -19,6 +19,8 @@ int RunLoadBench(int argc, char** argv);
 int RunLoadWorker(int argc, char** argv);
 int RunCrcBench(int argc, char** argv);
 int RunZeroingBench(int argc, char** argv);
+// The HTTP/2 attacks of issue 29 against a running daemon (edge_bench.cc).
+int RunEdgeBench(int argc, char** argv);
 
 }  // namespace memoffload::bench
 

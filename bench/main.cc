@@ -29,6 +29,8 @@ const Subcommand kSubcommands[] = {
      memoffload::bench::RunCrcBench},
     {"zeroing", "a chunk changing tenant (fresh backing) vs memset of the same size",
      memoffload::bench::RunZeroingBench},
+    {"edge", "HTTP/2 attacks on the gRPC socket: daemon memory, victims' p99 vs no attack",
+     memoffload::bench::RunEdgeBench},
 
 };
 
