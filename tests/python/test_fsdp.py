@@ -109,3 +109,23 @@ def test_resized_storage_is_kept_not_copied(daemon):
     assert torch.equal(off.get(7_000_001, 1), keep)
     off.release_group(7_000_001)
     assert_arena_empty(daemon, off)
+
+
+def test_fsdp2_bf16_compiled_layers_with_checkpoint_offload_bit_exact(daemon, tmp_path):
+    """Issue 30 item 3: FSDP2 + bf16 + layers compiled in place +
+    ``checkpoint=True`` (fsdp_compile_worker.py). Reported to fail in backward
+    with a stride assertion, offload on or off; on torch 2.13 (CPU, gloo) it
+    trains, and offload changes no bit."""
+    import fsdp_compile_worker
+
+    mp.spawn(
+        fsdp_compile_worker.run,
+        args=(WORLD_SIZE, _free_port(), daemon.runtime_dir, str(tmp_path)),
+        nprocs=WORLD_SIZE,
+    )
+    for rank in range(WORLD_SIZE):
+        r = json.loads((tmp_path / f"compile-rank{rank}.json").read_text())
+        assert r["ran"], f"rank {rank}: {r['error']}"
+        assert r["same"], f"rank {rank}: offload changed a loss or a gradient bit"
+        assert r["offloaded_bytes"] > 0, r
+    assert_arena_empty(daemon)

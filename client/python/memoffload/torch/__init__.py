@@ -29,7 +29,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -234,6 +234,9 @@ def _first_grad_tensor(out: Any) -> Optional[torch.Tensor]:
 
 
 _HANDLE_ATTR = "_memoffload_handle"
+# What OffloadHandle._enter tells a layer call to do besides offloading.
+_AS_IS = object()  # the plain forward: nothing of ours applies
+_RUN = object()  # the forward, checkpointed if asked, offloading nothing
 
 
 class OffloadHandle:
@@ -278,12 +281,13 @@ class OffloadHandle:
         self._originals: List[Any] = []
         if strict:
             self._check_connected()
-        wrap = off is not None or checkpoint
+        # Wrapped also when disabled: under torch.compile the wrapper is where
+        # each layer's graph begins, and graphs must not depend on whether a
+        # daemon answered.
         for index, layer in enumerate(self._layers):
             had_own = "forward" in layer.__dict__
             self._originals.append(layer.__dict__["forward"] if had_own else None)
-            if wrap:
-                layer.forward = self._wrap(index, layer, layer.forward)
+            layer.forward = self._wrap(index, layer, layer.forward)
 
     @property
     def enabled(self) -> bool:
@@ -321,52 +325,85 @@ class OffloadHandle:
 
         @functools.wraps(forward)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if self._removed or not torch.is_grad_enabled():
+            plan = self._enter(index, layer)
+            if plan is _AS_IS:
                 return forward(*args, **kwargs)
-            if in_backward():
-                # A checkpoint around this layer recomputes it: its tensors
-                # are used at once, nothing to offload.
-                if self._off is not None:
-                    self._step_aside("inside a backward pass (a recomputation)")
-                return forward(*args, **kwargs)
-            if self._off is not None and foreign_hooks_active():
-                self._step_aside("inside other saved-tensor hooks")
+            if plan is _RUN:
                 return run(*args, **kwargs)
-            if index == 0 or self._chain is None:
-                self._chain = []  # a new forward pass
-                self._counters.steps += 1
-            chain = self._chain
-            pos = len(chain)
-            if index in self._offloaded:
-                assert self._off is not None
-                if self._strict:
-                    self._check_connected()
-                key = next(_keys)
-                self._off.begin_group(key, self._slot_base + index)
-                pack = _make_pack(
-                    self._off,
-                    key,
-                    self._min_bytes,
-                    _ParamSkip([layer], self._weights),
-                    self._counters,
-                )
-                try:
-                    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
-                        out = run(*args, **kwargs)
-                finally:
-                    self._off.close_group(key)
-                    logs.drain(_C)
-                chain.append(key)
-            else:
+            try:
                 out = run(*args, **kwargs)
-                chain.append(None)
-            t = _first_grad_tensor(out)
-            if t is not None and self._off is not None:
-                t.register_hook(functools.partial(self._on_backward, chain, pos))
-            return out
+            except BaseException:
+                self._leave(plan, None, failed=True)
+                raise
+            return self._leave(plan, out)
 
+        # torch.compile (of the whole model, or layer.compile()): Dynamo skips
+        # this frame and the bookkeeping (_enter/_leave run eagerly), but
+        # compiles `run`'s frame, the layer itself. One graph break per layer,
+        # the same whether offload is on or off, so results are bit-identical;
+        # identical layers share one compiled graph (no recompiles).
+        wrapped = torch.compiler.disable(
+            wrapped, recursive=False, reason="memoffload: a layer's offload bookkeeping"
+        )
         setattr(wrapped, _HANDLE_ATTR, self)
         return wrapped
+
+    @torch.compiler.disable(reason="memoffload: a layer's offload bookkeeping")
+    def _enter(self, index: int, layer: nn.Module) -> Any:
+        """What a call of layer ``index`` does: _AS_IS (run the plain forward),
+        _RUN (run it, checkpointed if asked, offloading nothing), or a plan
+        ``(chain, pos, key)`` for _leave: its group ``key`` (None: not
+        offloaded) is open and its saved-tensor hooks pushed."""
+        if self._removed or not torch.is_grad_enabled():
+            return _AS_IS
+        if in_backward():
+            # A checkpoint around this layer recomputes it: its tensors are
+            # used at once, nothing to offload.
+            if self._off is not None:
+                self._step_aside("inside a backward pass (a recomputation)")
+            return _AS_IS
+        if self._off is None:
+            return _RUN
+        if foreign_hooks_active():
+            self._step_aside("inside other saved-tensor hooks")
+            return _RUN
+        if index == 0 or self._chain is None:
+            self._chain = []  # a new forward pass
+            self._counters.steps += 1
+        chain = self._chain
+        pos = len(chain)
+        if index not in self._offloaded:
+            return (chain, pos, None)
+        if self._strict:
+            self._check_connected()
+        key = next(_keys)
+        self._off.begin_group(key, self._slot_base + index)
+        pack = _make_pack(
+            self._off, key, self._min_bytes, _ParamSkip([layer], self._weights), self._counters
+        )
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, _unpack)
+        return (chain, pos, key)
+
+    @torch.compiler.disable(reason="memoffload: a layer's offload bookkeeping")
+    def _leave(self, plan: Tuple[List[Optional[int]], int, Optional[int]], out: Any,
+               failed: bool = False) -> Any:
+        """Closes what _enter opened; on success, arms the prefetch of this
+        layer's group (and the window before it) for when backward reaches
+        the layer's output."""
+        chain, pos, key = plan
+        if key is not None:
+            try:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+            finally:
+                self._off.close_group(key)
+                logs.drain(_C)
+        if failed:
+            return None
+        chain.append(key)
+        t = _first_grad_tensor(out)
+        if t is not None:
+            t.register_hook(functools.partial(self._on_backward, chain, pos))
+        return out
 
     def _on_backward(self, chain: List[Optional[int]], pos: int, grad: torch.Tensor) -> None:
         # Backward reached layer `pos`: make sure its group and the
