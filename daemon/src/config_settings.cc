@@ -337,7 +337,7 @@ const std::vector<Setting>& Settings() {
                  [](DaemonConfig* c) { return &c->policy.region_job_max_bytes; }),
       U64Setting("regions", "uid_max_bytes", Kind::kSize,
                  "arena bytes the checkpoint regions of one uid may hold, over all its job ids "
-                 "(0: only regions.max_bytes)",
+                 "(default half of regions.max_bytes; 0: only regions.max_bytes)",
                  [](DaemonConfig* c) { return &c->policy.region_uid_max_bytes; }),
       U64Setting("regions", "ttl", Kind::kDuration,
                  "a committed region is deleted this long after its commit; a request may ask "
@@ -347,8 +347,8 @@ const std::vector<Setting>& Settings() {
                    1 << 20, [](DaemonConfig* c) { return &c->policy.max_regions_per_job; }),
       CountSetting(
           "regions", "max_per_uid",
-          "regions one uid may hold at once, over all its job ids (0: only "
-          "regions.max_count)",
+          "regions one uid may hold at once, over all its job ids (default an eighth of "
+          "regions.max_count, at least 1; 0: only regions.max_count)",
           1 << 24, [](DaemonConfig* c) { return &c->policy.max_regions_per_uid; },
           /*min=*/0),
       CountSetting("regions", "max_count",
