@@ -233,6 +233,18 @@ const std::vector<Setting>& Settings() {
                    "open connections of one peer uid on each socket (default 256)",
                    kMaxConnectionsLimit,
                    [](DaemonConfig* c) { return &c->max_connections_per_uid; }),
+      {"metrics", "job_labels", Kind::kString,
+       "the job_id label of the per-rank series on /metrics, which any local user can read: "
+       "plain (default: the job id), hash (the first 12 hex digits of its SHA-256) or none "
+       "(no per-rank series; the node totals stay)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "plain" && v != "hash" && v != "none") {
+           return InvalidArgument("'" + v + "' is not one of plain, hash, none");
+         }
+         c->metrics_job_labels = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.metrics_job_labels; }},
       U64Setting("arena", "size", Kind::kSize,
                  "arena size, e.g. 512MiB, 64GiB (default min(1GiB, 25% of RAM))",
                  [](DaemonConfig* c) { return &c->arena_size_bytes; }),

@@ -84,6 +84,9 @@ struct DaemonConfig {
   // per peer uid; past them a new connection is closed at accept.
   uint64_t max_connections = 1024;
   uint64_t max_connections_per_uid = 256;
+  // [metrics]: the job id label of the per-rank series: plain, hash or none
+  // (JobLabels, metrics.h). /metrics is not behind the access list.
+  std::string metrics_job_labels = "plain";
   // [arena]
   uint64_t arena_size_bytes = 0;  // resolved: min(1 GiB, 25% of RAM)
   uint64_t chunk_size_bytes = 0;  // resolved: min(1 GiB, arena size)
