@@ -70,11 +70,12 @@ namespace {
 // A Reserve that may wait (wait_for_space). gRPC calls OnCancel when its
 // caller cancels or goes away, or its deadline passes: the waiter then
 // leaves the queue at once (SessionTable::CancelReserve answers it
-// CANCELLED), instead of staying queued, and when aged keeping its bytes
-// free from other tenants, until its deadline or quotas.max_wait. gRPC
-// calls OnCancel and OnDone only after the handler returned the reactor,
-// and OnDone last; ticket_ is still guarded by mu_ (ThreadSanitizer does not
-// see gRPC's own ordering, tests/sanitizers/tsan.supp).
+// CANCELLED) instead of staying queued until its deadline or
+// quotas.max_wait, and, once aged, keeping its bytes free from other
+// tenants all that time. gRPC calls OnCancel and OnDone only after the
+// handler returned the reactor, and OnDone last; ticket_ is still guarded by
+// mu_ (ThreadSanitizer does not see gRPC's own ordering, tests/sanitizers/
+// tsan.supp).
 class WaitingReserve final : public grpc::ServerUnaryReactor {
  public:
   explicit WaitingReserve(SessionTable* table) : table_(table) {}

@@ -87,7 +87,8 @@ void TenantChunks::SweepRecipients(ChunkOwner* c) const {
   c->recipients.erase(std::remove_if(c->recipients.begin(), c->recipients.end(),
                                      [this](pid_t pid) { return !lives_(pid); }),
                       c->recipients.end());
-  // Amortised: the next sweep comes after at least half as many new ones.
+  // Amortised: the next sweep comes after at least as many new recipients
+  // as it kept (and 32 at least).
   c->sweep_at = std::max(kRecipientSweep, 2 * c->recipients.size());
 }
 
