@@ -36,7 +36,8 @@ daemon >= 5x the cold restore from disk.
 
 Without --runtime-dir it starts $MEMOFFLOAD_BIN_DIR/memoffloadd (default
 build/bin) in a temporary directory with an arena of 4x the size (>= 1 GiB),
-all of which checkpoint regions may use (--regions-max-bytes).
+all of which checkpoint regions may use (--regions-max-bytes), the bench's
+one uid included (--regions-uid-max-bytes; by default a uid gets half).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def start_daemon(tmp: str, arena_bytes: int) -> subprocess.Popen:
     arena = -(-arena_bytes // chunk) * chunk
     proc = subprocess.Popen(
         [exe, f"--runtime-dir={tmp}", f"--arena-size={arena}", f"--chunk-size={chunk}",
-         f"--regions-max-bytes={arena}", "--metrics-address=none", "--log-level=warn"])
+         f"--regions-max-bytes={arena}", f"--regions-uid-max-bytes={arena}",
+         "--metrics-address=none", "--log-level=warn"])
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:

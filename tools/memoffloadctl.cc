@@ -132,7 +132,7 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
             " chunks, " +
             of(std::to_string(u.regions()), s->max_regions_per_uid(),
                std::to_string(s->max_regions_per_uid())) +
-            (u.regions() == 1 ? " region of " : " regions of ") +
+            (u.regions() == 1 ? " region holding " : " regions holding ") +
             of(FormatSize(u.region_bytes()), s->region_uid_max_bytes(),
                FormatSize(s->region_uid_max_bytes())));
   }

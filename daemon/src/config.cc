@@ -334,6 +334,19 @@ Status ResolveAndValidate(DaemonConfig* c) {
     return InvalidArgument("regions.max_bytes: " + FormatSize(c->policy.region_max_bytes) +
                            " is more than the " + FormatSize(c->arena_size_bytes) + " arena");
   }
+  // One uid's share of the regions, unless set (0 set: no per-uid limit):
+  // half the bytes and an eighth of the count, so that no uid, whatever job
+  // ids it names, can take every region slot or byte of the node.
+  auto is_default = [c](const char* key) {
+    auto source = c->sources.find(key);
+    return source == c->sources.end() || source->second == "default";
+  };
+  if (c->policy.region_uid_max_bytes == 0 && is_default("regions.uid_max_bytes")) {
+    c->policy.region_uid_max_bytes = c->policy.region_max_bytes / 2 / page * page;
+  }
+  if (c->policy.max_regions_per_uid == 0 && is_default("regions.max_per_uid")) {
+    c->policy.max_regions_per_uid = std::max<uint64_t>(1, c->policy.max_regions / 8);
+  }
   if (c->policy.region_ttl_ms == 0 || c->policy.region_ttl_ms > kMaxRegionTtlMs) {
     return InvalidArgument("regions.ttl: " + std::to_string(c->policy.region_ttl_ms) +
                            "ms is outside 1ms..30 days");

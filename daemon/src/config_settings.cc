@@ -233,6 +233,18 @@ const std::vector<Setting>& Settings() {
                    "open connections of one peer uid on each socket (default 256)",
                    kMaxConnectionsLimit,
                    [](DaemonConfig* c) { return &c->max_connections_per_uid; }),
+      {"metrics", "job_labels", Kind::kString,
+       "the job_id label of the per-rank series on /metrics, which any local user can read: "
+       "plain (default: the job id), hash (the first 12 hex digits of its SHA-256) or none "
+       "(no per-rank series; the node totals stay)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "plain" && v != "hash" && v != "none") {
+           return InvalidArgument("'" + v + "' is not one of plain, hash, none");
+         }
+         c->metrics_job_labels = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.metrics_job_labels; }},
       U64Setting("arena", "size", Kind::kSize,
                  "arena size, e.g. 512MiB, 64GiB (default min(1GiB, 25% of RAM))",
                  [](DaemonConfig* c) { return &c->arena_size_bytes; }),
@@ -337,7 +349,7 @@ const std::vector<Setting>& Settings() {
                  [](DaemonConfig* c) { return &c->policy.region_job_max_bytes; }),
       U64Setting("regions", "uid_max_bytes", Kind::kSize,
                  "arena bytes the checkpoint regions of one uid may hold, over all its job ids "
-                 "(0: only regions.max_bytes)",
+                 "(default half of regions.max_bytes; 0: only regions.max_bytes)",
                  [](DaemonConfig* c) { return &c->policy.region_uid_max_bytes; }),
       U64Setting("regions", "ttl", Kind::kDuration,
                  "a committed region is deleted this long after its commit; a request may ask "
@@ -347,8 +359,8 @@ const std::vector<Setting>& Settings() {
                    1 << 20, [](DaemonConfig* c) { return &c->policy.max_regions_per_job; }),
       CountSetting(
           "regions", "max_per_uid",
-          "regions one uid may hold at once, over all its job ids (0: only "
-          "regions.max_count)",
+          "regions one uid may hold at once, over all its job ids (default an eighth of "
+          "regions.max_count, at least 1; 0: only regions.max_count)",
           1 << 24, [](DaemonConfig* c) { return &c->policy.max_regions_per_uid; },
           /*min=*/0),
       CountSetting("regions", "max_count",

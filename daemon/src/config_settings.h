@@ -34,6 +34,7 @@ struct Setting {
     if (std::string_view(section) == "arena" && f == "size") return "arena-size";
     // Checkpoint regions' keys repeat the quotas' names (job_max_bytes).
     if (std::string_view(section) == "regions") return "regions-" + f;
+    if (std::string_view(section) == "metrics") return "metrics-" + f;
     return f;
   }
   std::string Env() const {

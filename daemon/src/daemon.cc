@@ -274,9 +274,11 @@ class Daemon {
     const uint64_t instance_id = RandomInstanceId();
     MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
 
+    Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
+    if (!job_labels.ok()) return job_labels.status();
     metrics_ = std::make_unique<Metrics>(
         table_.get(), MetricsInfo{DaemonVersion(), arena_->chunk_count(),
-                                  arena_->chunk_size_bytes(), arena_->mlocked()});
+                                  arena_->chunk_size_bytes(), arena_->mlocked(), *job_labels});
     if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
     if (!metrics_port_.problem().empty()) {
       metrics_port_.RetryUntilBound(

@@ -6,116 +6,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <map>
-#include <mutex>
 #include <utility>
 
+#include "rank_book.h"
+
 namespace memoffload::daemon {
-
-// The (job id, rank) pairs with series in the rank families. A pair's slot
-// stays after its sessions end; Prune removes it only when no RankSeries of
-// it is alive, so no request can still increment a removed counter.
-class RankBook {
- public:
-  using Key = std::pair<std::string, int32_t>;
-
-  RankBook(std::shared_ptr<prometheus::Registry> registry,
-           prometheus::Family<prometheus::Counter>* offload,
-           prometheus::Family<prometheus::Counter>* prefetch)
-      : registry_(std::move(registry)), offload_(offload), prefetch_(prefetch) {}
-
-  std::shared_ptr<RankSeries> SeriesFor(const std::shared_ptr<RankBook>& self,
-                                        const std::string& job_id, int32_t rank);
-  // From ~RankSeries: `series` is gone, with every request that held it.
-  void Unused(const Key& key, const RankSeries* series);
-
- private:
-  struct Slot {
-    prometheus::Counter* offload_bytes = nullptr;
-    prometheus::Counter* prefetch_bytes = nullptr;
-    std::weak_ptr<RankSeries> series;
-    // The RankSeries whose destructor has not run yet; nullptr once it ran.
-    const RankSeries* alive = nullptr;
-  };
-  // Removes the slots without a RankSeries alive. Requires mu_.
-  void Prune();
-
-  const std::shared_ptr<prometheus::Registry> registry_;  // keeps the families alive
-  prometheus::Family<prometheus::Counter>* const offload_;
-  prometheus::Family<prometheus::Counter>* const prefetch_;
-  std::mutex mu_;
-  std::map<Key, Slot> slots_;         // guarded by mu_
-  size_t prune_at_ = kMaxRankSeries;  // guarded by mu_; Prune when slots_ reaches it
-};
-
-struct RankSeries {
-  RankSeries(std::shared_ptr<RankBook> book, RankBook::Key key, prometheus::Counter* offload,
-             prometheus::Counter* prefetch)
-      : offload_bytes(offload),
-        prefetch_bytes(prefetch),
-        book_(std::move(book)),
-        key_(std::move(key)) {}
-  // Runs after the last holder's last increment (shared_ptr orders them).
-  ~RankSeries() { book_->Unused(key_, this); }
-  RankSeries(const RankSeries&) = delete;
-  RankSeries& operator=(const RankSeries&) = delete;
-
-  prometheus::Counter* const offload_bytes;
-  prometheus::Counter* const prefetch_bytes;
-
- private:
-  const std::shared_ptr<RankBook> book_;
-  const RankBook::Key key_;
-};
-
-std::shared_ptr<RankSeries> RankBook::SeriesFor(const std::shared_ptr<RankBook>& self,
-                                                const std::string& job_id, int32_t rank) {
-  std::lock_guard<std::mutex> lock(mu_);
-  Key key(job_id, rank);
-  auto it = slots_.find(key);
-  if (it == slots_.end()) {
-    if (slots_.size() >= prune_at_) Prune();
-    // The broker admits job ids of at most kMaxJobIdBytes printable bytes;
-    // cut here too, so that no label value is ever unbounded.
-    const prometheus::Labels labels = {{"job_id", job_id.substr(0, kMaxLabelValueBytes)},
-                                       {"rank", std::to_string(rank)}};
-    Slot slot;
-    slot.offload_bytes = &offload_->Add(labels);
-    slot.prefetch_bytes = &prefetch_->Add(labels);
-    it = slots_.emplace(key, slot).first;
-  }
-  Slot& slot = it->second;
-  std::shared_ptr<RankSeries> series = slot.series.lock();
-  if (!series) {
-    // None yet, or the last one is dying (its Unused waits for mu_ and will
-    // see that `alive` is not itself any more).
-    series =
-        std::make_shared<RankSeries>(self, std::move(key), slot.offload_bytes, slot.prefetch_bytes);
-    slot.series = series;
-    slot.alive = series.get();
-  }
-  return series;
-}
-
-void RankBook::Unused(const Key& key, const RankSeries* series) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = slots_.find(key);
-  if (it != slots_.end() && it->second.alive == series) it->second.alive = nullptr;
-}
-
-void RankBook::Prune() {
-  for (auto it = slots_.begin(); it != slots_.end();) {
-    if (it->second.alive != nullptr) {
-      ++it;
-      continue;
-    }
-    offload_->Remove(it->second.offload_bytes);
-    prefetch_->Remove(it->second.prefetch_bytes);
-    it = slots_.erase(it);
-  }
-  // Amortised: with many live pairs, the next sweep waits for as many new ones.
-  prune_at_ = std::max(kMaxRankSeries, 2 * slots_.size());
-}
 
 const char* MethodName(Method method) {
   switch (method) {
@@ -303,7 +198,8 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
       arena_collector_(std::make_shared<ArenaCollector>(table, info)),
       max_copy_bytes_(info.chunks > 0 && info.chunk_size_bytes > 0
                           ? static_cast<uint64_t>(info.chunks) * info.chunk_size_bytes
-                          : (uint64_t{1} << 53)) {
+                          : (uint64_t{1} << 53)),
+      job_labels_(info.job_labels) {
   requests_ = &prometheus::BuildCounter()
                    .Name("memoffload_requests_total")
                    .Help("gRPC requests by method and status code.")
@@ -376,7 +272,8 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
                                   .Name("memoffload_rank_prefetch_bytes_total")
                                   .Help("Data bytes prefetched, by the session's job id and rank.")
                                   .Register(*registry_);
-  rank_book_ = std::make_shared<RankBook>(registry_, &rank_offload_bytes, &rank_prefetch_bytes);
+  rank_book_ = std::make_shared<RankBook>(registry_, &rank_offload_bytes, &rank_prefetch_bytes,
+                                          info.job_labels);
   residency_ = &prometheus::BuildHistogram()
                     .Name("memoffload_group_residency_seconds")
                     .Help("Time a group spent in the arena, from Commit to Release.")
@@ -483,6 +380,7 @@ void Metrics::AttachRefused(const std::string& reason) {
 }
 
 std::shared_ptr<RankSeries> Metrics::SeriesFor(const std::string& job_id, int32_t rank) {
+  if (job_labels_ == JobLabels::kNone) return nullptr;  // the node totals count it
   return rank_book_->SeriesFor(rank_book_, job_id, rank);
 }
 

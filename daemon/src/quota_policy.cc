@@ -160,6 +160,31 @@ QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
   return QuotaDecision{};
 }
 
+Status QuotaPolicy::CheckUidRegionCount(uid_t uid, uint64_t held_count) const {
+  const uint64_t limit = policy_.max_regions_per_uid;
+  if (limit == 0 || held_count < limit) return Status::Ok();
+  return ResourceExhausted(
+      "uid " + std::to_string(uid) + " holds " + std::to_string(held_count) +
+      " regions over all its jobs, its limit (regions.max_per_uid = " + std::to_string(limit) +
+      "; by default an eighth of regions.max_count); delete old ones (a deleted or expired "
+      "region still open by a reader counts until it is closed), or raise regions.max_per_uid "
+      "(0: no per-uid limit)");
+}
+
+Status QuotaPolicy::CheckUidRegionBytes(uid_t uid, uint64_t held_bytes, const std::string& name,
+                                        uint64_t bytes) const {
+  const uint64_t limit = policy_.region_uid_max_bytes;
+  if (limit == 0 || held_bytes + bytes <= limit) return Status::Ok();
+  return ResourceExhausted(
+      "region " + name + " (" + FormatSize(bytes) + ") over uid " + std::to_string(uid) +
+      "'s region limit: its jobs hold " + FormatSize(held_bytes) + " of " + FormatSize(limit) +
+      " (regions.uid_max_bytes; by default half of regions.max_bytes); " +
+      (bytes > limit ? "it is larger than the whole limit and can never fit"
+                     : "delete old checkpoints (a deleted or expired region still open by a "
+                       "reader counts until it is closed)") +
+      ", or raise regions.uid_max_bytes (0: only regions.max_bytes)");
+}
+
 ArenaRoom QuotaPolicy::Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,
                             uint64_t keep_free_bytes) const {
   ArenaRoom room;

@@ -65,18 +65,66 @@ grpc::Status OffloadService::Finish(Method method, Clock::time_point start, cons
   return ToGrpc(status);
 }
 
+namespace {
+
+// A Reserve that may wait (wait_for_space). gRPC calls OnCancel when its
+// caller cancels or goes away, or its deadline passes: the waiter then
+// leaves the queue at once (SessionTable::CancelReserve answers it
+// CANCELLED) instead of staying queued until its deadline or
+// quotas.max_wait, and, once aged, keeping its bytes free from other
+// tenants all that time. gRPC calls OnCancel and OnDone only after the
+// handler returned the reactor, and OnDone last; ticket_ is still guarded by
+// mu_ (ThreadSanitizer does not see gRPC's own ordering, tests/sanitizers/
+// tsan.supp).
+class WaitingReserve final : public grpc::ServerUnaryReactor {
+ public:
+  explicit WaitingReserve(SessionTable* table) : table_(table) {}
+
+  // The handler's: the table's ticket while the reserve waits, 0 once
+  // answered.
+  void Started(uint64_t ticket) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ticket_ = ticket;
+  }
+
+  void OnCancel() override {
+    uint64_t ticket;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ticket = ticket_;
+    }
+    if (ticket != 0) table_->CancelReserve(ticket);  // a no-op once it was answered
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  SessionTable* const table_;
+  std::mutex mu_;
+  uint64_t ticket_ = 0;  // guarded by mu_
+};
+
+}  // namespace
+
 grpc::ServerUnaryReactor* OffloadService::Reserve(grpc::CallbackServerContext* ctx,
                                                   const v1::ReserveRequest* req,
                                                   v1::ReserveResponse* resp) {
-  // gRPC's own reactor: its OnDone runs inline, so no reactor of ours is
-  // handed between threads (ThreadSanitizer cannot see gRPC's hand-off). A
-  // caller that goes away is noticed through IsCancelled before its waiter
-  // would be granted (the context lives until Finish).
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  StartReserve(
-      *req, resp, ctx->deadline(), [reactor](grpc::Status st) { reactor->Finish(st); },
-      [ctx] { return ctx->IsCancelled(); });
-  return reactor;
+  // A caller that goes away is also noticed through IsCancelled before its
+  // waiter would be granted (the context lives until Finish).
+  auto cancelled = [ctx] { return ctx->IsCancelled(); };
+  if (!req->wait_for_space()) {
+    // Answered before the handler returns: gRPC's own reactor (no
+    // allocation, nothing of ours crosses threads).
+    grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+    StartReserve(
+        *req, resp, ctx->deadline(), [reactor](grpc::Status st) { reactor->Finish(st); },
+        cancelled);
+    return reactor;
+  }
+  auto* call = new WaitingReserve(table_);
+  call->Started(StartReserve(
+      *req, resp, ctx->deadline(), [call](grpc::Status st) { call->Finish(st); }, cancelled));
+  return call;
 }
 
 grpc::Status OffloadService::ReserveAndWait(const v1::ReserveRequest& req,

@@ -175,13 +175,7 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              ", the limit (regions.max_per_job); delete old ones");
   }
   const UidRegions uid_held = UidRegionsOf(s.peer.uid);
-  if (policy.max_regions_per_uid != 0 && uid_held.count >= policy.max_regions_per_uid) {
-    return ResourceExhausted("uid " + std::to_string(s.peer.uid) + " holds " +
-                             Regions(uid_held.count) +
-                             " over all its jobs, the limit (regions.max_per_uid); delete old "
-                             "ones (a deleted or expired region still open by a reader counts "
-                             "until it is closed)");
-  }
+  MEMOFFLOAD_RETURN_IF_ERROR(quota_.CheckUidRegionCount(s.peer.uid, uid_held.count));
   if (region_count_ >= policy.max_regions) {
     return ResourceExhausted("the node holds " + Regions(region_count_) +
                              ", the limit (regions.max_count); delete old checkpoints");
@@ -200,14 +194,8 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                              FormatSize(policy.region_job_max_bytes) + " (regions.job_max_bytes)" +
                              RegionLimitHint(rounded, policy.region_job_max_bytes));
   }
-  if (policy.region_uid_max_bytes != 0 &&
-      uid_held.held_bytes + rounded > policy.region_uid_max_bytes) {
-    return ResourceExhausted("region " + name + " (" + FormatSize(rounded) + ") over uid " +
-                             std::to_string(s.peer.uid) + "'s region limit: its jobs hold " +
-                             FormatSize(uid_held.held_bytes) + " of " +
-                             FormatSize(policy.region_uid_max_bytes) + " (regions.uid_max_bytes)" +
-                             RegionLimitHint(rounded, policy.region_uid_max_bytes));
-  }
+  MEMOFFLOAD_RETURN_IF_ERROR(
+      quota_.CheckUidRegionBytes(s.peer.uid, uid_held.held_bytes, name, rounded));
   if (region_bytes_ + rounded > policy.region_max_bytes) {
     return ResourceExhausted("region " + name + " (" + FormatSize(rounded) +
                              ") over the node's region limit: regions hold " +

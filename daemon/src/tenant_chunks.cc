@@ -1,6 +1,10 @@
 #include "memoffload/daemon/tenant_chunks.h"
 
+#include <signal.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <utility>
 
 namespace memoffload::daemon {
 
@@ -11,8 +15,16 @@ Result<TenantMode> ParseTenantMode(const std::string& text) {
   return InvalidArgument("'" + text + "' is not a tenant mode: uid, job or none");
 }
 
-TenantChunks::TenantChunks(uint32_t chunk_count, TenantMode mode)
-    : mode_(mode), chunks_(chunk_count) {}
+namespace {
+
+bool ProcessLivesNow(pid_t pid) { return kill(pid, 0) == 0 || errno == EPERM; }
+
+}  // namespace
+
+TenantChunks::TenantChunks(uint32_t chunk_count, TenantMode mode, ProcessLives lives)
+    : mode_(mode),
+      lives_(lives != nullptr ? std::move(lives) : ProcessLives(ProcessLivesNow)),
+      chunks_(chunk_count) {}
 
 uint32_t TenantChunks::owned_chunks() const {
   uint32_t owned = 0;
@@ -67,7 +79,17 @@ void TenantChunks::Hand(uint32_t chunk, uint64_t session_id, const std::string& 
   // Remembered for FreshBacking: who may keep this backing after its session.
   if (pid > 0 && std::find(c.recipients.begin(), c.recipients.end(), pid) == c.recipients.end()) {
     c.recipients.push_back(pid);
+    if (c.recipients.size() >= c.sweep_at) SweepRecipients(&c);
   }
+}
+
+void TenantChunks::SweepRecipients(ChunkOwner* c) const {
+  c->recipients.erase(std::remove_if(c->recipients.begin(), c->recipients.end(),
+                                     [this](pid_t pid) { return !lives_(pid); }),
+                      c->recipients.end());
+  // Amortised: the next sweep comes after at least as many new recipients
+  // as it kept (and 32 at least).
+  c->sweep_at = std::max(kRecipientSweep, 2 * c->recipients.size());
 }
 
 std::vector<uint32_t> TenantChunks::Attach(uint64_t session_id, const std::string& tenant,
@@ -161,6 +183,7 @@ void TenantChunks::Assign(uint32_t chunk, const std::string& tenant, uid_t uid) 
   if (!owner.tenant.empty()) {
     owner.holders.clear();  // only sessions of the old tenant, none open
     owner.recipients.clear();
+    owner.sweep_at = kRecipientSweep;
     auto old = owned_.find(owner.tenant);
     std::vector<uint32_t>& list = old->second.chunks;
     list.erase(std::lower_bound(list.begin(), list.end(), chunk));

@@ -321,9 +321,6 @@ TEST(Config, RegionLimitsDefaultToHalfTheArenaAndAnExplicitZeroDisablesThem) {
   EXPECT_EQ(set->policy.max_regions_per_job, 8u);
   EXPECT_EQ(set->policy.region_uid_max_bytes, 128u << 20);
   EXPECT_EQ(set->policy.max_regions_per_uid, 16u);
-  // The uid limits are off unless set (0: only the node's), and 0 parses.
-  EXPECT_EQ(c->policy.region_uid_max_bytes, 0u);
-  EXPECT_EQ(c->policy.max_regions_per_uid, 0u);
   auto zero = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-per-uid=0"});
   ASSERT_TRUE(zero.ok()) << zero.status().ToString();
   auto big = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=2GiB"});
@@ -332,6 +329,44 @@ TEST(Config, RegionLimitsDefaultToHalfTheArenaAndAnExplicitZeroDisablesThem) {
   auto ttl = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-ttl=0s"});
   ASSERT_FALSE(ttl.ok());
   EXPECT_NE(ttl.status().message().find("regions.ttl"), std::string::npos);
+}
+
+// Issue 29: with the per-uid region limits off, one uid filled every region
+// slot of the node. They are on by default: an eighth of regions.max_count
+// and half of regions.max_bytes, following those two; an explicit 0 turns
+// them off, and a value set is kept.
+TEST(Config, PerUidRegionLimitsDefaultToAnEighthOfTheCountAndHalfTheBytes) {
+  auto c = Resolved({"--arena-size=1GiB", "--chunk-size=256MiB", "--runtime-dir=/tmp/x"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.max_regions_per_uid, 65536u / 8);
+  EXPECT_EQ(c->policy.region_uid_max_bytes, c->policy.region_max_bytes / 2);
+  EXPECT_EQ(c->policy.region_uid_max_bytes, 256u << 20);
+  EXPECT_EQ(c->sources.at("regions.max_per_uid"), "default");
+  // They follow the node's limits they are shares of.
+  auto small = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-count=20",
+                         "--regions-max-bytes=100MiB"});
+  ASSERT_TRUE(small.ok()) << small.status().ToString();
+  EXPECT_EQ(small->policy.max_regions_per_uid, 2u);
+  EXPECT_EQ(small->policy.region_uid_max_bytes, 50u << 20);
+  // At least one region: a count under 8 leaves each uid one.
+  auto tiny = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-count=3"});
+  ASSERT_TRUE(tiny.ok()) << tiny.status().ToString();
+  EXPECT_EQ(tiny->policy.max_regions_per_uid, 1u);
+  // An explicit 0 is "no per-uid limit", as before; a value set is kept.
+  auto off = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-per-uid=0",
+                       "--regions-uid-max-bytes=0"});
+  ASSERT_TRUE(off.ok()) << off.status().ToString();
+  EXPECT_EQ(off->policy.max_regions_per_uid, 0u);
+  EXPECT_EQ(off->policy.region_uid_max_bytes, 0u);
+  auto set = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-per-uid=5",
+                       "--regions-uid-max-bytes=300MiB"});
+  ASSERT_TRUE(set.ok()) << set.status().ToString();
+  EXPECT_EQ(set->policy.max_regions_per_uid, 5u);
+  EXPECT_EQ(set->policy.region_uid_max_bytes, 300u << 20);
+  // Regions disabled: nothing to share.
+  auto disabled = Resolved({"--arena-size=1GiB", "--runtime-dir=/tmp/x", "--regions-max-bytes=0"});
+  ASSERT_TRUE(disabled.ok()) << disabled.status().ToString();
+  EXPECT_EQ(disabled->policy.region_uid_max_bytes, 0u);
 }
 
 }  // namespace

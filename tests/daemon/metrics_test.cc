@@ -333,6 +333,34 @@ TEST_F(MetricsTest, LabelValuesAreBounded) {
   }
 }
 
+// metrics.job_labels (issue 29: /metrics is readable by any local user):
+// hash names a job by the first 12 hex digits of its SHA-256, none gives no
+// per-rank series; the node totals count in every mode.
+TEST_F(MetricsTest, JobLabelsAreTheJobIdItsHashOrNothing) {
+  // FIPS 180-2's test vector: SHA-256("abc") = ba7816bf 8f01cfea ...
+  EXPECT_EQ(HashedJobId("abc"), "ba7816bf8f01");
+  EXPECT_EQ(HashedJobId(std::string(5000, 'j')).size(), 12u);
+  EXPECT_FALSE(ParseJobLabels("hashed").ok());
+  for (const JobLabels mode : {JobLabels::kHash, JobLabels::kNone}) {
+    metrics_ = std::make_unique<Metrics>(table_.get(), MetricsInfo{"test", 4, kMiB, false, mode});
+    EXPECT_EQ(metrics_->SeriesFor("train", 1) == nullptr, mode == JobLabels::kNone);
+    const SessionGrant s = Open("train", 1);
+    Offload(s, 300);
+    Close(s);
+    EXPECT_EQ(Value("memoffload_offload_bytes_total"), 300);
+    const std::string text = Text();
+    EXPECT_EQ(text.find("train"), std::string::npos) << text;
+    if (mode == JobLabels::kHash) {
+      EXPECT_EQ(Value("memoffload_rank_offload_bytes_total{job_id=\"" + HashedJobId("train") +
+                      "\",rank=\"1\"}"),
+                300);
+    } else {
+      EXPECT_TRUE(Samples("memoffload_rank_offload_bytes_total").empty()) << text;
+    }
+  }
+  EXPECT_TRUE(ParseJobLabels("plain").ok());
+}
+
 TEST_F(MetricsTest, FamiliesWithoutSeriesAreNotPrinted) {
   // Why tests/metrics derives the exported set from metrics.cc and not only
   // from # TYPE lines: prometheus-cpp prints nothing for a family without

@@ -3,7 +3,10 @@
 #include "memoffload/daemon/tenant_chunks.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <iterator>
 #include <map>
 #include <random>
@@ -138,6 +141,87 @@ TEST(TenantChunksTest, ChunksAreCountedPerUidOverItsTenantsAndMoveBetweenThem) {
   EXPECT_EQ(t.UidChunks(7), 3u);
   EXPECT_EQ(t.UidChunks(8), 0u);
   EXPECT_TRUE(t.CheckInvariants({{"job:7:x", 1}}).ok());
+}
+
+// Issue 29: a chunk's recipients (the processes handed its backing's fd)
+// were only ever added to, and a take-over hands them all to
+// FreshBacking::Retire, which opens a pidfd for each under the table lock
+// (+0.65 us per pid ever recorded, about 2.7 s at pid_max 4,194,304). A uid
+// that attaches from many short-lived processes now leaves a list bounded
+// by the processes that live: those that exited are dropped.
+TEST(TenantChunksTest, RecipientsThatExitedAreDroppedSoTheListStaysBounded) {
+  constexpr size_t kBound = TenantChunks::kRecipientSweep;
+  TenantChunks t(1, TenantMode::kUid);
+  t.Join("a", 0);
+  t.Assign(0, "a", 0);
+  t.Attach(1, "a", getpid());  // a recipient that lives
+  constexpr int kExited = 500;
+  for (int i = 0; i < kExited; ++i) {
+    const pid_t child = fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) _exit(0);
+    ASSERT_EQ(waitpid(child, nullptr, 0), child);
+    t.Attach(2 + i, "a", child);
+    t.Forget(2 + i);
+  }
+  const std::vector<pid_t>& recipients = t.recipients(0);
+  EXPECT_LE(recipients.size(), kBound) << "recipients after " << kExited << " exited processes";
+  EXPECT_NE(std::find(recipients.begin(), recipients.end(), getpid()), recipients.end())
+      << "the live recipient was dropped";
+}
+
+// Processes attach, attach again and exit at random, in phases where their
+// number grows and shrinks, against a model: every recipient that lives is
+// still listed (FreshBacking counts it as keeping the backing), none twice,
+// and the list stays under max(kRecipientSweep, 2 x the most that lived).
+TEST(TenantChunksTest, RandomRecipientsKeepEveryLiveOneAndStayBounded) {
+  std::set<pid_t> alive;
+  TenantChunks t(2, TenantMode::kUid, [&](pid_t pid) { return alive.count(pid) != 0; });
+  t.Join("a", 0);
+  t.Assign(0, "a", 0);
+  t.Assign(1, "a", 0);
+  std::vector<std::set<pid_t>> handed(2);  // the model: who was handed each chunk
+  std::mt19937_64 rng(29);
+  pid_t next_pid = 100;
+  uint64_t next_session = 1;
+  size_t most_alive = 0;
+  auto random_alive = [&] {
+    return *std::next(alive.begin(), static_cast<std::ptrdiff_t>(rng() % alive.size()));
+  };
+  for (int step = 0; step < 16000; ++step) {
+    const bool growing = (step / 1000) % 2 == 0;
+    const uint64_t roll = rng() % 4;
+    if (roll < (growing ? 2u : 1u)) {  // a new process attaches: both chunks
+      const pid_t pid = next_pid++;
+      alive.insert(pid);
+      const uint64_t session = next_session++;
+      t.Attach(session, "a", pid);
+      t.Forget(session);
+      handed[0].insert(pid);
+      handed[1].insert(pid);
+    } else if (roll == 2 && !alive.empty()) {  // a live one asks for chunk 1 again
+      const pid_t pid = random_alive();
+      const uint64_t session = next_session++;
+      ASSERT_TRUE(t.Grant(session, "a", pid, {1}).ok());
+      t.Forget(session);
+    } else if (!alive.empty()) {  // one exits
+      alive.erase(random_alive());
+    }
+    most_alive = std::max(most_alive, alive.size());
+    for (uint32_t c = 0; c < 2; ++c) {
+      const std::vector<pid_t>& listed = t.recipients(c);
+      const std::set<pid_t> unique(listed.begin(), listed.end());
+      ASSERT_EQ(unique.size(), listed.size()) << "step " << step << ": a recipient twice";
+      ASSERT_LT(listed.size(), std::max(TenantChunks::kRecipientSweep, 2 * most_alive))
+          << "step " << step;
+      for (pid_t pid : alive) {
+        if (handed[c].count(pid) != 0) {
+          ASSERT_EQ(unique.count(pid), 1u) << "step " << step << ": live pid " << pid << " dropped";
+        }
+      }
+    }
+  }
+  EXPECT_GT(most_alive, TenantChunks::kRecipientSweep);  // the phases reached past the first sweep
 }
 
 // Random opens, closes, grants and claims against a model of the rules:

@@ -75,7 +75,8 @@ TEST(CtlUids, StatusShowsEachUidNextToItsLimits) {
   ctl({"status"});
   const std::string me = std::to_string(getuid());
   EXPECT_NE(out.find("uid " + me + std::string(17 - me.size(), ' ') +
-                     "2 sessions, 6.00 MiB of 64.00 MiB held, 1 of 3 chunks, 0 regions of 0 B"),
+                     "2 sessions, 6.00 MiB of 64.00 MiB held, 1 of 3 chunks, 0 of 8192 regions "
+                     "holding 0 B of 64.00 MiB"),
             std::string::npos)
       << out;
   EXPECT_NE(out.find("uid 65534            0 sessions, 0 B of 64.00 MiB held, 1 of 3 chunks"),

@@ -1,8 +1,10 @@
 // No tenant can starve another (issue 13, items 4 and 5) against the real
 // daemon: another uid's waiter does not refuse a Reserve that fits, waiting
-// costs no daemon thread and ends with the shortfall named, and the limits
-// on waiters, extents per Reserve and groups per session hold.
+// costs no daemon thread and ends with the shortfall named, a waiter whose
+// caller cancels is dropped at once (issue 29), and the limits on waiters,
+// extents per Reserve and groups per session hold.
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <unistd.h>
@@ -10,11 +12,15 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <future>
 #include <thread>
 #include <vector>
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
+#include "memoffload/shared_mem/runtime_dir.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
+#include "raw_attach.h"
 
 namespace memoffload::testing {
 namespace {
@@ -103,6 +109,64 @@ TEST(Fairness, AnotherTenantsWaiterDoesNotRefuseReservesThatFit) {
   EXPECT_TRUE(released.ok()) << released.ToString() << "\n" << daemon->Log();
   waiter.join();
   EXPECT_TRUE(a_served);
+}
+
+// Issue 29: a waiting Reserve whose caller cancelled stayed queued until
+// quotas.max_wait, and, aged, kept its bytes free from every other tenant:
+// another uid's Reserve that fitted was refused the whole time. The caller
+// here is a raw gRPC client (its session stays open) that cancels its call.
+// Seen before the fix: the waiter still queued after 5 s, and uid 65534's
+// 16 MiB refused with "32.00 MiB available (...; 48.00 MiB kept free for an
+// older waiting reserve of another tenant".
+TEST(Fairness, ACancelledWaiterIsDroppedAtOnceAndHoldsNoBytesFromAnotherTenant) {
+  std::string error;
+  DaemonProcess::Options options = TwoTenantOptions("64MiB", "16MiB");
+  options.extra_args.push_back("--reserve-aging=0s");  // every waiter is aged at once
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  int lifeline = -1;
+  auto me = RawAttach(daemon->runtime_dir(), "a", &lifeline);
+  ASSERT_TRUE(me.ok()) << me.status().ToString();
+  auto stub = v1::Offload::NewStub(grpc::CreateChannel(
+      "unix:" + GrpcSocketPath(daemon->runtime_dir()), grpc::InsecureChannelCredentials()));
+  auto request = [&](uint64_t group, uint64_t bytes, bool wait) {
+    v1::ReserveRequest req;
+    req.mutable_session()->set_session_id(me->session_id);
+    req.mutable_session()->set_session_token(me->session_token);
+    req.set_group_id(group);
+    req.set_size_bytes(bytes);
+    req.set_wait_for_space(wait);
+    return req;
+  };
+  {
+    grpc::ClientContext ctx;
+    v1::ReserveResponse resp;
+    const grpc::Status held = stub->Reserve(&ctx, request(1, 32 * kMiB, false), &resp);
+    ASSERT_TRUE(held.ok()) << held.error_message();
+  }
+  // 48 MiB do not fit in the 32 MiB left: it waits (no deadline: until
+  // quotas.max_wait, 30 s).
+  grpc::ClientContext wait_ctx;
+  const v1::ReserveRequest wait_req = request(2, 48 * kMiB, true);
+  v1::ReserveResponse wait_resp;
+  std::promise<grpc::Status> answered;
+  stub->async()->Reserve(&wait_ctx, &wait_req, &wait_resp,
+                         [&answered](grpc::Status st) { answered.set_value(std::move(st)); });
+  ASSERT_TRUE(WaitUntil([&] { return daemon->Status().waiting_reserves() == 1; }, 10000));
+  wait_ctx.TryCancel();
+  EXPECT_EQ(answered.get_future().get().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(WaitUntil([&] { return daemon->Status().waiting_reserves() == 0; }, 5000))
+      << daemon->Status().waiting_reserves() << " waiting 5 s after the cancel";
+
+  // Another uid's Reserve that fits is served now.
+  std::string out;
+  EXPECT_EQ(RunCapture({BinDir() + "/offload_worker", "job-as", daemon->runtime_dir(), "65534", "b",
+                        std::to_string(16 * kMiB), "0"},
+                       &out),
+            0)
+      << out;
+  EXPECT_EQ(out.rfind("RESERVED " + std::to_string(16 * kMiB), 0), 0u) << out;
+  close(lifeline);
 }
 
 // Seen before the fix: 1024 waiters took 1036 daemon threads and all got

@@ -324,6 +324,49 @@ TEST(Lifecycle, MetricsEndpointReportsArenaAndRequests) {
   EXPECT_NE(metrics.find("\nmemoffload_stale_backing_bytes 0\n"), std::string::npos);
 }
 
+// Issue 29: /metrics is not behind the access list (any local user can read
+// it) and its per-rank series carry the job id each client named.
+// metrics.job_labels = hash shows the first 12 hex digits of the job id's
+// SHA-256 instead (what `sha256sum` prints, so an operator can match it),
+// none no per-rank series at all; the node totals count either way.
+TEST(Lifecycle, MetricsJobLabelsHashOrNoneKeepJobIdsOffTheScrape) {
+  const std::string job = "secret-job-29";
+  std::string digest;
+  ASSERT_EQ(RunCapture({"/bin/sh", "-c", "printf %s '" + job + "' | sha256sum"}, &digest), 0);
+  ASSERT_GE(digest.size(), 64u) << digest;
+  const std::string hashed = digest.substr(0, 12);
+  for (const std::string mode : {"hash", "none"}) {
+    SCOPED_TRACE(mode);
+    std::string error;
+    DaemonProcess::Options options;
+    options.metrics_address = "127.0.0.1:0";
+    options.extra_args = {"--metrics-job-labels=" + mode};
+    auto daemon = DaemonProcess::Start(options, &error);
+    ASSERT_NE(daemon, nullptr) << error;
+    const std::string addr = daemon->Status().metrics_address();
+    ASSERT_FALSE(addr.empty());
+    client::AttachOptions attach;
+    attach.runtime_dir = daemon->runtime_dir();
+    attach.job_id = job;
+    attach.rank = 3;
+    auto c = client::Client::Attach(attach);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    ASSERT_TRUE((*c)->Reserve(1, 8192).ok());
+    ASSERT_TRUE((*c)->Commit(1, 5000).ok());
+    const std::string metrics = HttpGet(std::stoi(addr.substr(addr.rfind(':') + 1)), "/metrics");
+    ASSERT_NE(metrics.find("\nmemoffload_offload_bytes_total 5000\n"), std::string::npos)
+        << metrics;
+    EXPECT_EQ(metrics.find(job), std::string::npos) << metrics;
+    const std::string ranked =
+        "\nmemoffload_rank_offload_bytes_total{job_id=\"" + hashed + "\",rank=\"3\"} 5000\n";
+    if (mode == "hash") {
+      EXPECT_NE(metrics.find(ranked), std::string::npos) << metrics;
+    } else {
+      EXPECT_EQ(metrics.find("memoffload_rank_"), std::string::npos) << metrics;
+    }
+  }
+}
+
 // The value of the first sample line starting with `series` (-1 if none).
 double Sample(const std::string& metrics, const std::string& series) {
   size_t at = metrics.find("\n" + series + " ");

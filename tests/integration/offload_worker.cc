@@ -39,8 +39,6 @@
 //     error>".
 #include <grp.h>
 #include <grpcpp/grpcpp.h>
-#include <sys/socket.h>
-#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -54,10 +52,8 @@
 #include <vector>
 
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/attach_wire.h"
-#include "memoffload/shared_mem/fd_passing.h"
-#include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
+#include "raw_attach.h"
 
 using memoffload::client::AttachOptions;
 using memoffload::client::Client;
@@ -216,43 +212,12 @@ int TenantProbe(const std::string& dir, uid_t uid, uint64_t bytes) {
   return 0;
 }
 
-// Attaches over the broker socket by hand; returns the reply (with this
-// session's token) and keeps the connection (the session's lifeline) in *fd.
-memoffload::Result<memoffload::AttachReply> RawAttach(const std::string& dir, int* fd) {
-  using memoffload::Status;
-  *fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  const std::string path = memoffload::BrokerSocketPath(dir);
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  if (*fd < 0 || connect(*fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    return memoffload::ErrnoStatus("connect " + path, errno);
-  }
-  memoffload::Hello hello;
-  hello.job_id = "forger";
-  if (Status st = memoffload::SendFrame(*fd, memoffload::EncodeHello(hello)); !st.ok()) return st;
-  std::string payload;
-  std::vector<int> fds;
-  if (Status st = memoffload::RecvFrame(*fd, &payload, &fds); !st.ok()) return st;
-  memoffload::CloseFds(&fds);
-  auto reply = memoffload::DecodeAttachReply(payload);
-  if (!reply.ok()) return reply.status();
-  if (reply->code != memoffload::StatusCode::kOk) {
-    return Status(reply->code, "attach refused: " + reply->message);
-  }
-  for (uint32_t i = 0; i < reply->fd_frames; ++i) {
-    if (Status st = memoffload::RecvFrame(*fd, &payload, &fds); !st.ok()) return st;
-    memoffload::CloseFds(&fds);
-  }
-  return reply;
-}
-
 int ForgeProbe(const std::string& dir, uid_t uid, uint64_t victim_session,
                const std::vector<uint64_t>& groups) {
   namespace v1 = memoffload::v1;
   if (!DropTo(uid)) return 1;
   int lifeline = -1;
-  auto me = RawAttach(dir, &lifeline);
+  auto me = memoffload::testing::RawAttach(dir, "forger", &lifeline);
   if (!me.ok()) return Die("raw attach", me.status());
   auto stub = v1::Offload::NewStub(
       grpc::CreateChannel("unix:" + me->grpc_socket, grpc::InsecureChannelCredentials()));

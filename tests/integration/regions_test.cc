@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "daemon_process.h"
 #include "memoffload/client/admin.h"
@@ -221,6 +222,53 @@ TEST(Regions, AUidsLimitsCountEveryJobItNamesAndLeaveAnotherUidItsRoom) {
   EXPECT_EQ(out.rfind("ERR RESOURCE_EXHAUSTED", 0), 0u) << out;
   EXPECT_NE(out.find("regions.max_per_uid"), std::string::npos) << out;
   EXPECT_EQ(daemon->Status().regions(), 3u);
+}
+
+// Issue 29: with the per-uid limits off by default, one uid took every
+// region slot of the node (under many job ids) and every other uid's
+// CreateRegion was RESOURCE_EXHAUSTED until the TTL. By default a uid now
+// gets an eighth of regions.max_count and half of regions.max_bytes, and
+// the refusal names the limit and how to raise it.
+TEST(Regions, PerUidLimitsAreOnByDefaultSoOneUidCannotTakeEveryRegionSlot) {
+  std::string error;
+  // 256 MiB arena: regions.max_bytes defaults to 128 MiB, so a uid gets
+  // 64 MiB; with 16 regions on the node a uid gets 2.
+  DaemonProcess::Options options = TwoTenantOptions("256MiB", "64MiB");
+  options.extra_args.push_back("--regions-max-count=16");
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  std::vector<std::unique_ptr<client::Client>> jobs;
+  auto create = [&](const std::string& job, uint64_t size) {
+    jobs.push_back(Attach(*daemon, job));
+    if (jobs.back() == nullptr) return Status(StatusCode::kInternal, "no attach");
+    auto r = jobs.back()->CreateRegion("ckpt", size);
+    return r.ok() ? jobs.back()->CommitRegion("ckpt", size).status() : r.status();
+  };
+  ASSERT_TRUE(create("j0", 60 * kMiB).ok());
+  const Status over_bytes = create("j1", 8 * kMiB);
+  EXPECT_EQ(over_bytes.code(), StatusCode::kResourceExhausted) << over_bytes.ToString();
+  EXPECT_NE(over_bytes.message().find("raise regions.uid_max_bytes"), std::string::npos)
+      << over_bytes.message();
+  // As the issue's hostile uid did: one region per job id until refused.
+  int created = 1;
+  Status refused;
+  for (int i = 2; i < 20 && refused.ok(); ++i) {
+    refused = create("j" + std::to_string(i), 4096);
+    if (refused.ok()) ++created;
+  }
+  EXPECT_EQ(created, 2);
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused.ToString();
+  EXPECT_NE(refused.message().find("raise regions.max_per_uid"), std::string::npos)
+      << refused.message();
+  // Another uid keeps its room, in count and in bytes.
+  std::string out;
+  ASSERT_EQ(RunCapture({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                        BinDir() + "/region_worker", "write", daemon->runtime_dir(), "a", "ckpt",
+                        std::to_string(32 * kMiB), "commit"},
+                       &out),
+            0)
+      << out;
+  EXPECT_EQ(out, "OK\n");
 }
 
 TEST(Regions, MemoffloadctlListsAndDeletesRegionsAndTheMetricsShowThem) {

@@ -59,10 +59,12 @@ struct Policy {
   // sessions' quotas above; docs/checkpoints.md has the policy between them).
   uint64_t region_max_bytes = 0;      // node cap; resolved: half the arena (set 0: disabled)
   uint64_t region_job_max_bytes = 0;  // one job's regions; 0: only the node cap
-  uint64_t region_uid_max_bytes = 0;  // one uid's regions, all its jobs; 0: only the node cap
+  // One uid's regions, all its jobs; resolved: half of region_max_bytes
+  // (set 0: only the node cap).
+  uint64_t region_uid_max_bytes = 0;
   uint64_t region_ttl_ms = 24 * 3600 * 1000;  // commit to deletion, at most
   uint64_t max_regions_per_job = 1024;
-  uint64_t max_regions_per_uid = 0;  // all its jobs; 0: only max_regions
+  uint64_t max_regions_per_uid = 0;  // all its jobs; resolved: max_regions / 8 (set 0: none)
   uint64_t max_regions = 65536;      // all jobs: bounds the daemon's bookkeeping (~0.5 KiB each)
   // The sockets' group (server.socket_group, else the daemon's gid): its
   // members may attach, by primary or supplementary gid, as the 0660 sockets
@@ -82,6 +84,9 @@ struct DaemonConfig {
   // per peer uid; past them a new connection is closed at accept.
   uint64_t max_connections = 1024;
   uint64_t max_connections_per_uid = 256;
+  // [metrics]: the job id label of the per-rank series: plain, hash or none
+  // (JobLabels, metrics.h). /metrics is not behind the access list.
+  std::string metrics_job_labels = "plain";
   // [arena]
   uint64_t arena_size_bytes = 0;  // resolved: min(1 GiB, 25% of RAM)
   uint64_t chunk_size_bytes = 0;  // resolved: min(1 GiB, arena size)

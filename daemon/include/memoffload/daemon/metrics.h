@@ -46,11 +46,26 @@ enum class Method {
 inline constexpr int kMethodCount = 14;
 const char* MethodName(Method method);
 
+// What the per-rank series say of a session's job (metrics.job_labels).
+// /metrics is not behind the daemon's access list: any local user who can
+// reach its address reads it.
+enum class JobLabels {
+  kPlain,  // job_id: the job id the client named (at most kMaxLabelValueBytes)
+  kHash,   // job_id: HashedJobId of it
+  kNone,   // no per-rank series at all (SeriesFor gives none); node totals stay
+};
+Result<JobLabels> ParseJobLabels(const std::string& text);
+// The first 12 hex digits of the SHA-256 of `job_id` (unkeyed, so that an
+// operator can compute it: `printf %s JOB | sha256sum`). It hides a job id
+// from a casual reader of /metrics, not from one who can guess it.
+std::string HashedJobId(const std::string& job_id);
+
 struct MetricsInfo {
   std::string version;
   uint32_t chunks = 0;
   uint64_t chunk_size_bytes = 0;
   bool mlocked = false;
+  JobLabels job_labels = JobLabels::kPlain;
 };
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,
@@ -100,8 +115,8 @@ class Metrics {
   void AttachRefused(const std::string& reason);
 
   // The series of (job_id, rank), for a session about to open (the broker
-  // passes it to SessionTable::Open). Every live session of the pair shares
-  // one. Takes a lock, once per session, never per request. The pair's
+  // passes it to SessionTable::Open); null with JobLabels::kNone. Every live
+  // session of the pair shares one. Takes a lock, once per session, never per request. The pair's
   // series appear in /metrics now (at 0) and stay after its sessions end;
   // once kMaxRankSeries pairs exist, those that no session, and no request
   // still counting, holds are removed (sessions of the pair opened later
@@ -153,6 +168,7 @@ class Metrics {
   std::array<prometheus::Counter*, 2> copy_seconds_{};  // [CopyDirection]
 
   const uint64_t max_copy_bytes_;  // the arena's capacity (2^53 when unknown)
+  const JobLabels job_labels_;
   std::shared_ptr<RankBook> rank_book_;
 };
 

@@ -25,6 +25,11 @@
 //   more while its uid owns that many is held back by its own quota. A
 //   uid's bytes limit alone lets it pin a chunk with each of a few small
 //   groups or regions; this bounds the chunks it keeps from others.
+// - Checkpoint regions of one uid (over all its job ids) are at most
+//   regions.max_per_uid in number and regions.uid_max_bytes in bytes; by
+//   default an eighth of regions.max_count and half of regions.max_bytes
+//   (config.cc resolves them), 0: no per-uid limit. The region's other
+//   limits (per job, per node) are the SessionTable's.
 // - Room: a request fits the arena now when used + bytes <= usable. It
 //   leaves an aged waiter's keep_free_bytes free when used + bytes +
 //   keep_free_bytes <= usable too.
@@ -34,6 +39,7 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 #include "memoffload/daemon/config.h"
@@ -124,6 +130,15 @@ class QuotaPolicy {
   // its uid's own chunks to have room).
   Status MayTakeChunks(uid_t uid, uint32_t owned_chunks, uint64_t more_chunks, uint64_t bytes,
                        RejectReason* reject) const;
+  // regions.max_per_uid: RESOURCE_EXHAUSTED when `uid`, whose jobs hold
+  // `held_count` regions, may create no more; the message names the limit
+  // and how to raise it.
+  Status CheckUidRegionCount(uid_t uid, uint64_t held_count) const;
+  // regions.uid_max_bytes: RESOURCE_EXHAUSTED when region `name` of `bytes`
+  // (page-rounded) would take what the regions of `uid` hold, `held_bytes`,
+  // past the limit; the message names it and how to raise it.
+  Status CheckUidRegionBytes(uid_t uid, uint64_t held_bytes, const std::string& name,
+                             uint64_t bytes) const;
   // The one capacity check of a placement: whether `bytes` fit the usable
   // arena now, and leave keep_free_bytes free.
   ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,

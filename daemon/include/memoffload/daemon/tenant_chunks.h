@@ -1,6 +1,8 @@
 // TenantChunks: which chunks each tenant owns, and who was handed their fds.
 //
-// Bookkeeping only: no lock, no thread, no clock, no memory of its own.
+// Bookkeeping only: no lock, no thread, no clock, no memory of its own; the
+// one thing it asks the system, whether a recipient's process still lives,
+// tests may answer instead.
 // SessionTable owns one and guards it with its mutex; it says when a chunk is
 // empty (the allocator knows) and gives a chunk that changes tenant its new
 // backing (FreshBacking). So each rule is testable without an arena.
@@ -13,6 +15,12 @@
 //   all of them, Grant the ones it asks for (PERMISSION_DENIED for a chunk of
 //   another tenant, nothing granted). Either records the session as a holder
 //   of the chunk and its process as a recipient of the chunk's backing.
+// - A chunk's recipients are bounded by the processes that live: when their
+//   number reaches max(kRecipientSweep, twice the live ones at the last
+//   sweep), those that exited are dropped (an exited process keeps nothing),
+//   a few liveness checks per recipient recorded, amortised. So a uid that
+//   attaches from ever new processes does not make a take-over (which hands
+//   every recipient to FreshBacking) cost more with every pid it used.
 // - A tenant may take over a chunk (Claimable) that is empty and that no open
 //   session of another tenant holds: a never-used one first, else the lowest
 //   numbered.
@@ -67,7 +75,13 @@ class TenantChunks {
   };
   static constexpr uint32_t kNoTenantPool = 0;
 
-  TenantChunks(uint32_t chunk_count, TenantMode mode);
+  // Whether a process lives; a recipient for which it says no is dropped.
+  using ProcessLives = std::function<bool(pid_t)>;
+  // The recipients of a chunk are first swept when they reach this many.
+  static constexpr size_t kRecipientSweep = 64;
+
+  // `lives` null: kill(pid, 0) (EPERM counts as alive: another uid's).
+  TenantChunks(uint32_t chunk_count, TenantMode mode, ProcessLives lives = nullptr);
 
   TenantMode mode() const { return mode_; }
   uint32_t chunk_count() const { return static_cast<uint32_t>(chunks_.size()); }
@@ -114,7 +128,9 @@ class TenantChunks {
   // Whether assigning the chunk to `tenant` takes it from another tenant
   // (then it needs a new backing, and its old one goes to recipients()).
   bool ChangesTenant(uint32_t chunk, const std::string& tenant) const;
-  // The processes handed the chunk's current backing.
+  // The processes handed the chunk's current backing, but those a sweep
+  // found exited: at most max(kRecipientSweep, 2 x the live ones at the last
+  // sweep).
   const std::vector<pid_t>& recipients(uint32_t chunk) const { return chunks_[chunk].recipients; }
   // Makes the chunk the tenant's (a tenant of `uid`), moving it between the
   // tenants' lists.
@@ -130,9 +146,10 @@ class TenantChunks {
     std::string tenant;
   };
   struct ChunkOwner {
-    std::string tenant;             // "" while never claimed
-    std::vector<Holder> holders;    // open sessions that were handed the fd
-    std::vector<pid_t> recipients;  // their processes, since the current backing
+    std::string tenant;                 // "" while never claimed
+    std::vector<Holder> holders;        // open sessions that were handed the fd
+    std::vector<pid_t> recipients;      // their processes, since the current backing
+    size_t sweep_at = kRecipientSweep;  // sweep the recipients when they reach it
   };
   // The tenant's entry, made (with a pool) if it has none; dropping one
   // frees its pool number.
@@ -143,8 +160,11 @@ class TenantChunks {
   void Drop(std::unordered_map<std::string, Owned>::iterator entry);
   // Records the session and its process as holding the chunk.
   void Hand(uint32_t chunk, uint64_t session_id, const std::string& tenant, pid_t pid);
+  // Drops the recipients that exited; the next sweep waits for twice those left.
+  void SweepRecipients(ChunkOwner* c) const;
 
   const TenantMode mode_;
+  const ProcessLives lives_;
   std::vector<ChunkOwner> chunks_;  // by chunk index
   // By tenant; the inverse of chunks_[c].tenant. Entries are stable
   // (sessions point at theirs).
