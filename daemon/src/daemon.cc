@@ -312,6 +312,7 @@ class Daemon {
                                static_cast<int>(H2Limits{}.max_frame_bytes));
     server_ = builder.BuildAndStart();
     if (server_ == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path_);
+    grpc_listener_.OnViolation([this](H2Violation why) { metrics_->GrpcConnectionClosed(why); });
     grpc_listener_.Start(server_.get());
 
     BrokerOptions broker;

@@ -151,7 +151,9 @@ void GrpcListener::OnAccepted(int fd) {
     // On the relay's thread: the counts belong to the event loop's.
     asio::post(io_, [this, uid, why] {
       limits_.Release(uid);
-      if (why != H2Violation::kNone) Penalize(uid, why);
+      if (why == H2Violation::kNone) return;
+      Penalize(uid, why);
+      if (count_violation_) count_violation_(why);
     });
   });
   if (!grpc_end.ok()) {

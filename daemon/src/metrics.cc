@@ -254,6 +254,16 @@ Metrics::Metrics(const SessionTable* table, MetricsInfo info)
   for (size_t r = 0; r < kAttachRefusalReasons.size(); ++r) {
     attach_refusals_by_reason_[r] = &attach_refusals_->Add({{"reason", kAttachRefusalReasons[r]}});
   }
+  auto& grpc_closed = prometheus::BuildCounter()
+                          .Name("memoffload_grpc_connections_closed_total")
+                          .Help(
+                              "gRPC connections the daemon's HTTP/2 edge closed, by the rule "
+                              "their peer broke.")
+                          .Register(*registry_);
+  for (int v = 1; v < kH2ViolationCount; ++v) {
+    grpc_closed_by_reason_[v] =
+        &grpc_closed.Add({{"reason", H2ViolationName(static_cast<H2Violation>(v))}});
+  }
   offload_bytes_ = &prometheus::BuildCounter()
                         .Name("memoffload_offload_bytes_total")
                         .Help("Data bytes committed into the arena (Commit's used_bytes).")
@@ -365,6 +375,11 @@ void Metrics::SessionClosed(CloseReason reason, uint64_t reclaimed_bytes) {
     reclaimed_bytes_[r]->Increment(static_cast<double>(reclaimed_bytes));
     sessions_reclaimed_[r]->Increment();
   }
+}
+
+void Metrics::GrpcConnectionClosed(H2Violation why) {
+  const int v = static_cast<int>(why);
+  if (v > 0 && v < kH2ViolationCount) grpc_closed_by_reason_[v]->Increment();
 }
 
 void Metrics::AttachRefused(const std::string& reason) {

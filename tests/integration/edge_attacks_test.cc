@@ -37,11 +37,24 @@ long RssAnonKiB(pid_t pid) {
 std::unique_ptr<DaemonProcess> StartOpenDaemon() {
   DaemonProcess::Options options;
   options.open_permissions = true;
+  options.metrics_address = "127.0.0.1:0";
   options.extra_args = {"--allowed-uids=" + std::to_string(kAttacker)};
   std::string error;
   auto daemon = DaemonProcess::Start(options, &error);
   EXPECT_NE(daemon, nullptr) << error;
   return daemon;
+}
+
+// memoffload_grpc_connections_closed_total{reason=...} as scraped, or -1.
+long ClosedCount(const DaemonProcess& daemon, const std::string& reason) {
+  const std::string addr = daemon.Status().metrics_address();
+  if (addr.empty()) return -1;
+  const std::string body = HttpGet(std::stoi(addr.substr(addr.rfind(':') + 1)), "/metrics");
+  const std::string series =
+      "memoffload_grpc_connections_closed_total{reason=\"" + reason + "\"} ";
+  const size_t at = body.find(series);
+  if (at == std::string::npos) return -1;
+  return std::stol(body.substr(at + series.size()));
 }
 
 // A full cycle by a client of the daemon's own uid.
@@ -81,6 +94,8 @@ TEST(EdgeAttacks, RapidResetIsClosedAndItsMemoryReturned) {
   ExpectContained("rapid reset", *daemon,
                   [](const std::string& socket) { return bench::RapidReset(socket, 20000); });
   EXPECT_NE(daemon->Log().find("(resets)"), std::string::npos) << daemon->Log();
+  EXPECT_EQ(ClosedCount(*daemon, "resets"), 1) << daemon->Log();
+  EXPECT_EQ(ClosedCount(*daemon, "header_block"), 0);
 }
 
 TEST(EdgeAttacks, ContinuationFloodIsClosedAndItsMemoryReturned) {
@@ -90,6 +105,7 @@ TEST(EdgeAttacks, ContinuationFloodIsClosedAndItsMemoryReturned) {
     return bench::ContinuationFlood(socket, 64 << 20);
   });
   EXPECT_NE(daemon->Log().find("(header_block)"), std::string::npos) << daemon->Log();
+  EXPECT_EQ(ClosedCount(*daemon, "header_block"), 1) << daemon->Log();
 }
 
 TEST(EdgeAttacks, TrickledHeaderIsClosed) {

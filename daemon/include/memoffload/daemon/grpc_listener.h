@@ -28,6 +28,7 @@
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <chrono>
+#include <functional>
 #include <string>
 #include <unordered_map>
 
@@ -57,6 +58,9 @@ class GrpcListener {
   // Closes the listening socket; admitted connections keep being served
   // (through the relay) until the listener is destroyed.
   void Stop();
+  // Called (on the event loop's thread) for each connection the relay
+  // closed because its peer broke an HTTP/2 rule (the daemon counts them).
+  void OnViolation(std::function<void(H2Violation)> count) { count_violation_ = std::move(count); }
   // Replaces the access policy for future connections (SIGHUP).
   void SetPolicy(const Policy& policy) { policy_ = policy; }
   // Empty while accepting works; else why the data plane cannot accept.
@@ -90,6 +94,7 @@ class GrpcListener {
     std::chrono::steady_clock::time_point until;
   };
   std::unordered_map<uid_t, Penalty> penalties_;
+  std::function<void(H2Violation)> count_violation_;
   // Last: stopped (its connections closed) before the members above go.
   EdgeRelay relay_;
 };

@@ -81,6 +81,7 @@ enum class H2Violation {
   kControl,      // too many SETTINGS/PING not answered yet
   kStreams,      // too many open streams or pending DATA bytes
 };
+inline constexpr int kH2ViolationCount = 8;
 const char* H2ViolationName(H2Violation v);
 
 class H2Guard {

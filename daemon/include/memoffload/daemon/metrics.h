@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "memoffload/daemon/h2_guard.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/status.h"
 
@@ -113,6 +114,8 @@ class Metrics {
   void SessionOpened();
   void SessionClosed(CloseReason reason, uint64_t reclaimed_bytes);
   void AttachRefused(const std::string& reason);
+  // A gRPC connection the edge relay closed because its peer broke `why`.
+  void GrpcConnectionClosed(H2Violation why);
 
   // The series of (job_id, rank), for a session about to open (the broker
   // passes it to SessionTable::Open); null with JobLabels::kNone. Every live
@@ -159,6 +162,7 @@ class Metrics {
   std::array<prometheus::Counter*, kRejectReasonCount> rejections_{};
   prometheus::Family<prometheus::Counter>* attach_refusals_ = nullptr;
   std::array<prometheus::Counter*, kAttachRefusalReasons.size()> attach_refusals_by_reason_{};
+  std::array<prometheus::Counter*, kH2ViolationCount> grpc_closed_by_reason_{};
   std::array<prometheus::Counter*, kCloseReasonCount> reclaimed_bytes_{};
   std::array<prometheus::Counter*, kCloseReasonCount> sessions_reclaimed_{};
   prometheus::Counter* offload_bytes_ = nullptr;
