@@ -65,9 +65,9 @@ H2Guard::H2Guard(const H2Limits& limits, std::shared_ptr<H2Budget> budget, Clock
     : limits_(limits), frame_started_(now), budget_(std::move(budget)) {}
 
 H2Guard::~H2Guard() {
-  for (const auto& [stream, bytes] : open_) {
-    budget_->pending_data_bytes -= bytes;
-    --budget_->open_streams;
+  for (auto& [id, stream] : streams_) {
+    ClientDone(stream);
+    --budget_->live_streams;
   }
 }
 
@@ -141,18 +141,25 @@ H2Violation H2Guard::OnClientFrame(const uint8_t* h, Clock::time_point now) {
       block_frames_ = 1;
       block_started_ = now;
       if ((flags & kEndHeaders) == 0) block_stream_ = stream;
-      auto it = open_.find(stream);
-      if (it == open_.end() && (flags & kEndStream) == 0) {
-        if (budget_->open_streams >= limits_.max_open_streams) {
-          return Fail(H2Violation::kStreams, "more than " +
-                                                 std::to_string(limits_.max_open_streams) +
-                                                 " streams of this uid opened and not finished");
-        }
-        open_.emplace(stream, 0);
-        ++budget_->open_streams;
-      } else if (it != open_.end() && (flags & kEndStream) != 0) {
-        EndStream(stream);
+      const bool ends = (flags & kEndStream) != 0;
+      if (auto it = streams_.find(stream); it != streams_.end()) {
+        if (ends) ClientDone(it->second);  // the client's trailers
+        break;
       }
+      // Not a new stream (ids only grow): frames on a stream gRPC ended.
+      if (stream <= last_stream_) break;
+      last_stream_ = stream;
+      if (budget_->live_streams >= limits_.max_live_streams) {
+        return Fail(H2Violation::kStreams, "more than " + std::to_string(limits_.max_live_streams) +
+                                               " calls of this uid not answered yet");
+      }
+      if (!ends && budget_->open_streams >= limits_.max_open_streams) {
+        return Fail(H2Violation::kStreams, "more than " + std::to_string(limits_.max_open_streams) +
+                                               " streams of this uid opened and not finished");
+      }
+      streams_[stream].client_open = !ends;
+      ++budget_->live_streams;
+      if (!ends) ++budget_->open_streams;
       break;
     }
     case kContinuation:
@@ -170,15 +177,15 @@ H2Violation H2Guard::OnClientFrame(const uint8_t* h, Clock::time_point now) {
       if ((flags & kEndHeaders) != 0) block_stream_ = 0;
       break;
     case kData:
-      if (auto it = open_.find(stream); it != open_.end()) {
-        it->second += length;
+      if (auto it = streams_.find(stream); it != streams_.end() && it->second.client_open) {
+        it->second.data_bytes += length;
         budget_->pending_data_bytes += length;
         if (budget_->pending_data_bytes > limits_.max_pending_data_bytes) {
           return Fail(H2Violation::kStreams,
                       "more than " + std::to_string(limits_.max_pending_data_bytes) +
                           " bytes of DATA on unfinished streams of this uid");
         }
-        if ((flags & kEndStream) != 0) EndStream(stream);
+        if ((flags & kEndStream) != 0) ClientDone(it->second);
       }
       break;
     case kRstStream:
@@ -203,12 +210,20 @@ H2Violation H2Guard::OnClientFrame(const uint8_t* h, Clock::time_point now) {
   return H2Violation::kNone;
 }
 
-void H2Guard::EndStream(uint32_t stream) {
-  auto it = open_.find(stream);
-  if (it == open_.end()) return;
-  budget_->pending_data_bytes -= it->second;
+void H2Guard::ClientDone(Stream& s) {
+  if (!s.client_open) return;
+  s.client_open = false;
+  budget_->pending_data_bytes -= s.data_bytes;
+  s.data_bytes = 0;
   --budget_->open_streams;
-  open_.erase(it);
+}
+
+void H2Guard::EndStream(uint32_t stream) {
+  auto it = streams_.find(stream);
+  if (it == streams_.end()) return;
+  ClientDone(it->second);
+  --budget_->live_streams;
+  streams_.erase(it);
 }
 
 void H2Guard::ServerBytes(std::string_view bytes) {

@@ -66,8 +66,12 @@ TEST(H2Guard, AUnaryCallPassesWholeAndOnlyWholeFrames) {
     last = fw;
   }
   EXPECT_EQ(last, call.size());
-  EXPECT_EQ(f.guard->open_streams(), 0u);
+  // Sent, not yet answered: live, no longer open.
+  EXPECT_EQ(f.guard->live_streams(), 1u);
   EXPECT_EQ(f.budget->open_streams, 0u);
+  f.guard->ServerBytes(Frame(kHeaders, kEndHeaders | kEndStream, 1, 10));
+  EXPECT_EQ(f.guard->live_streams(), 0u);
+  EXPECT_EQ(f.budget->live_streams, 0u);
 }
 
 TEST(H2Guard, NotAPrefaceIsRefused) {
@@ -105,7 +109,8 @@ TEST(H2Guard, AFinishedHeaderBlockWithinLimitsPasses) {
       f.Feed(std::string(kPreface) + Frame(kHeaders, 0, 1, 100) + Frame(kContinuation, 0, 1, 100) +
              Frame(kContinuation, kEndHeaders, 1, 100) + Frame(kData, kEndStream, 1, 5)),
       H2Violation::kNone);
-  EXPECT_EQ(f.guard->open_streams(), 0u);
+  EXPECT_EQ(f.budget->open_streams, 0u);
+  EXPECT_EQ(f.guard->live_streams(), 1u);
 }
 
 TEST(H2Guard, AFrameInsideAnOpenHeaderBlockIsRefused) {
@@ -206,6 +211,35 @@ TEST(H2Guard, StreamsLeftOpenAreBoundedPerUidAndGivenBackWhenAConnectionGoes) {
   EXPECT_EQ(f.budget->open_streams, 0u);
 }
 
+// A peer that never reads its replies keeps its calls alive inside gRPC:
+// their number is bounded per uid, and trailers or a reset free a place.
+TEST(H2Guard, CallsGrpcHasNotAnsweredAreBoundedPerUid) {
+  H2Limits limits;
+  limits.max_live_streams = 3;
+  Fixture f(limits);
+  ASSERT_EQ(f.Feed(std::string(kPreface)), H2Violation::kNone);
+  for (uint32_t id = 1; id <= 5; id += 2) {
+    ASSERT_EQ(f.Feed(Frame(kHeaders, kEndHeaders | kEndStream, id, 20)), H2Violation::kNone);
+  }
+  EXPECT_EQ(f.budget->open_streams, 0u);
+  EXPECT_EQ(f.budget->live_streams, 3u);
+  f.guard->ServerBytes(Frame(kRst, 0, 3, 4));
+  ASSERT_EQ(f.Feed(Frame(kHeaders, kEndHeaders | kEndStream, 7, 20)), H2Violation::kNone);
+  EXPECT_EQ(f.Feed(Frame(kHeaders, kEndHeaders | kEndStream, 9, 20)), H2Violation::kStreams);
+  EXPECT_NE(f.guard->Message().find("not answered"), std::string::npos) << f.guard->Message();
+}
+
+TEST(H2Guard, FramesOnAStreamGrpcEndedOpenNothing) {
+  Fixture f;
+  ASSERT_EQ(f.Feed(std::string(kPreface) + Frame(kHeaders, kEndHeaders | kEndStream, 5, 20)),
+            H2Violation::kNone);
+  f.guard->ServerBytes(Frame(kHeaders, kEndHeaders | kEndStream, 5, 10));
+  ASSERT_EQ(f.Feed(Frame(kHeaders, kEndHeaders, 5, 20) + Frame(kHeaders, kEndHeaders, 3, 20)),
+            H2Violation::kNone);
+  EXPECT_EQ(f.budget->live_streams, 0u);
+  EXPECT_EQ(f.budget->open_streams, 0u);
+}
+
 TEST(H2Guard, DataOnUnfinishedStreamsIsBoundedPerUid) {
   H2Limits limits;
   limits.max_pending_data_bytes = 3 * 16384;
@@ -248,7 +282,8 @@ TEST(H2Guard, RandomSplitsForwardOnlyFrameBoundaries) {
       ASSERT_LE(fw, at);
     }
     EXPECT_EQ(f.guard->ForwardableBytes(), bytes.size());
-    EXPECT_EQ(f.budget->open_streams, f.guard->open_streams());
+    EXPECT_EQ(f.budget->live_streams, f.guard->live_streams());
+    EXPECT_LE(f.budget->open_streams, f.budget->live_streams);
   }
 }
 

@@ -20,7 +20,10 @@
 //  - RST_STREAM from the client: a token bucket (rapid reset);
 //  - streams the client has opened and not finished sending (all our calls
 //    are unary or server-streaming): at most max_open_streams, holding at
-//    most max_pending_data_bytes of DATA between them.
+//    most max_pending_data_bytes of DATA between them;
+//  - streams gRPC has not ended yet (no trailers or reset seen going back):
+//    at most max_live_streams. A peer that never reads its replies keeps
+//    every call it makes alive inside gRPC; this bounds how many.
 // A connection that breaks a rule is closed: the relay drops it, which ends
 // every call of it inside gRPC.
 //
@@ -50,6 +53,7 @@ struct H2Limits {
   double resets_per_second = 512;
   // Per uid.
   size_t max_open_streams = 1024;
+  size_t max_live_streams = 2048;
   uint64_t max_pending_data_bytes = 16ull << 20;
 };
 
@@ -65,6 +69,7 @@ struct H2Budget {
   H2Budget(const H2Limits& limits, std::chrono::steady_clock::time_point now)
       : resets{limits.reset_burst, now} {}
   size_t open_streams = 0;
+  size_t live_streams = 0;
   uint64_t pending_data_bytes = 0;
   TokenBucket resets;
 };
@@ -109,7 +114,8 @@ class H2Guard {
   uint64_t ForwardableBytes() const { return forwardable_; }
   H2Violation violation() const { return violation_; }
   const std::string& Message() const { return message_; }
-  size_t open_streams() const { return open_.size(); }
+  // Streams of this connection gRPC has not ended.
+  size_t live_streams() const { return streams_.size(); }
 
  private:
   // Incremental frame-header reader for one direction.
@@ -121,6 +127,13 @@ class H2Guard {
   H2Violation OnClientFrame(const uint8_t* header, Clock::time_point now);
   void OnServerFrame(const uint8_t* header);
   H2Violation Fail(H2Violation v, std::string message);
+  struct Stream {
+    bool client_open = false;  // the client has not sent END_STREAM
+    uint64_t data_bytes = 0;   // DATA while client_open
+  };
+  // The client finished sending on `stream`.
+  void ClientDone(Stream& s);
+  // The stream is over (a reset either way, or gRPC's trailers).
   void EndStream(uint32_t stream);
 
   const H2Limits limits_;
@@ -140,9 +153,9 @@ class H2Guard {
   Clock::time_point block_started_;
   size_t unanswered_controls_ = 0;
   std::shared_ptr<H2Budget> budget_;
-  // This connection's streams the client has not finished sending -> their
-  // DATA bytes (counted in budget_ too).
-  std::unordered_map<uint32_t, uint64_t> open_;
+  // This connection's streams gRPC has not ended (counted in budget_ too).
+  std::unordered_map<uint32_t, Stream> streams_;
+  uint32_t last_stream_ = 0;  // the highest stream id the client opened
 };
 
 }  // namespace memoffload::daemon
