@@ -364,7 +364,7 @@ class GroupOffloader::Impl {
   // A storage stays in memory because of `why`: the reason is kept in the
   // stats and logged once per message.
   void NoteKept(const Status& why) {
-    const std::string reason = "kept in memory: " + why.ToString();
+    const std::string reason = "kept in memory: " + why.message();  // the code: last_skip_code
     stats_.Count([&reason, &why](OffloaderStats& s) {
       s.last_skip_reason = reason;
       s.last_skip_code = why.code();

@@ -59,7 +59,7 @@ void Session::NoteFailure(const Status& st, const char* what) {
   stats_->Count([&](OffloaderStats& s) {
     ++s.rpc_errors;
     if (IsTransport(st.code())) s.connected = false;
-    s.last_skip_reason = std::string(what) + ": " + st.ToString();
+    s.last_skip_reason = std::string(what) + ": " + st.message();  // the code: last_skip_code
     s.last_skip_code = st.code();
   });
   const bool first = logged_codes_.insert(static_cast<int>(st.code())).second;
