@@ -12,8 +12,8 @@
 
 #include "group.h"
 #include "group_transfer.h"
+#include "memoffload/client/log.h"
 #include "memoffload/torch/copy_engine.h"
-#include "memoffload/torch/log.h"
 #include "session.h"
 #include "stats_book.h"
 #include "tensor_packing.h"
@@ -375,9 +375,9 @@ class GroupOffloader::Impl {
       first = logged_kept_.insert(why.message()).second;
     }
     if (first) {
-      Log(LogLevel::kWarning, why.code(),
-          "a saved tensor stays where it is (" + why.ToString() +
-              "); training goes on (logged once)");
+      client::Log(client::LogLevel::kWarning, why.code(),
+                  "a saved tensor stays where it is (" + why.ToString() +
+                      "); training goes on (logged once)");
     }
   }
 
@@ -502,9 +502,9 @@ class GroupOffloader::Impl {
 
   // Last: destroyed (joined) first.
   Worker worker_{[](const char* what) {
-    Log(LogLevel::kError, StatusCode::kInternal,
-        std::string("a background task threw (") + what +
-            "); this is a bug (logged once, counted in stats()[\"internal_errors\"])");
+    client::Log(client::LogLevel::kError, StatusCode::kInternal,
+                std::string("a background task threw (") + what +
+                    "); this is a bug (logged once, counted in stats()[\"internal_errors\"])");
   }};
 };
 

@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "memoffload/torch/log.h"
+#include "memoffload/client/log.h"
 
 namespace memoffload::torch {
 
@@ -50,7 +50,10 @@ std::shared_ptr<Client> Session::Ensure(bool force) {
     s.connected = true;
     if (reconnect) ++s.reconnects;
   });
-  if (reconnect) Log(LogLevel::kInfo, StatusCode::kOk, "attached a new session to memoffloadd");
+  if (reconnect) {
+    client::Log(client::LogLevel::kInfo, StatusCode::kOk, "attached a new session to memoffloadd",
+                options_.rank);
+  }
   return client_;
 }
 
@@ -64,9 +67,11 @@ void Session::NoteFailure(const Status& st, const char* what) {
   });
   const bool first = logged_codes_.insert(static_cast<int>(st.code())).second;
   if (first) {
-    Log(LogLevel::kWarning, st.code(),
+    client::Log(
+        client::LogLevel::kWarning, st.code(),
         std::string(what) + " failed (" + st.ToString() +
-            "); affected groups stay in memory, training goes on (logged once per error code)");
+            "); affected groups stay in memory, training goes on (logged once per error code)",
+        options_.rank);
   }
 }
 

@@ -24,6 +24,7 @@ backward releases everything it reserved.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -66,6 +67,10 @@ from ..checkpointing import (  # noqa: E402
     foreign_hooks_active,
     in_backward,
 )
+
+# What the native part logged after the last drain reaches the logger at
+# exit too (before logging's own atexit handler shuts it down).
+atexit.register(logs.drain, _C)
 
 if _C.built_torch_version != torch.__version__.split("+")[0]:
     raise ImportError(

@@ -147,6 +147,8 @@ def attach(runtime_dir: str, job_id: str, rank: int, checksums: bool,
                                    checksums=checksums, rpc_timeout_ms=rpc_timeout_ms)
         except (errors.Unavailable, errors.NotFound) as exc:
             return None, str(exc)
+        finally:
+            logs.drain(_C)  # the attach's line
         _stores[key] = store
         return store, ""
 
