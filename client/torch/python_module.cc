@@ -1,11 +1,10 @@
 // memoffload._C: Python bindings of the GroupOffloader, of the admin
-// status query and of checkpoint regions (python_regions.cc). Errors become Python exceptions here,
-// at the edge: a Status becomes the memoffload.errors class of its code (memoffload.Error and one
-// subclass per code, each with .code; InvalidArgument is also a ValueError).
-// Blocking calls release the GIL. The saved-tensor hooks are in
-// python_hooks.cc. The log lines of the client and of the torch layer
-// (memoffload/client/log.h) are queued from import on and drained by Python
-// into its "memoffload" logger.
+// queries (status, the node's regions) and of checkpoint regions (python_regions.cc). Errors become
+// Python exceptions here, at the edge: a Status becomes the memoffload.errors class of its code
+// (memoffload.Error and one subclass per code, each with .code; InvalidArgument is also a
+// ValueError). Blocking calls release the GIL. The saved-tensor hooks are in python_hooks.cc. The
+// log lines of the client and of the torch layer (memoffload/client/log.h) are queued from import
+// on and drained by Python into its "memoffload" logger.
 #include <torch/extension.h>
 
 #include <string>
@@ -110,6 +109,28 @@ py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
   d["sessions"] = r.sessions;
   d["groups"] = r.groups;
   d["draining"] = r.draining;
+  return d;
+}
+
+py::dict NodeRegions(const std::string& runtime_dir, const std::string& prefix, int timeout_ms) {
+  Result<memoffload::client::NodeRegions> queried = [&] {
+    py::gil_scoped_release release;
+    return memoffload::client::QueryNodeRegions(runtime_dir, prefix, timeout_ms);
+  }();
+  const memoffload::client::NodeRegions r = Take(std::move(queried));
+  py::list regions;
+  for (const memoffload::client::NodeRegion& region : r.regions) {
+    py::dict d;
+    d["name"] = region.name;
+    d["uid"] = region.uid;
+    d["job_id"] = region.job_id;
+    d["committed"] = region.committed;
+    d["committed_unix"] = region.committed_unix;
+    regions.append(std::move(d));
+  }
+  py::dict d;
+  d["regions"] = regions;
+  d["omitted"] = r.omitted;
   return d;
 }
 
@@ -234,4 +255,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "", py::arg("timeout_ms") = 5000,
         "GetStatus of the daemon at runtime_dir as a dict (memoffload.Unavailable when "
         "unreachable).");
+  m.def("node_regions", &NodeRegions, py::arg("runtime_dir") = "", py::arg("prefix") = "",
+        py::arg("timeout_ms") = 5000,
+        "Every region of the node (any uid, any job) whose name starts with prefix: "
+        "{'regions': [{name, uid, job_id, committed, committed_unix}], 'omitted': n}.");
 }
