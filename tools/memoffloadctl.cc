@@ -150,9 +150,10 @@ int Sessions(memoffload::client::AdminClient& admin, bool json) {
   std::printf("%-8s %-20s %6s %8s %6s %12s %7s %8s\n", "SESSION", "JOB", "RANK", "PID", "UID",
               "HELD", "GROUPS", "AGE");
   for (const auto& s : r->sessions()) {
-    std::printf("%-8lu %-20s %6d %8d %6u %12s %7lu %7.0fs\n",
+    const std::string rank = s.rank() < 0 ? "-" : std::to_string(s.rank());  // -1: unknown
+    std::printf("%-8lu %-20s %6s %8d %6u %12s %7lu %7.0fs\n",
                 static_cast<unsigned long>(s.session_id()),
-                s.job_id().empty() ? "-" : s.job_id().c_str(), s.rank(), s.pid(), s.uid(),
+                s.job_id().empty() ? "-" : s.job_id().c_str(), rank.c_str(), s.pid(), s.uid(),
                 FormatSize(s.held_bytes()).c_str(), static_cast<unsigned long>(s.groups()),
                 s.age_seconds());
   }

@@ -152,4 +152,20 @@ Result<DaemonStatus> QueryDaemonStatus(const std::string& runtime_dir, int timeo
   return s;
 }
 
+Result<NodeRegions> QueryNodeRegions(const std::string& runtime_dir, const std::string& prefix,
+                                     int timeout_ms) {
+  Result<std::unique_ptr<AdminClient>> admin = AdminClient::Connect(runtime_dir, timeout_ms);
+  if (!admin.ok()) return admin.status();
+  Result<v1::ListRegionsResponse> r = (*admin)->ListRegions(prefix);
+  if (!r.ok()) return r.status();
+  NodeRegions out;
+  out.omitted = r->omitted();
+  out.regions.reserve(static_cast<size_t>(r->regions_size()));
+  for (const v1::RegionInfo& info : r->regions()) {
+    out.regions.push_back(NodeRegion{info.name(), info.uid(), info.job_id(),
+                                     info.state() == "committed", info.committed_unix()});
+  }
+  return out;
+}
+
 }  // namespace memoffload::client

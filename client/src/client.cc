@@ -18,6 +18,7 @@
 #include "client_impl.h"
 #include "grpc_util.h"
 #include "memoffload/client/daemon_trust.h"
+#include "memoffload/client/log.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/chunk.h"
 #include "memoffload/shared_mem/crc32c.h"
@@ -47,11 +48,19 @@ Result<int> ConnectUnix(const std::string& path) {
   return fd;
 }
 
-// One line on stderr when this process first attaches to the daemon of a
-// runtime directory, and when that daemon is another instance than last time
-// (it restarted). Kept per runtime directory: a process that talks to two
-// daemons (tests, or two arenas) is not told that either restarted.
-void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t session_id) {
+std::string Hex16(uint64_t value) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+// One log line (log.h) when this process first attaches to the daemon of a
+// runtime directory (info), and when that daemon is another instance than
+// last time (a warning: it restarted). Kept per runtime directory: a process
+// that talks to two daemons (tests, or two arenas) is not told that either
+// restarted.
+void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t session_id,
+                 int rank) {
   static std::mutex mu;
   static std::map<std::string, uint64_t> last;
   uint64_t before = 0;
@@ -60,17 +69,14 @@ void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t 
     before = std::exchange(last[runtime_dir], instance_id);
   }
   if (before == instance_id) return;
+  const std::string session =
+      "session " + std::to_string(session_id) + " on memoffloadd instance " + Hex16(instance_id);
   if (before == 0) {
-    std::fprintf(stderr, "memoffload: session %llu on memoffloadd instance %016llx (%s)\n",
-                 static_cast<unsigned long long>(session_id),
-                 static_cast<unsigned long long>(instance_id), runtime_dir.c_str());
+    Log(LogLevel::kInfo, StatusCode::kOk, session + " (" + runtime_dir + ")", rank);
   } else {
-    std::fprintf(stderr,
-                 "memoffload: session %llu on memoffloadd instance %016llx (was %016llx: the "
-                 "daemon of %s restarted)\n",
-                 static_cast<unsigned long long>(session_id),
-                 static_cast<unsigned long long>(instance_id),
-                 static_cast<unsigned long long>(before), runtime_dir.c_str());
+    Log(LogLevel::kWarning, StatusCode::kOk,
+        session + " (was " + Hex16(before) + ": the daemon of " + runtime_dir + " restarted)",
+        rank);
   }
 }
 
@@ -135,7 +141,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   impl->checksums = options.checksums;
   impl->chunks.resize(impl->reply.chunks.size());
   impl->generations.assign(impl->reply.chunks.size(), 0);
-  LogInstance(impl->runtime_dir, impl->reply.instance_id, impl->reply.session_id);
+  LogInstance(impl->runtime_dir, impl->reply.instance_id, impl->reply.session_id, options.rank);
   impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
   impl->first_block.reserve(impl->reply.chunks.size());
   uint64_t blocks = 0;

@@ -118,7 +118,7 @@ class Client::Impl {
     return Unavailable("memoffloadd ended session " + std::to_string(reply.session_id) +
                        " (the daemon restarted or dropped its broker connection): attach again; "
                        "the daemon said: " +
-                       st.ToString());
+                       (st.code() == StatusCode::kUnavailable ? st.message() : st.ToString()));
   }
   // Whether the daemon instance that held this session is gone (a new
   // instance answers, or none). Only then are this process's old mappings

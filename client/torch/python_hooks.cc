@@ -25,8 +25,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "memoffload/client/log.h"
 #include "memoffload/torch/group_offloader.h"
-#include "memoffload/torch/log.h"
 #include "python_errors.h"
 
 namespace memoffload::torch::python {
@@ -103,7 +103,8 @@ void SavedEntryDealloc(PyObject* self) {
   if (e->weakrefs != nullptr) PyObject_ClearWeakRefs(self);
   if (e->off) {
     Status st = e->off->DropEntry(e->key, e->entry);
-    if (!st.ok()) Log(LogLevel::kError, st.code(), "dropping a saved tensor: " + st.ToString());
+    if (!st.ok())
+      client::Log(client::LogLevel::kError, st.code(), "dropping a saved tensor: " + st.ToString());
   }
   e->off.~shared_ptr<GroupOffloader>();
   PyTypeObject* type = Py_TYPE(self);

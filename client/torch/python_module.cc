@@ -1,10 +1,10 @@
 // memoffload._C: Python bindings of the GroupOffloader, of the admin
-// status query and of checkpoint regions (python_regions.cc). Errors become Python exceptions here,
-// at the edge: a Status becomes the memoffload.errors class of its code (memoffload.Error and one
-// subclass per code, each with .code; InvalidArgument is also a ValueError).
-// Blocking calls release the GIL. The saved-tensor hooks are in
-// python_hooks.cc. The torch layer's messages are queued
-// (memoffload/torch/log.h) and drained by Python into its logger.
+// queries (status, the node's regions) and of checkpoint regions (python_regions.cc). Errors become
+// Python exceptions here, at the edge: a Status becomes the memoffload.errors class of its code
+// (memoffload.Error and one subclass per code, each with .code; InvalidArgument is also a
+// ValueError). Blocking calls release the GIL. The saved-tensor hooks are in python_hooks.cc. The
+// log lines of the client and of the torch layer (memoffload/client/log.h) are queued from import
+// on and drained by Python into its "memoffload" logger.
 #include <torch/extension.h>
 
 #include <string>
@@ -12,8 +12,8 @@
 #include <vector>
 
 #include "memoffload/client/daemon_status.h"
+#include "memoffload/client/log.h"
 #include "memoffload/torch/group_offloader.h"
-#include "memoffload/torch/log.h"
 #include "python_errors.h"
 #include "python_hooks.h"
 #include "python_regions.h"
@@ -78,12 +78,12 @@ py::dict SlotStatsDict(const SlotStats& s) {
   return d;
 }
 
-// [(level, code, message)] of every queued log record, oldest first.
+// [(level, code, rank, message)] of every queued log record, oldest first.
 py::list DrainLog() {
-  std::vector<memoffload::torch::LogRecord> records = memoffload::torch::DrainLog();
+  std::vector<memoffload::client::LogRecord> records = memoffload::client::DrainLog();
   py::list out;
   for (const auto& r : records) {
-    out.append(py::make_tuple(static_cast<int>(r.level), StatusCodeOf(r.code), r.message));
+    out.append(py::make_tuple(static_cast<int>(r.level), StatusCodeOf(r.code), r.rank, r.message));
   }
   return out;
 }
@@ -109,6 +109,28 @@ py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
   d["sessions"] = r.sessions;
   d["groups"] = r.groups;
   d["draining"] = r.draining;
+  return d;
+}
+
+py::dict NodeRegions(const std::string& runtime_dir, const std::string& prefix, int timeout_ms) {
+  Result<memoffload::client::NodeRegions> queried = [&] {
+    py::gil_scoped_release release;
+    return memoffload::client::QueryNodeRegions(runtime_dir, prefix, timeout_ms);
+  }();
+  const memoffload::client::NodeRegions r = Take(std::move(queried));
+  py::list regions;
+  for (const memoffload::client::NodeRegion& region : r.regions) {
+    py::dict d;
+    d["name"] = region.name;
+    d["uid"] = region.uid;
+    d["job_id"] = region.job_id;
+    d["committed"] = region.committed;
+    d["committed_unix"] = region.committed_unix;
+    regions.append(std::move(d));
+  }
+  py::dict d;
+  d["regions"] = regions;
+  d["omitted"] = r.omitted;
   return d;
 }
 
@@ -220,14 +242,21 @@ PYBIND11_MODULE(_C, m) {
   memoffload::torch::python::BindSavedTensorHooks(m);
   memoffload::torch::python::BindRegions(m);
 
-  // Messages go to Python's "memoffload" logger (memoffload.torch drains
-  // them), not to stderr.
-  memoffload::torch::EnableLogQueue(kLogQueueRecords);
+  // The client's log sink, installed at import: every line of the client
+  // and of the torch layer is queued, whatever thread logs it, and goes to
+  // Python's "memoffload" logger when Python drains the queue (memoffload.logs,
+  // on Python threads only: no thread of ours takes the GIL), never to stderr.
+  memoffload::client::EnableLogQueue(kLogQueueRecords);
   m.def("drain_log", &DrainLog,
-        "Queued messages of the native part as [(logging level, StatusCode, message)].");
-  m.def("dropped_log_records", &memoffload::torch::DroppedLogRecords,
+        "Queued messages of the native part as [(logging level, StatusCode, rank or -1, "
+        "message)].");
+  m.def("dropped_log_records", &memoffload::client::DroppedLogRecords,
         "Messages dropped because nobody drained the queue in time.");
   m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "", py::arg("timeout_ms") = 5000,
         "GetStatus of the daemon at runtime_dir as a dict (memoffload.Unavailable when "
         "unreachable).");
+  m.def("node_regions", &NodeRegions, py::arg("runtime_dir") = "", py::arg("prefix") = "",
+        py::arg("timeout_ms") = 5000,
+        "Every region of the node (any uid, any job) whose name starts with prefix: "
+        "{'regions': [{name, uid, job_id, committed, committed_unix}], 'omitted': n}.");
 }

@@ -16,9 +16,9 @@
 #include <vector>
 
 #include "memoffload/client/client.h"
+#include "memoffload/client/log.h"
 #include "memoffload/client/verified_read.h"
 #include "memoffload/shared_mem/crc32c.h"
-#include "memoffload/torch/log.h"
 #include "python_errors.h"
 
 namespace memoffload::torch::python {
@@ -98,8 +98,8 @@ class RegionWriter {
     // when the session ends. Never raises from a destructor: logged.
     py::gil_scoped_release release;
     if (Result<uint64_t> r = client_->DeleteRegion(name_); !r.ok()) {
-      Log(LogLevel::kWarning, r.status().code(),
-          "aborting uncommitted region " + name_ + " failed: " + r.status().ToString());
+      client::Log(client::LogLevel::kWarning, r.status().code(),
+                  "aborting uncommitted region " + name_ + " failed: " + r.status().ToString());
     }
   }
 
@@ -238,7 +238,8 @@ class RegionReader {
     if (closed_) return;
     py::gil_scoped_release release;
     if (Status st = client_->CloseRegion(name_); !st.ok()) {
-      Log(LogLevel::kWarning, st.code(), "closing region " + name_ + " failed: " + st.ToString());
+      client::Log(client::LogLevel::kWarning, st.code(),
+                  "closing region " + name_ + " failed: " + st.ToString());
     }
   }
 

@@ -36,6 +36,15 @@ using Socket = asio::local::stream_protocol::socket;
 
 inline constexpr uint32_t kMaxClientFrameBytes = 64 * 1024;
 
+// ", rank 3, local rank 1" for log lines: each part only when the hello
+// named it (a client that knows no rank sends -1; a log never says "rank -1").
+inline std::string RankLabel(int32_t rank, int32_t local_rank) {
+  std::string label;
+  if (rank >= 0) label += ", rank " + std::to_string(rank);
+  if (local_rank >= 0) label += ", local rank " + std::to_string(local_rank);
+  return label;
+}
+
 inline std::string FrameHeader(size_t len) {
   std::string header(4, '\0');
   for (int i = 0; i < 4; ++i) header[i] = static_cast<char>((len >> (8 * i)) & 0xff);
@@ -113,9 +122,9 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
                                             " bytes of " + std::to_string(closed->regions) +
                                             (closed->regions == 1 ? " region" : " regions") +
                                             " (left unfinished, or deleted and last read by it)";
-      MO_LOG_INFO("session %lu (pid %d, job '%s', rank %d) closed (%s); reclaimed %lu bytes%s",
+      MO_LOG_INFO("session %lu (pid %d, job '%s'%s) closed (%s); reclaimed %lu bytes%s",
                   static_cast<unsigned long>(session_id_), peer_.pid, hello_.job_id.c_str(),
-                  hello_.rank, CloseReasonName(reason),
+                  RankLabel(hello_.rank, -1).c_str(), CloseReasonName(reason),
                   static_cast<unsigned long>(closed->group_bytes), regions.c_str());
     } else {
       // The broker closes each session once; a second close means a bug.
@@ -223,10 +232,10 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
       return Finish();
     }
     broker_->metrics_->SessionOpened();
-    MO_LOG_INFO(
-        "session %lu attached: pid %d uid %u job '%s' rank %d local_rank %d (instance %016lx)",
-        static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid, hello_.job_id.c_str(),
-        hello_.rank, hello_.local_rank, static_cast<unsigned long>(broker_->options_.instance_id));
+    MO_LOG_INFO("session %lu attached: pid %d, uid %u, job '%s'%s (instance %016lx)",
+                static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid,
+                hello_.job_id.c_str(), RankLabel(hello_.rank, hello_.local_rank).c_str(),
+                static_cast<unsigned long>(broker_->options_.instance_id));
     WatchProcess();
     Send(std::move(*frames), [this] { WatchLifeline(); });
   }

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <future>
 #include <optional>
+#include <string>
+
+#include "memoffload/daemon/log.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -166,11 +169,17 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
       wait_until = std::min(*wait_until, start + left - margin);
     }
   }
+  const uint64_t session_id = req.session().session_id();
   return table_->ReserveAsync(
-      req.session().session_id(), req.session().session_token(), req.group_id(), req.size_bytes(),
+      session_id, req.session().session_token(), req.group_id(), req.size_bytes(),
       req.single_extent(), wait_until,
-      [this, start, resp, done = std::move(done)](Result<ReserveResult> r, RejectReason reject) {
+      [this, start, resp, session_id, done = std::move(done)](Result<ReserveResult> r,
+                                                              RejectReason reject) {
         metrics_->RecordRejection(reject);
+        if (!r.ok() &&
+            (reject == RejectReason::kArenaFull || reject == RejectReason::kWaitTimeout)) {
+          LogRefusal(session_id, r.status(), reject);
+        }
         if (r.ok()) {
           CopyExtents(r->extents, resp->mutable_extents());
           resp->set_reserved_bytes(r->reserved_bytes);
@@ -178,6 +187,23 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
         done(Finish(Method::kReserve, start, r.ok() ? Status::Ok() : r.status()));
       },
       std::move(cancelled));
+}
+
+void OffloadService::LogRefusal(uint64_t session_id, const Status& refusal, RejectReason reason) {
+  const std::optional<SessionSnapshot> s = table_->FindSession(session_id);
+  if (!s.has_value()) return;  // ended meanwhile: its refusal no longer matters
+  const std::optional<uint64_t> left_out =
+      refusals_.Admit(std::to_string(s->peer.uid) + ":" + s->job_id, Clock::now());
+  if (!left_out.has_value()) return;
+  const std::string rank = s->rank >= 0 ? ", rank " + std::to_string(s->rank) : "";
+  const std::string more =
+      *left_out == 0 ? ""
+                     : " (" + std::to_string(*left_out) +
+                           " more refusals of this job since its last such line were not logged)";
+  MO_LOG_WARN("Reserve refused (%s) to session %lu (pid %d, uid %u, job '%s'%s): %s%s",
+              RejectReasonName(reason), static_cast<unsigned long>(session_id), s->peer.pid,
+              static_cast<unsigned>(s->peer.uid), s->job_id.c_str(), rank.c_str(),
+              refusal.message().c_str(), more.c_str());
 }
 
 grpc::ServerUnaryReactor* OffloadService::Commit(grpc::CallbackServerContext* ctx,

@@ -417,23 +417,33 @@ ArenaSnapshot SessionTable::Snapshot() const {
   return a;
 }
 
+SessionSnapshot SessionTable::SnapshotOf(uint64_t id, const Session& s,
+                                         Clock::time_point now) const {
+  SessionSnapshot snap;
+  snap.session_id = id;
+  snap.job_id = s.hello.job_id;
+  snap.rank = s.hello.rank;
+  snap.local_rank = s.hello.local_rank;
+  snap.peer = s.peer;
+  snap.held_bytes = s.held_bytes;
+  snap.groups = s.groups.size();
+  snap.limit_bytes = quota_.SessionLimit(s.hello.max_bytes);
+  snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
+  return snap;
+}
+
+std::optional<SessionSnapshot> SessionTable::FindSession(uint64_t session_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return std::nullopt;
+  return SnapshotOf(it->first, it->second, Clock::now());
+}
+
 std::vector<SessionSnapshot> SessionTable::ListSessions() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<SessionSnapshot> out;
   const auto now = Clock::now();
-  for (const auto& [id, s] : sessions_) {
-    SessionSnapshot snap;
-    snap.session_id = id;
-    snap.job_id = s.hello.job_id;
-    snap.rank = s.hello.rank;
-    snap.local_rank = s.hello.local_rank;
-    snap.peer = s.peer;
-    snap.held_bytes = s.held_bytes;
-    snap.groups = s.groups.size();
-    snap.limit_bytes = quota_.SessionLimit(s.hello.max_bytes);
-    snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
-    out.push_back(std::move(snap));
-  }
+  for (const auto& [id, s] : sessions_) out.push_back(SnapshotOf(id, s, now));
   // In the order they opened (ids ascend), whatever the map's order.
   std::sort(out.begin(), out.end(), [](const SessionSnapshot& a, const SessionSnapshot& b) {
     return a.session_id < b.session_id;

@@ -148,9 +148,12 @@ def test_second_offload_layers_on_same_layers_is_refused(daemon):
     with pytest.raises(memoffload.FailedPrecondition) as raised:
         mot.offload_layers(model.layers[1:], runtime_dir=daemon.runtime_dir)
     assert raised.value.code == memoffload.StatusCode.FAILED_PRECONDITION
-    with pytest.raises(memoffload.InvalidArgument):
+    # The model's layer by its qualified name, not its index in the slice.
+    assert "layer layers.1 (DecoderBlock) is already wrapped" in str(raised.value), raised.value
+    with pytest.raises(memoffload.InvalidArgument) as raised:
         twice = MLP(8, 8)
         mot.offload_layers([twice, twice], runtime_dir=daemon.runtime_dir)
+    assert "layer 1 of the layers passed (MLP) appears twice" in str(raised.value), raised.value
     step_both(model, ref, tokens())
     first.flush()
     assert first.stats()["handle"]["groups"] == 2  # wrapped once: one group per layer

@@ -171,11 +171,14 @@ def _restart(d) -> None:
     d.start()
 
 
-def test_daemon_restarted_between_steps(own_daemon, capfd):
+def test_daemon_restarted_between_steps(own_daemon, caplog, capfd):
     """Restart between two steps: the next step's first call finds its
     session gone (UNAVAILABLE), the client attaches again, and offload goes
-    on in the same run; `connected` and `reconnects` say so, and stderr
-    names the restarted daemon (by its runtime dir) once."""
+    on in the same run; `connected` and `reconnects` say so, and the
+    "memoffload" logger (not bare stderr) names the restarted daemon (by its
+    runtime dir) once."""
+    caplog.set_level(logging.INFO, logger="memoffload")
+    capfd.readouterr()
     torch.manual_seed(0)
     model = DecoderStack(layers=4)
     ref = clone_model(model)
@@ -185,7 +188,8 @@ def test_daemon_restarted_between_steps(own_daemon, capfd):
     handle.flush()
     before = handle.stats()
     assert before["connected"]
-    first = capfd.readouterr().err
+    first = "\n".join(r.getMessage() for r in memoffload_records(caplog))
+    caplog.clear()
     # This process attached to other daemons before (the shared fixtures):
     # none of that is reported as a restart of this one.
     assert "(was " not in first, first
@@ -206,8 +210,11 @@ def test_daemon_restarted_between_steps(own_daemon, capfd):
     assert handle.stats()["offloaded_bytes"] > after_reconnect["offloaded_bytes"]
     handle.remove()
     assert_arena_empty(own_daemon)
-    restarted = [line for line in capfd.readouterr().err.splitlines() if "(was " in line]
-    assert len(restarted) == 1 and str(own_daemon.runtime_dir) in restarted[0], restarted
+    restarted = [r for r in memoffload_records(caplog) if "(was " in r.getMessage()]
+    assert len(restarted) == 1 and str(own_daemon.runtime_dir) in restarted[0].getMessage(), restarted
+    assert restarted[0].levelno == logging.WARNING
+    err = capfd.readouterr().err
+    assert "memoffload" not in err, err
 
 
 def test_daemon_restarted_between_forward_and_backward(own_daemon):

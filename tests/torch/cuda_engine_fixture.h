@@ -15,8 +15,8 @@
 #include <vector>
 
 #include "cuda_sim.h"
+#include "memoffload/client/log.h"
 #include "memoffload/torch/copy_engine.h"
-#include "memoffload/torch/log.h"
 #include "sim_caching_allocator.h"
 
 // The driver calls the tests make themselves (the simulated driver's).
@@ -28,6 +28,12 @@ int cuCtxGetCurrent(void** context);
 }
 
 namespace memoffload::torch {
+
+// The tests read what the engine logs through the client's log queue.
+using client::DrainLog;
+using client::EnableLogQueue;
+using client::LogLevel;
+using client::LogRecord;
 
 inline constexpr size_t kBytes = 1 << 20;
 inline const c10::Device kGpu0(c10::DeviceType::CUDA, 0);

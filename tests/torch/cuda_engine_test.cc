@@ -18,8 +18,8 @@
 
 #include "cuda_engine_fixture.h"
 #include "cuda_sim.h"
+#include "memoffload/client/log.h"
 #include "memoffload/torch/copy_engine.h"
-#include "memoffload/torch/log.h"
 
 namespace memoffload::torch {
 

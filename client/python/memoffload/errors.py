@@ -12,7 +12,7 @@ Every error memoffload raises is a :class:`Error` whose ``code`` is a
 from __future__ import annotations
 
 import enum
-from typing import Dict, Type
+from typing import Any, Dict, Type
 
 __all__ = [
     "StatusCode",
@@ -62,7 +62,10 @@ class StatusCode(enum.IntEnum):
 
 class Error(RuntimeError):
     """A memoffload error. ``code``: the :class:`StatusCode`; ``message``: the
-    text without the code. ``str(err)`` is ``"CODE: message"``."""
+    text without the code. ``str(err)`` is ``"CODE: message"``, the code said
+    once: ``args`` hold the message alone, so an error that is pickled (DCP
+    moves a rank's exception to the others that way) or copied comes back
+    as the same class with the same code and text."""
 
     code: StatusCode = StatusCode.UNKNOWN
 
@@ -70,7 +73,13 @@ class Error(RuntimeError):
         if code is not None:
             self.code = StatusCode(int(code))
         self.message = message
-        super().__init__(f"{self.code.name}: {message}")
+        super().__init__(message)
+
+    def __str__(self) -> str:
+        return f"{self.code.name}: {self.message}"
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (type(self), self.message, int(self.code)), self.__dict__)
 
 
 class Cancelled(Error):
@@ -145,6 +154,11 @@ _BY_CODE: Dict[StatusCode, Type[Error]] = {
         Unimplemented, Internal, Unavailable, DataLoss, Unauthenticated,
     )
 }
+
+
+def _rebuild(cls: Type[Error], message: str, code: int) -> Error:
+    """Unpickles an :class:`Error` (its ``__reduce__``)."""
+    return cls(message, code)
 
 
 def error_from_status(code: int, message: str) -> Error:

@@ -1,40 +1,84 @@
 """The "memoffload" logger (no torch needed).
 
 Every message of memoffload goes to ``logging.getLogger("memoffload")``, never
-to bare stderr. Records carry two extra attributes: ``rank`` (``$RANK``, -1
-when unset) and ``code`` (the :class:`~memoffload.errors.StatusCode` the
-message is about, ``OK`` if none); the message starts with ``rank N:``.
-The native part queues its messages (the worker thread never takes the GIL);
-:func:`drain` moves them into the logger and runs from the training thread
-(at each offloaded layer, ``stats()``, ``flush()``).
+to bare stderr: the Python package's own and the native part's (the C++
+client's and the torch layer's, which the extension's log sink queues from
+import on, whatever thread logs them). Records carry three extra
+attributes: ``rank`` (the global rank, ``None`` when unknown), ``local_rank``
+(likewise) and ``code`` (the :class:`~memoffload.errors.StatusCode` the
+message is about, ``OK`` if none). The message starts with ``rank N: `` when
+the rank is known, else ``local rank N: `` when that one is, else with
+nothing: never ``rank -1``.
+
+The rank is torch.distributed's once a process group is initialized, else
+``$RANK`` (the local rank: ``$LOCAL_RANK``); a native record made by a
+session that knows its rank carries it. The native queue is drained (moved
+into the logger) on Python threads only, so no native thread ever takes the
+GIL: at attach, at each offloaded layer, ``stats()``, ``flush()``, and at exit.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import sys
+from typing import Any, Optional
 
 from .errors import StatusCode
 
 logger = logging.getLogger("memoffload")
 
 
-def rank() -> int:
+def _env_rank(name: str) -> Optional[int]:
     try:
-        return int(os.environ.get("RANK", "-1"))
+        value = int(os.environ.get(name, ""))
     except ValueError:
-        return -1
+        return None
+    return value if value >= 0 else None
 
 
-def log(level: int, message: str, code: "StatusCode | int" = StatusCode.OK) -> None:
+def rank() -> Optional[int]:
+    """This process's global rank, or None when unknown. torch.distributed is
+    asked only when something imported it already."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank())
+        except Exception:  # noqa: BLE001 - a broken or closing group: fall back to the env
+            pass
+    return _env_rank("RANK")
+
+
+def local_rank() -> Optional[int]:
+    """``$LOCAL_RANK``, or None when unset."""
+    return _env_rank("LOCAL_RANK")
+
+
+def prefix(global_rank: Optional[int], local: Optional[int]) -> str:
+    """``"rank N: "``, ``"local rank N: "`` or ``""``."""
+    if global_rank is not None:
+        return f"rank {global_rank}: "
+    if local is not None:
+        return f"local rank {local}: "
+    return ""
+
+
+def log(level: int, message: str, code: "StatusCode | int" = StatusCode.OK,
+        rank_hint: Optional[int] = None) -> None:
+    """Logs ``message``; ``rank_hint`` (a native record's rank) wins when it
+    is known and no process group says otherwise."""
     if not logger.isEnabledFor(level):
         return
     r = rank()
-    logger.log(level, "rank %d: %s", r, message, extra={"rank": r, "code": StatusCode(int(code))})
+    if r is None and rank_hint is not None and rank_hint >= 0:
+        r = rank_hint
+    lr = local_rank()
+    logger.log(level, "%s%s", prefix(r, lr), message,
+               extra={"rank": r, "local_rank": lr, "code": StatusCode(int(code))})
 
 
 def drain(native: Any) -> None:
     """Logs what the native part ``native`` (memoffload._C) queued."""
-    for level, code, message in native.drain_log():
-        log(level, message, code)
+    for level, code, native_rank, message in native.drain_log():
+        log(level, message, code, native_rank)

@@ -9,9 +9,9 @@
 #include <string>
 #include <utility>
 
+#include "memoffload/client/log.h"
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/cuda_driver.h"
-#include "memoffload/torch/log.h"
 
 namespace memoffload::torch {
 namespace {
@@ -195,9 +195,9 @@ class CudaCopyEngine final : public CopyEngine {
       const Status st = cu_->Check(cu_->cuEventSynchronize(reinterpret_cast<CuEvent>(token)),
                                    "cuEventSynchronize");
       if (!st.ok()) {
-        Log(LogLevel::kError, st.code(),
-            "waiting for a copy back to the GPU failed (" + st.message() +
-                "); the device may still read the arena range being released");
+        client::Log(client::LogLevel::kError, st.code(),
+                    "waiting for a copy back to the GPU failed (" + st.message() +
+                        "); the device may still read the arena range being released");
       }
     }
     DropToken(token);
@@ -223,9 +223,9 @@ class CudaCopyEngine final : public CopyEngine {
         // Not by this mapping (it had no entry): left by an earlier mapping
         // at this address whose unregister failed. It would point the driver
         // at that mapping's pages; replace it.
-        Log(LogLevel::kWarning, StatusCode::kOk,
-            "a CUDA registration of an earlier arena mapping was still in place at a new "
-            "mapping's address; replacing it");
+        client::Log(client::LogLevel::kWarning, StatusCode::kOk,
+                    "a CUDA registration of an earlier arena mapping was still in place at a new "
+                    "mapping's address; replacing it");
         r = cu_->cuMemHostUnregister(base);
         if (r == kCudaSuccess) r = cu_->cuMemHostRegister(base, n, kCuMemHostRegisterPortable);
       }
@@ -244,11 +244,11 @@ class CudaCopyEngine final : public CopyEngine {
     reg.logged = true;
     const Status st = context == nullptr ? Unavailable("no CUDA context to register with")
                                          : cu_->Check(r, "cuMemHostRegister");
-    Log(LogLevel::kWarning, st.code(),
-        "registering an arena chunk of " + std::to_string(n) + " bytes with CUDA failed (" +
-            st.message() + "); copies through it use pageable memory and are slower" +
-            (reg.retry ? " until a later attempt succeeds" : "") +
-            " (counted in stats()[\"unpinned_bytes\"])");
+    client::Log(client::LogLevel::kWarning, st.code(),
+                "registering an arena chunk of " + std::to_string(n) + " bytes with CUDA failed (" +
+                    st.message() + "); copies through it use pageable memory and are slower" +
+                    (reg.retry ? " until a later attempt succeeds" : "") +
+                    " (counted in stats()[\"unpinned_bytes\"])");
   }
 
   uint64_t UnpinnedHostBytes() const override { return unpinned_bytes_.load(); }
@@ -265,8 +265,8 @@ class CudaCopyEngine final : public CopyEngine {
         const Status st = cu_->Check(cu_->cuMemHostUnregister(it->first), "cuMemHostUnregister");
         if (!st.ok()) {
           // The next mapping at this address replaces it (PrepareHostRange).
-          Log(LogLevel::kWarning, st.code(),
-              "unregistering an arena chunk from CUDA failed: " + st.message());
+          client::Log(client::LogLevel::kWarning, st.code(),
+                      "unregistering an arena chunk from CUDA failed: " + st.message());
         }
       }
       if (!it->second.by_us) unpinned_bytes_ -= it->second.bytes;

@@ -12,8 +12,8 @@
 
 #include "group.h"
 #include "group_transfer.h"
+#include "memoffload/client/log.h"
 #include "memoffload/torch/copy_engine.h"
-#include "memoffload/torch/log.h"
 #include "session.h"
 #include "stats_book.h"
 #include "tensor_packing.h"
@@ -364,7 +364,7 @@ class GroupOffloader::Impl {
   // A storage stays in memory because of `why`: the reason is kept in the
   // stats and logged once per message.
   void NoteKept(const Status& why) {
-    const std::string reason = "kept in memory: " + why.ToString();
+    const std::string reason = "kept in memory: " + why.message();  // the code: last_skip_code
     stats_.Count([&reason, &why](OffloaderStats& s) {
       s.last_skip_reason = reason;
       s.last_skip_code = why.code();
@@ -375,9 +375,9 @@ class GroupOffloader::Impl {
       first = logged_kept_.insert(why.message()).second;
     }
     if (first) {
-      Log(LogLevel::kWarning, why.code(),
-          "a saved tensor stays where it is (" + why.ToString() +
-              "); training goes on (logged once)");
+      client::Log(client::LogLevel::kWarning, why.code(),
+                  "a saved tensor stays where it is (" + why.ToString() +
+                      "); training goes on (logged once)");
     }
   }
 
@@ -502,9 +502,9 @@ class GroupOffloader::Impl {
 
   // Last: destroyed (joined) first.
   Worker worker_{[](const char* what) {
-    Log(LogLevel::kError, StatusCode::kInternal,
-        std::string("a background task threw (") + what +
-            "); this is a bug (logged once, counted in stats()[\"internal_errors\"])");
+    client::Log(client::LogLevel::kError, StatusCode::kInternal,
+                std::string("a background task threw (") + what +
+                    "); this is a bug (logged once, counted in stats()[\"internal_errors\"])");
   }};
 };
 

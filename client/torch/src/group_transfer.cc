@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "memoffload/torch/log.h"
+#include "memoffload/client/log.h"
 
 namespace memoffload::torch {
 namespace {
@@ -191,7 +191,8 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
         // The attach reply lacks the chunk (a daemon bug): copies through it
         // stay pageable.
         warned_unsized_chunk_ = true;
-        Log(LogLevel::kWarning, StatusCode::kInternal,
+        client::Log(
+            client::LogLevel::kWarning, StatusCode::kInternal,
             "arena chunk " + std::to_string(e.chunk) +
                 " has no size or mapping in the attach reply; it is not registered with CUDA "
                 "(logged once)");

@@ -3,7 +3,7 @@
 #include <string>
 #include <utility>
 
-#include "memoffload/torch/log.h"
+#include "memoffload/client/log.h"
 
 namespace memoffload::torch {
 
@@ -50,7 +50,10 @@ std::shared_ptr<Client> Session::Ensure(bool force) {
     s.connected = true;
     if (reconnect) ++s.reconnects;
   });
-  if (reconnect) Log(LogLevel::kInfo, StatusCode::kOk, "attached a new session to memoffloadd");
+  if (reconnect) {
+    client::Log(client::LogLevel::kInfo, StatusCode::kOk, "attached a new session to memoffloadd",
+                options_.rank);
+  }
   return client_;
 }
 
@@ -59,14 +62,16 @@ void Session::NoteFailure(const Status& st, const char* what) {
   stats_->Count([&](OffloaderStats& s) {
     ++s.rpc_errors;
     if (IsTransport(st.code())) s.connected = false;
-    s.last_skip_reason = std::string(what) + ": " + st.ToString();
+    s.last_skip_reason = std::string(what) + ": " + st.message();  // the code: last_skip_code
     s.last_skip_code = st.code();
   });
   const bool first = logged_codes_.insert(static_cast<int>(st.code())).second;
   if (first) {
-    Log(LogLevel::kWarning, st.code(),
+    client::Log(
+        client::LogLevel::kWarning, st.code(),
         std::string(what) + " failed (" + st.ToString() +
-            "); affected groups stay in memory, training goes on (logged once per error code)");
+            "); affected groups stay in memory, training goes on (logged once per error code)",
+        options_.rank);
   }
 }
 

@@ -9,21 +9,24 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdio>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <future>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <utility>
+
+#include "memoffload/client/log.h"
+#include "memoffload/shared_mem/status.h"
 
 namespace memoffload::torch {
 
 class Worker {
  public:
   // Reports what the first task that throws threw (on the worker thread);
-  // without one, a line on stderr.
+  // without one, a line in the client's log (memoffload/client/log.h).
   using Report = std::function<void(const char* what)>;
   explicit Worker(Report report = nullptr)
       : report_(std::move(report)), thread_([this] { Run(); }) {}
@@ -104,8 +107,8 @@ class Worker {
       if (report_) {
         report_(what);
       } else {
-        std::fprintf(stderr, "memoffload: a worker task threw (%s); this is a bug (logged once)\n",
-                     what);
+        client::Log(client::LogLevel::kError, StatusCode::kInternal,
+                    std::string("a worker task threw (") + what + "); this is a bug (logged once)");
       }
     }
     if (task.on_throw) task.on_throw(what);

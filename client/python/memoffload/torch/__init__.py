@@ -24,6 +24,7 @@ backward releases everything it reserved.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import itertools
 import logging
@@ -66,6 +67,10 @@ from ..checkpointing import (  # noqa: E402
     foreign_hooks_active,
     in_backward,
 )
+
+# What the native part logged after the last drain reaches the logger at
+# exit too (before logging's own atexit handler shuts it down).
+atexit.register(logs.drain, _C)
 
 if _C.built_torch_version != torch.__version__.split("+")[0]:
     raise ImportError(
@@ -146,6 +151,7 @@ def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> 
 from ..counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
 from ..selection import LayerSelection, _selected  # noqa: E402
 from ..param_skip import _ParamSkip  # noqa: E402
+from . import _module_names  # noqa: E402
 
 
 class _Packed:
@@ -258,10 +264,11 @@ class OffloadHandle:
         self._layers = list(layers)
         for index, layer in enumerate(self._layers):
             if any(other is layer for other in self._layers[:index]):
-                raise errors.InvalidArgument(f"layer {index} appears twice in the layers")
+                raise errors.InvalidArgument(
+                    f"{_module_names.describe(layer, index)} appears twice in the layers")
             if getattr(layer.__dict__.get("forward"), _HANDLE_ATTR, None) is not None:
                 raise errors.FailedPrecondition(
-                    f"layer {index} ({type(layer).__name__}) is already wrapped by "
+                    f"{_module_names.describe(layer, index)} is already wrapped by "
                     "offload_layers: remove() that handle first"
                 )
         self._offloaded = offloaded if off is not None else set()

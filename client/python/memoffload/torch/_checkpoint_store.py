@@ -19,7 +19,7 @@ import shutil
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .. import _C, errors, logs
 from . import _trusted_files
@@ -147,6 +147,8 @@ def attach(runtime_dir: str, job_id: str, rank: int, checksums: bool,
                                    checksums=checksums, rpc_timeout_ms=rpc_timeout_ms)
         except (errors.Unavailable, errors.NotFound) as exc:
             return None, str(exc)
+        finally:
+            logs.drain(_C)  # the attach's line
         _stores[key] = store
         return store, ""
 
@@ -253,15 +255,16 @@ def write_marker(path: str, job_id: str) -> None:
     os.replace(tmp, os.path.join(path, MARKER_NAME))
 
 
-def filesystem_checkpoints(fallback_dir: str, job_id: str,
-                           problems: Optional[List[str]] = None) -> Dict[str, float]:
-    """{checkpoint id: .metadata mtime} of the complete checkpoints this
-    module wrote for ``job_id`` under ``fallback_dir``. What another user
-    could have written is left out, and why is added to ``problems``."""
-    found: Dict[str, float] = {}
+def _marked_checkpoints(fallback_dir: str, problems: Optional[List[str]] = None
+                        ) -> Dict[str, Tuple[str, float]]:
+    """{checkpoint id: (the job its marker names, .metadata mtime)} of the
+    complete checkpoints this module wrote under ``fallback_dir``. What
+    another user could have written is left out, and why is added to
+    ``problems``."""
+    found: Dict[str, Tuple[str, float]] = {}
     try:
         names = os.listdir(fallback_dir)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return found
     problem = _trusted_files.fallback_dir_problem(fallback_dir)
     if problem is not None:
@@ -279,12 +282,20 @@ def filesystem_checkpoints(fallback_dir: str, job_id: str,
                     problems.append(problem)
                 continue
             with open(os.path.join(path, MARKER_NAME)) as f:
-                if f.read().strip() != job_id:
-                    continue
-            found[name] = os.stat(os.path.join(path, METADATA_NAME)).st_mtime
+                marked = f.read().strip()
+            found[name] = (marked, os.stat(os.path.join(path, METADATA_NAME)).st_mtime)
         except (FileNotFoundError, NotADirectoryError):
             continue
     return found
+
+
+def filesystem_checkpoints(fallback_dir: str, job_id: str,
+                           problems: Optional[List[str]] = None) -> Dict[str, float]:
+    """{checkpoint id: .metadata mtime} of the complete checkpoints this
+    module wrote for ``job_id`` under ``fallback_dir``. What another user
+    could have written is left out, and why is added to ``problems``."""
+    return {name: mtime for name, (marked, mtime) in _marked_checkpoints(fallback_dir, problems).items()
+            if marked == job_id}
 
 
 def retain_filesystem(fallback_dir: str, job_id: str, keep_last: Optional[int], current_id: str) -> List[str]:
@@ -308,7 +319,9 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
                       fallback_dir: Optional[str] = None) -> Optional[str]:
     """The newest complete checkpoint of the job (in the daemon, or in the
     fallback directory when that one is newer), or None. Fallback checkpoints
-    another user could have written are ignored, with one warning."""
+    another user could have written are ignored, with one warning. When the
+    job has none but this user has checkpoints under other job ids (a typo in
+    ``job_id``?), one warning names them (once per job id and process)."""
     job = job_id_of(job_id)
     best: Optional[Tuple[float, str]] = None
     store, _ = attach(runtime_dir, job, -1, True)
@@ -320,9 +333,85 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
         except errors.Unavailable:
             forget(store)
     problems: List[str] = []
-    for ckpt_id, mtime in filesystem_checkpoints(fallback_dir_of(fallback_dir, job), job,
-                                                 problems).items():
+    fallback = fallback_dir_of(fallback_dir, job)
+    for ckpt_id, mtime in filesystem_checkpoints(fallback, job, problems).items():
         if best is None or (mtime, ckpt_id) > best:
             best = (mtime, ckpt_id)
     _trusted_files.warn_ignored(problems)
+    if best is None and job not in _warned_other_jobs:
+        defaulted = not (fallback_dir or os.environ.get(FALLBACK_DIR_ENV, ""))
+        others = _other_jobs(runtime_dir, job, fallback, defaulted)
+        if others:
+            _warned_other_jobs.add(job)
+            logs.log(logging.WARNING,
+                     f"latest_checkpoint: job {job!r} has no checkpoint, but this user has "
+                     f"checkpoints under other job ids: {_describe(others)}; a restart finds its "
+                     "checkpoints only under the job id that saved them (job_id= or "
+                     f"${JOB_ID_ENV}) (logged once per job id)",
+                     errors.StatusCode.NOT_FOUND)
     return None if best is None else best[1]
+
+
+# ---- checkpoints under other job ids (a typo in the job id) ----------------
+
+_warned_other_jobs: Set[str] = set()
+
+
+def _other_jobs(runtime_dir: str, job_id: str, fallback_dir: str,
+                defaulted: bool) -> Dict[str, List[Tuple[float, str, str]]]:
+    """{other job id: [(time, checkpoint id, where)]}: the complete
+    checkpoints of this uid under job ids other than ``job_id``, in the
+    daemon (its node listing) and in the fallback directory (and, when that
+    is the default ``memoffload-checkpoints/<job>``, in its siblings)."""
+    found: Dict[str, List[Tuple[float, str, str]]] = {}
+    where = f"in the daemon at {runtime_dir_of(runtime_dir)}"
+    for other, when, ckpt_id in _daemon_checkpoints_of_uid(runtime_dir):
+        if other != job_id:
+            found.setdefault(other, []).append((when, ckpt_id, where))
+    dirs = [fallback_dir]
+    if defaulted:
+        parent = os.path.dirname(fallback_dir)
+        try:
+            dirs += sorted(os.path.join(parent, n) for n in os.listdir(parent)
+                           if os.path.join(parent, n) != fallback_dir)
+        except OSError:
+            pass
+    for directory in dirs:
+        try:
+            marked_ones = _marked_checkpoints(directory)
+        except OSError:  # a sibling this user may not read: not theirs
+            continue
+        for ckpt_id, (marked, mtime) in marked_ones.items():
+            if marked != job_id:
+                found.setdefault(marked, []).append((mtime, ckpt_id, f"in {directory}"))
+    return found
+
+
+def _daemon_checkpoints_of_uid(runtime_dir: str) -> List[Tuple[str, float, str]]:
+    """[(job id, commit time, checkpoint id)] of this uid's complete
+    checkpoints in the daemon, any job id; [] when it cannot be asked."""
+    if not hasattr(_C, "node_regions"):
+        return []
+    try:
+        listing = _C.node_regions(runtime_dir, REGION_PREFIX)
+    except errors.Error:
+        return []
+    uid = os.geteuid()
+    out = []
+    for region in listing["regions"]:
+        parts = split_region_name(region["name"])
+        if (region["uid"] == uid and region["committed"] and parts is not None
+                and parts[1] == METADATA_NAME):
+            out.append((region["job_id"], float(region["committed_unix"]), parts[0]))
+    return out
+
+
+def _describe(others: Dict[str, List[Tuple[float, str, str]]]) -> str:
+    """"'run-42' (3 checkpoints, the newest 'step-4' in the daemon at ...)", by job id."""
+    parts = []
+    for other in sorted(others):
+        newest = max(others[other])
+        count = len(others[other])
+        parts.append(f"{other!r} ({count} checkpoint{'s' if count != 1 else ''}, "
+                     f"the newest {newest[1]!r} {newest[2]})")
+    return ", ".join(parts)

@@ -16,6 +16,7 @@
 #include "memoffload/daemon/arena.h"
 #include "memoffload/daemon/config.h"
 #include "memoffload/daemon/metrics.h"
+#include "memoffload/daemon/refusal_log.h"
 #include "memoffload/daemon/session_table.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
 
@@ -133,6 +134,10 @@ class OffloadService final : public OffloadServiceBase {
   grpc::Status DoCommit(const v1::CommitRequest& req, v1::CommitResponse* resp);
   grpc::Status DoPrefetch(const v1::PrefetchRequest& req, v1::PrefetchResponse* resp);
   grpc::Status DoRelease(const v1::ReleaseRequest& req, v1::ReleaseResponse* resp);
+  // A Reserve refused for want of space (arena full, or waited for it in
+  // vain): one warning per uid and job id per interval (refusals_), naming
+  // who and why, with the count of refusals left out since the last one.
+  void LogRefusal(uint64_t session_id, const Status& refusal, RejectReason reason);
 
   const Arena* arena_;
   SessionTable* table_;
@@ -143,6 +148,7 @@ class OffloadService final : public OffloadServiceBase {
   const std::chrono::steady_clock::time_point started_;
   mutable std::mutex config_mu_;
   DaemonConfig config_;  // guarded by config_mu_
+  RefusalLog refusals_;  // its own lock
 };
 
 // Maps our status to gRPC's (same numeric codes).

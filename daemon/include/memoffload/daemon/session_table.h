@@ -201,6 +201,8 @@ class SessionTable {
   // Every uid with a session, a chunk or a region, by uid.
   std::vector<UidSnapshot> ListUids() const;
   std::vector<SessionSnapshot> ListSessions() const;
+  // The session's snapshot, nullopt once it is gone.
+  std::optional<SessionSnapshot> FindSession(uint64_t session_id) const;
 
   // Runs the allocator's invariant check plus the table's own accounting.
   Status CheckInvariants() const;
@@ -297,6 +299,8 @@ class SessionTable {
   // Adds what it freed to *closed.
   void ForgetRegionsOf(const Session& session, Closed* closed);
   RegionSnapshot SnapshotOf(const Region& region, Clock::time_point now) const;
+  // Requires mu_.
+  SessionSnapshot SnapshotOf(uint64_t id, const Session& session, Clock::time_point now) const;
   // Counts the extents (delta +1) or uncounts them (-1) in the chunks they
   // pin; with tenants only. Requires mu_.
   void CountRegionChunks(const std::vector<Extent>& extents, int delta);
