@@ -46,7 +46,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr uint64_t kSourceBytes = 64 * kMiB;
-constexpr int kAttachSamples = 5;
 constexpr int kWriteRounds = 3;
 
 double SecondsSince(Clock::time_point start) {
