@@ -25,6 +25,21 @@ namespace {
 constexpr uid_t kAttacker = 65534;
 constexpr long kMaxGrowthKiB = 64 * 1024;
 
+// Under AddressSanitizer (scripts/sanitize.sh builds the daemon and this
+// test with it) freed memory waits in ASan's quarantine (256 MiB) instead of
+// going back: the RssAnon bound is checked in the plain build only.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kHeapReturnsMemory = false;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kHeapReturnsMemory = false;
+#else
+constexpr bool kHeapReturnsMemory = true;
+#endif
+#else
+constexpr bool kHeapReturnsMemory = true;
+#endif
+
 long RssAnonKiB(pid_t pid) {
   std::ifstream status("/proc/" + std::to_string(pid) + "/status");
   std::string line;
@@ -50,8 +65,7 @@ long ClosedCount(const DaemonProcess& daemon, const std::string& reason) {
   const std::string addr = daemon.Status().metrics_address();
   if (addr.empty()) return -1;
   const std::string body = HttpGet(std::stoi(addr.substr(addr.rfind(':') + 1)), "/metrics");
-  const std::string series =
-      "memoffload_grpc_connections_closed_total{reason=\"" + reason + "\"} ";
+  const std::string series = "memoffload_grpc_connections_closed_total{reason=\"" + reason + "\"} ";
   const size_t at = body.find(series);
   if (at == std::string::npos) return -1;
   return std::stol(body.substr(at + series.size()));
@@ -83,8 +97,15 @@ void ExpectContained(const char* attack, DaemonProcess& daemon,
       static_cast<unsigned long long>(r.frames_sent), r.seconds, r.closed_by_daemon ? "yes" : "no",
       before, after);
   EXPECT_TRUE(r.closed_by_daemon) << attack << ": the daemon kept the attacker's connection";
-  EXPECT_LE(after - before, kMaxGrowthKiB)
-      << attack << ": RssAnon " << before << " KiB -> " << after << " KiB";
+  if (kHeapReturnsMemory) {
+    EXPECT_LE(after - before, kMaxGrowthKiB)
+        << attack << ": RssAnon " << before << " KiB -> " << after << " KiB";
+  } else {
+    std::printf(
+        "%s: RssAnon not checked under AddressSanitizer (its quarantine keeps freed "
+        "memory)\n",
+        attack);
+  }
   EXPECT_TRUE(VictimCycle(daemon.runtime_dir())) << attack;
 }
 
