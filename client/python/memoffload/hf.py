@@ -23,6 +23,11 @@ except ImportError:  # transformers is optional: the same method names suffice
 __all__ = ["MemoffloadCallback", "LOGGED_KEYS"]
 
 
+def _step(state: Any) -> int:
+    """The Trainer's optimizer step (0 without a TrainerState)."""
+    return int(getattr(state, "global_step", 0) or 0)
+
+
 def _checkpointing_layers(args: Any, model: Optional[nn.Module], layers: Sequence[nn.Module]) -> bool:
     """True when Hugging Face activation (gradient) checkpointing is on for
     the model: by the TrainingArguments or by the modules' own flag, which
@@ -78,7 +83,7 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
                     "gradient_checkpointing=False."
                 )
             self.handle = offload_layers(layers, **self._kwargs)
-            self._log = StepLog(self.handle, state.global_step)
+            self._log = StepLog(self.handle, _step(state))
             self._epochs = 0
         return control
 
@@ -97,12 +102,12 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kw: Any):
         if self._log is not None:
             self._epochs += 1
-            self._log.summary(f"epoch {self._epochs}", state.global_step)
+            self._log.summary(f"epoch {self._epochs}", _step(state))
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
         if self._log is not None:
-            self._log.summary("training", state.global_step, scope="run")
+            self._log.summary("training", _step(state), scope="run")
             self.totals = self._log.totals()
             self._log = None
         if self.handle is not None:
