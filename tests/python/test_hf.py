@@ -48,7 +48,7 @@ def tiny_llama() -> "transformers.LlamaForCausalLM":
     return transformers.LlamaForCausalLM(config)
 
 
-def run_trainer(model, tmp_path, callbacks, **args) -> "transformers.Trainer":
+def make_trainer(model, tmp_path, callbacks, **args) -> "transformers.Trainer":
     targs = transformers.TrainingArguments(
         output_dir=str(tmp_path),
         per_device_train_batch_size=4,
@@ -63,9 +63,13 @@ def run_trainer(model, tmp_path, callbacks, **args) -> "transformers.Trainer":
         disable_tqdm=True,
         **args,
     )
-    trainer = transformers.Trainer(
+    return transformers.Trainer(
         model=model, args=targs, train_dataset=RandomTokens(), callbacks=callbacks
     )
+
+
+def run_trainer(model, tmp_path, callbacks, **args) -> "transformers.Trainer":
+    trainer = make_trainer(model, tmp_path, callbacks, **args)
     trainer.train()
     return trainer
 
@@ -136,6 +140,32 @@ def test_logged_differences_sum_to_the_counters_and_a_second_trainer_starts_from
     for name in ("offloaded_bytes", "prefetched_bytes"):
         assert [h[f"memoffload/{name}"] for h in second] == [h[f"memoffload/{name}"] for h in first]
     assert_arena_empty(daemon)
+
+
+def test_reporting_integrations_see_the_keys_when_the_callback_goes_first(daemon, tmp_path):
+    """report_to's integrations are callbacks the Trainer puts before the
+    user's: they log before MemoffloadCallback adds its keys. Put first (the
+    documented workaround, also when it is in callbacks= as well), a callback
+    that logs like an integration sees them in every step's log."""
+
+    class Reporter(transformers.TrainerCallback):  # a stand-in for WandbCallback & co.
+        def __init__(self) -> None:
+            self.seen = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.seen.append(dict(logs))
+
+    reporter = Reporter()
+    callback = mot.MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir)
+    trainer = make_trainer(tiny_llama(), tmp_path, [reporter, callback])
+    trainer.callback_handler.callbacks.insert(0, callback)
+    trainer.train()
+    steps = [h for h in reporter.seen if "loss" in h]
+    assert len(steps) == STEPS
+    assert all(h["memoffload/offloaded_bytes"] > 0 for h in steps), steps
+    logged = sum(h["memoffload/offloaded_bytes"] for h in trainer.state.log_history
+                 if "memoffload/offloaded_bytes" in h)
+    assert logged == callback.totals["memoffload/offloaded_bytes"] > 0
 
 
 def test_disabled_callback_trains_and_logs_zeros(daemon, tmp_path):

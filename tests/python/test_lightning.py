@@ -47,9 +47,10 @@ class Stack(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def batches() -> torch.utils.data.DataLoader:
+def batches(batch_size: int = 16) -> torch.utils.data.DataLoader:
     gen = torch.Generator().manual_seed(1)
-    return torch.utils.data.DataLoader(torch.randn(BATCHES * 16, 64, generator=gen), batch_size=16)
+    data = torch.randn(BATCHES * batch_size, 64, generator=gen)
+    return torch.utils.data.DataLoader(data, batch_size=batch_size)
 
 
 class Capture(Logger):

@@ -88,8 +88,8 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
-        if self._log is None or not isinstance(logs, dict):
-            return control
+        if self._log is None or not isinstance(logs, dict) or LOGGED_KEYS[0] in logs:
+            return control  # (the keys are there: this callback is listed twice)
         entry = self._log.take()
         logs.update(entry)
         # Trainer.log appends a copy of `logs` to state.log_history before the
