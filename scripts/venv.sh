@@ -29,6 +29,13 @@ if [[ ! -f $stamp || $(cat "$stamp") != "$want" ]]; then
   # torch alone first, by its exact pin: anything looser may fetch a CUDA build.
   "$PY" -m pip install -q --disable-pip-version-check "$(grep '^torch==' "$REQS")" >&2
   "$PY" -m pip install -q --disable-pip-version-check -r "$REQS" >&2
+  # The rest (transformers, lightning, ...) must not have replaced it.
+  pinned=$(grep '^torch==' "$REQS" | cut -d= -f3)
+  have=$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')
+  if [[ $have != "$pinned" ]]; then
+    echo "venv.sh: the requirements replaced torch $pinned by $have" >&2
+    exit 1
+  fi
   echo "$want" >"$stamp"
 fi
 

@@ -47,6 +47,7 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["groups_offloaded"] = s.groups_offloaded;
   d["groups_skipped"] = s.groups_skipped;
   d["groups_live"] = s.groups_live;
+  d["arena_held_bytes"] = s.arena_held_bytes;
   d["tensors"] = s.tensors;
   d["deduplicated"] = s.deduplicated;
   d["caller_copies"] = s.caller_copies;
@@ -237,7 +238,10 @@ PYBIND11_MODULE(_C, m) {
           [](const GroupOffloader& o, int64_t first_slot, int64_t end_slot) {
             return SlotStatsDict(o.slot_stats(first_slot, end_slot));
           },
-          py::arg("first_slot"), py::arg("end_slot"));
+          py::arg("first_slot"), py::arg("end_slot"))
+      .def("take_arena_held_peak", &GroupOffloader::TakeArenaHeldPeak,
+           "The most arena bytes held at once since the previous call (one reader: the "
+           "framework callbacks).");
 
   memoffload::torch::python::BindSavedTensorHooks(m);
   memoffload::torch::python::BindRegions(m);

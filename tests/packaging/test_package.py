@@ -38,6 +38,17 @@ def test_installed_package_carries_its_extension_and_the_tree_does_not() -> None
     assert built == [], f"build output in the source tree: {built}"
 
 
+def test_installed_package_is_marked_typed() -> None:
+    """PEP 561: py.typed sits in the installed package, so type checkers read
+    its annotations (stats() is a TypedDict)."""
+    out = run([sys.executable, "-c", "import importlib.resources as r, memoffload; "
+               "print(r.files('memoffload').joinpath('py.typed').is_file()); print(memoffload.__file__)"])
+    assert out.returncode == 0, out.stderr
+    present, init = out.stdout.split()
+    assert present == "True", f"no py.typed beside {init}"
+    assert (REPO / "client" / "python" / "memoffload") not in Path(init).parents
+
+
 def test_import_memoffload_does_not_import_torch() -> None:
     out = run([sys.executable, "-c", "import sys, memoffload; print('torch' in sys.modules)"])
     assert out.returncode == 0, out.stderr

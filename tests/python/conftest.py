@@ -7,6 +7,7 @@ the repository). Every test talks to it over its real sockets.
 from __future__ import annotations
 
 import copy
+import json
 import os
 import signal
 import subprocess
@@ -103,6 +104,19 @@ class Daemon:
 
     def status(self) -> dict:
         return mot.daemon_status(self.runtime_dir)
+
+    def sessions(self) -> List[dict]:
+        """`memoffloadctl --json sessions`: job_id, rank, pid, held bytes, ..."""
+        out = subprocess.run(
+            [str(bin_dir() / "memoffloadctl"), "--runtime-dir", self.runtime_dir, "--json",
+             "sessions"],
+            check=True, capture_output=True, text=True, timeout=30,
+        ).stdout
+        return json.loads(out).get("sessions", [])
+
+    def jobs(self) -> List[str]:
+        """The job ids of this process's sessions."""
+        return sorted(s["job_id"] for s in self.sessions() if s.get("pid") == os.getpid())
 
 
 def _serve(tmp: Path, arena: str, chunk: str) -> Iterator[Daemon]:

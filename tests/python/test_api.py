@@ -1,6 +1,6 @@
 """The options a new user asks for (enabled, select, offload_weights,
-refusal of double wrapping, strict, per-step and per-handle stats) and the
-errors that carry the daemon's status code."""
+refusal of double wrapping, strict, per-step and per-handle stats, typed
+stats) and the errors that carry the daemon's status code."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 import torch
@@ -273,4 +274,57 @@ def test_step_stats_and_per_handle_stats(daemon):
             )
     # Same shapes every step: the same bytes per step.
     assert rows[0][0]["handle"]["offloaded_bytes"] == rows[2][0]["handle"]["offloaded_bytes"]
+    assert_arena_empty(daemon)
+
+
+def assert_shape(d: dict, shape) -> None:
+    """`d` has exactly the keys of the TypedDict `shape`, each of its type."""
+    hints = typing.get_type_hints(shape)
+    assert sorted(d) == sorted(hints), set(d) ^ set(hints)
+    for name, kind in hints.items():
+        if typing.is_typeddict(kind):
+            assert_shape(d[name], kind)
+        else:
+            assert type(d[name]) is kind, (name, d[name], kind)
+
+
+def test_stats_match_their_typed_dicts(daemon):
+    """stats() and step_stats() are HandleStats (and ["handle"] GroupStats),
+    offload_activations.stats() is OffloadStats: the same keys and types
+    whether offload is on or off (before: untyped, and a disabled handle's
+    dict lacked blocking_rpcs, arena and copy counters, engine, ...)."""
+    torch.manual_seed(36)
+    model = DecoderStack(layers=3)
+    for enabled in (True, False):
+        handle = mot.offload_layers(model.layers, min_tensor_bytes=0,
+                                    runtime_dir=daemon.runtime_dir, enabled=enabled)
+        model(tokens()).backward()
+        assert_shape(handle.stats(), mot.HandleStats)
+        assert_shape(handle.step_stats(), mot.HandleStats)
+        handle.remove()
+        with mot.offload_activations(runtime_dir=daemon.runtime_dir, enabled=enabled) as block:
+            loss = model(tokens())
+        loss.backward()
+        assert_shape(block.stats(), mot.OffloadStats)
+    assert_arena_empty(daemon)
+
+
+def test_first_step_stats_counts_from_the_handle(daemon):
+    """step_stats() before any call counts since the handle was made, at the
+    process level too (before: its first call returned the process's
+    cumulative counters, everything earlier handles had moved)."""
+    torch.manual_seed(37)
+    first, second = DecoderStack(layers=3), DecoderStack(layers=3)
+    h1 = mot.offload_layers(first.layers, min_tensor_bytes=0, runtime_dir=daemon.runtime_dir)
+    first(tokens()).backward()
+    h1.flush()
+    h1.remove()
+    h2 = mot.offload_layers(second.layers, min_tensor_bytes=0, runtime_dir=daemon.runtime_dir)
+    second(tokens()).backward()
+    h2.flush()
+    d = h2.step_stats()
+    h2.remove()
+    assert d["offloaded_bytes"] == d["handle"]["offloaded_bytes"] > 0, d
+    assert d["prefetched_bytes"] == d["handle"]["prefetched_bytes"], d
+    assert d["groups"] == d["handle"]["groups"] == 2, d
     assert_arena_empty(daemon)

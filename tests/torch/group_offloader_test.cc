@@ -243,5 +243,40 @@ TEST_F(GroupOffloaderTest, GroupWithoutLiveEntryGoesAtClose) {
   EXPECT_EQ(offloader_->slot_stats(3, 4).groups_live, 0u);
 }
 
+TEST_F(GroupOffloaderTest, ArenaHeldBytesFollowTheDaemonsCountAndThePeakIsPerWindow) {
+  // arena_held_bytes is what the daemon counts for the session: the
+  // reservation at BeginGroup, what the Commit kept, 0 after the release.
+  // TakeArenaHeldPeak gives the most held at once since the previous call.
+  const at::Tensor a = at::randn({256, 64});
+  const at::Tensor b = at::randn({512, 64});
+  EXPECT_EQ(offloader_->stats().arena_held_bytes, 0u);
+  EXPECT_EQ(offloader_->TakeArenaHeldPeak(), 0u);
+  ASSERT_TRUE(offloader_->OffloadGroup(1, {a}, 0, /*slot=*/5).ok());
+  ASSERT_TRUE(offloader_->OffloadGroup(2, {b}).ok());
+  offloader_->Flush();
+  const uint64_t both = offloader_->stats().arena_held_bytes;
+  EXPECT_EQ(both, Status().used_bytes);
+  EXPECT_GE(both, a.nbytes() + b.nbytes());
+  ASSERT_TRUE(offloader_->ReleaseGroup(2).ok());
+  offloader_->Flush();
+  const uint64_t one = offloader_->stats().arena_held_bytes;
+  EXPECT_EQ(one, Status().used_bytes);
+  EXPECT_GE(one, a.nbytes());
+  EXPECT_LT(one, both);
+  EXPECT_EQ(offloader_->TakeArenaHeldPeak(), both);
+  EXPECT_EQ(offloader_->TakeArenaHeldPeak(), one);  // a new window starts at what is held
+  // A reservation made at BeginGroup counts while it is only reserved.
+  ASSERT_TRUE(offloader_->BeginGroup(3, 5).ok());
+  offloader_->Flush();
+  EXPECT_EQ(offloader_->stats().arena_held_bytes, Status().used_bytes);
+  EXPECT_GT(offloader_->stats().arena_held_bytes, one);
+  ASSERT_TRUE(offloader_->CloseGroup(3).ok());  // nothing added: released at close
+  ASSERT_TRUE(offloader_->ReleaseGroup(1).ok());
+  ExpectArenaEmpty();
+  EXPECT_EQ(offloader_->stats().arena_held_bytes, 0u);
+  EXPECT_GE(offloader_->TakeArenaHeldPeak(), one + a.nbytes());
+  EXPECT_EQ(offloader_->TakeArenaHeldPeak(), 0u);
+}
+
 }  // namespace
 }  // namespace memoffload::testing

@@ -1,19 +1,91 @@
-"""A handle's own counters and per-step differences of stats dicts."""
+"""The shapes of ``stats()`` (typed), a handle's own counters and per-step
+differences of stats dicts."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+import enum
+import typing
+from typing import Any, Dict, Optional, TypedDict
 
-# Per-group counters of the native part, per handle and per process.
-_GROUP_COUNTERS = (
-    "groups",
-    "groups_offloaded",
-    "groups_skipped",
-    "groups_live",
-    "offloaded_bytes",
-    "prefetched_bytes",
-    "skipped_bytes",
-)
+from .errors import StatusCode
+
+
+class GroupStats(TypedDict):
+    """``OffloadHandle.stats()["handle"]``: the handle's own groups.
+
+    Counters (cumulative; differences in ``step_stats()``) except
+    ``groups_live``, a gauge: groups begun and not yet released."""
+
+    groups: int
+    groups_offloaded: int
+    groups_skipped: int
+    groups_live: int
+    offloaded_bytes: int
+    prefetched_bytes: int
+    skipped_bytes: int
+    kept_small_bytes: int
+    kept_param_bytes: int
+    kept_weight_copy_bytes: int
+    steps: int
+    stepped_aside: int
+
+
+class OffloadStats(TypedDict):
+    """``offload_activations.stats()``, and the top level of
+    ``OffloadHandle.stats()``: the process's session on that runtime dir and
+    job id (shared by every handle there), plus the caller's own ``kept_*``,
+    ``steps`` and ``stepped_aside``. Counters are cumulative;
+    ``groups_live`` and ``arena_held_bytes`` are gauges; ``connected``,
+    ``engine`` and ``last_skip_*`` are states. All zero (``connected``
+    false) when disabled."""
+
+    offloaded_bytes: int
+    prefetched_bytes: int
+    skipped_bytes: int
+    groups: int
+    groups_offloaded: int
+    groups_skipped: int
+    groups_live: int
+    arena_held_bytes: int
+    tensors: int
+    deduplicated: int
+    caller_copies: int
+    blocking_rpcs: int
+    prefetch_waits: int
+    prefetch_wait_seconds: float
+    rereads: int
+    capture_skipped: int
+    unpinned_bytes: int
+    reconnects: int
+    rpc_errors: int
+    internal_errors: int
+    connected: bool
+    engine: str
+    last_skip_reason: str
+    last_skip_code: StatusCode
+    kept_small_bytes: int
+    kept_param_bytes: int
+    kept_weight_copy_bytes: int
+    steps: int
+    stepped_aside: int
+
+
+class HandleStats(OffloadStats):
+    """``OffloadHandle.stats()`` and ``step_stats()`` (there every number is
+    a difference since the previous call)."""
+
+    enabled: bool
+    handle: GroupStats
+
+
+_ZERO = {int: 0, float: 0.0, bool: False, str: "", StatusCode: StatusCode.OK}
+
+
+def _zero_stats(shape: Any) -> Dict[str, Any]:
+    """A dict of ``shape`` (a TypedDict above) with every value zero, empty,
+    false or ``OK``: what a disabled handle or block reports."""
+    return {name: _ZERO[kind] for name, kind in typing.get_type_hints(shape).items()
+            if kind in _ZERO}
 
 
 class _Counters:
@@ -57,7 +129,8 @@ def _delta(now: Dict[str, Any], before: Optional[Dict[str, Any]]) -> Dict[str, A
     for name, value in now.items():
         if isinstance(value, dict):
             out[name] = _delta(value, None if before is None else before.get(name))
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        elif isinstance(value, (int, float)) and not isinstance(value, (bool, enum.Enum)):
+            # (a StatusCode is an int, but a state: never a difference)
             out[name] = value - (0 if before is None else before.get(name, 0))
         else:
             out[name] = value

@@ -110,6 +110,9 @@ struct Group {
   std::shared_ptr<client::Client> client;  // set once the reservation succeeded
   std::vector<Extent> write_extents;
   uint64_t reserved_bytes = 0;
+  // Arena bytes the daemon counts for the group: the reservation, then what
+  // the Commit kept; 0 once released (StatsBook's arena_held_bytes sums it).
+  uint64_t held_bytes = 0;
   bool reserve_tried = false;
   bool reserve_closed = false;  // Close began: no more copies on the training thread
   Status reserve_status;

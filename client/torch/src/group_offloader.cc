@@ -353,6 +353,7 @@ class GroupOffloader::Impl {
     return s;
   }
   SlotStats slot_stats(int64_t first, int64_t end) const { return stats_.SlotSum(first, end); }
+  uint64_t TakeArenaHeldPeak() { return stats_.TakeHeldPeak(); }
 
  private:
   CopyEngine* EngineFor(c10::Device device) {
@@ -559,5 +560,6 @@ OffloaderStats GroupOffloader::stats() const { return impl_->stats(); }
 SlotStats GroupOffloader::slot_stats(int64_t first_slot, int64_t end_slot) const {
   return impl_->slot_stats(first_slot, end_slot);
 }
+uint64_t GroupOffloader::TakeArenaHeldPeak() { return impl_->TakeArenaHeldPeak(); }
 
 }  // namespace memoffload::torch

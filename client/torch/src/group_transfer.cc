@@ -176,6 +176,8 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   g.client = c;
   g.write_extents = r->extents;
   g.reserved_bytes = r->reserved_bytes;
+  g.held_bytes = r->reserved_bytes;
+  stats_->AddHeld(g.held_bytes);
   // Only the reservation made while the group is open: Close's never meets a
   // copy on the training thread.
   if (!g.reserve_closed) g.reserved.store(true, std::memory_order_release);
@@ -285,6 +287,10 @@ void GroupTransfer::Close(Group& g) {
         g.client->Commit(g.daemon_id, used, {stored, g.copy_out_seconds});
     if (commit.ok()) {
       g.in_arena = true;
+      if (commit->committed_bytes < g.held_bytes) {
+        stats_->SubtractHeld(g.held_bytes - commit->committed_bytes);
+        g.held_bytes = commit->committed_bytes;
+      }
       std::lock_guard<std::mutex> lock(g.mu);
       for (auto& s : storages) {
         if (!s->copied) continue;
@@ -319,6 +325,12 @@ void GroupTransfer::DropReservation(Group& g) {
   Status st = g.client->Release(g.daemon_id);
   if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
   g.client.reset();
+  LetGoOfHeld(g);
+}
+
+void GroupTransfer::LetGoOfHeld(Group& g) {
+  stats_->SubtractHeld(g.held_bytes);
+  g.held_bytes = 0;
 }
 
 void GroupTransfer::Prefetch(const std::shared_ptr<Group>& group) {
@@ -405,6 +417,7 @@ void GroupTransfer::Release(Group& g) {
     if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
 
     g.client.reset();
+    LetGoOfHeld(g);
   }
   if (!g.prefetch_issued) g.prefetch_promise.set_value(Status::Ok());
 }

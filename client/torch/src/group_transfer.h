@@ -66,6 +66,8 @@ class GroupTransfer {
   // transport error is the daemon gone (it reclaims the group with the
   // session); any other failure is noted (rpc_errors, logged once per code).
   void DropReservation(Group& g);
+  // The group holds no arena bytes any more (StatsBook's arena_held_bytes).
+  void LetGoOfHeld(Group& g);
 
   Session* const session_;
   StatsBook* const stats_;

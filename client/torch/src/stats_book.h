@@ -3,6 +3,7 @@
 #ifndef MEMOFFLOAD_TORCH_SRC_STATS_BOOK_H_
 #define MEMOFFLOAD_TORCH_SRC_STATS_BOOK_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <map>
@@ -40,6 +41,25 @@ class StatsBook {
     if (capture_skipped) capture_skipped_.fetch_add(1, std::memory_order_relaxed);
   }
 
+  // The arena bytes the groups hold grew or shrank (a Reserve, a Commit's
+  // trim, a release).
+  void AddHeld(uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.arena_held_bytes += bytes;
+    held_peak_ = std::max(held_peak_, stats_.arena_held_bytes);
+  }
+  void SubtractHeld(uint64_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.arena_held_bytes -= std::min(bytes, stats_.arena_held_bytes);
+  }
+  // GroupOffloader::TakeArenaHeldPeak.
+  uint64_t TakeHeldPeak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t peak = held_peak_;
+    held_peak_ = stats_.arena_held_bytes;
+    return peak;
+  }
+
   OffloaderStats Snapshot() const {
     OffloaderStats s;
     {
@@ -74,6 +94,7 @@ class StatsBook {
   mutable std::mutex mu_;
   OffloaderStats stats_;                // GUARDED_BY(mu_)
   std::map<int64_t, SlotStats> slots_;  // GUARDED_BY(mu_)
+  uint64_t held_peak_ = 0;              // GUARDED_BY(mu_)
   // CountTensor's; stats_'s fields of the same names stay 0.
   std::atomic<uint64_t> tensors_{0};
   std::atomic<uint64_t> deduplicated_{0};

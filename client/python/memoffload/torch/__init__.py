@@ -83,7 +83,10 @@ __all__ = [
     # MemoffloadCallback is provided lazily (module __getattr__ below) and is
     # not listed, so that `from memoffload.torch import *` does not import
     # transformers either.
+    "GroupStats",
+    "HandleStats",
     "OffloadHandle",
+    "OffloadStats",
     "daemon_status",
     "find_layer_stack",
     "get_offloader",
@@ -91,7 +94,8 @@ __all__ = [
     "offload_layers",
 ]
 
-_offloaders: Dict[str, "_C.GroupOffloader"] = {}
+# The process's offloaders (one session each), by (runtime dir, job id).
+_offloaders: Dict[Tuple[str, str], "_C.GroupOffloader"] = {}
 _offloaders_lock = threading.Lock()
 _keys = itertools.count(1)
 # Slots name recurring groups (a layer of one handle) so that the native side
@@ -112,21 +116,34 @@ def _env_int(name: str) -> int:
         return -1
 
 
-def get_offloader(runtime_dir: Optional[str] = None) -> "_C.GroupOffloader":
-    """The process's offloader (one session) for ``runtime_dir``.
+DEFAULT_JOB_ID = "torch"
+
+
+def _job_id_of(job_id: Optional[str]) -> str:
+    """``job_id``, else ``$MEMOFFLOAD_JOB_ID``, else ``"torch"``."""
+    if job_id is not None and (not isinstance(job_id, str) or not job_id):
+        raise errors.InvalidArgument(f"job_id must be a non-empty string or None, not {job_id!r}")
+    return job_id or os.environ.get("MEMOFFLOAD_JOB_ID") or DEFAULT_JOB_ID
+
+
+def get_offloader(runtime_dir: Optional[str] = None, job_id: Optional[str] = None) -> "_C.GroupOffloader":
+    """The process's offloader (one session) for ``runtime_dir`` and ``job_id``.
 
     ``None`` or ``""`` means ``$MEMOFFLOAD_RUNTIME_DIR`` or the default runtime
-    directory. The first call attaches (the only blocking RPC of a steady
-    training loop); without a daemon it still succeeds and every group stays
-    in memory until a daemon appears there.
+    directory; ``job_id`` ``None`` means ``$MEMOFFLOAD_JOB_ID`` or ``"torch"``
+    (the job ``memoffloadctl sessions`` and ``/metrics`` show, and the job
+    quota the session counts against). One offloader per (runtime dir, job
+    id). The first call attaches (the only blocking RPC of a steady training
+    loop); without a daemon it still succeeds and every group stays in memory
+    until a daemon appears there.
     """
-    key = runtime_dir or ""
+    key = (runtime_dir or "", _job_id_of(job_id))
     with _offloaders_lock:
         off = _offloaders.get(key)
         if off is None:
             off = _C.GroupOffloader(
-                runtime_dir=key,
-                job_id=os.environ.get("MEMOFFLOAD_JOB_ID", "torch"),
+                runtime_dir=key[0],
+                job_id=key[1],
                 rank=_env_int("RANK"),
                 local_rank=_env_int("LOCAL_RANK"),
             )
@@ -135,11 +152,14 @@ def get_offloader(runtime_dir: Optional[str] = None) -> "_C.GroupOffloader":
     return off
 
 
-def forget_offloader(runtime_dir: Optional[str] = None) -> None:
-    """Drops the cached offloader of ``runtime_dir`` (its session ends once no
-    live graph uses it). Mostly for tests that start and stop daemons."""
+def forget_offloader(runtime_dir: Optional[str] = None, job_id: Optional[str] = None) -> None:
+    """Drops the cached offloader of ``runtime_dir`` and ``job_id`` (``None``:
+    of every job id there); its session ends once no live graph uses it.
+    Mostly for tests that start and stop daemons."""
     with _offloaders_lock:
-        _offloaders.pop(runtime_dir or "", None)
+        for key in list(_offloaders):
+            if key[0] == (runtime_dir or "") and (job_id is None or key[1] == _job_id_of(job_id)):
+                del _offloaders[key]
 
 
 def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> Dict[str, Any]:
@@ -148,7 +168,14 @@ def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> 
     return _C.daemon_status(runtime_dir or "", timeout_ms)
 
 
-from ..counters import _GROUP_COUNTERS, _Counters, _delta  # noqa: E402
+from ..counters import (  # noqa: E402
+    GroupStats,
+    HandleStats,
+    OffloadStats,
+    _Counters,
+    _delta,
+    _zero_stats,
+)
 from ..selection import LayerSelection, _selected  # noqa: E402
 from ..param_skip import _ParamSkip  # noqa: E402
 from . import _module_names  # noqa: E402
@@ -282,7 +309,7 @@ class OffloadHandle:
         self._slot_base = next(_slot_bases) * _SLOT_STRIDE
         self._chain: Optional[List[Optional[int]]] = None
         self._counters = _Counters()
-        self._last_step: Optional[Dict[str, Any]] = None
+        self._last_step = self.stats()  # step_stats() counts from here
         self._removed = False
         self._warned_aside = False
         self._originals: List[Any] = []
@@ -421,40 +448,42 @@ class OffloadHandle:
                 self._off.prefetch_group(key)
         return None
 
-    def _handle_stats(self) -> Dict[str, Any]:
-        if self._off is None:
-            own: Dict[str, Any] = {name: 0 for name in _GROUP_COUNTERS}
-        else:
-            own = dict(self._off.slot_stats(self._slot_base, self._slot_base + _SLOT_STRIDE))
+    def _handle_stats(self) -> GroupStats:
+        own: Dict[str, Any] = _zero_stats(GroupStats)
+        if self._off is not None:
+            own.update(self._off.slot_stats(self._slot_base, self._slot_base + _SLOT_STRIDE))
         own.update(self._counters.as_dict())
-        return own
+        return own  # type: ignore[return-value]
 
-    def stats(self) -> Dict[str, Any]:
-        """Cumulative counters. The top level is the process's offloader
-        (shared by every handle on the same runtime dir) plus this handle's
-        kept bytes and ``steps``; ``stats()["handle"]`` counts this handle's
-        groups only. A disabled handle reports zeros."""
-        if self._off is None:
-            s: Dict[str, Any] = {name: 0 for name in _GROUP_COUNTERS}
-            s.update(connected=False, last_skip_reason="", last_skip_code=errors.StatusCode.OK)
-        else:
+    def stats(self) -> HandleStats:
+        """Cumulative counters (:class:`HandleStats`). The top level is the
+        process's offloader (shared by every handle on the same runtime dir
+        and job id) plus this handle's kept bytes and ``steps``;
+        ``stats()["handle"]`` counts this handle's groups only. A disabled
+        handle reports zeros."""
+        s: Dict[str, Any] = _zero_stats(OffloadStats)
+        if self._off is not None:
             logs.drain(_C)
-            s = dict(self._off.stats())
-        own = self._handle_stats()
-        s["enabled"] = self._off is not None
+            s.update(self._off.stats())
         s.update(self._counters.as_dict())
-        s["handle"] = own
-        return s
+        s["enabled"] = self._off is not None
+        s["handle"] = self._handle_stats()
+        return s  # type: ignore[return-value]
 
-    def step_stats(self) -> Dict[str, Any]:
+    def step_stats(self) -> HandleStats:
         """What changed since the previous ``step_stats()`` call (or since
-        the handle was made): every numeric counter of :meth:`stats` as a
+        the handle was made): every numeric value of :meth:`stats` as a
         difference, ``handle`` included; ``steps`` is the number of forward
         passes in between. Call it once per optimizer step (or per log)."""
         now = self.stats()
         last = self._last_step
         self._last_step = now
-        return _delta(now, last)
+        return _delta(now, last)  # type: ignore[return-value]
+
+    def _take_arena_held_peak(self) -> int:
+        """The most arena bytes the process's session held at once since the
+        previous call (the framework callbacks' log windows)."""
+        return 0 if self._off is None else int(self._off.take_arena_held_peak())
 
     def flush(self) -> None:
         """Waits until queued Commit/Prefetch/Release calls have run."""
@@ -489,6 +518,7 @@ def offload_layers(
     strict: bool = False,
     checkpoint: bool = False,
     use_reentrant: bool = False,
+    job_id: Optional[str] = None,
 ) -> OffloadHandle:
     """Offloads the activations of ``layers`` (run in this order each step).
 
@@ -509,11 +539,14 @@ def offload_layers(
     ``torch.utils.checkpoint`` (``use_reentrant`` as there) inside its group,
     so the group holds what the checkpoint keeps (the layer's inputs) and the
     layer is recomputed in backward. A layer already wrapped by another
-    handle is refused (:class:`memoffload.FailedPrecondition`).
+    handle is refused (:class:`memoffload.FailedPrecondition`). ``job_id``:
+    the session's job (:func:`get_offloader`; default ``$MEMOFFLOAD_JOB_ID``
+    or ``"torch"``).
     """
     layers = list(layers)
     offloaded = _selected(layers, num_layers, select)
-    off = get_offloader(runtime_dir) if enabled else None
+    job = _job_id_of(job_id)  # checked also when disabled
+    off = get_offloader(runtime_dir, job) if enabled else None
     return OffloadHandle(
         layers,
         offloaded,
@@ -534,6 +567,7 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
     the first unpack fetches it. ``slot`` names the recurring block (same size
     every step) so its space is reserved on entry; blocks of different sizes
     should use different slots. ``enabled=False``: the block runs as it is.
+    ``job_id`` as in :func:`offload_layers`.
     """
 
     def __init__(
@@ -545,8 +579,10 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
         *,
         enabled: bool = True,
         offload_weights: bool = False,
+        job_id: Optional[str] = None,
     ) -> None:
-        self._off = get_offloader(runtime_dir) if enabled else None
+        job = _job_id_of(job_id)
+        self._off = get_offloader(runtime_dir, job) if enabled else None
         self._min_bytes = int(min_tensor_bytes)
         self._skip_modules = list(skip_modules)
         self._weights = offload_weights
@@ -585,14 +621,15 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
         if self._off is not None and self.key is not None:
             self._off.prefetch_group(self.key)
 
-    def stats(self) -> Dict[str, Any]:
-        if self._off is None:
-            s: Dict[str, Any] = {name: 0 for name in _GROUP_COUNTERS}
-        else:
+    def stats(self) -> OffloadStats:
+        """The process's session counters plus this block's kept bytes
+        (:class:`OffloadStats`); zeros when disabled."""
+        s: Dict[str, Any] = _zero_stats(OffloadStats)
+        if self._off is not None:
             logs.drain(_C)
-            s = dict(self._off.stats())
+            s.update(self._off.stats())
         s.update(self._counters.as_dict())
-        return s
+        return s  # type: ignore[return-value]
 
 
 def find_layer_stack(model: nn.Module) -> nn.ModuleList:

@@ -68,8 +68,11 @@ struct OffloaderStats {
   uint64_t groups_offloaded = 0;  // groups committed to the arena
   uint64_t groups_skipped = 0;    // groups (partly) kept in memory
   uint64_t groups_live = 0;       // groups not yet released
-  uint64_t tensors = 0;           // entries added
-  uint64_t deduplicated = 0;      // entries that shared an already added storage
+  // A gauge: arena bytes the live groups hold (reserved, or committed and not
+  // yet released), as the daemon counts them for this session.
+  uint64_t arena_held_bytes = 0;
+  uint64_t tensors = 0;       // entries added
+  uint64_t deduplicated = 0;  // entries that shared an already added storage
   // Storages copied into the arena by the thread that added them (CPU, the
   // group's reservation already in place); the worker copies the others.
   uint64_t caller_copies = 0;
@@ -172,6 +175,11 @@ class GroupOffloader {
   OffloaderStats stats() const;
   // Sum over the groups begun with a slot in [first_slot, end_slot).
   SlotStats slot_stats(int64_t first_slot, int64_t end_slot) const;
+  // The most arena bytes held at once (stats().arena_held_bytes) since the
+  // previous call, or since the offloader was made; the next window starts
+  // at the bytes held now. One reader per offloader (the framework
+  // callbacks, once per log line): a second reader splits the windows.
+  uint64_t TakeArenaHeldPeak();
 
   class Impl;
 

@@ -1,0 +1,87 @@
+"""The Trainer and Lightning recipes of docs/torch.md run verbatim: the exact
+text of the first python block under each heading, against a real daemon
+named by MEMOFFLOAD_RUNTIME_DIR (as a user's environment would), with the
+`model` / `train_dataset` and `module` / `loader` the recipes call "yours"
+from test_hf.py and test_lightning.py."""
+
+from __future__ import annotations
+
+import csv
+import io
+import re
+from contextlib import redirect_stdout
+from typing import Dict, Iterator
+
+import pytest
+
+import memoffload.torch as mot
+from conftest import REPO, assert_arena_empty
+from memoffload.step_log import LOGGED_KEYS
+
+
+def recipe(heading: str) -> str:
+    text = (REPO / "docs" / "torch.md").read_text()
+    assert f"\n{heading}\n" in text, f"docs/torch.md has no heading {heading!r}"
+    section = text[text.index(f"\n{heading}\n"):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, f"no python block under {heading!r}"
+    return match.group(1)
+
+
+@pytest.fixture
+def user_env(daemon, monkeypatch, tmp_path) -> Iterator[None]:
+    """The daemon is the default one, the working directory a fresh one."""
+    monkeypatch.setenv("MEMOFFLOAD_RUNTIME_DIR", daemon.runtime_dir)
+    monkeypatch.chdir(tmp_path)
+    mot.forget_offloader()  # the default runtime dir now means this daemon
+    try:
+        yield
+    finally:
+        mot.forget_offloader()
+
+
+def run(code: str, namespace: Dict) -> str:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        exec(compile(code, "docs/torch.md", "exec"), namespace)
+    return out.getvalue()
+
+
+def test_hugging_face_recipe_runs_verbatim(daemon, user_env):
+    from test_hf import RandomTokens, tiny_llama
+
+    namespace = {"__name__": "__recipe__", "model": tiny_llama(), "train_dataset": RandomTokens()}
+    printed = run(recipe("### Hugging Face Trainer"), namespace)
+    callback, trainer = namespace["callback"], namespace["trainer"]
+    entries = [h for h in trainer.state.log_history if LOGGED_KEYS[0] in h]
+    assert len(entries) == 3 + 1  # each step, and the train summary log
+    assert entries[0]["memoffload/offloaded_bytes"] > 0, entries
+    for key in ("memoffload/offloaded_bytes", "memoffload/prefetched_bytes"):
+        assert sum(h[key] for h in entries) == callback.totals[key] > 0
+    assert "memoffload/offloaded_bytes" in printed
+    assert "llama-finetune" in daemon.jobs()
+    off = mot.get_offloader(None, "llama-finetune")
+    del namespace, callback, trainer
+    assert_arena_empty(daemon, off)
+
+
+def test_lightning_recipe_runs_verbatim(daemon, user_env, tmp_path):
+    from test_lightning import Stack, batches
+
+    # Batches of 128: each saved activation (32 KiB) is above the default
+    # min_tensor_bytes, which the recipe keeps.
+    namespace = {"__name__": "__recipe__", "module": Stack(), "loader": batches(128)}
+    printed = run(recipe("### Lightning"), namespace)
+    callback = namespace["callback"]
+    # What a user reads: the CSV the recipe's logger wrote, one row per step.
+    with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get(LOGGED_KEYS[0])]
+    assert len(rows) == 3, rows
+    for key in ("memoffload/offloaded_bytes", "memoffload/prefetched_bytes"):
+        assert sum(int(r[key]) for r in rows) == callback.totals[key] > 0
+    assert all(int(r["memoffload/arena_peak_bytes"]) > 0 for r in rows), rows
+    assert "memoffload/offloaded_bytes" in printed
+    assert "lightning-run" in daemon.jobs()
+    off = mot.get_offloader(None, "lightning-run")
+    del namespace, callback
+    assert_arena_empty(daemon, off)
