@@ -5,6 +5,7 @@ keeps every log_metrics call."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -135,8 +136,9 @@ def test_lightning_trainer_offloads_and_logs_differences(daemon, caplog):
         else:  # the first entry covers steps 0..2 of this Trainer only
             assert ours[0][1]["memoffload/offloaded_bytes"] == 3 * per_step[0], (ours, per_step)
         lines = [r.getMessage() for r in caplog.records if r.name == "memoffload"]
-        assert [m.split(": ")[1] for m in lines if ": epoch " in m or ": training" in m] == [
-            "epoch 0", "epoch 1", "training"], lines
+        # Each summary line, with the rank prefix when the rank is known.
+        summaries = [re.match(r"(?:(?:local )?rank \d+: )?(epoch \d+|training): ", m) for m in lines]
+        assert [m.group(1) for m in summaries if m] == ["epoch 0", "epoch 1", "training"], lines
         assert any(f"training: {STEPS} steps, offloaded " in m for m in lines), lines
     assert_arena_empty(daemon, off)
 
