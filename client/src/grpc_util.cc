@@ -1,5 +1,7 @@
 #include "grpc_util.h"
 
+#include "memoffload/shared_mem/runtime_dir.h"
+
 namespace memoffload::client {
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path) {
@@ -20,8 +22,12 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path) {
 Status FromGrpc(const grpc::Status& status, const std::string& socket_path) {
   if (status.ok()) return Status::Ok();
   std::string message = status.error_message();
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
-      status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED) {
+  // gRPC's own UNAVAILABLE or DEADLINE_EXCEEDED (nobody answered in time);
+  // the daemon marks the statuses it returns itself (shutting down,
+  // draining), and those keep their message as it is.
+  const bool from_daemon = status.error_details() == kDaemonStatusDetails;
+  if (!from_daemon && (status.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                       status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED)) {
     message = "memoffloadd at unix:" + socket_path + " did not answer: " + message;
   }
   return Status(static_cast<StatusCode>(status.error_code()), message);

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "memoffload/daemon/log.h"
+#include "memoffload/shared_mem/runtime_dir.h"
 
 namespace memoffload::daemon {
 namespace {
@@ -44,7 +45,8 @@ void CopyExtents(const Extent* in, size_t count,
 
 grpc::Status ToGrpc(const Status& status) {
   if (status.ok()) return grpc::Status::OK;
-  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message());
+  return grpc::Status(static_cast<grpc::StatusCode>(status.code()), status.message(),
+                      kDaemonStatusDetails);
 }
 
 OffloadService::OffloadService(const Arena* arena, SessionTable* table, Metrics* metrics,

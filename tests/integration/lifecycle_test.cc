@@ -127,6 +127,9 @@ TEST(Lifecycle, SigtermDrainsUntilGroupsAreReleased) {
       << refused.status().message();
   EXPECT_EQ(refused.status().message().find("undrain"), std::string::npos)
       << refused.status().message();
+  // The daemon answered: the message must not say it did not.
+  EXPECT_EQ(refused.status().message().find("did not answer"), std::string::npos)
+      << refused.status().message();
   auto late = client::Client::Attach(options);
   EXPECT_EQ(late.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(late.status().message().find("shutting down"), std::string::npos)

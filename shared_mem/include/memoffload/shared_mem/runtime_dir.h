@@ -12,6 +12,10 @@ inline constexpr const char kRuntimeDirEnv[] = "MEMOFFLOAD_RUNTIME_DIR";
 inline constexpr const char kSystemRuntimeDir[] = "/run/memoffload";
 inline constexpr const char kBrokerSocketName[] = "broker.sock";
 inline constexpr const char kGrpcSocketName[] = "memoffload.sock";
+// The error_details of every non-OK status the daemon's service returns, so
+// that a client tells the daemon's own UNAVAILABLE ("shutting down") from
+// gRPC's (no daemon answered).
+inline constexpr const char kDaemonStatusDetails[] = "memoffloadd";
 
 // The daemon's default runtime dir when nothing is configured:
 // /run/memoffload for root, else the per-user dir ($XDG_RUNTIME_DIR/memoffload,
