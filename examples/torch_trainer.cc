@@ -60,19 +60,19 @@ torch::Tensor OffloadStep(Net& net, const torch::Tensor& input,
   }
   // Backward starts at the last layer: bring its input back while the loss
   // is computed.
-  (void)offloader.PrefetchGroup(keys[layers - 1]);
+  offloader.PrefetchGroup(keys[layers - 1]);
   torch::Tensor out = x.detach().requires_grad_();
   torch::Tensor loss = out.pow(2).mean();
   loss.backward();
   torch::Tensor grad = out.grad();
   for (int i = layers - 1; i >= 0; --i) {
-    if (i > 0) (void)offloader.PrefetchGroup(keys[i - 1]);  // one window ahead
+    if (i > 0) offloader.PrefetchGroup(keys[i - 1]);  // one window ahead
     auto saved = offloader.GetGroup(keys[i]);
     if (!saved.ok()) throw std::runtime_error("GetGroup: " + saved.status().ToString());
     torch::Tensor xi = (*saved)[0].detach().requires_grad_();
     Block(net.blocks[i], xi).backward(grad);
     grad = xi.grad();
-    (void)offloader.ReleaseGroup(keys[i]);
+    offloader.ReleaseGroup(keys[i]);
   }
   return loss.detach();
 }

@@ -197,7 +197,7 @@ PYBIND11_MODULE(_C, m) {
           "close_group", [](GroupOffloader& o, uint64_t key) { Check(o.CloseGroup(key)); },
           py::arg("key"))
       .def(
-          "prefetch_group", [](GroupOffloader& o, uint64_t key) { Check(o.PrefetchGroup(key)); },
+          "prefetch_group", [](GroupOffloader& o, uint64_t key) { o.PrefetchGroup(key); },
           py::arg("key"))
       .def(
           "get",
@@ -214,7 +214,7 @@ PYBIND11_MODULE(_C, m) {
           [](GroupOffloader& o, uint64_t key, int64_t entry) { Check(o.DropEntry(key, entry)); },
           py::arg("key"), py::arg("entry"))
       .def(
-          "release_group", [](GroupOffloader& o, uint64_t key) { Check(o.ReleaseGroup(key)); },
+          "release_group", [](GroupOffloader& o, uint64_t key) { o.ReleaseGroup(key); },
           py::arg("key"))
       .def(
           "offload_group",

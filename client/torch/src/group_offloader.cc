@@ -160,12 +160,11 @@ class GroupOffloader::Impl {
     return Status::Ok();
   }
 
-  Status PrefetchGroup(uint64_t key) {
+  void PrefetchGroup(uint64_t key) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = groups_.find(key);
-    if (it == groups_.end() || it->second->open) return Status::Ok();
+    if (it == groups_.end() || it->second->open) return;
     IssuePrefetchLocked(it->second);
-    return Status::Ok();
   }
 
   bool WouldNotWait(uint64_t key) {
@@ -314,17 +313,16 @@ class GroupOffloader::Impl {
     return Status::Ok();
   }
 
-  Status ReleaseGroup(uint64_t key) {
+  void ReleaseGroup(uint64_t key) {
     std::shared_ptr<Group> g;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = groups_.find(key);
-      if (it == groups_.end()) return Status::Ok();
+      if (it == groups_.end()) return;
       g = it->second;
       groups_.erase(it);
     }
     PostRelease(g);
-    return Status::Ok();
   }
 
   Result<std::vector<at::Tensor>> GetGroup(uint64_t key, uintptr_t stream) {
@@ -525,14 +523,14 @@ Result<int64_t> GroupOffloader::Add(uint64_t key, const at::Tensor& tensor, uint
   return impl_->Add(key, tensor, stream);
 }
 Status GroupOffloader::CloseGroup(uint64_t key) { return impl_->CloseGroup(key); }
-Status GroupOffloader::PrefetchGroup(uint64_t key) { return impl_->PrefetchGroup(key); }
+void GroupOffloader::PrefetchGroup(uint64_t key) { impl_->PrefetchGroup(key); }
 Result<at::Tensor> GroupOffloader::Get(uint64_t key, int64_t entry, uintptr_t stream) {
   return impl_->Get(key, entry, stream);
 }
 Status GroupOffloader::DropEntry(uint64_t key, int64_t entry) {
   return impl_->DropEntry(key, entry);
 }
-Status GroupOffloader::ReleaseGroup(uint64_t key) { return impl_->ReleaseGroup(key); }
+void GroupOffloader::ReleaseGroup(uint64_t key) { impl_->ReleaseGroup(key); }
 bool GroupOffloader::WouldNotWait(uint64_t key) { return impl_->WouldNotWait(key); }
 std::optional<Result<at::Tensor>> GroupOffloader::GetIfReady(uint64_t key, int64_t entry) {
   return impl_->GetIfReady(key, entry);
@@ -544,8 +542,7 @@ Status GroupOffloader::OffloadGroup(uint64_t key, const std::vector<at::Tensor>&
   for (const at::Tensor& t : tensors) {
     Result<int64_t> added = impl_->Add(key, t, stream);
     if (!added.ok()) {
-      Status st = impl_->ReleaseGroup(key);
-      (void)st;  // always OK: the group was begun above, and an unknown key is OK too
+      impl_->ReleaseGroup(key);
       return added.status();
     }
   }

@@ -133,7 +133,8 @@ class GroupOffloader {
   // a CPU storage into the group's reservation on the calling thread.
   Status CloseGroup(uint64_t key);
   // Starts bringing the group back (asynchronous). Unknown keys are ignored.
-  Status PrefetchGroup(uint64_t key);
+  // Cannot fail: what goes wrong later is seen by Get.
+  void PrefetchGroup(uint64_t key);
   // The tensor of `entry`, waiting for the group's prefetch if needed.
   // `stream` (CUDA, a cudaStream_t as integer; 0: legacy default): the stream
   // that will use it. That stream waits (an event, not the calling thread)
@@ -159,8 +160,9 @@ class GroupOffloader {
   Status DropEntry(uint64_t key, int64_t entry);
   // Forgets the group and returns its space (asynchronous; once the last
   // tensor Get handed out over its arena bytes is gone). Unknown keys are
-  // ignored.
-  Status ReleaseGroup(uint64_t key);
+  // ignored. Cannot fail: a failed Release is logged and counted by the
+  // worker.
+  void ReleaseGroup(uint64_t key);
 
   // Explicit API for C++ trainers: Begin + Add each + Close. GetGroup
   // returns copies: ReleaseGroup gives the space back at once. `slot` as in
