@@ -249,6 +249,9 @@ EdgeRelay::~EdgeRelay() { Stop(); }
 void EdgeRelay::Stop() {
   if (stopped_.exchange(true)) return;
   asio::post(io_, [this] {
+    // A timer that already fired has its handler queued, and cancel() does
+    // not reach it: the handlers check stopping_ and arm nothing more.
+    stopping_ = true;
     tick_.cancel();
     trim_.cancel();
     // Close() erases from the set: close copies.
@@ -276,6 +279,11 @@ Result<int> EdgeRelay::Relay(int client_fd, pid_t pid, uid_t uid,
   }
   asio::post(io_,
              [this, client_fd, ours = pair[0], pid, uid, closed = std::move(closed)]() mutable {
+               if (stopping_) {  // posted before Stop, run after it
+                 close(client_fd);
+                 close(ours);
+                 return;
+               }
                auto& budget = budgets_[uid];
                if (budget == nullptr) budget = std::make_shared<H2Budget>(limits_, Clock::now());
                auto c = std::make_shared<Connection>(this, client_fd, ours, pid, uid, budget,
@@ -296,7 +304,7 @@ void EdgeRelay::OnViolation(const Connection& c) {
 void EdgeRelay::Tick() {
   tick_.expires_after(kTickEvery);
   tick_.async_wait([this](error_code ec) {
-    if (ec) return;
+    if (ec || stopping_) return;
     const auto now = Clock::now();
     auto all = connections_;
     for (const auto& c : all) c->Check(now);
@@ -310,6 +318,7 @@ void EdgeRelay::Tick() {
 }
 
 void EdgeRelay::TrimSoon() {
+  if (stopping_) return;
   // Twice: soon, and once more a second later, for calls gRPC ends late.
   trims_wanted_ = 2;
   if (trim_pending_) return;
@@ -319,7 +328,7 @@ void EdgeRelay::TrimSoon() {
 }
 
 void EdgeRelay::OnTrimTimer(error_code ec) {
-  if (ec || trims_wanted_ == 0) {
+  if (ec || stopping_ || trims_wanted_ == 0) {
     trim_pending_ = false;
     return;
   }

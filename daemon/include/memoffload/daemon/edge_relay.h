@@ -70,8 +70,9 @@ class EdgeRelay {
   boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work_;
   boost::asio::steady_timer tick_;
   boost::asio::steady_timer trim_;
-  bool trim_pending_ = false;                                    // relay thread only
-  int trims_wanted_ = 0;                                         // relay thread only
+  bool trim_pending_ = false;  // relay thread only
+  int trims_wanted_ = 0;       // relay thread only
+  bool stopping_ = false;      // relay thread only: Stop's work has begun
   std::unordered_set<std::shared_ptr<Connection>> connections_;  // relay thread only
   // Per uid, kept a minute past its last connection (relay thread only).
   std::unordered_map<uid_t, std::shared_ptr<H2Budget>> budgets_;
