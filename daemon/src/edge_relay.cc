@@ -296,7 +296,6 @@ Result<int> EdgeRelay::Relay(int client_fd, pid_t pid, uid_t uid,
 
 void EdgeRelay::OnViolation(const Connection& c) {
   const H2Violation v = c.guard().violation();
-  closed_for_[static_cast<size_t>(v)].fetch_add(1, std::memory_order_relaxed);
   MO_LOG_WARN_LIMITED("gRPC connection of pid %d uid %u closed (%s): %s", c.pid(), c.uid(),
                       H2ViolationName(v), c.guard().Message().c_str());
 }

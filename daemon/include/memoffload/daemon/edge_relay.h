@@ -6,7 +6,8 @@
 // thread of its own it moves bytes both ways: what the client sends passes
 // through an H2Guard (h2_guard.h) and only whole frames that keep its rules
 // reach gRPC; what gRPC sends goes back unchanged. A connection that breaks a
-// rule is closed at once (gRPC then ends its calls) and counted by reason;
+// rule is closed at once (gRPC then ends its calls) and reported through
+// `closed` (the daemon counts it by reason);
 // the heap gRPC built for it is handed back to the system soon after
 // (malloc_trim, at most once a second).
 //
@@ -19,7 +20,6 @@
 
 #include <sys/types.h>
 
-#include <array>
 #include <atomic>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
@@ -52,11 +52,6 @@ class EdgeRelay {
   // Closes every connection and stops the thread (idempotent).
   void Stop();
 
-  // Connections closed for breaking a rule, by H2Violation.
-  uint64_t closed_for(H2Violation v) const {
-    return closed_for_[static_cast<size_t>(v)].load(std::memory_order_relaxed);
-  }
-
  private:
   class Connection;
   friend class Connection;
@@ -76,7 +71,6 @@ class EdgeRelay {
   std::unordered_set<std::shared_ptr<Connection>> connections_;  // relay thread only
   // Per uid, kept a minute past its last connection (relay thread only).
   std::unordered_map<uid_t, std::shared_ptr<H2Budget>> budgets_;
-  std::array<std::atomic<uint64_t>, 8> closed_for_{};
   std::atomic<bool> stopped_{false};
   std::thread thread_;
 };

@@ -67,8 +67,6 @@ class GrpcListener {
   const std::string& Problem() const { return problem_; }
   // Admitted connections still open.
   size_t connection_count() const { return limits_.total(); }
-  // Connections the relay closed for breaking an HTTP/2 rule.
-  uint64_t closed_for(H2Violation v) const { return relay_.closed_for(v); }
 
  private:
   void WaitForConnection();
