@@ -268,8 +268,11 @@ Result<int> EdgeRelay::Relay(int client_fd, pid_t pid, uid_t uid,
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, pair) != 0) {
     const int error = errno;
     close(client_fd);
-    return Unavailable(std::string("cannot make a socket pair for a gRPC connection: ") +
-                       std::strerror(error));
+    const std::string why =
+        std::string("cannot make a socket pair for a gRPC connection: ") + std::strerror(error);
+    // Out of descriptors is the listener's to report (readiness) and wait out.
+    if (error == EMFILE || error == ENFILE) return ResourceExhausted(why);
+    return Unavailable(why);
   }
   if (stopped_.load()) {
     close(client_fd);

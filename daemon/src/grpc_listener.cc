@@ -84,8 +84,10 @@ void GrpcListener::AcceptPending() {
     const int fd =
         accept4(acceptor_.native_handle(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
     if (fd >= 0) {
-      OnAccepted(fd);
-      continue;
+      if (OnAccepted(fd)) continue;
+      // The relay's socket pair found no descriptors: as bad as accept's
+      // EMFILE, though accept itself got one (the free count was 1 or 2).
+      return BackOff(EMFILE);
     }
     const int error = errno;
     if (error == EINTR || error == ECONNABORTED || error == EPROTO) continue;
@@ -117,34 +119,29 @@ void GrpcListener::BackOff(int error) {
   });
 }
 
-void GrpcListener::OnAccepted(int fd) {
-  if (problem_.rfind("gRPC socket cannot accept", 0) == 0) {
-    MO_LOG_INFO("gRPC listener: accepting again (was: %s)", problem_.c_str());
-    problem_.clear();
-  }
-  backoff_ = std::chrono::milliseconds(0);
+bool GrpcListener::OnAccepted(int fd) {
   Result<PeerCredentials> peer = PeerOf(fd);
   if (!peer.ok()) {
     MO_LOG_WARN_LIMITED("gRPC connection dropped: cannot read its peer credentials");
     close(fd);
-    return;
+    return true;
   }
   if (std::string denied = AccessDenied(policy_, *peer); !denied.empty()) {
     MO_LOG_WARN_LIMITED("gRPC connection from pid %d refused: %s", peer->pid, denied.c_str());
     close(fd);
-    return;
+    return true;
   }
   if (std::string wait = Penalized(peer->uid); !wait.empty()) {
     MO_LOG_WARN_LIMITED("gRPC connection from pid %d uid %u refused: %s", peer->pid, peer->uid,
                         wait.c_str());
     close(fd);
-    return;
+    return true;
   }
   if (std::string full = limits_.Admit(peer->uid); !full.empty()) {
     MO_LOG_WARN_LIMITED("gRPC connection from pid %d uid %u refused: %s", peer->pid, peer->uid,
                         full.c_str());
     close(fd);
-    return;
+    return true;
   }
   const uid_t uid = peer->uid;
   Result<int> grpc_end = relay_.Relay(fd, peer->pid, uid, [this, uid](H2Violation why) {
@@ -158,11 +155,18 @@ void GrpcListener::OnAccepted(int fd) {
   });
   if (!grpc_end.ok()) {
     limits_.Release(uid);
+    if (grpc_end.status().code() == StatusCode::kResourceExhausted) return false;
     MO_LOG_WARN_LIMITED("gRPC connection from pid %d dropped: %s", peer->pid,
                         grpc_end.status().message().c_str());
-    return;
+    return true;
   }
   grpc::AddInsecureChannelFromFd(server_, *grpc_end);
+  if (problem_.rfind("gRPC socket cannot accept", 0) == 0) {
+    MO_LOG_INFO("gRPC listener: accepting again (was: %s)", problem_.c_str());
+    problem_.clear();
+  }
+  backoff_ = std::chrono::milliseconds(0);
+  return true;
 }
 
 void GrpcListener::Penalize(uid_t uid, H2Violation why) {

@@ -71,7 +71,9 @@ class GrpcListener {
  private:
   void WaitForConnection();
   void AcceptPending();
-  void OnAccepted(int fd);
+  // False when the daemon ran out of descriptors handling `fd` (the caller
+  // backs off as if accept had failed).
+  bool OnAccepted(int fd);
   void BackOff(int error);
   void Penalize(uid_t uid, H2Violation why);
   // Empty when `uid` may connect now; else why not.
