@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "benches.h"
-#include "memoffload/daemon/allocator.h"
+#include "memory/allocator.h"
 #include "traces.h"
 
 namespace memoffload::bench {

@@ -39,7 +39,7 @@
 
 #include "attach_latency.h"
 #include "benches.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload::bench {
 namespace {

@@ -24,8 +24,8 @@
 #include <cstring>
 #include <thread>
 
+#include "memoffload/common/units.h"
 #include "memoffload/shared_mem/fd_passing.h"
-#include "memoffload/shared_mem/units.h"
 
 namespace memoffload::bench {
 namespace {

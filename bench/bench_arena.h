@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <memory>
 
-#include "memoffload/daemon/arena.h"
+#include "memory/arena.h"
 
 namespace memoffload::bench {
 

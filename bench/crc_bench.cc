@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "benches.h"
-#include "memoffload/shared_mem/crc32c.h"
+#include "memoffload/common/crc32c.h"
 
 namespace memoffload::bench {
 namespace {

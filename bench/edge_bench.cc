@@ -23,8 +23,8 @@
 #include "benches.h"
 #include "h2_peer.h"
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/runtime_dir.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/runtime_dir.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload::bench {
 namespace {

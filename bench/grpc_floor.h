@@ -8,7 +8,7 @@
 #include <memory>
 #include <string>
 
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload::bench {
 

@@ -14,7 +14,7 @@
 #include <string>
 #include <string_view>
 
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload::bench {
 

@@ -71,7 +71,7 @@
 #include "load_options.h"
 #include "load_report.h"
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload::bench {
 namespace {

@@ -8,7 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload::bench {
 

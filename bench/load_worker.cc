@@ -20,7 +20,7 @@
 #include "latency_stats.h"
 #include "load_options.h"
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload::bench {
 namespace {

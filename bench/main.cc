@@ -44,7 +44,7 @@ void PrintUsage() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // As memoffloadd does (daemon/src/main.cc): no lock-order graph on every
+  // As memoffloadd does (daemon/app/main.cc): no lock-order graph on every
   // absl::Mutex lock, for the floor's server and every client alike.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0) {

@@ -26,9 +26,9 @@
 
 #include "bench_arena.h"
 #include "benches.h"
-#include "memoffload/daemon/fresh_backing.h"
-#include "memoffload/daemon/session_table.h"
-#include "memoffload/shared_mem/units.h"
+#include "core/session_table.h"
+#include "memoffload/common/units.h"
+#include "memory/fresh_backing.h"
 
 namespace memoffload::bench {
 namespace {

@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "benches.h"
-#include "memoffload/daemon/arena.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
+#include "memory/arena.h"
 
 namespace memoffload::bench {
 namespace {

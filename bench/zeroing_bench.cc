@@ -19,8 +19,8 @@
 
 #include "bench_arena.h"
 #include "benches.h"
-#include "memoffload/daemon/session_table.h"
-#include "memoffload/shared_mem/units.h"
+#include "core/session_table.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload::bench {
 namespace {

@@ -66,7 +66,7 @@ done
 
 # What builds memoffload._C there: our headers, the torch layer's sources.
 mkdir -p "$stage/include/memoffload"
-for part in client/include shared_mem/include client/torch/include; do
+for part in client/cpp/include common/include shared_mem/include client/torch/include; do
   cp -r "$part/memoffload/." "$stage/include/memoffload/"
 done
 cp client/torch/*.cc client/torch/*.h "$stage/src/torch/"

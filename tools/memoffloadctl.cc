@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "memoffload/client/admin.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace {
 

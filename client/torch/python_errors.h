@@ -8,7 +8,7 @@
 
 #include <utility>
 
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload::torch::python {
 

@@ -18,7 +18,7 @@
 #include "memoffload/client/client.h"
 #include "memoffload/client/log.h"
 #include "memoffload/client/verified_read.h"
-#include "memoffload/shared_mem/crc32c.h"
+#include "memoffload/common/crc32c.h"
 #include "python_errors.h"
 
 namespace memoffload::torch::python {

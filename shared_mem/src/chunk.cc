@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22

@@ -9,9 +9,9 @@
 #include <memory>
 #include <string>
 
-#include "memoffload/daemon/arena.h"
-#include "memoffload/daemon/session_table.h"
-#include "memoffload/shared_mem/units.h"
+#include "core/session_table.h"
+#include "memoffload/common/units.h"
+#include "memory/arena.h"
 
 namespace memoffload::daemon {
 

@@ -51,7 +51,7 @@ def _read(path: Path) -> str:
 
 
 def default_metrics_address() -> str:
-    text = _read(REPO / "daemon/include/memoffload/daemon/config.h")
+    text = _read(REPO / "daemon/config/config.h")
     m = re.search(r'kDefaultMetricsAddress\[\]\s*=\s*"([^"]+)"', text)
     assert m, "kDefaultMetricsAddress not found in config.h"
     return m.group(1)
@@ -62,21 +62,21 @@ def default_metrics_port() -> int:
 
 
 def default_runtime_dir() -> str:
-    """The root default of DefaultRuntimeDir() in shared_mem/src/runtime_dir.cc
+    """The root default of DefaultRuntimeDir() in common/src/runtime_dir.cc
     (kSystemRuntimeDir of runtime_dir.h, or a literal)."""
-    text = _read(REPO / "shared_mem/src/runtime_dir.cc")
+    text = _read(REPO / "common/src/runtime_dir.cc")
     m = re.search(r'uid\s*==\s*0\)\s*return\s*(?:"([^"]+)"|(\w+));', text)
     assert m, "root default runtime dir not found in runtime_dir.cc"
     if m.group(1):
         return m.group(1)
-    header = _read(REPO / "shared_mem/include/memoffload/shared_mem/runtime_dir.h")
+    header = _read(REPO / "common/include/memoffload/common/runtime_dir.h")
     c = re.search(rf'{m.group(2)}\[\]\s*=\s*"([^"]+)"', header)
     assert c, f"{m.group(2)} not found in runtime_dir.h"
     return c.group(1)
 
 
 def runtime_dir_env() -> str:
-    text = _read(REPO / "shared_mem/include/memoffload/shared_mem/runtime_dir.h")
+    text = _read(REPO / "common/include/memoffload/common/runtime_dir.h")
     m = re.search(r'kRuntimeDirEnv\[\]\s*=\s*"([^"]+)"', text)
     assert m, "kRuntimeDirEnv not found in runtime_dir.h"
     return m.group(1)
@@ -84,7 +84,7 @@ def runtime_dir_env() -> str:
 
 def socket_names() -> tuple[str, str]:
     """(broker socket, gRPC socket) file names."""
-    text = _read(REPO / "shared_mem/include/memoffload/shared_mem/runtime_dir.h")
+    text = _read(REPO / "common/include/memoffload/common/runtime_dir.h")
     broker = re.search(r'kBrokerSocketName\[\]\s*=\s*"([^"]+)"', text)
     grpc = re.search(r'kGrpcSocketName\[\]\s*=\s*"([^"]+)"', text)
     assert broker and grpc, "socket names not found in runtime_dir.h"
@@ -93,7 +93,7 @@ def socket_names() -> tuple[str, str]:
 
 def default_drain_timeout_s() -> float | None:
     """drain_timeout_ms's default in config.h, or None if the daemon has none."""
-    text = _read(REPO / "daemon/include/memoffload/daemon/config.h")
+    text = _read(REPO / "daemon/config/config.h")
     m = re.search(r"drain_timeout_ms\s*=\s*(\d+)", text)
     return int(m.group(1)) / 1000 if m else None
 

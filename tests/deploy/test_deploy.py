@@ -89,8 +89,8 @@ def test_daemonset_probes_use_the_health_port_of_the_configmap():
         assert c[probe]["httpGet"]["port"] in ("health", int(port)), probe
         assert c[probe]["httpGet"]["path"] == path, probe
         assert "exec" not in c[probe] and "tcpSocket" not in c[probe], probe
-    # The paths are the daemon's (daemon/src/health.cc).
-    source = (dc.REPO / "daemon" / "src" / "health.cc").read_text()
+    # The paths are the daemon's (daemon/observe/health.cc).
+    source = (dc.REPO / "daemon" / "observe" / "health.cc").read_text()
     for path in set(paths.values()):
         assert f'"{path}"' in source, path
     # A pre-fault of a large arena must fit in the startup budget (15 min).

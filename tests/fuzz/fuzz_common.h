@@ -9,9 +9,9 @@
 #include <memory>
 #include <string>
 
-#include "memoffload/daemon/arena.h"
-#include "memoffload/shared_mem/status.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/status.h"
+#include "memoffload/common/units.h"
+#include "memory/arena.h"
 
 namespace memoffload::fuzz {
 

@@ -11,8 +11,8 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
 #include "fuzz_common.h"
-#include "memoffload/daemon/config.h"
 
 namespace memoffload::fuzz {
 namespace {

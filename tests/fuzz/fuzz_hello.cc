@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "core/session_table.h"
 #include "fuzz_common.h"
-#include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/attach_wire.h"
 
 namespace memoffload::fuzz {

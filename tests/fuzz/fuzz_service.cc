@@ -26,13 +26,13 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
+#include "core/session_table.h"
+#include "edge/service.h"
 #include "fuzz_common.h"
 #include "fuzz_service_model.h"
-#include "memoffload/daemon/config.h"
-#include "memoffload/daemon/metrics.h"
-#include "memoffload/daemon/service.h"
-#include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/attach_wire.h"
+#include "observe/metrics.h"
 
 namespace memoffload::fuzz {
 namespace {

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "core/session_table.h"
 #include "fuzz_common.h"
-#include "memoffload/daemon/session_table.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/v1/memoffload.pb.h"
 

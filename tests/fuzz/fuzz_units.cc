@@ -9,7 +9,7 @@
 #include <string>
 #include <string_view>
 
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "memoffload/daemon/config.h"
+#include "config/config.h"
+#include "memoffload/common/units.h"
 #include "memoffload/shared_mem/attach_wire.h"
-#include "memoffload/shared_mem/units.h"
 
 namespace memoffload {
 namespace {

@@ -7,8 +7,8 @@
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
+#include "memoffload/common/units.h"
 #include "memoffload/shared_mem/chunk.h"
-#include "memoffload/shared_mem/units.h"
 
 namespace memoffload::testing {
 namespace {

@@ -10,7 +10,7 @@
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 #include "memoffload/v1/memoffload.pb.h"
 
 namespace memoffload::testing {

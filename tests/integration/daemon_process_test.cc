@@ -29,7 +29,7 @@ TEST(DaemonProcess, SanitizerReportFindsEachKind) {
        {"==12==ERROR: AddressSanitizer: heap-use-after-free on address 0x6020",
         "==12==ERROR: LeakSanitizer: detected memory leaks",
         "WARNING: ThreadSanitizer: data race (pid=12)",
-        "daemon/src/allocator.cc:10:5: runtime error: signed integer overflow"}) {
+        "daemon/memory/allocator.cc:10:5: runtime error: signed integer overflow"}) {
     EXPECT_EQ(SanitizerReport(std::string("memoffloadd[7] INFO x\n") + line + "\nmore\n"),
               std::string(line) + "\n");
   }

@@ -17,7 +17,7 @@
 #include "daemon_process.h"
 #include "h2_peer.h"
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/runtime_dir.h"
+#include "memoffload/common/runtime_dir.h"
 
 namespace memoffload::testing {
 namespace {

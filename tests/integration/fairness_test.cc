@@ -18,7 +18,7 @@
 
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/runtime_dir.h"
+#include "memoffload/common/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
 #include "raw_attach.h"
 

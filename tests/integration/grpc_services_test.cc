@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "daemon_process.h"
-#include "memoffload/shared_mem/runtime_dir.h"
+#include "memoffload/common/runtime_dir.h"
 
 namespace memoffload::testing {
 namespace {

@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "memoffload/common/runtime_dir.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/fd_passing.h"
-#include "memoffload/shared_mem/runtime_dir.h"
 
 namespace memoffload::testing {
 

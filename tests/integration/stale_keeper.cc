@@ -36,9 +36,9 @@
 #include <thread>
 #include <vector>
 
+#include "memoffload/common/runtime_dir.h"
 #include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/fd_passing.h"
-#include "memoffload/shared_mem/runtime_dir.h"
 #include "memoffload/v1/memoffload.grpc.pb.h"
 
 namespace {

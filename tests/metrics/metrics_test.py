@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "grafana" / "dashboards" / "memoffload.json"
 PROVISIONING = REPO / "grafana" / "provisioning"
 DOC = REPO / "docs" / "observability.md"
-METRICS_SOURCE = REPO / "daemon" / "src" / "metrics.cc"
+METRICS_SOURCE = REPO / "daemon" / "observe" / "metrics.cc"
 BIN_DIR = Path(os.environ.get("MEMOFFLOAD_BIN_DIR", REPO / "build" / "bin"))
 
 # Exported families no panel has to show, and why.
@@ -194,7 +194,7 @@ def exported_families(text: str) -> dict:
 
 
 def declared_families() -> dict:
-    """{family name: type} of every family daemon/src/metrics.cc defines, with or
+    """{family name: type} of every family daemon/observe/metrics.cc defines, with or
     without series: prometheus-cpp prints no # TYPE line for a family that has
     no series yet (tests/daemon/metrics_test.cc checks that), so a scrape alone
     misses e.g. the per-rank families on an idle daemon."""

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <vector>
 
-#include "memoffload/shared_mem/units.h"
+#include "memoffload/common/units.h"
 
 namespace memoffload {
 namespace {

@@ -39,7 +39,7 @@ __all__ = [
 
 class StatusCode(enum.IntEnum):
     """The status codes of memoffloadd and libmemoffload (numbered like
-    gRPC's canonical codes, as ``shared_mem/status.h``)."""
+    gRPC's canonical codes, as ``common/status.h``)."""
 
     OK = 0
     CANCELLED = 1

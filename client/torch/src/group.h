@@ -23,8 +23,8 @@
 #include <vector>
 
 #include "memoffload/client/client.h"
+#include "memoffload/common/status.h"
 #include "memoffload/shared_mem/extent.h"
-#include "memoffload/shared_mem/status.h"
 #include "memoffload/torch/copy_engine.h"
 
 namespace memoffload::torch {

@@ -15,7 +15,7 @@
 #include <mutex>
 
 #include "group.h"
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 #include "memoffload/torch/copy_engine.h"
 #include "session.h"
 #include "stats_book.h"

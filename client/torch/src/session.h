@@ -13,7 +13,7 @@
 #include <set>
 
 #include "memoffload/client/client.h"
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/group_offloader.h"
 #include "stats_book.h"

@@ -14,7 +14,7 @@
 #include <memory>
 
 #include "group.h"
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 #include "memoffload/torch/copy_engine.h"
 
 namespace memoffload::torch {

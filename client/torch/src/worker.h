@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "memoffload/client/log.h"
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload::torch {
 

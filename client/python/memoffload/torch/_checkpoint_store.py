@@ -85,7 +85,7 @@ def split_region_name(name: str) -> Optional[Tuple[str, str]]:
 
 def runtime_dir_of(runtime_dir: str) -> str:
     """The runtime dir a client attaches to, found in libmemoffload's order
-    (shared_mem/runtime_dir.h; for messages only, libmemoffload verifies it):
+    (common/runtime_dir.h; for messages only, libmemoffload verifies it):
     the argument, $MEMOFFLOAD_RUNTIME_DIR, /run/memoffload when its broker
     socket exists, $XDG_RUNTIME_DIR/memoffload, /tmp/memoffload-$EUID."""
     if runtime_dir:

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <string>
 
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload {
 

@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload::torch {
 

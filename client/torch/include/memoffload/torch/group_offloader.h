@@ -42,7 +42,7 @@
 #include <string>
 #include <vector>
 
-#include "memoffload/shared_mem/status.h"
+#include "memoffload/common/status.h"
 
 namespace memoffload::torch {
 

@@ -1,0 +1,58 @@
+// The client's check of its daemon, done before it sends a byte of data
+// (docs/reliability.md, "Which daemon a trainer trusts").
+//
+// VerifyRuntimeDir checks a discovered runtime dir and every directory above
+// it; VerifySocket the sockets in it; VerifyPeer the process that answers on
+// a connected socket (SO_PEERCRED). A dir, socket or peer that is not there
+// is UNAVAILABLE (no daemon); one that is there but could belong to another
+// user is PERMISSION_DENIED, with a message that says what was wrong and how
+// to fix it.
+#ifndef MEMOFFLOAD_CLIENT_DAEMON_TRUST_H_
+#define MEMOFFLOAD_CLIENT_DAEMON_TRUST_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memoffload/common/runtime_dir.h"
+#include "memoffload/common/status.h"
+
+namespace memoffload::client {
+
+// Names a non-root daemon uid (a number or a user name) that the client
+// trusts besides root and itself, e.g. the `memoffload` user of a unit whose
+// runtime dir is not /run/memoffload.
+inline constexpr const char kDaemonUidEnv[] = "MEMOFFLOAD_DAEMON_UID";
+
+// A runtime dir that passed VerifyRuntimeDir.
+struct TrustedRuntimeDir {
+  std::string path;            // as discovered (what messages name)
+  uint32_t owner_uid = 0;      // the dir's owner
+  std::vector<uint32_t> uids;  // who may own its sockets and answer on them
+};
+
+// Rules, by how the dir was found:
+//  - kPerUser: owned by the user (effective uid) and mode 0700;
+//  - kSystem, or an explicit dir that resolves to /run/memoffload (which
+//    only root can make): any owner, not writable by group or others;
+//  - kExplicit: owned by root, the user or the named daemon uid, not writable
+//    by group or others.
+// Every directory above (symlinks resolved) is owned by root, the user or the
+// named daemon uid and not writable by group or others unless sticky (/tmp).
+// The trusted uids are root, the user, the dir's owner and the named uid.
+Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice);
+
+// `dir`/`name` is a socket (not a symlink) owned by one of `dir.uids`.
+Status VerifySocket(const TrustedRuntimeDir& dir, const std::string& name);
+
+// The peer of connected Unix socket `fd` (reached at `path`) runs as one of
+// `dir.uids`.
+Status VerifyPeer(const TrustedRuntimeDir& dir, int fd, const std::string& path);
+
+// Discovery then VerifyRuntimeDir and VerifySocket(`socket_name`).
+Result<TrustedRuntimeDir> DiscoverTrustedRuntimeDir(const std::string& explicit_dir,
+                                                    const std::string& socket_name);
+
+}  // namespace memoffload::client
+
+#endif  // MEMOFFLOAD_CLIENT_DAEMON_TRUST_H_

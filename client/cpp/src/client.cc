@@ -1,0 +1,323 @@
+#include "memoffload/client/client.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+
+#include "client_impl.h"
+#include "grpc_util.h"
+#include "memoffload/client/daemon_trust.h"
+#include "memoffload/client/log.h"
+#include "memoffload/common/crc32c.h"
+#include "memoffload/common/runtime_dir.h"
+#include "memoffload/shared_mem/attach_wire.h"
+#include "memoffload/shared_mem/chunk.h"
+#include "memoffload/shared_mem/fd_passing.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
+
+namespace memoffload::client {
+namespace {
+
+Result<int> ConnectUnix(const std::string& path) {
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return InvalidArgument("socket path " + path + " is too long");
+  }
+  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("socket", errno);
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(fd);
+    return Unavailable("cannot reach memoffloadd at " + path + ": " + std::strerror(err) +
+                       " (is the daemon running? set MEMOFFLOAD_RUNTIME_DIR to its "
+                       "runtime dir)");
+  }
+  return fd;
+}
+
+std::string Hex16(uint64_t value) {
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+// One log line (log.h) when this process first attaches to the daemon of a
+// runtime directory (info), and when that daemon is another instance than
+// last time (a warning: it restarted). Kept per runtime directory: a process
+// that talks to two daemons (tests, or two arenas) is not told that either
+// restarted.
+void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t session_id,
+                 int rank) {
+  static std::mutex mu;
+  static std::map<std::string, uint64_t> last;
+  uint64_t before = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    before = std::exchange(last[runtime_dir], instance_id);
+  }
+  if (before == instance_id) return;
+  const std::string session =
+      "session " + std::to_string(session_id) + " on memoffloadd instance " + Hex16(instance_id);
+  if (before == 0) {
+    Log(LogLevel::kInfo, StatusCode::kOk, session + " (" + runtime_dir + ")", rank);
+  } else {
+    Log(LogLevel::kWarning, StatusCode::kOk,
+        session + " (was " + Hex16(before) + ": the daemon of " + runtime_dir + " restarted)",
+        rank);
+  }
+}
+
+}  // namespace
+
+void FillCredentials(v1::SessionCredentials* creds, uint64_t id, const std::string& token) {
+  creds->set_session_id(id);
+  creds->set_session_token(token);
+}
+
+std::vector<Extent> FromProto(const google::protobuf::RepeatedPtrField<v1::Extent>& in) {
+  std::vector<Extent> out;
+  out.reserve(in.size());
+  for (const v1::Extent& e : in) out.push_back({e.chunk(), e.offset(), e.length()});
+  return out;
+}
+
+Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Client::~Client() = default;
+
+Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  // The daemon is verified before it is sent a byte (daemon_trust.h): the
+  // runtime dir, its broker socket, then who answers on it.
+  Result<TrustedRuntimeDir> dir = DiscoverTrustedRuntimeDir(options.runtime_dir, kBrokerSocketName);
+  if (!dir.ok()) return dir.status();
+  impl->runtime_dir = dir->path;
+  impl->rpc_timeout_ms = options.rpc_timeout_ms;
+  const std::string broker_path = BrokerSocketPath(impl->runtime_dir);
+  Result<int> fd = ConnectUnix(broker_path);
+  if (!fd.ok()) return fd.status();
+  impl->lifeline_fd = *fd;
+  MEMOFFLOAD_RETURN_IF_ERROR(VerifyPeer(*dir, impl->lifeline_fd, broker_path));
+
+  Hello hello;
+  hello.job_id = options.job_id;
+  hello.rank = options.rank;
+  hello.local_rank = options.local_rank;
+  hello.max_bytes = options.max_bytes;
+  hello.job_max_bytes = options.job_max_bytes;
+  // The daemon refuses some connections before it reads a hello (its
+  // connection caps): it sends the reason and closes at once, so the hello
+  // may meet a closed socket. The reply below still says why.
+  const Status sent = SendFrame(impl->lifeline_fd, EncodeHello(hello));
+
+  std::string payload;
+  std::vector<int> fds;
+  if (Status st = RecvFrame(impl->lifeline_fd, &payload, &fds); !st.ok()) {
+    CloseFds(&fds);
+    if (!sent.ok()) return sent;
+    return Unavailable("attach to memoffloadd failed: " + st.message());
+  }
+  CloseFds(&fds);  // the reply itself carries none
+  Result<AttachReply> reply = DecodeAttachReply(payload);
+  if (!reply.ok()) return reply.status();
+  if (reply->code != StatusCode::kOk) {
+    return Status(reply->code, "memoffloadd refused the attach: " + reply->message);
+  }
+  if (!sent.ok()) return sent;  // a grant for a hello that was never sent
+  impl->reply = std::move(reply).value();
+  impl->populate = options.populate;
+  impl->checksums = options.checksums;
+  impl->chunks.resize(impl->reply.chunks.size());
+  impl->generations.assign(impl->reply.chunks.size(), 0);
+  LogInstance(impl->runtime_dir, impl->reply.instance_id, impl->reply.session_id, options.rank);
+  impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
+  impl->first_block.reserve(impl->reply.chunks.size());
+  uint64_t blocks = 0;
+  for (const auto& c : impl->reply.chunks) {
+    impl->first_block.push_back(blocks);
+    blocks += (c.size_bytes + Impl::kPopulateBlockBytes - 1) / Impl::kPopulateBlockBytes;
+  }
+  impl->block_state = std::make_unique<std::atomic<uint8_t>[]>(blocks);  // zeroed: unmapped
+  impl->bases = std::make_unique<std::atomic<uint8_t*>[]>(impl->reply.chunks.size());
+  for (size_t i = 0; i < impl->reply.chunks.size(); ++i) impl->bases[i].store(nullptr);
+  std::lock_guard<std::mutex> lock(impl->map_mu);
+  for (uint32_t frame = 0; frame < impl->reply.fd_frames; ++frame) {
+    if (Status st = RecvFrame(impl->lifeline_fd, &payload, &fds); !st.ok()) {
+      CloseFds(&fds);
+      return Unavailable("attach: receiving chunk fds failed: " + st.message());
+    }
+    Result<ChunkFdBatch> batch = DecodeChunkFdBatch(payload);
+    if (!batch.ok() || batch->chunk_indexes.size() != fds.size()) {
+      CloseFds(&fds);
+      return Internal("attach: malformed chunk fd batch from the daemon");
+    }
+    MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, batch->generations, &fds));
+  }
+  // The gRPC socket of the verified dir, never a path the broker names.
+  MEMOFFLOAD_RETURN_IF_ERROR(VerifySocket(*dir, kGrpcSocketName));
+  impl->grpc_socket = GrpcSocketPath(impl->runtime_dir);
+  impl->stub = v1::Offload::NewStub(MakeChannel(impl->grpc_socket));
+  return std::unique_ptr<Client>(new Client(std::move(impl)));
+}
+
+Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
+                                    const ReserveOptions& options) {
+  v1::ReserveRequest req;
+  req.set_group_id(group_id);
+  req.set_size_bytes(size_bytes);
+  req.set_single_extent(options.single_extent);
+  req.set_wait_for_space(options.wait_for_space);
+  v1::ReserveResponse resp;
+  Status st = impl_->Call(&v1::Offload::Stub::Reserve, &req, &resp,
+                          options.wait_for_space ? options.wait_timeout_ms : 0);
+  if (!st.ok()) return impl_->SessionGoneOr(st);
+  Reservation reservation{FromProto(resp.extents()), resp.reserved_bytes()};
+  if (Status mapped = impl_->EnsureMapped(Impl::ChunksOf(reservation.extents)); !mapped.ok()) {
+    Status ignored = Release(group_id);
+    (void)ignored;  // best effort: the mapping error is the answer; the session reclaims the group
+    return mapped;
+  }
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved[group_id] = reservation.extents;
+    impl_->committed.erase(group_id);
+  }
+  return reservation;
+}
+
+Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const CopyStats& copy) {
+  v1::CommitRequest req;
+  req.set_group_id(group_id);
+  req.set_used_bytes(used_bytes);
+  req.mutable_copy()->set_bytes(copy.bytes);
+  req.mutable_copy()->set_seconds(copy.seconds);
+  std::vector<Extent> extents;
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    // Kept until the Commit succeeds: a refused Commit may be retried.
+    auto it = impl_->reserved.find(group_id);
+    if (it != impl_->reserved.end()) extents = it->second;
+  }
+  if (impl_->checksums) {
+    Result<std::vector<uint32_t>> crcs = impl_->ExtentChecksums(extents, used_bytes);
+    if (!crcs.ok()) {
+      return Status(crcs.status().code(),
+                    "commit of group " + std::to_string(group_id) + ": " + crcs.status().message());
+    }
+    for (uint32_t crc : *crcs) req.add_extent_crc32c(crc);
+  }
+  v1::CommitResponse resp;
+  Status st = impl_->Call(&v1::Offload::Stub::Commit, &req, &resp);
+  if (!st.ok()) return impl_->SessionGoneOr(st);
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved.erase(group_id);
+    impl_->committed[group_id] = Placement{
+        std::move(extents), used_bytes, {req.extent_crc32c().begin(), req.extent_crc32c().end()}};
+  }
+  return CommitInfo{resp.committed_bytes(), resp.returned_bytes()};
+}
+
+Result<Placement> Client::Prefetch(uint64_t group_id) {
+  v1::PrefetchRequest req;
+  req.set_group_id(group_id);
+  v1::PrefetchResponse resp;
+  Status st = impl_->Call(&v1::Offload::Stub::Prefetch, &req, &resp);
+  Placement placement;
+  if (st.ok()) {
+    placement = Placement{FromProto(resp.extents()),
+                          resp.used_bytes(),
+                          {resp.extent_crc32c().begin(), resp.extent_crc32c().end()}};
+    MEMOFFLOAD_RETURN_IF_ERROR(impl_->EnsureMapped(Impl::ChunksOf(placement.extents)));
+  } else {
+    // The daemon that held this session is gone: a group committed in it is
+    // still in this process's mapping, which nobody else can reach now (a
+    // restarted daemon has new memfds), so it is read from there.
+    st = impl_->SessionGoneOr(st);
+    if (!impl_->lost.load() || !impl_->InstanceGone()) return st;
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    auto it = impl_->committed.find(group_id);
+    if (it == impl_->committed.end()) return st;
+    placement = it->second;
+  }
+  if (impl_->checksums) {
+    MEMOFFLOAD_RETURN_IF_ERROR(
+        impl_->Verify(placement, "group " + std::to_string(group_id) + " of session " +
+                                     std::to_string(impl_->reply.session_id)));
+  }
+  return placement;
+}
+
+Status Client::Release(uint64_t group_id, const CopyStats& copy) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->reserved.erase(group_id);
+  }
+  v1::ReleaseRequest req;
+  req.set_group_id(group_id);
+  req.mutable_copy()->set_bytes(copy.bytes);
+  req.mutable_copy()->set_seconds(copy.seconds);
+  {
+    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    impl_->committed.erase(group_id);
+  }
+  v1::ReleaseResponse resp;
+  Status st = impl_->Call(&v1::Offload::Stub::Release, &req, &resp);
+  // A session that is gone holds nothing: its groups went with it.
+  if (!st.ok() && impl_->LifelineClosed()) return Status::Ok();
+  return st;
+}
+
+Status Client::Write(const std::vector<Extent>& extents, uint64_t offset, const void* src,
+                     uint64_t length) {
+  const uint8_t* in = static_cast<const uint8_t*>(src);
+  return impl_->ForEachPiece(extents, offset, length, [&](uint8_t* p, uint64_t at, uint64_t n) {
+    std::memcpy(p, in + at, n);
+  });
+}
+
+Status Client::Read(const std::vector<Extent>& extents, uint64_t offset, void* dst,
+                    uint64_t length) const {
+  uint8_t* out = static_cast<uint8_t*>(dst);
+  return impl_->ForEachPiece(extents, offset, length, [&](uint8_t* p, uint64_t at, uint64_t n) {
+    std::memcpy(out + at, p, n);
+  });
+}
+
+uint8_t* Client::Address(const Extent& extent) const {
+  uint8_t* p = impl_->Locate(extent);
+  if (p != nullptr) impl_->PopulateRange(extent.chunk, extent.offset, extent.length);
+  return p;
+}
+
+Status Client::MapChunks(const std::vector<uint32_t>& chunks) {
+  return impl_->EnsureMapped(chunks);
+}
+uint64_t Client::session_id() const { return impl_->reply.session_id; }
+uint64_t Client::instance_id() const { return impl_->reply.instance_id; }
+bool Client::session_lost() const { return impl_->LifelineClosed(); }
+uint64_t Client::chunk_generation(uint32_t chunk) const {
+  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  return chunk < impl_->generations.size() ? impl_->generations[chunk] : 0;
+}
+uint64_t Client::page_bytes() const { return impl_->reply.page_bytes; }
+uint64_t Client::session_limit_bytes() const { return impl_->reply.session_limit_bytes; }
+uint32_t Client::chunk_count() const { return static_cast<uint32_t>(impl_->reply.chunks.size()); }
+uint64_t Client::chunk_size_bytes(uint32_t chunk) const {
+  return chunk < impl_->reply.chunks.size() ? impl_->reply.chunks[chunk].size_bytes : 0;
+}
+const std::string& Client::runtime_dir() const { return impl_->runtime_dir; }
+
+}  // namespace memoffload::client

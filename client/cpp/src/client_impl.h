@@ -1,0 +1,366 @@
+// Client::Impl: the attached session's state, shared by client.cc (attach,
+// groups, mappings) and client_regions.cc (checkpoint regions). Private to
+// the client library.
+#ifndef MEMOFFLOAD_CLIENT_SRC_CLIENT_IMPL_H_
+#define MEMOFFLOAD_CLIENT_SRC_CLIENT_IMPL_H_
+
+#include <poll.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "grpc_util.h"
+#include "memoffload/client/client.h"
+#include "memoffload/common/crc32c.h"
+#include "memoffload/shared_mem/attach_wire.h"
+#include "memoffload/shared_mem/chunk.h"
+#include "memoffload/shared_mem/fd_passing.h"
+#include "memoffload/v1/memoffload.grpc.pb.h"
+
+namespace memoffload::client {
+
+void FillCredentials(v1::SessionCredentials* creds, uint64_t id, const std::string& token);
+std::vector<Extent> FromProto(const google::protobuf::RepeatedPtrField<v1::Extent>& in);
+
+class Client::Impl {
+ public:
+  ~Impl() {
+    // Before the chunks are unmapped (members go after this body).
+    std::lock_guard<std::mutex> lock(populator_mu);
+    stop_populating.store(true);
+    if (populator.joinable()) populator.join();
+    if (lifeline_fd >= 0) close(lifeline_fd);
+  }
+
+  // Fills the page tables of `extents` on a thread of its own, a few MiB at
+  // a time, ahead of a writer or reader that is about to copy them front to
+  // back: it finds its blocks mapped instead of filling them itself (a
+  // process new to these pages pays ~0.1 s per GiB). One at a time; a
+  // running one is waited for first.
+  void PopulateAhead(std::vector<Extent> extents) {
+    if (!populate_on_first_use) return;
+    std::lock_guard<std::mutex> lock(populator_mu);
+    if (populator.joinable()) populator.join();
+    populator = std::thread([this, extents = std::move(extents)] {
+      constexpr uint64_t kStep = 4 * kPopulateBlockBytes;
+      for (const Extent& e : extents) {
+        for (uint64_t at = 0; at < e.length && !stop_populating.load(); at += kStep) {
+          PopulateRange(e.chunk, e.offset + at, std::min(kStep, e.length - at));
+        }
+      }
+    });
+  }
+  std::mutex populator_mu;
+  std::thread populator;                     // guarded by populator_mu
+  std::atomic<bool> stop_populating{false};  // the Client is going away
+
+  std::string runtime_dir;
+  std::string grpc_socket;
+  int lifeline_fd = -1;  // after attach, read and written only under map_mu (polled anywhere)
+  int rpc_timeout_ms = 30000;
+  bool populate = false;
+
+  // Populate-on-first-use state, one byte per kPopulateBlockBytes of each
+  // chunk (kBlockMapped once its page tables are filled). Sized at attach and
+  // never resized; racing threads may both populate a block, which is
+  // harmless (MADV_POPULATE_READ is idempotent).
+  static constexpr uint64_t kPopulateBlockBytes = 2ull << 20;
+  static constexpr uint8_t kBlockMapped = 1;
+  bool populate_on_first_use = false;
+  std::unique_ptr<std::atomic<uint8_t>[]> block_state;
+  std::vector<uint64_t> first_block;  // index into block_state, per chunk
+  bool checksums = false;
+  // The extents of each reserved group, until Commit; then the placement of
+  // each committed group, until Release. Kept so that, once the daemon that
+  // held this session is gone, a committed group is still read from this
+  // process's own mapping (see Prefetch).
+  std::mutex groups_mu;
+  std::unordered_map<uint64_t, std::vector<Extent>> reserved;  // guarded by groups_mu
+  std::unordered_map<uint64_t, Placement> committed;           // guarded by groups_mu
+
+  // Whether the daemon closed this session's broker connection. The daemon
+  // ends a session exactly when it closes its connection (or exits), so a
+  // closed lifeline is the only sure sign that the session is gone; once
+  // seen it stays so.
+  std::atomic<bool> lost{false};
+  bool LifelineClosed() {
+    if (lost.load()) return true;
+    pollfd p{lifeline_fd, POLLRDHUP, 0};
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
+    return lost.load();
+  }
+  // One unary call of the session: its credentials filled in, the RPC
+  // deadline (`timeout_ms`, or rpc_timeout_ms when 0), gRPC's status as ours
+  // (FromGrpc). The caller decides what a failure means (SessionGoneOr).
+  template <typename Request, typename Response>
+  Status Call(grpc::Status (v1::Offload::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                        Response*),
+              Request* req, Response* resp, int timeout_ms = 0) {
+    FillCredentials(req->mutable_session(), reply.session_id, reply.session_token);
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, timeout_ms > 0 ? timeout_ms : rpc_timeout_ms);
+    return FromGrpc((stub.get()->*method)(&ctx, *req, resp), grpc_socket);
+  }
+  // A failed call of a session that is gone is UNAVAILABLE, whatever the
+  // daemon answered (a restarted daemon says NOT_FOUND or UNAUTHENTICATED for
+  // a session it never knew): the caller attaches again.
+  Status SessionGoneOr(const Status& st) {
+    if (st.ok() || !LifelineClosed()) return st;
+    return Unavailable("memoffloadd ended session " + std::to_string(reply.session_id) +
+                       " (the daemon restarted or dropped its broker connection): attach again; "
+                       "the daemon said: " +
+                       (st.code() == StatusCode::kUnavailable ? st.message() : st.ToString()));
+  }
+  // Whether the daemon instance that held this session is gone (a new
+  // instance answers, or none). Only then are this process's old mappings
+  // its own: a live instance may have handed the space to another session.
+  std::atomic<bool> instance_gone{false};
+  bool InstanceGone() {
+    if (instance_gone.load()) return true;
+    v1::GetStatusRequest req;
+    v1::GetStatusResponse resp;
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, std::min(rpc_timeout_ms, 2000));
+    const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
+    if (!st.ok() || resp.instance_id() != reply.instance_id) instance_gone = true;
+    return instance_gone.load();
+  }
+
+  // CRC32C of the used bytes of each extent they touch, in order. Every
+  // extent must be mapped (a checksum of bytes we cannot see is no checksum).
+  Result<std::vector<uint32_t>> ExtentChecksums(const std::vector<Extent>& extents,
+                                                uint64_t used) const {
+    std::vector<uint32_t> out;
+    uint64_t pos = 0;
+    for (const Extent& e : extents) {
+      if (pos >= used) break;
+      const uint64_t n = std::min(e.length, used - pos);
+      const uint8_t* p = Locate(e);
+      if (p == nullptr) {
+        return FailedPrecondition("cannot checksum extent (chunk " + std::to_string(e.chunk) +
+                                  ", offset " + std::to_string(e.offset) + ", length " +
+                                  std::to_string(e.length) +
+                                  "): its chunk is not mapped in this process");
+      }
+      out.push_back(Crc32c(p, n));
+      pos += e.length;
+    }
+    return out;
+  }
+  // Checks the placement's bytes against its stored checksums: DATA_LOSS
+  // naming `where`, the chunk and offset on a mismatch, or when the count of
+  // checksums is not one per extent the used bytes touch.
+  Status Verify(const Placement& placement, const std::string& where) const {
+    const size_t touched = ExtentsTouched(placement.extents, placement.used_bytes);
+    if (placement.extent_crc32c.size() != touched) {
+      return Status(StatusCode::kDataLoss,
+                    "cannot verify " + where + ": the daemon returned " +
+                        std::to_string(placement.extent_crc32c.size()) + " checksums for the " +
+                        std::to_string(touched) + " extents holding its " +
+                        std::to_string(placement.used_bytes) +
+                        " used bytes (expected one per extent; was it committed without "
+                        "checksums?)");
+    }
+    Result<std::vector<uint32_t>> actual = ExtentChecksums(placement.extents, placement.used_bytes);
+    if (!actual.ok())
+      return Status(StatusCode::kDataLoss, where + ": " + actual.status().message());
+    for (size_t i = 0; i < actual->size(); ++i) {
+      if ((*actual)[i] != placement.extent_crc32c[i]) {
+        const Extent& e = placement.extents[i];
+        char buf[96];
+        std::snprintf(buf, sizeof(buf), "expected crc32c %08x, read %08x",
+                      placement.extent_crc32c[i], (*actual)[i]);
+        return Status(StatusCode::kDataLoss, "checksum mismatch in " + where + " at chunk " +
+                                                 std::to_string(e.chunk) + " offset " +
+                                                 std::to_string(e.offset) + " (extent " +
+                                                 std::to_string(i) + "): " + buf);
+      }
+    }
+    return Status::Ok();
+  }
+  // How many extents the first `used` bytes touch.
+  static size_t ExtentsTouched(const std::vector<Extent>& extents, uint64_t used) {
+    size_t n = 0;
+    for (uint64_t pos = 0; n < extents.size() && pos < used; ++n) pos += extents[n].length;
+    return n;
+  }
+  AttachReply reply;  // immutable after attach
+  std::unique_ptr<v1::Offload::Stub> stub;
+
+  // Chunk mappings. A chunk is mapped when this session is first handed its
+  // fd; the base address is published once and never changes, so Locate
+  // reads it without a lock.
+  std::mutex map_mu;
+  std::vector<Chunk> chunks;                       // guarded by map_mu
+  std::unique_ptr<std::atomic<uint8_t*>[]> bases;  // indexed by chunk
+
+  // Generation of each mapped chunk's backing (0: not mapped). Guarded by map_mu.
+  std::vector<uint64_t> generations;
+
+  // Maps received fds (taking ownership of all of them). Requires map_mu. A
+  // chunk this session already maps keeps its mapping only when the daemon
+  // names the same generation: a backing handed to a live session is never
+  // replaced, so another generation is a daemon bug (INTERNAL).
+  Status MapReceived(const std::vector<uint32_t>& indexes,
+                     const std::vector<uint64_t>& generations_received, std::vector<int>* fds) {
+    Status result;
+    for (size_t i = 0; i < fds->size(); ++i) {
+      const int fd = (*fds)[i];
+      const uint32_t index = i < indexes.size() ? indexes[i] : UINT32_MAX;
+      const uint64_t generation = i < generations_received.size() ? generations_received[i] : 0;
+      if (!result.ok() || index >= reply.chunks.size() || chunks[index].valid()) {
+        close(fd);
+        if (result.ok() && index >= reply.chunks.size()) {
+          result = Internal("daemon sent chunk index " + std::to_string(index) + " out of range");
+        } else if (result.ok() && generations[index] != generation) {
+          result = Internal("daemon sent chunk " + std::to_string(index) + " generation " +
+                            std::to_string(generation) + " while this session maps generation " +
+                            std::to_string(generations[index]));
+        }
+        continue;
+      }
+      Result<Chunk> chunk = Chunk::Map(fd, reply.chunks[index].size_bytes, populate);
+      if (!chunk.ok()) {
+        result = chunk.status();
+        continue;
+      }
+      chunks[index] = std::move(chunk).value();
+      generations[index] = generation;
+      bases[index].store(chunks[index].data(), std::memory_order_release);
+    }
+    fds->clear();
+    return result;
+  }
+
+  // Makes sure every chunk the extents touch is mapped, asking the daemon
+  // for the missing fds over the broker connection.
+  Status EnsureMapped(const std::vector<uint32_t>& wanted) {
+    std::vector<uint32_t> missing;
+    for (uint32_t c : wanted) {
+      if (c >= reply.chunks.size()) {
+        return InvalidArgument("chunk " + std::to_string(c) + " does not exist");
+      }
+      if (bases[c].load(std::memory_order_acquire) == nullptr &&
+          std::find(missing.begin(), missing.end(), c) == missing.end()) {
+        missing.push_back(c);
+      }
+    }
+    if (missing.empty()) return Status::Ok();
+    std::lock_guard<std::mutex> lock(map_mu);
+    missing.erase(std::remove_if(missing.begin(), missing.end(),
+                                 [&](uint32_t c) { return chunks[c].valid(); }),
+                  missing.end());
+    for (size_t first = 0; first < missing.size(); first += kMaxFdsPerFrame) {
+      const size_t last = std::min(missing.size(), first + kMaxFdsPerFrame);
+      ChunkRequest request{{missing.begin() + first, missing.begin() + last}};
+      MEMOFFLOAD_RETURN_IF_ERROR(RequestChunks(request));
+    }
+    return Status::Ok();
+  }
+
+  // One request/reply exchange on the broker connection. Requires map_mu.
+  Status RequestChunks(const ChunkRequest& request) {
+    MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(lifeline_fd, EncodeChunkRequest(request)));
+    std::string payload;
+    std::vector<int> fds;
+    if (Status st = RecvFrame(lifeline_fd, &payload, &fds); !st.ok()) {
+      CloseFds(&fds);
+      return Unavailable("memoffloadd broker connection lost: " + st.message());
+    }
+    Result<ChunkReply> chunk_reply = DecodeChunkReply(payload);
+    if (!chunk_reply.ok()) {
+      CloseFds(&fds);
+      return chunk_reply.status();
+    }
+    if (chunk_reply->code != StatusCode::kOk) {
+      CloseFds(&fds);
+      return Status(chunk_reply->code, "memoffloadd refused chunk fds: " + chunk_reply->message);
+    }
+    if (chunk_reply->chunk_indexes.size() != fds.size()) {
+      CloseFds(&fds);
+      return Internal("chunk reply lists " + std::to_string(chunk_reply->chunk_indexes.size()) +
+                      " chunks but carries " + std::to_string(fds.size()) + " fds");
+    }
+    return MapReceived(chunk_reply->chunk_indexes, chunk_reply->generations, &fds);
+  }
+
+  static std::vector<uint32_t> ChunksOf(const std::vector<Extent>& extents) {
+    std::vector<uint32_t> out;
+    for (const Extent& e : extents) out.push_back(e.chunk);
+    return out;
+  }
+
+  // Runs `fn` over the pieces of [offset, offset+length) of the extent stream.
+  template <typename Fn>
+  Status ForEachPiece(const std::vector<Extent>& extents, uint64_t offset, uint64_t length,
+                      Fn fn) const {
+    uint64_t pos = 0;  // stream position of the current extent's start
+    uint64_t done = 0;
+    for (const Extent& e : extents) {
+      if (done == length) break;
+      uint8_t* base = Locate(e);
+      if (base == nullptr) {
+        return InvalidArgument("extent (chunk " + std::to_string(e.chunk) + ", offset " +
+                               std::to_string(e.offset) + ", length " + std::to_string(e.length) +
+                               ") is outside the mapped arena");
+      }
+      const uint64_t end = pos + e.length;
+      const uint64_t want = offset + done;
+      if (want < end) {
+        const uint64_t in_extent = want - pos;
+        const uint64_t n = std::min(e.length - in_extent, length - done);
+        PopulateRange(e.chunk, e.offset + in_extent, n);
+        fn(base + in_extent, done, n);
+        done += n;
+      }
+      pos = end;
+    }
+    if (done != length) {
+      return InvalidArgument("range [" + std::to_string(offset) + ", " +
+                             std::to_string(offset + length) + ") exceeds the extents' " +
+                             std::to_string(pos) + " bytes");
+    }
+    return Status::Ok();
+  }
+
+  // Fills the page tables of [offset, offset + length) of a mapped chunk
+  // unless done before (see block_state).
+  void PopulateRange(uint32_t chunk, uint64_t offset, uint64_t length) const {
+    if (!populate_on_first_use || length == 0) return;
+    std::atomic<uint8_t>* state = &block_state[first_block[chunk]];
+    const uint64_t last = (offset + length - 1) / kPopulateBlockBytes;
+    for (uint64_t b = offset / kPopulateBlockBytes; b <= last; ++b) {
+      if (state[b].load(std::memory_order_acquire) == kBlockMapped) continue;
+      uint64_t end = b;  // populate a run of unmapped blocks in one call
+      while (end < last && state[end + 1].load(std::memory_order_relaxed) != kBlockMapped) ++end;
+      const uint64_t from = b * kPopulateBlockBytes;
+      const uint64_t to = std::min((end + 1) * kPopulateBlockBytes, chunks[chunk].size_bytes());
+      // chunks[chunk] never changes once mapped (callers located it first).
+      // Cannot fail for an in-range request; pages would fault on touch anyway.
+      (void)chunks[chunk].MapPages(from, to - from);
+      for (uint64_t i = b; i <= end; ++i) state[i].store(kBlockMapped, std::memory_order_release);
+      b = end;
+    }
+  }
+
+  uint8_t* Locate(const Extent& e) const {
+    if (e.chunk >= reply.chunks.size()) return nullptr;
+    uint8_t* base = bases[e.chunk].load(std::memory_order_acquire);
+    const uint64_t size = reply.chunks[e.chunk].size_bytes;
+    if (base == nullptr || e.offset > size || e.length > size - e.offset) return nullptr;
+    return base + e.offset;
+  }
+};
+
+}  // namespace memoffload::client
+
+#endif  // MEMOFFLOAD_CLIENT_SRC_CLIENT_IMPL_H_

@@ -1,0 +1,28 @@
+// Helpers shared by the client's gRPC users (internal).
+#ifndef MEMOFFLOAD_CLIENT_SRC_GRPC_UTIL_H_
+#define MEMOFFLOAD_CLIENT_SRC_GRPC_UTIL_H_
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "memoffload/common/status.h"
+
+namespace memoffload::client {
+
+// A channel to the daemon's gRPC Unix socket.
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path);
+
+// Converts a gRPC status; UNAVAILABLE gets the socket path added so the user
+// sees where the client looked.
+Status FromGrpc(const grpc::Status& status, const std::string& socket_path);
+
+inline void SetDeadline(grpc::ClientContext* ctx, int timeout_ms) {
+  ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(timeout_ms));
+}
+
+}  // namespace memoffload::client
+
+#endif  // MEMOFFLOAD_CLIENT_SRC_GRPC_UTIL_H_

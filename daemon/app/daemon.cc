@@ -1,0 +1,556 @@
+#include "app/daemon.h"
+
+#include <fcntl.h>
+#include <grp.h>
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
+#include <prometheus/exposer.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/signal_set.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "app/notifier.h"
+#include "app/runtime_dir_claim.h"
+#include "base/log.h"
+#include "core/session_table.h"
+#include "edge/broker.h"
+#include "edge/grpc_listener.h"
+#include "edge/service.h"
+#include "memoffload/common/runtime_dir.h"
+#include "memoffload/common/units.h"
+#include "memory/arena.h"
+#include "observe/health.h"
+#include "observe/metrics.h"
+#include "observe/metrics_port.h"
+
+#ifndef MEMOFFLOAD_VERSION
+#define MEMOFFLOAD_VERSION "0.0.0-dev"
+#endif
+
+namespace memoffload::daemon {
+namespace {
+
+namespace asio = boost::asio;
+using Clock = std::chrono::steady_clock;
+
+constexpr char kAdminTokenName[] = "admin.token";
+// Threads of gRPC's synchronous pool (region calls, health, reflection).
+constexpr int kMaxSyncThreads = 64;
+// Calls one gRPC connection may have open at once (a rank may have a
+// thousand waiting Reserves; a stalled call costs memory, not a thread).
+constexpr int kMaxStreamsPerConnection = 4096;
+// How often a taken metrics port is tried again (metrics_port.h).
+constexpr int kMetricsRetryMs = 5000;
+
+Result<gid_t> ResolveGroup(const std::string& name) {
+  if (name.empty()) return static_cast<gid_t>(-1);
+  std::vector<char> buf(16384);
+  group gr{};
+  group* found = nullptr;
+  if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
+    char* end = nullptr;
+    unsigned long gid = std::strtoul(name.c_str(), &end, 10);
+    if (*end == '\0' && !name.empty()) return static_cast<gid_t>(gid);
+    return InvalidArgument("server.socket_group: no group named '" + name + "'");
+  }
+  return found->gr_gid;
+}
+
+// Raises the soft descriptor limit to the hard one, and warns when the
+// connection limits of the two sockets could still exhaust it.
+void RaiseDescriptorLimit(const DaemonConfig& config) {
+  rlimit lim{};
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (lim.rlim_cur < lim.rlim_max) {
+    lim.rlim_cur = lim.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) getrlimit(RLIMIT_NOFILE, &lim);
+  }
+  const uint64_t needed = 2 * config.max_connections + 256;
+  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < needed) {
+    MO_LOG_WARN(
+        "the descriptor limit (%llu) is below what server.max_connections = %llu on two sockets "
+        "needs (about %llu): a connection flood can exhaust descriptors (the daemon then backs "
+        "off and recovers, and /readyz says 503); raise LimitNOFILE or lower max_connections",
+        static_cast<unsigned long long>(lim.rlim_cur),
+        static_cast<unsigned long long>(config.max_connections),
+        static_cast<unsigned long long>(needed));
+  }
+}
+
+// Writes a fresh random admin token, readable by the daemon's user only.
+Result<std::string> WriteAdminToken(const std::string& dir) {
+  Result<std::string> token = NewSessionToken();
+  if (!token.ok()) return token.status();
+  const std::string path = dir + "/" + kAdminTokenName;
+  unlink(path.c_str());
+  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return ErrnoStatus("creating " + path, errno);
+  const bool ok = write(fd, token->data(), token->size()) == static_cast<ssize_t>(token->size());
+  close(fd);
+  if (!ok) return Internal("writing " + path + " failed");
+  return token;
+}
+
+// Settings a SIGHUP applies to the running daemon, the fields of Policy: the
+// access policy, the quotas and the region limits (access.tenant is fixed at
+// start: chunks already belong to tenants).
+bool IsLiveSetting(const std::string& key) {
+  if (key == "access.tenant") return false;
+  return key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0 ||
+         key.rfind("regions.", 0) == 0;
+}
+
+void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {
+  const auto old_entries = ConfigEntries(before);
+  const auto new_entries = ConfigEntries(after);
+  for (size_t i = 0; i < old_entries.size() && i < new_entries.size(); ++i) {
+    if (old_entries[i].value == new_entries[i].value) continue;
+    const std::string& key = new_entries[i].key;
+    const bool live = IsLiveSetting(key);
+    MO_LOG_INFO("config %s: %s -> %s%s", key.c_str(), old_entries[i].value.c_str(),
+                new_entries[i].value.c_str(), live ? "" : " (takes effect at restart)");
+  }
+}
+
+}  // namespace
+
+const char* DaemonVersion() { return MEMOFFLOAD_VERSION; }
+
+namespace {
+// Random per start, never 0: tells clients and logs a restart from a reclaim.
+uint64_t RandomInstanceId() {
+  std::random_device rd;
+  uint64_t id = 0;
+  while (id == 0) id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+  return id;
+}
+
+// The running daemon: every part it wires together is a member, declared in
+// the order it is made, so that whatever step fails, the parts made so far
+// are undone by their own destructors (the runtime dir claim last: the files
+// this instance created, and only those, go with it).
+class Daemon {
+ public:
+  Daemon(DaemonConfig config, int argc, const char* const* argv)
+      : config_(std::move(config)),
+        argc_(argc),
+        argv_(argv),
+        grpc_listener_(io_, config_.policy, config_.max_connections,
+                       config_.max_connections_per_uid),
+        health_(io_, [this] { return Probe(); }),
+        metrics_port_(io_, config_.metrics_address, kMetricsRetryMs) {}
+  ~Daemon() { StopServing(); }
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Claims the runtime dir, binds every listener, builds the arena and starts
+  // serving. One clear error otherwise.
+  Status Start() {
+    MEMOFFLOAD_RETURN_IF_ERROR(Listen());
+    MEMOFFLOAD_RETURN_IF_ERROR(BuildArena());
+    return Serve();
+  }
+
+  // Runs the event loop until a signal stops it, then stops serving.
+  void Run() {
+    signals_.async_wait(
+        [this](const boost::system::error_code& ec, int signo) { OnSignal(ec, signo); });
+    // systemd (Type=notify): the arena is built, every listener accepts and
+    // the signal handlers are installed, so a SIGTERM from now on drains.
+    notifier_.Ready(StatusText());
+    if (notifier_.Enabled()) ArmNotifyTimer();
+    ArmRegionTimer();
+    io_.run();
+    StopServing();
+    claim_->RemoveOwned();
+    MO_LOG_INFO("stopped cleanly");
+  }
+
+ private:
+  // Every listener is bound before the arena is built: a busy port or a bad
+  // address is found in milliseconds, not after pre-faulting the arena.
+  Status Listen() {
+    // The per-user default dir is made private: clients trust it only so
+    // (memoffload/client/daemon_trust.h).
+    const bool per_user = geteuid() != 0 && config_.runtime_dir == DefaultRuntimeDir();
+    Result<std::unique_ptr<RuntimeDirClaim>> claim =
+        RuntimeDirClaim::Claim(config_.runtime_dir, per_user ? 0700 : 0755);
+    if (!claim.ok()) return claim.status();
+    claim_ = std::move(claim).value();
+    Result<gid_t> socket_gid = ResolveGroup(config_.socket_group);
+    if (!socket_gid.ok()) return socket_gid.status();
+    socket_gid_ = *socket_gid;
+    // Who may connect to the 0660 sockets may attach: the socket group's
+    // members (docs/deploy.md: usermod -aG memoffload alice).
+    config_.policy.socket_gid = socket_gid_ != static_cast<gid_t>(-1) ? socket_gid_ : getegid();
+    grpc_listener_.SetPolicy(config_.policy);
+    if (!config_.config_file.empty()) MO_LOG_INFO("config file %s", config_.config_file.c_str());
+    RaiseDescriptorLimit(config_);
+
+    grpc_path_ = GrpcSocketPath(config_.runtime_dir);
+    broker_path_ = BrokerSocketPath(config_.runtime_dir);
+    Result<int> grpc_fd = claim_->ListenUnix(grpc_path_, config_.socket_mode, socket_gid_);
+    if (!grpc_fd.ok()) return grpc_fd.status();
+    // Listening fds move into their owners right away, so any return closes them.
+    MEMOFFLOAD_RETURN_IF_ERROR(grpc_listener_.Adopt(*grpc_fd));
+    Result<int> broker_fd = claim_->ListenUnix(broker_path_, config_.socket_mode, socket_gid_);
+    if (!broker_fd.ok()) return broker_fd.status();
+    boost::system::error_code ec;
+    broker_acceptor_.assign(asio::local::stream_protocol(), *broker_fd, ec);
+    if (ec) {
+      close(*broker_fd);
+      return Internal("cannot watch the broker socket: " + ec.message());
+    }
+    // From here the sockets accept (into their backlog), and a SIGTERM or
+    // SIGINT that arrives during the pre-fault is handled once the event
+    // loop runs, as a clean stop.
+    signals_.add(SIGINT);
+    signals_.add(SIGTERM);
+    signals_.add(SIGHUP);
+
+    if (!config_.health_address.empty()) {
+      Result<std::string> bound = health_.Start(config_.health_address);
+      if (!bound.ok()) return bound.status();
+      health_bound_ = *bound;
+    }
+    // A taken metrics port does not stop the daemon (metrics_port.h).
+    if (!config_.metrics_address.empty()) metrics_port_.TryBind();
+    Result<std::string> admin_token = WriteAdminToken(config_.runtime_dir);
+    if (!admin_token.ok()) return admin_token.status();
+    admin_token_ = *admin_token;
+    claim_->Own(config_.runtime_dir + "/" + kAdminTokenName);
+    return Status::Ok();
+  }
+
+  Status BuildArena() {
+    ArenaOptions options;
+    options.size_bytes = config_.arena_size_bytes;
+    options.chunk_size_bytes = config_.chunk_size_bytes;
+    options.prefault_threads = config_.prefault_threads;
+    options.hugepages = config_.hugepages;
+    options.mlock = config_.mlock;
+    options.numa_node = config_.numa_node;
+    MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
+                FormatSize(config_.arena_size_bytes).c_str(),
+                FormatSize(config_.chunk_size_bytes).c_str(), config_.prefault_threads);
+    Result<std::unique_ptr<Arena>> arena = Arena::Build(options, &report_);
+    if (!arena.ok()) return arena.status();
+    arena_ = std::move(arena).value();
+    if (!report_.mlocked && config_.mlock) {
+      MO_LOG_WARN("mlock failed: %s", report_.mlock_problem.c_str());
+    }
+    MO_LOG_INFO("arena ready: %s, %u chunks of %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
+                FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
+                FormatSize(arena_->chunk_size_bytes()).c_str(), report_.build_seconds,
+                arena_->capacity_bytes() / 1e9 / std::max(report_.build_seconds, 1e-9),
+                report_.mlocked ? "yes" : "no");
+    return Status::Ok();
+  }
+
+  Status Serve() {
+    Result<TenantMode> tenant_mode = ParseTenantMode(config_.tenant);
+    if (!tenant_mode.ok()) return tenant_mode.status();
+    FreshBackingOptions fresh;
+    fresh.chunk_size_bytes = arena_->chunk_size_bytes();
+    fresh.spares = *tenant_mode == TenantMode::kNone ? 0 : 1;
+    fresh.hugepages = config_.hugepages && report_.hugepage_chunks > 0;
+    fresh.mlock = arena_->mlocked();
+    fresh.numa_node = config_.numa_node;
+    fresh_backing_ = std::make_unique<FreshBacking>(fresh);
+    table_ = std::make_unique<SessionTable>(arena_.get(), config_.policy, *tenant_mode,
+                                            fresh_backing_.get());
+    const uint64_t instance_id = RandomInstanceId();
+    MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
+
+    Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
+    if (!job_labels.ok()) return job_labels.status();
+    metrics_ = std::make_unique<Metrics>(
+        table_.get(), MetricsInfo{DaemonVersion(), arena_->chunk_count(),
+                                  arena_->chunk_size_bytes(), arena_->mlocked(), *job_labels});
+    if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
+    if (!metrics_port_.problem().empty()) {
+      metrics_port_.RetryUntilBound(
+          [this](std::unique_ptr<prometheus::Exposer> exposer, const std::string& bound) {
+            metrics_->Serve(std::move(exposer));
+            service_->SetMetricsAddress(bound);
+          });
+    }
+    service_ = std::make_unique<OffloadService>(
+        arena_.get(), table_.get(), metrics_.get(),
+        ServiceInfo{DaemonVersion(), config_.runtime_dir, metrics_port_.bound(), admin_token_,
+                    instance_id},
+        config_);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    // No listening port: GrpcListener accepts and hands each admitted
+    // connection to the server.
+    builder.RegisterService(service_.get());
+    // A call whose reply the peer never takes (its HTTP/2 window at 0) is
+    // held until the peer goes. On the synchronous pool (the region calls,
+    // health, reflection) each such call holds a thread: bound the pool
+    // (past it a call is refused, RESOURCE_EXHAUSTED) and the calls one
+    // connection may have open at once.
+    grpc::ResourceQuota sync_threads("memoffloadd-sync");
+    sync_threads.SetMaxThreads(kMaxSyncThreads);
+    builder.SetResourceQuota(sync_threads);
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
+    // What gRPC advertises is what the edge relay's guard enforces.
+    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE,
+                               static_cast<int>(H2Limits{}.max_frame_bytes));
+    server_ = builder.BuildAndStart();
+    if (server_ == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path_);
+    for (int v = 1; v < kH2ViolationCount; ++v) {
+      metrics_->DeclareGrpcCloseReason(H2ViolationName(static_cast<H2Violation>(v)));
+    }
+    grpc_listener_.OnViolation(
+        [this](H2Violation why) { metrics_->GrpcConnectionClosed(H2ViolationName(why)); });
+    grpc_listener_.Start(server_.get());
+
+    BrokerOptions broker;
+    broker.socket_path = broker_path_;
+    broker.grpc_socket_path = grpc_path_;
+    broker.socket_mode = config_.socket_mode;
+    broker.socket_gid = socket_gid_;
+    broker.hello_timeout_ms = static_cast<int>(config_.hello_timeout_ms);
+    broker.instance_id = instance_id;
+    broker.max_connections = config_.max_connections;
+    broker.max_connections_per_uid = config_.max_connections_per_uid;
+    broker_ = std::make_unique<Broker>(io_, arena_.get(), table_.get(), metrics_.get(), broker,
+                                       config_.policy);
+    MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
+    LogListening();
+    return Status::Ok();
+  }
+
+  void LogListening() const {
+    MO_LOG_INFO("listening: runtime dir %s", config_.runtime_dir.c_str());
+    MO_LOG_INFO("  broker  %s", broker_path_.c_str());
+    MO_LOG_INFO("  gRPC    unix:%s", grpc_path_.c_str());
+    MO_LOG_INFO("  metrics %s", !metrics_port_.problem().empty()
+                                    ? ("not served: " + metrics_port_.problem()).c_str()
+                                : metrics_port_.bound().empty()
+                                    ? "disabled"
+                                    : ("http://" + metrics_port_.bound() + "/metrics").c_str());
+    MO_LOG_INFO("  health  %s", health_bound_.empty()
+                                    ? "disabled"
+                                    : ("http://" + health_bound_ + "/readyz, /livez").c_str());
+    MO_LOG_INFO("clients: export MEMOFFLOAD_RUNTIME_DIR=%s", config_.runtime_dir.c_str());
+  }
+
+  HealthState Probe() const {
+    HealthState state;
+    state.draining = table_ != nullptr && table_->draining();
+    state.not_ready = grpc_listener_.Problem();
+    state.degraded = metrics_port_.problem();
+    return state;
+  }
+
+  std::string StatusText() const {
+    const ArenaSnapshot s = table_->Snapshot();
+    return "arena " + FormatSize(s.capacity_bytes - s.free_bytes) + " of " +
+           FormatSize(s.capacity_bytes) + " used, " + std::to_string(s.sessions) + " sessions" +
+           (s.draining ? ", draining" : "");
+  }
+
+  // Deletes checkpoint regions past their TTL, once a second.
+  void ArmRegionTimer() {
+    region_timer_.expires_after(std::chrono::seconds(1));
+    region_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      if (uint64_t expired = table_->ExpireRegions(Clock::now()); expired != 0) {
+        MO_LOG_INFO("deleted %lu checkpoint region%s past %s TTL",
+                    static_cast<unsigned long>(expired), expired == 1 ? "" : "s",
+                    expired == 1 ? "its" : "their");
+      }
+      ArmRegionTimer();
+    });
+  }
+
+  // WATCHDOG=1 and a fresh STATUS= from the event loop, every half watchdog
+  // timeout (every 10 s without one); it keeps going while draining.
+  void ArmNotifyTimer() {
+    notify_timer_.expires_after(notifier_.WatchdogEnabled()
+                                    ? notifier_.WatchdogInterval()
+                                    : std::chrono::microseconds(std::chrono::seconds(10)));
+    notify_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (ec) return;
+      notifier_.WatchdogPing();
+      notifier_.Status(StatusText());
+      ArmNotifyTimer();
+    });
+  }
+
+  void OnSignal(const boost::system::error_code& ec, int signo) {
+    if (ec) return;
+    if (signo == SIGHUP) {
+      Reload();
+    } else if (signo == SIGTERM && !draining_for_exit_) {
+      BeginDrain();
+    } else {
+      MO_LOG_INFO("received %s: stopping now", strsignal(signo));
+      notifier_.Stopping();
+      StopLoop();
+      return;
+    }
+    signals_.async_wait([this](const boost::system::error_code& e, int n) { OnSignal(e, n); });
+  }
+
+  // SIGHUP: access, quotas and region limits change live; the rest waits for
+  // a restart.
+  void Reload() {
+    Result<DaemonConfig> fresh = ReloadConfig(config_, argc_, argv_, ProcessEnvironment());
+    if (!fresh.ok()) {
+      MO_LOG_ERROR("config reload rejected, keeping the previous configuration: %s",
+                   fresh.status().message().c_str());
+      return;
+    }
+    if (fresh->policy.node_reserve_bytes >= arena_->capacity_bytes()) {
+      // The file is validated against the arena size it names; the reserve
+      // must fit the arena that is actually running.
+      MO_LOG_ERROR(
+          "config reload rejected, keeping the previous configuration: "
+          "quotas.node_reserve_bytes %s (%llu bytes) leaves nothing of the running "
+          "%s (%llu bytes) arena; it must be smaller than the running arena (arena.size "
+          "changes take effect at restart)",
+          FormatSize(fresh->policy.node_reserve_bytes).c_str(),
+          static_cast<unsigned long long>(fresh->policy.node_reserve_bytes),
+          FormatSize(arena_->capacity_bytes()).c_str(),
+          static_cast<unsigned long long>(arena_->capacity_bytes()));
+      return;
+    }
+    LogConfigChanges(config_, *fresh);
+    const int64_t socket_gid = config_.policy.socket_gid;  // fixed at start
+    config_.policy = fresh->policy;
+    config_.policy.socket_gid = socket_gid;
+    // Sources of the applied settings only: the others keep the value (and
+    // so the source) they started with.
+    for (const auto& [key, source] : fresh->sources) {
+      if (IsLiveSetting(key)) config_.sources[key] = source;
+    }
+    table_->SetPolicy(config_.policy);
+    broker_->SetPolicy(config_.policy);
+    grpc_listener_.SetPolicy(config_.policy);
+    service_->SetConfig(config_);
+    MO_LOG_INFO("config reloaded from %s", config_.config_file.c_str());
+  }
+
+  // SIGTERM: refuse new work, wait until no group is held or the deadline.
+  void BeginDrain() {
+    draining_for_exit_ = true;
+    notifier_.Stopping();
+    const ArenaSnapshot s = table_->Snapshot();
+    // The bytes waited for are the groups'; regions are not (CheckDrained).
+    MO_LOG_INFO(
+        "received SIGTERM: draining (%u sessions, %s held in groups; deadline %lu ms; "
+        "%u checkpoint region%s (%s) not waited for)",
+        s.sessions, FormatSize(s.capacity_bytes - s.free_bytes - s.region_bytes).c_str(),
+        static_cast<unsigned long>(config_.drain_timeout_ms), s.regions, s.regions == 1 ? "" : "s",
+        FormatSize(s.region_bytes).c_str());
+    table_->BeginShutdown();
+    drain_deadline_ = Clock::now() + std::chrono::milliseconds(config_.drain_timeout_ms);
+    CheckDrained();
+  }
+
+  void CheckDrained() {
+    const ArenaSnapshot s = table_->Snapshot();
+    // Groups are what sessions still need to hand back; checkpoint regions
+    // do not survive the exit whatever the wait, so they are not waited for.
+    const uint64_t groups_bytes = s.capacity_bytes - s.free_bytes - s.region_bytes;
+    const bool empty = groups_bytes == 0;
+    if (empty || Clock::now() >= drain_deadline_) {
+      if (!empty) {
+        MO_LOG_WARN("drain deadline passed with %s still held by %u sessions; stopping",
+                    FormatSize(groups_bytes).c_str(), s.sessions);
+      } else {
+        MO_LOG_INFO("drained: no groups held");
+      }
+      if (s.regions != 0) {
+        MO_LOG_WARN(
+            "%u checkpoint region%s (%s) end with the daemon; jobs load from their "
+            "durable checkpoints after it restarts",
+            s.regions, s.regions == 1 ? "" : "s", FormatSize(s.region_bytes).c_str());
+      }
+      StopLoop();
+      return;
+    }
+    drain_timer_.expires_after(std::chrono::milliseconds(50));
+    drain_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (!ec) CheckDrained();
+    });
+  }
+
+  // Stops accepting, closes every session and leaves the event loop.
+  void StopLoop() {
+    notify_timer_.cancel();
+    region_timer_.cancel();
+    drain_timer_.cancel();
+    health_.Stop();
+    metrics_port_.Stop();
+    if (broker_ != nullptr) broker_->StopAccepting();
+    grpc_listener_.Stop();
+    if (broker_ != nullptr) broker_->CloseAll();
+    io_.stop();
+  }
+
+  // Nothing new reaches the gRPC server; what is still in flight is cancelled.
+  void StopServing() {
+    grpc_listener_.Stop();
+    if (server_ == nullptr) return;
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
+    server_->Wait();
+    server_.reset();
+  }
+
+  DaemonConfig config_;
+  const int argc_;
+  const char* const* argv_;
+  std::unique_ptr<RuntimeDirClaim> claim_;  // first made, last gone
+  gid_t socket_gid_ = static_cast<gid_t>(-1);
+  std::string grpc_path_, broker_path_;
+  asio::io_context io_;
+  asio::signal_set signals_{io_};
+  GrpcListener grpc_listener_;
+  asio::local::stream_protocol::acceptor broker_acceptor_{io_};
+  HealthServer health_;
+  std::string health_bound_;
+  MetricsPort metrics_port_;  // the metrics listener until Serve takes it
+  std::string admin_token_;
+  ArenaBuildReport report_;
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<FreshBacking> fresh_backing_;
+  std::unique_ptr<SessionTable> table_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<OffloadService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<Broker> broker_;
+  Notifier notifier_;
+  asio::steady_timer notify_timer_{io_};
+  asio::steady_timer drain_timer_{io_};
+  asio::steady_timer region_timer_{io_};
+  Clock::time_point drain_deadline_;
+  bool draining_for_exit_ = false;
+};
+
+}  // namespace
+
+Status RunDaemon(const DaemonConfig& config, int argc, const char* const* argv) {
+  Daemon daemon(config, argc, argv);
+  MEMOFFLOAD_RETURN_IF_ERROR(daemon.Start());
+  daemon.Run();
+  return Status::Ok();
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,213 @@
+#include "core/quota_policy.h"
+
+#include "memoffload/common/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+// The smaller non-zero of a configured and an asked limit; 0: neither.
+uint64_t Tighter(uint64_t configured, uint64_t asked) {
+  return asked != 0 && (configured == 0 || asked < configured) ? asked : configured;
+}
+
+QuotaDecision Refuse(QuotaVerdict verdict, RejectReason reason, std::string message) {
+  return QuotaDecision{verdict, reason, ResourceExhausted(std::move(message))};
+}
+
+}  // namespace
+
+const char* RejectReasonName(RejectReason reason) {
+  switch (reason) {
+    case RejectReason::kNone:
+      return "none";
+    case RejectReason::kTooLarge:
+      return "too_large";
+    case RejectReason::kSessionLimit:
+      return "session_limit";
+    case RejectReason::kJobLimit:
+      return "job_limit";
+    case RejectReason::kArenaFull:
+      return "arena_full";
+    case RejectReason::kWaitTimeout:
+      return "wait_timeout";
+    case RejectReason::kTooManyWaiters:
+      return "too_many_waiters";
+    case RejectReason::kDraining:
+      return "draining";
+    case RejectReason::kCancelled:
+      return "cancelled";
+    case RejectReason::kTooFragmented:
+      return "too_fragmented";
+    case RejectReason::kGroupLimit:
+      return "group_limit";
+    case RejectReason::kUidLimit:
+      return "uid_limit";
+    case RejectReason::kUidChunks:
+      return "uid_chunks";
+  }
+  return "unknown";
+}
+
+uint64_t QuotaPolicy::UsableBytes(uint64_t capacity_bytes) const {
+  // A reserve at or above the arena leaves nothing (never wraps around).
+  return policy_.node_reserve_bytes >= capacity_bytes ? 0
+                                                      : capacity_bytes - policy_.node_reserve_bytes;
+}
+
+uint64_t QuotaPolicy::SessionLimit(uint64_t asked_bytes) const {
+  return Tighter(policy_.session_max_bytes, asked_bytes);
+}
+
+uint64_t QuotaPolicy::JobLimit(uint64_t asked_bytes) const {
+  return Tighter(policy_.job_max_bytes, asked_bytes);
+}
+
+Status QuotaPolicy::CheckFitsArena(uint64_t size_bytes, uint64_t capacity_bytes,
+                                   RejectReason* reject) const {
+  const uint64_t usable = UsableBytes(capacity_bytes);
+  if (size_bytes <= usable) return Status::Ok();
+  *reject = RejectReason::kTooLarge;
+  return ResourceExhausted("group of " + FormatSize(size_bytes) +
+                           " is larger than the whole usable arena (" + FormatSize(usable) +
+                           " of " + FormatSize(capacity_bytes) + "; node reserve " +
+                           FormatSize(policy_.node_reserve_bytes) + ")");
+}
+
+Status QuotaPolicy::CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk_bytes,
+                                       RejectReason* reject) const {
+  const uint64_t cap = policy_.uid_max_chunks;
+  if (cap == 0 || chunk_bytes == 0 || bytes <= cap * chunk_bytes) return Status::Ok();
+  *reject = RejectReason::kUidChunks;
+  // Exact bytes: FormatSize would show a page over a whole chunk as equal.
+  return ResourceExhausted(
+      "uid chunk limit: " + std::to_string(bytes) + " bytes is more than the " +
+      std::to_string(cap) + (cap == 1 ? " chunk" : " chunks") + " of " + FormatSize(chunk_bytes) +
+      " (" + std::to_string(cap * chunk_bytes) + " bytes) the tenants of uid " +
+      std::to_string(uid) + " may own (quotas.uid_max_chunks); it can never fit");
+}
+
+Status QuotaPolicy::MayTakeChunks(uid_t uid, uint32_t owned_chunks, uint64_t more_chunks,
+                                  uint64_t bytes, RejectReason* reject) const {
+  const uint64_t cap = policy_.uid_max_chunks;
+  if (cap == 0 || more_chunks == 0 || owned_chunks + more_chunks <= cap) return Status::Ok();
+  *reject = RejectReason::kUidChunks;
+  return ResourceExhausted(
+      "uid chunk limit: the tenants of uid " + std::to_string(uid) + " own " +
+      std::to_string(owned_chunks) + (owned_chunks == 1 ? " chunk" : " chunks") +
+      " (quotas.uid_max_chunks is " + std::to_string(cap) + "), and " + FormatSize(bytes) +
+      " need " + std::to_string(more_chunks) + (more_chunks == 1 ? " chunk" : " chunks") +
+      " more than the free space of its own chunks: release groups or delete regions of its "
+      "jobs (chunks are not shared between tenants), or raise the limit");
+}
+
+QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
+  const uint64_t session_limit = SessionLimit(u.session_asked_bytes);
+  const uint64_t job_limit = JobLimit(u.job_asked_bytes);
+  // Larger than a whole limit: no release can make room.
+  if (session_limit != 0 && bytes > session_limit) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kSessionLimit,
+                  "session limit: " + FormatSize(bytes) + " is more than the whole of its " +
+                      FormatSize(session_limit) + " limit (by " +
+                      FormatSize(bytes - session_limit) + "); it can never fit in session " +
+                      std::to_string(u.session_id));
+  }
+  if (job_limit != 0 && bytes > job_limit) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kJobLimit,
+                  "job limit: " + FormatSize(bytes) + " is more than the whole " +
+                      FormatSize(job_limit) + " limit of job '" + std::string(u.job_id) + "' (by " +
+                      FormatSize(bytes - job_limit) + "); it can never fit");
+  }
+  const uint64_t uid_limit = policy_.uid_max_bytes;
+  if (uid_limit != 0 && bytes > uid_limit) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kUidLimit,
+                  "uid limit: " + FormatSize(bytes) + " is more than the whole " +
+                      FormatSize(uid_limit) + " limit of uid " + std::to_string(u.uid) +
+                      " (quotas.uid_max_bytes, by " + FormatSize(bytes - uid_limit) +
+                      "); it can never fit");
+  }
+  // Held by what the session, its job and its uid hold now.
+  if (u.session_groups >= policy_.max_groups_per_session) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kGroupLimit,
+                  "group limit: session " + std::to_string(u.session_id) + " holds " +
+                      std::to_string(u.session_groups) +
+                      " groups, the limit quotas.max_groups_per_session is " +
+                      std::to_string(policy_.max_groups_per_session) +
+                      "; Release groups before reserving more");
+  }
+  if (session_limit != 0 && u.session_held_bytes + bytes > session_limit) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kSessionLimit,
+                  "session limit: session " + std::to_string(u.session_id) + " holds " +
+                      FormatSize(u.session_held_bytes) + " of its " + FormatSize(session_limit) +
+                      " limit; " + FormatSize(bytes) + " more would exceed it by " +
+                      FormatSize(u.session_held_bytes + bytes - session_limit));
+  }
+  if (job_limit != 0 && u.job_held_bytes + bytes > job_limit) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kJobLimit,
+                  "job limit: job '" + std::string(u.job_id) + "' holds " +
+                      FormatSize(u.job_held_bytes) + " of its " + FormatSize(job_limit) +
+                      " limit; " + FormatSize(bytes) + " more would exceed it by " +
+                      FormatSize(u.job_held_bytes + bytes - job_limit) + " (uid " +
+                      std::to_string(u.uid) + ")");
+  }
+  if (uid_limit != 0 && u.uid_held_bytes + bytes > uid_limit) {
+    return Refuse(QuotaVerdict::kHeld, RejectReason::kUidLimit,
+                  "uid limit: the sessions of uid " + std::to_string(u.uid) + " hold " +
+                      FormatSize(u.uid_held_bytes) + " of its " + FormatSize(uid_limit) +
+                      " limit (quotas.uid_max_bytes, over all its jobs); " + FormatSize(bytes) +
+                      " more would exceed it by " +
+                      FormatSize(u.uid_held_bytes + bytes - uid_limit));
+  }
+  return QuotaDecision{};
+}
+
+Status QuotaPolicy::CheckUidRegionCount(uid_t uid, uint64_t held_count) const {
+  const uint64_t limit = policy_.max_regions_per_uid;
+  if (limit == 0 || held_count < limit) return Status::Ok();
+  return ResourceExhausted(
+      "uid " + std::to_string(uid) + " holds " + std::to_string(held_count) +
+      " regions over all its jobs, its limit (regions.max_per_uid = " + std::to_string(limit) +
+      "; by default an eighth of regions.max_count); delete old ones (a deleted or expired "
+      "region still open by a reader counts until it is closed), or raise regions.max_per_uid "
+      "(0: no per-uid limit)");
+}
+
+Status QuotaPolicy::CheckUidRegionBytes(uid_t uid, uint64_t held_bytes, const std::string& name,
+                                        uint64_t bytes) const {
+  const uint64_t limit = policy_.region_uid_max_bytes;
+  if (limit == 0 || held_bytes + bytes <= limit) return Status::Ok();
+  return ResourceExhausted(
+      "region " + name + " (" + FormatSize(bytes) + ") over uid " + std::to_string(uid) +
+      "'s region limit: its jobs hold " + FormatSize(held_bytes) + " of " + FormatSize(limit) +
+      " (regions.uid_max_bytes; by default half of regions.max_bytes); " +
+      (bytes > limit ? "it is larger than the whole limit and can never fit"
+                     : "delete old checkpoints (a deleted or expired region still open by a "
+                       "reader counts until it is closed)") +
+      ", or raise regions.uid_max_bytes (0: only regions.max_bytes)");
+}
+
+ArenaRoom QuotaPolicy::Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,
+                            uint64_t keep_free_bytes) const {
+  ArenaRoom room;
+  room.usable_bytes = UsableBytes(capacity_bytes);
+  room.available_bytes = room.usable_bytes > used_bytes ? room.usable_bytes - used_bytes : 0;
+  room.fits = bytes <= room.available_bytes;
+  room.leaves_kept_free = room.fits && keep_free_bytes <= room.available_bytes - bytes;
+  return room;
+}
+
+Status QuotaPolicy::ArenaFull(const ArenaRoom& room, uint64_t used_bytes, uint64_t bytes,
+                              uint64_t keep_free_bytes) const {
+  const uint64_t needed = bytes + keep_free_bytes;
+  return ResourceExhausted(
+      "arena full: " + FormatSize(bytes) + " requested, " + FormatSize(room.available_bytes) +
+      " available (" + FormatSize(used_bytes) + " in use of " + FormatSize(room.usable_bytes) +
+      " usable; node reserve " + FormatSize(policy_.node_reserve_bytes) +
+      (keep_free_bytes == 0 ? std::string()
+                            : "; " + FormatSize(keep_free_bytes) +
+                                  " kept free for an older waiting reserve of another tenant "
+                                  "(quotas.reserve_aging)") +
+      "), short by " +
+      FormatSize(needed > room.available_bytes ? needed - room.available_bytes : 0));
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,157 @@
+// QuotaPolicy: whether a Reserve's bytes are within its quotas and within
+// the usable arena.
+//
+// A pure decision object: no lock, no thread, no clock, no table. The caller
+// passes what the request's session and job hold (QuotaUsage) and what the
+// arena holds; SessionTable owns one and guards it with its mutex. Each rule
+// is decided here once per try, so the caller never checks a limit again.
+//
+// Rules:
+// - The usable arena is capacity - quotas.node_reserve_bytes (0 when the
+//   reserve covers the arena). A request larger than it can never fit.
+// - A session's limit is the smaller non-zero one of quotas.session_max_bytes
+//   and its hello's max_bytes; a job's, of quotas.job_max_bytes and the
+//   smallest job_max_bytes a hello of the job asked for; a uid's (all its
+//   sessions, whatever job ids they name), quotas.uid_max_bytes. 0: no limit.
+// - A request larger than its session's, its job's or its uid's whole limit
+//   can never fit (kNever). Otherwise its own quota holds it back (kHeld)
+//   while its session holds quotas.max_groups_per_session groups, or while
+//   its session's, its job's or its uid's held bytes plus the request exceed
+//   the limit.
+//   Checked in that order; the first that fails names the refusal.
+// - With tenants, the chunks the tenants of one uid own (whatever job ids
+//   they name) are at most quotas.uid_max_chunks (0: no limit): a request
+//   larger than that many chunks can never fit; one that needs a chunk
+//   more while its uid owns that many is held back by its own quota. A
+//   uid's bytes limit alone lets it pin a chunk with each of a few small
+//   groups or regions; this bounds the chunks it keeps from others.
+// - Checkpoint regions of one uid (over all its job ids) are at most
+//   regions.max_per_uid in number and regions.uid_max_bytes in bytes; by
+//   default an eighth of regions.max_count and half of regions.max_bytes
+//   (config.cc resolves them), 0: no per-uid limit. The region's other
+//   limits (per job, per node) are the SessionTable's.
+// - Room: a request fits the arena now when used + bytes <= usable. It
+//   leaves an aged waiter's keep_free_bytes free when used + bytes +
+//   keep_free_bytes <= usable too.
+#ifndef MEMOFFLOAD_DAEMON_QUOTA_POLICY_H_
+#define MEMOFFLOAD_DAEMON_QUOTA_POLICY_H_
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "config/config.h"
+#include "memoffload/common/status.h"
+
+namespace memoffload::daemon {
+
+// Why a Reserve was refused; a label of the rejections metric.
+enum class RejectReason {
+  kNone,
+  kTooLarge,  // larger than the usable arena: can never fit
+  kSessionLimit,
+  kJobLimit,
+  kArenaFull,    // usable arena (capacity - node reserve) is full
+  kWaitTimeout,  // waited until the deadline
+  kTooManyWaiters,
+  kDraining,
+  kCancelled,      // the caller cancelled (or its deadline passed) while waiting
+  kTooFragmented,  // would take more than quotas.max_extents_per_reserve extents
+  kGroupLimit,     // the session holds quotas.max_groups_per_session groups
+  kUidLimit,       // quotas.uid_max_bytes: what all sessions of the uid hold
+  kUidChunks,      // quotas.uid_max_chunks: the chunks the uid's tenants own
+};
+inline constexpr int kRejectReasonCount = 13;
+const char* RejectReasonName(RejectReason reason);
+
+// What a request is measured against: its session's and its job's holdings
+// now, and who they are (named in refusals).
+struct QuotaUsage {
+  uint64_t session_id = 0;
+  uint64_t session_held_bytes = 0;
+  uint64_t session_groups = 0;
+  uint64_t session_asked_bytes = 0;  // the hello's max_bytes; 0: none
+  std::string_view job_id;           // outlives the call
+  uid_t uid = 0;
+  uint64_t job_held_bytes = 0;
+  uint64_t job_asked_bytes = 0;  // smallest job_max_bytes asked; 0: none
+  uint64_t uid_held_bytes = 0;   // all sessions of the uid
+};
+
+enum class QuotaVerdict {
+  kAllowed,  // within every quota
+  kHeld,     // its own quota holds it back now; it may fit later
+  kNever,    // larger than a whole limit: it can never fit
+};
+
+struct QuotaDecision {
+  QuotaVerdict verdict = QuotaVerdict::kAllowed;
+  RejectReason reason = RejectReason::kNone;
+  Status status;  // RESOURCE_EXHAUSTED naming the limit and the excess, unless allowed
+  bool allowed() const { return verdict == QuotaVerdict::kAllowed; }
+};
+
+// The arena's room for a request now (Room).
+struct ArenaRoom {
+  bool fits = false;              // used + bytes <= usable
+  bool leaves_kept_free = false;  // and keep_free_bytes more
+  uint64_t usable_bytes = 0;
+  uint64_t available_bytes = 0;  // usable - used, or 0
+};
+
+class QuotaPolicy {
+ public:
+  explicit QuotaPolicy(const Policy& policy = Policy{}) : policy_(policy) {}
+
+  const Policy& policy() const { return policy_; }
+
+  // capacity - node reserve, or 0 when the reserve covers the arena.
+  uint64_t UsableBytes(uint64_t capacity_bytes) const;
+  // The limits in force; 0: no limit.
+  uint64_t SessionLimit(uint64_t asked_bytes) const;
+  uint64_t JobLimit(uint64_t asked_bytes) const;
+
+  // RESOURCE_EXHAUSTED (kTooLarge) when `size_bytes` exceeds the usable
+  // arena of `capacity_bytes`: it can never fit, however long it waits.
+  Status CheckFitsArena(uint64_t size_bytes, uint64_t capacity_bytes, RejectReason* reject) const;
+  // The one quota check of a try to place `bytes` (page-rounded) for
+  // `usage`: every session and job limit and the group count, once.
+  QuotaDecision Check(const QuotaUsage& usage, uint64_t bytes) const;
+  // quotas.uid_max_chunks: RESOURCE_EXHAUSTED (kUidChunks) when `bytes`
+  // exceed the whole limit of `uid` in chunks of `chunk_bytes` (it can never
+  // fit), else OK. 0: no limit.
+  Status CheckFitsUidChunks(uid_t uid, uint64_t bytes, uint64_t chunk_bytes,
+                            RejectReason* reject) const;
+  // Whether a placement of `bytes` for `uid`, whose tenants own
+  // `owned_chunks`, may take over `more_chunks` chunks more: OK, or
+  // RESOURCE_EXHAUSTED (kUidChunks) naming the limit (the request waits for
+  // its uid's own chunks to have room).
+  Status MayTakeChunks(uid_t uid, uint32_t owned_chunks, uint64_t more_chunks, uint64_t bytes,
+                       RejectReason* reject) const;
+  // regions.max_per_uid: RESOURCE_EXHAUSTED when `uid`, whose jobs hold
+  // `held_count` regions, may create no more; the message names the limit
+  // and how to raise it.
+  Status CheckUidRegionCount(uid_t uid, uint64_t held_count) const;
+  // regions.uid_max_bytes: RESOURCE_EXHAUSTED when region `name` of `bytes`
+  // (page-rounded) would take what the regions of `uid` hold, `held_bytes`,
+  // past the limit; the message names it and how to raise it.
+  Status CheckUidRegionBytes(uid_t uid, uint64_t held_bytes, const std::string& name,
+                             uint64_t bytes) const;
+  // The one capacity check of a placement: whether `bytes` fit the usable
+  // arena now, and leave keep_free_bytes free.
+  ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,
+                 uint64_t keep_free_bytes) const;
+  // RESOURCE_EXHAUSTED (kArenaFull) naming `bytes`, what is available and
+  // the shortfall given `room`, and keep_free_bytes when not 0.
+  Status ArenaFull(const ArenaRoom& room, uint64_t used_bytes, uint64_t bytes,
+                   uint64_t keep_free_bytes) const;
+
+ private:
+  Policy policy_;
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_QUOTA_POLICY_H_

@@ -1,0 +1,569 @@
+#include "core/session_table.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "base/log.h"
+#include "memoffload/common/units.h"
+
+namespace memoffload::daemon {
+
+const char* GroupStateName(GroupState state) {
+  switch (state) {
+    case GroupState::kReserved:
+      return "reserved";
+    case GroupState::kCommitted:
+      return "committed";
+    case GroupState::kRead:
+      return "read";
+  }
+  return "unknown";
+}
+
+const char* CloseReasonName(CloseReason reason) {
+  switch (reason) {
+    case CloseReason::kLifelineClosed:
+      return "lifeline_closed";
+    case CloseReason::kProcessExited:
+      return "process_exited";
+    case CloseReason::kShutdown:
+      return "shutdown";
+  }
+  return "unknown";
+}
+
+namespace {
+std::string JobKey(uid_t uid, const std::string& job_id) {
+  return std::to_string(uid) + ":" + job_id;
+}
+}  // namespace
+
+SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode,
+                           FreshBacking* fresh_backing)
+    : arena_(arena),
+      quota_(policy),
+      tenant_chunks_(arena->chunk_count(), tenant_mode),
+      fresh_backing_(fresh_backing) {
+  // No chunk has a tenant yet: every one in the allocator's pool of no
+  // tenant, whatever a table before this one over the same arena left.
+  for (uint32_t c = 0; c < arena_->chunk_count(); ++c) {
+    if (Status st = arena_->allocator().SetChunkPool(c, TenantChunks::kNoTenantPool); !st.ok()) {
+      MO_LOG_ERROR("internal error: chunk %u back to pool 0: %s", c, st.ToString().c_str());
+    }
+  }
+  queue_.SetLimits(QueueLimits());
+  deadline_thread_ = std::thread([this] { ExpireWaitersLoop(); });
+}
+
+SessionTable::~SessionTable() {
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+    FailAllWaiters(Unavailable("memoffloadd is stopping; nothing was reserved"),
+                   RejectReason::kDraining, &done);
+  }
+  deadline_changed_.notify_all();
+  deadline_thread_.join();
+  Run(&done);
+}
+
+void SessionTable::SetPolicy(const Policy& policy) {
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    quota_ = QuotaPolicy(policy);
+    queue_.SetLimits(QueueLimits());
+    FailWaitersThatCanNeverFit(&done);
+    DispatchWaiters(&done);
+  }
+  Run(&done);
+}
+
+Status SessionTable::SetDraining(bool draining) {
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!draining && shutting_down_) {
+      return FailedPrecondition(
+          "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
+          "sessions release or the drain deadline passes");
+    }
+    draining_ = draining;
+    if (draining) {
+      FailAllWaiters(Unavailable("memoffloadd is draining: this waiting reserve was refused "
+                                 "until 'memoffloadctl undrain'"),
+                     RejectReason::kDraining, &done);
+    }
+  }
+  Run(&done);
+  return Status::Ok();
+}
+
+void SessionTable::BeginShutdown() {
+  Completions done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutting_down_ = true;
+    draining_ = true;
+    FailAllWaiters(
+        Unavailable("memoffloadd is shutting down (SIGTERM): this waiting reserve was refused"),
+        RejectReason::kDraining, &done);
+  }
+  Run(&done);
+}
+
+bool SessionTable::draining() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return draining_;
+}
+
+uint64_t SessionTable::UsableBytes() const { return quota_.UsableBytes(arena_->capacity_bytes()); }
+
+SessionTable::Job& SessionTable::JobOf(const Session& session) { return *session.job; }
+
+QuotaUsage SessionTable::UsageOf(const Session& s) const {
+  QuotaUsage u;
+  u.session_id = s.grant.session_id;
+  u.session_held_bytes = s.held_bytes;
+  u.session_groups = s.groups.size();
+  u.session_asked_bytes = s.hello.max_bytes;
+  u.job_id = s.hello.job_id;
+  u.uid = s.peer.uid;
+  u.job_held_bytes = s.job->held_bytes;
+  u.job_asked_bytes = s.job->requested_limit;
+  u.uid_held_bytes = s.uid_totals->held_bytes;
+  return u;
+}
+
+Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer,
+                                        std::shared_ptr<RankSeries> series) {
+  Result<std::string> token = NewSessionToken();
+  if (!token.ok()) return token.status();
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (shutting_down_) {
+    return Unavailable("memoffloadd is shutting down (SIGTERM): new sessions are refused");
+  }
+  if (draining_) {
+    return Unavailable(
+        "memoffloadd is draining: new sessions are refused until 'memoffloadctl "
+        "undrain'");
+  }
+  Session s;
+  s.grant.session_id = next_session_id_++;
+  s.grant.token = std::move(token).value();
+  s.hello = hello;
+  switch (tenant_chunks_.mode()) {
+    case TenantMode::kUid:
+      s.tenant = "uid:" + std::to_string(peer.uid);
+      break;
+    case TenantMode::kJob:
+      // The uid keeps another user who names the same job id out of its chunks.
+      s.tenant = "job:" + std::to_string(peer.uid) + ":" + hello.job_id;
+      break;
+    case TenantMode::kNone:
+      break;
+  }
+
+  s.job_key = JobKey(peer.uid, hello.job_id);
+  s.grant.limit_bytes = quota_.SessionLimit(hello.max_bytes);
+  s.peer = peer;
+  s.opened_at = Clock::now();
+  s.series = std::move(series);
+  Job& job = jobs_[s.job_key];
+  s.job = &job;
+  ++job.sessions;
+  s.uid_totals = &uid_totals_[peer.uid];
+  if (++s.uid_totals->sessions == 1) WarnIfSharedWithoutUidLimits(peer.uid);
+  bool job_limit_lowered = false;
+  if (hello.job_max_bytes != 0 &&
+      (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
+    job.requested_limit = hello.job_max_bytes;
+    job_limit_lowered = job.sessions > 1;
+  }
+  s.owned = tenant_chunks_.Join(s.tenant, peer.uid);
+  SessionGrant grant = s.grant;
+  sessions_.emplace(grant.session_id, std::move(s));
+  // The job's other sessions may have waiters the new limit can never fit.
+  if (job_limit_lowered) FailWaitersThatCanNeverFit(&done);
+  lock.unlock();
+  Run(&done);
+  return grant;
+}
+
+Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReason) {
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return NotFound("session " + std::to_string(session_id) + " is not open");
+  }
+  uint64_t reclaimed = 0;
+  for (auto& [id, group] : it->second.groups) {
+    AddStateBytes(group.state, -static_cast<int64_t>(group.held_bytes));
+    FreeExtents(group.extents);
+    reclaimed += group.held_bytes;
+    --groups_;
+  }
+  auto job = jobs_.find(it->second.job_key);
+  if (job != jobs_.end()) {
+    job->second.held_bytes -= reclaimed;
+    if (--job->second.sessions == 0) jobs_.erase(job);
+  }
+  if (auto uid = uid_totals_.find(it->second.peer.uid); uid != uid_totals_.end()) {
+    uid->second.held_bytes -= reclaimed;
+    if (--uid->second.sessions == 0) uid_totals_.erase(uid);
+  }
+  Closed closed;
+  closed.group_bytes = reclaimed;
+  ForgetRegionsOf(it->second, &closed);
+  tenant_chunks_.Forget(session_id);
+  // Dropped after the lock: the last reference takes the metrics' lock.
+  std::shared_ptr<RankSeries> series = std::move(it->second.series);
+  tenant_chunks_.Leave(it->second.tenant);
+  sessions_.erase(it);
+  FailSessionWaiters(session_id, &done);
+  DispatchWaiters(&done);
+  lock.unlock();
+  series.reset();
+  Run(&done);
+  return closed;
+}
+
+Result<SessionTable::Session*> SessionTable::Authenticate(uint64_t session_id,
+                                                          const std::string& token) {
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) {
+    return NotFound("session " + std::to_string(session_id) +
+                    " is not open (it ended, or the daemon restarted): attach again");
+  }
+  if (!ConstantTimeEquals(it->second.grant.token, token)) {
+    return Unauthenticated("session token does not match session " + std::to_string(session_id));
+  }
+  return &it->second;
+}
+
+Result<SessionTable::Group*> SessionTable::FindGroup(Session* session, uint64_t group_id) {
+  auto it = session->groups.find(group_id);
+  if (it == session->groups.end()) {
+    return NotFound("group " + std::to_string(group_id) + " does not exist in session " +
+                    std::to_string(session->grant.session_id));
+  }
+  return &it->second;
+}
+
+void SessionTable::AddStateBytes(GroupState state, int64_t delta) {
+  uint64_t* counter = state == GroupState::kReserved    ? &reserved_bytes_
+                      : state == GroupState::kCommitted ? &committed_bytes_
+                                                        : &read_bytes_;
+  *counter = static_cast<uint64_t>(static_cast<int64_t>(*counter) + delta);
+}
+
+void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
+  for (const Extent& e : extents) {
+    // Extents in the table came from the allocator: a refusal is a bug in
+    // the bookkeeping (the extent stays as the allocator has it).
+    if (Status st = arena_->allocator().Free(e); !st.ok()) {
+      ++free_errors_;
+      MO_LOG_ERROR("internal error: freeing extent (chunk %u, offset %lu, %lu bytes): %s", e.chunk,
+                   static_cast<unsigned long>(e.offset), static_cast<unsigned long>(e.length),
+                   st.ToString().c_str());
+    }
+  }
+}
+
+Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string& token,
+                                          uint64_t group_id, uint64_t used_bytes,
+                                          std::vector<uint32_t> extent_crc32c) {
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
+  Result<Session*> session = Authenticate(session_id, token);
+  if (!session.ok()) return session.status();
+  Result<Group*> group = FindGroup(*session, group_id);
+  if (!group.ok()) return group.status();
+  Group& g = **group;
+  if (g.state != GroupState::kReserved) {
+    return FailedPrecondition("group " + std::to_string(group_id) + " is " +
+                              GroupStateName(g.state) + "; only a reserved group can be committed");
+  }
+  if (used_bytes > g.held_bytes) {
+    return InvalidArgument("used_bytes " + std::to_string(used_bytes) +
+                           " exceeds the group's reserved " + std::to_string(g.held_bytes) +
+                           " bytes");
+  }
+  if (!extent_crc32c.empty()) {
+    size_t touched = 0;
+    uint64_t pos = 0;
+    for (const Extent& e : g.extents) {
+      if (pos >= used_bytes) break;
+      ++touched;
+      pos += e.length;
+    }
+    if (extent_crc32c.size() != touched) {
+      return InvalidArgument("extent_crc32c has " + std::to_string(extent_crc32c.size()) +
+                             " checksums; the used bytes span " + std::to_string(touched) +
+                             " extents");
+    }
+  }
+  Result<std::vector<Extent>> kept = arena_->allocator().Trim(g.extents, used_bytes);
+  if (!kept.ok()) return Internal("trimming group: " + kept.status().message());
+  uint64_t kept_bytes = 0;
+  for (const Extent& e : *kept) kept_bytes += e.length;
+  const uint64_t returned = g.held_bytes - kept_bytes;
+  reserved_bytes_ -= g.held_bytes;
+  committed_bytes_ += kept_bytes;
+  (*session)->held_bytes -= returned;
+  JobOf(**session).held_bytes -= returned;
+  (*session)->uid_totals->held_bytes -= returned;
+  g.extents = std::move(kept).value();
+  g.held_bytes = kept_bytes;
+  g.used_bytes = used_bytes;
+  g.extent_crc32c = std::move(extent_crc32c);
+  g.state = GroupState::kCommitted;
+  g.committed_at = Clock::now();
+  // Copied under the lock: the session may end once it is released.
+  CommitResult result{kept_bytes, returned, (*session)->series};
+  if (returned != 0) DispatchWaiters(&done);
+  lock.unlock();
+  Run(&done);
+  return result;
+}
+
+Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::string& token,
+                                              uint64_t group_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Result<Session*> session = Authenticate(session_id, token);
+  if (!session.ok()) return session.status();
+  Result<Group*> group = FindGroup(*session, group_id);
+  if (!group.ok()) return group.status();
+  Group& g = **group;
+  if (g.state == GroupState::kReserved) {
+    return FailedPrecondition("group " + std::to_string(group_id) +
+                              " is reserved but not committed; Commit it before Prefetch");
+  }
+  if (g.state == GroupState::kCommitted) {
+    committed_bytes_ -= g.held_bytes;
+    read_bytes_ += g.held_bytes;
+    g.state = GroupState::kRead;
+  }
+  return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c, (*session)->series};
+}
+
+Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
+                                            uint64_t group_id) {
+  Completions done;
+  std::unique_lock<std::mutex> lock(mu_);
+  Result<Session*> session = Authenticate(session_id, token);
+  if (!session.ok()) return session.status();
+  Session& s = **session;
+  auto it = s.groups.find(group_id);
+  if (it == s.groups.end()) {
+    return NotFound("group " + std::to_string(group_id) + " does not exist in session " +
+                    std::to_string(session_id));
+  }
+  Group& g = it->second;
+  ReleaseResult result;
+  result.released_bytes = g.held_bytes;
+  result.state = g.state;
+  if (g.state != GroupState::kReserved) {
+    result.resident_seconds = std::chrono::duration<double>(Clock::now() - g.committed_at).count();
+  }
+  AddStateBytes(g.state, -static_cast<int64_t>(g.held_bytes));
+  FreeExtents(g.extents);
+  s.held_bytes -= g.held_bytes;
+  JobOf(s).held_bytes -= g.held_bytes;
+  s.uid_totals->held_bytes -= g.held_bytes;
+  --groups_;
+  RecycleGroupNode(s.groups.extract(it));
+  DispatchWaiters(&done);  // bytes, and a group slot, came back
+  lock.unlock();
+  Run(&done);
+  return result;
+}
+
+ArenaSnapshot SessionTable::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ArenaSnapshot a;
+  a.capacity_bytes = arena_->allocator().capacity_bytes();
+  a.free_bytes = arena_->allocator().free_bytes();
+  a.largest_free_extent_bytes = arena_->allocator().largest_free_extent_bytes();
+  a.reserved_bytes = reserved_bytes_;
+  a.committed_bytes = committed_bytes_;
+  a.read_bytes = read_bytes_;
+  a.node_reserve_bytes = quota_.policy().node_reserve_bytes;
+  a.sessions = static_cast<uint32_t>(sessions_.size());
+  a.groups = groups_;
+  a.waiting_reserves = static_cast<uint32_t>(queue_.size());
+  a.draining = draining_;
+  a.shutting_down = shutting_down_;
+  a.owned_chunks = tenant_chunks_.owned_chunks();
+  a.replaced_backings = replaced_backings_;
+  a.free_errors = free_errors_;
+  a.regions = region_count_;
+  a.committed_regions = committed_region_count_;
+  a.region_bytes = region_bytes_;
+  a.committed_region_bytes = committed_region_bytes_;
+  a.region_max_bytes = quota_.policy().region_max_bytes;
+  a.regions_expired = regions_expired_;
+  if (fresh_backing_ != nullptr) {
+    const FreshBackingStats f = fresh_backing_->Stats();
+    a.unfaulted_backings = f.taken_unfaulted;
+    a.spare_backings = f.spares;
+    a.stale_backings = f.stale_backings;
+    a.stale_bytes = f.stale_bytes;
+  }
+  return a;
+}
+
+SessionSnapshot SessionTable::SnapshotOf(uint64_t id, const Session& s,
+                                         Clock::time_point now) const {
+  SessionSnapshot snap;
+  snap.session_id = id;
+  snap.job_id = s.hello.job_id;
+  snap.rank = s.hello.rank;
+  snap.local_rank = s.hello.local_rank;
+  snap.peer = s.peer;
+  snap.held_bytes = s.held_bytes;
+  snap.groups = s.groups.size();
+  snap.limit_bytes = quota_.SessionLimit(s.hello.max_bytes);
+  snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
+  return snap;
+}
+
+std::optional<SessionSnapshot> SessionTable::FindSession(uint64_t session_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = sessions_.find(session_id);
+  if (it == sessions_.end()) return std::nullopt;
+  return SnapshotOf(it->first, it->second, Clock::now());
+}
+
+std::vector<SessionSnapshot> SessionTable::ListSessions() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<SessionSnapshot> out;
+  const auto now = Clock::now();
+  for (const auto& [id, s] : sessions_) out.push_back(SnapshotOf(id, s, now));
+  // In the order they opened (ids ascend), whatever the map's order.
+  std::sort(out.begin(), out.end(), [](const SessionSnapshot& a, const SessionSnapshot& b) {
+    return a.session_id < b.session_id;
+  });
+  return out;
+}
+
+Status SessionTable::CheckInvariants() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
+  uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
+  std::unordered_map<uid_t, UidTotals> uid_held;
+  for (const auto& [id, s] : sessions_) {
+    if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
+      return Internal("session " + std::to_string(id) + " does not point at its job " + s.job_key);
+    }
+    if (auto uid = uid_totals_.find(s.peer.uid);
+        uid == uid_totals_.end() || &uid->second != s.uid_totals) {
+      return Internal("session " + std::to_string(id) + " does not point at its uid's totals");
+    }
+    uid_held[s.peer.uid].held_bytes += s.held_bytes;
+    ++uid_held[s.peer.uid].sessions;
+    uint64_t session_held = 0;
+    for (const auto& [gid, g] : s.groups) {
+      uint64_t sum = 0;
+      for (const Extent& e : g.extents) {
+        sum += e.length;
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != s.tenant) {
+          return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
+                          " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
+                          owner);
+        }
+      }
+
+      if (sum != g.held_bytes) {
+        return Internal("group " + std::to_string(gid) + " extents sum to " + std::to_string(sum) +
+                        ", recorded " + std::to_string(g.held_bytes));
+      }
+      session_held += g.held_bytes;
+      by_state[static_cast<int>(g.state)] += g.held_bytes;
+      ++groups;
+    }
+    if (session_held != s.held_bytes) {
+      return Internal("session " + std::to_string(id) + " holds " + std::to_string(session_held) +
+                      ", recorded " + std::to_string(s.held_bytes));
+    }
+    held += session_held;
+  }
+  for (const auto& [uid, totals] : uid_totals_) {
+    const UidTotals& counted = uid_held[uid];
+    if (counted.held_bytes != totals.held_bytes || counted.sessions != totals.sessions) {
+      return Internal("uid " + std::to_string(uid) + " holds " +
+                      std::to_string(counted.held_bytes) + " in " +
+                      std::to_string(counted.sessions) + " sessions, its totals say " +
+                      std::to_string(totals.held_bytes) + " in " + std::to_string(totals.sessions));
+    }
+  }
+  uint64_t region_held = 0;
+  uint32_t region_count = 0;
+  std::unordered_map<uid_t, UidRegions> by_uid;
+  for (const auto& [key, job] : regions_) {
+    uint64_t job_held = 0;
+    for (const auto& [name, r] : job.by_name) {
+      uint64_t sum = 0;
+      for (const Extent& e : r.extents) {
+        sum += e.length;
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != r.tenant) {
+          return Internal("region " + name + " of tenant " + r.tenant + " has an extent in chunk " +
+                          std::to_string(e.chunk) + " of tenant " + owner);
+        }
+      }
+      if (sum != r.held_bytes) return Internal("region " + name + " extents disagree");
+      by_uid[r.uid].held_bytes += sum;
+      ++by_uid[r.uid].count;
+      job_held += sum;
+      ++region_count;
+    }
+    if (job_held != job.held_bytes) return Internal("job " + key + " region bytes disagree");
+    region_held += job_held;
+  }
+  if (tenant_chunks_.mode() != TenantMode::kNone) {
+    std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
+    uint64_t chunk_bytes = 0;
+    for (const auto& [key, job] : regions_) {
+      for (const auto& [name, r] : job.by_name) {
+        for (const Extent& e : r.extents) {
+          if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
+        }
+      }
+    }
+    if (chunk_bytes != region_chunk_bytes_ ||
+        (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
+      return Internal("the chunks regions pin disagree with the regions");
+    }
+  }
+  if (region_held != region_bytes_ || region_count != region_count_) {
+    return Internal("region counters disagree with the regions");
+  }
+  for (const auto& [uid, u] : by_uid) {
+    const UidRegions counted = UidRegionsOf(uid);
+    if (counted.held_bytes != u.held_bytes || counted.count != u.count) {
+      return Internal("uid " + std::to_string(uid) + "'s region tally disagrees with its regions");
+    }
+  }
+  if (by_uid.size() != uid_regions_.size()) {
+    return Internal("a uid without regions keeps a region tally");
+  }
+  held += region_held;
+  if (held != arena_->allocator().used_bytes()) {
+    return Internal("sessions and regions hold " + std::to_string(held) +
+                    " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
+  }
+  if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
+      by_state[2] != read_bytes_) {
+    return Internal("state counters disagree with the groups");
+  }
+  return Status::Ok();
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,463 @@
+// SessionTable: sessions, their groups, and every byte they hold.
+//
+// The single authority on who holds which extents. All public methods are
+// thread-safe (one mutex guards sessions_, the arena's allocator and the
+// counters) and validate their input completely: a bad request returns a
+// status and changes nothing. Groups are scoped to their session, so a
+// session can only ever name its own groups.
+//
+// Group states: kReserved (extents writable by the client) -> Commit ->
+// kCommitted (the daemon owns the bytes) -> Prefetch -> kRead (extents
+// readable) -> Release. Release is valid in every state.
+#ifndef MEMOFFLOAD_DAEMON_SESSION_TABLE_H_
+#define MEMOFFLOAD_DAEMON_SESSION_TABLE_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/container/node_hash_map.h"
+#include "config/config.h"
+#include "core/quota_policy.h"
+#include "core/reserve_queue.h"
+#include "core/session_token.h"
+#include "core/session_types.h"
+#include "core/tenant_chunks.h"
+#include "memoffload/common/status.h"
+#include "memoffload/shared_mem/attach_wire.h"
+#include "memory/arena.h"
+#include "memory/fresh_backing.h"
+
+namespace memoffload::daemon {
+
+class SessionTable {
+ public:
+  // fresh_backing (not owned; may be null in tests: new backings are then
+  // created unfaulted and old ones dropped inline) supplies new memfds for
+  // chunks that change tenant.
+  SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode = TenantMode::kUid,
+               FreshBacking* fresh_backing = nullptr);
+  // Answers every waiting reserve (UNAVAILABLE) and stops the deadline thread.
+  ~SessionTable();
+  SessionTable(const SessionTable&) = delete;
+  SessionTable& operator=(const SessionTable&) = delete;
+
+  // Creates a session for an attached peer with a fresh random token.
+  // `series` (Metrics::SeriesFor of the hello's job id and rank; may be null)
+  // is kept with the session and handed back by Commit and Prefetch.
+  Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer,
+                            std::shared_ptr<RankSeries> series = nullptr);
+
+  // Chunks whose fds a new session gets at attach: those its tenant owns
+  // (every chunk with TenantMode::kNone). Records the session as a holder.
+  Result<std::vector<ChunkGrant>> AttachChunks(uint64_t session_id);
+  // A session asks for more chunk fds (its reservations landed there). Each
+  // must belong to its tenant: PERMISSION_DENIED otherwise, nothing granted.
+  // A backing handed to a live session is never replaced while it lives.
+  Result<std::vector<ChunkGrant>> GrantChunks(uint64_t session_id,
+                                              const std::vector<uint32_t>& chunks);
+
+  // What closing a session gave back to the free pool.
+  struct Closed {
+    uint64_t group_bytes = 0;  // its groups (activations)
+    // Regions freed with it: the one it was writing (never committed), and
+    // deleted ones it was the last to read.
+    uint64_t region_bytes = 0;
+    uint32_t regions = 0;
+  };
+  // Ends a session and returns everything it holds to the free pool.
+  // NOT_FOUND if the session is already gone.
+  Result<Closed> Close(uint64_t session_id, CloseReason reason);
+
+  // Each checks the session (NOT_FOUND), then the token in constant time
+  // (UNAUTHENTICATED), then the group and its state.
+  //
+  // Reserve checks, in order: the usable arena (capacity - node reserve),
+  // the session limit, the job limit, the session's group count (the quotas:
+  // QuotaPolicy, asked once per try), free space (QuotaPolicy::Room, once
+  // per placement) and the extent count (quotas.max_extents_per_reserve;
+  // over it nothing is reserved). A request larger than the usable arena,
+  // its session limit or its job limit can never fit and fails at once,
+  // waiting or not.
+  // Otherwise, without wait_until, a request that does not fit fails at once
+  // with RESOURCE_EXHAUSTED naming the limit and the shortfall.
+  //
+  // With wait_until it waits, without holding a thread, until it fits or the
+  // time passes; then it fails with RESOURCE_EXHAUSTED naming the last
+  // shortfall. Waiters are served by ReserveQueue's rules: arrival order
+  // within a tenant (no request of a tenant is placed while an earlier
+  // waiter of the same tenant waits for capacity, so a stream of small
+  // requests cannot starve its large one), round robin across tenants (a
+  // request that fits is never refused because another tenant's waiter does
+  // not), and aging (once a waiter has waited quotas.reserve_aging, other
+  // tenants' requests must leave its bytes free). A waiter held back by its
+  // own quota waits without blocking anyone. While draining, Reserve is
+  // UNAVAILABLE and waiters fail.
+  //
+  // The answer: `done`, called exactly once and never under the table's
+  // lock, on this thread when the answer is immediate, else on the thread
+  // that places, refuses or expires the waiter. Returns the waiter's ticket
+  // while it waits (for CancelReserve), 0 once answered. `cancelled`, when
+  // set, is asked (under the table's lock) before a waiter is placed and
+  // when the waiter bound is reached: once it returns true the waiter is
+  // answered CANCELLED and nothing is reserved for it.
+  using ReserveDone = std::function<void(Result<ReserveResult>&&, RejectReason)>;
+  uint64_t ReserveAsync(uint64_t session_id, const std::string& token, uint64_t group_id,
+                        uint64_t size_bytes, bool single_extent,
+                        std::optional<std::chrono::steady_clock::time_point> wait_until,
+                        ReserveDone done, std::function<bool()> cancelled = nullptr);
+  // The waiter's caller went away: it is answered CANCELLED and nothing is
+  // reserved for it. Does nothing once the waiter was answered.
+  void CancelReserve(uint64_t ticket);
+  // ReserveAsync, waiting on the calling thread for the answer. *reject (if
+  // non-null) is set to why a request was refused.
+  Result<ReserveResult> Reserve(
+      uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
+      bool single_extent,
+      std::optional<std::chrono::steady_clock::time_point> wait_until = std::nullopt,
+      RejectReason* reject = nullptr);
+
+  // extent_crc32c, when non-empty, must hold one checksum per kept extent; it
+  // is stored and handed back by Prefetch (the daemon never reads the data).
+  Result<CommitResult> Commit(uint64_t session_id, const std::string& token, uint64_t group_id,
+                              uint64_t used_bytes, std::vector<uint32_t> extent_crc32c = {});
+  Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id);
+  Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
+
+  // Checkpoint regions (session_table_regions.cc). Every call authenticates
+  // the session like the group calls; a region is named within the session's
+  // (uid, job id), so no session can reach another job's regions. The job id
+  // must be explicit (non-empty): FAILED_PRECONDITION otherwise.
+  //
+  // CreateRegion checks the name (1-255 printable ASCII characters, no
+  // space), that the job holds no region of that name (ALREADY_EXISTS), the
+  // job's and the uid's region counts (regions.max_per_job,
+  // regions.max_per_uid), the job's, the uid's and the node's region bytes
+  // (regions.job_max_bytes, regions.uid_max_bytes, regions.max_bytes) and then free
+  // space, placing in the session's tenant's chunks as Reserve does. Never
+  // waits. A region being written is its creator's: it is freed when that
+  // session ends before CommitRegion, so a crash never leaves a region that
+  // reads as complete. `ttl` 0 means regions.ttl; longer is capped to it.
+  Result<ReserveResult> CreateRegion(uint64_t session_id, const std::string& token,
+                                     const std::string& name, uint64_t size_bytes,
+                                     std::chrono::milliseconds ttl);
+  // By its writer: returns the unused tail (as Commit does) and makes the
+  // region visible to the job. Its TTL runs from now.
+  Result<CommitResult> CommitRegion(uint64_t session_id, const std::string& token,
+                                    const std::string& name, uint64_t used_bytes,
+                                    std::vector<uint32_t> extent_crc32c);
+  // A committed region of the job, for reading: its extents stay the
+  // region's (not freed, even when deleted) until CloseRegion or the end of
+  // the reading session.
+  Result<PrefetchResult> OpenRegion(uint64_t session_id, const std::string& token,
+                                    const std::string& name);
+  Status CloseRegion(uint64_t session_id, const std::string& token, const std::string& name);
+  // Deletes a region of the session's job: a committed one, or one this
+  // session is writing (an abort). Returns the bytes freed, 0 while readers
+  // have it open (it is hidden now and freed when the last one closes).
+  Result<uint64_t> DeleteRegion(uint64_t session_id, const std::string& token,
+                                const std::string& name);
+  // The operator's delete (admin token checked by the caller): any region.
+  Result<uint64_t> DeleteRegionOf(uid_t uid, const std::string& job_id, const std::string& name);
+  // The session's job's committed regions whose name starts with prefix,
+  // by name.
+  Result<std::vector<RegionSnapshot>> ListRegions(uint64_t session_id, const std::string& token,
+                                                  const std::string& prefix);
+  // Every region of the node (writing ones too), for operators.
+  std::vector<RegionSnapshot> ListAllRegions(const std::string& prefix) const;
+  // Deletes the committed regions whose TTL has passed at `now`; returns how
+  // many. The daemon calls it every second.
+  uint64_t ExpireRegions(std::chrono::steady_clock::time_point now);
+
+  // Replaces the quotas (SIGHUP). Sessions keep what they hold; the new
+  // limits apply to every later reservation, existing sessions included, and
+  // to the waiting ones (tried again now). Queued waiters stay queued when the
+  // waiter bounds shrink below their count.
+  void SetPolicy(const Policy& policy);
+  // Drain: new Reserves are UNAVAILABLE (waiting ones fail), existing groups
+  // may still be committed, prefetched and released. Undrain is
+  // FAILED_PRECONDITION once BeginShutdown was called.
+  Status SetDraining(bool draining);
+  // Drain for exit (SIGTERM): like SetDraining(true), for good; refusals say
+  // the daemon is shutting down.
+  void BeginShutdown();
+  bool draining() const;
+
+  ArenaSnapshot Snapshot() const;
+  // The chunks the tenants of `uid` own (0 with TenantMode::kNone).
+  uint32_t UidChunks(uid_t uid) const;
+  // Every uid with a session, a chunk or a region, by uid.
+  std::vector<UidSnapshot> ListUids() const;
+  std::vector<SessionSnapshot> ListSessions() const;
+  // The session's snapshot, nullopt once it is gone.
+  std::optional<SessionSnapshot> FindSession(uint64_t session_id) const;
+
+  // Runs the allocator's invariant check plus the table's own accounting.
+  Status CheckInvariants() const;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  struct Group {
+    GroupState state = GroupState::kReserved;
+    std::vector<Extent> extents;
+    uint64_t held_bytes = 0;              // sum of extent lengths
+    uint64_t used_bytes = 0;              // valid bytes after Commit
+    std::vector<uint32_t> extent_crc32c;  // optional, from Commit
+
+    Clock::time_point committed_at;
+  };
+  using GroupMap = absl::node_hash_map<uint64_t, Group>;
+  using GroupNode = GroupMap::node_type;
+  // Released groups' map nodes, kept with their vectors' capacity for the
+  // next Reserve (no allocation on the request path): at most this many.
+  static constexpr size_t kSpareGroupNodes = 1024;
+  // A node keyed `group_id` holding an empty Group. Requires mu_.
+  GroupNode NewGroupNode(uint64_t group_id);
+  // Keeps a node taken out of a session's map for reuse. Requires mu_.
+  void RecycleGroupNode(GroupNode node);
+  // A job is the hello's job id within one uid: another user naming the same
+  // job id is another job (its own quota, its own requested limit).
+  struct Job {
+    uint64_t held_bytes = 0;
+    uint32_t sessions = 0;
+    uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
+  };
+  // What all sessions of one uid hold (quotas.uid_max_bytes), whatever job
+  // ids they name.
+  struct UidTotals {
+    uint64_t held_bytes = 0;
+    uint32_t sessions = 0;
+  };
+  struct Session {
+    SessionGrant grant;
+    Hello hello;
+    std::string tenant;
+    const TenantChunks::Owned* owned = nullptr;  // its tenant's; null with TenantMode::kNone
+    std::string job_key;                         // "<uid>:<job_id>", the key of jobs_
+    Job* job = nullptr;                          // jobs_[job_key], which outlives the session
+    UidTotals* uid_totals = nullptr;             // uid_totals_[peer.uid], likewise
+
+    PeerCredentials peer;
+    Clock::time_point opened_at;
+    uint64_t held_bytes = 0;
+    GroupMap groups;
+    std::shared_ptr<RankSeries> series;  // may be null
+  };
+
+  struct Region {
+    std::string name;
+    uid_t uid = 0;
+    std::string job_id;
+    std::string tenant;
+    RegionState state = RegionState::kWriting;
+    uint64_t writer = 0;            // the creating session, while writing
+    std::vector<uint64_t> readers;  // sessions that opened it (once per open)
+    bool deleted = false;           // hidden; freed when the last reader closes
+    std::vector<Extent> extents;
+    uint64_t held_bytes = 0;
+    uint64_t used_bytes = 0;
+    std::vector<uint32_t> extent_crc32c;
+    std::chrono::milliseconds ttl{0};
+    Clock::time_point expires_at;
+    double committed_unix = 0;
+  };
+  struct JobRegions {
+    uint64_t held_bytes = 0;
+    std::map<std::string, Region> by_name;
+  };
+  // The session's job's regions (created on demand). FAILED_PRECONDITION
+  // without an explicit job id. Requires mu_.
+  Result<JobRegions*> RegionsOf(const Session& session);
+  // The job's visible region `name` (not deleted). Requires mu_.
+  Result<Region*> FindRegion(JobRegions* job, const Session& session, const std::string& name);
+  // The caller's region `name`: the session authenticated, the name checked,
+  // found (not deleted) among its job's regions. Requires mu_.
+  struct OwnRegion {
+    Session* session = nullptr;
+    JobRegions* job = nullptr;
+    Region* region = nullptr;
+  };
+  Result<OwnRegion> FindOwnRegion(uint64_t session_id, const std::string& token,
+                                  const std::string& name);
+  // Deletes it now, or hides it until its last reader closes; returns the
+  // bytes freed. Erases it from `job` when freed. Requires mu_.
+  uint64_t DropRegion(JobRegions* job, std::map<std::string, Region>::iterator it);
+  // A closing session's regions: those it was writing are freed, its opens
+  // closed. Requires mu_.
+  // Adds what it freed to *closed.
+  void ForgetRegionsOf(const Session& session, Closed* closed);
+  RegionSnapshot SnapshotOf(const Region& region, Clock::time_point now) const;
+  // Requires mu_.
+  SessionSnapshot SnapshotOf(uint64_t id, const Session& session, Clock::time_point now) const;
+  // Counts the extents (delta +1) or uncounts them (-1) in the chunks they
+  // pin; with tenants only. Requires mu_.
+  void CountRegionChunks(const std::vector<Extent>& extents, int delta);
+  // The bytes of the chunks `extents` would newly pin. Requires mu_.
+  uint64_t NewRegionChunkBytes(const std::vector<Extent>& extents) const;
+  // Places `rounded` bytes into *out (empty; left empty on failure) in the
+  // session's tenant's pool (claiming empty chunks), leaving keep_free_bytes
+  // free; checks capacity (quota_.Room) and the extent count. Requires mu_.
+  Status Place(const Session& session, uint64_t rounded, bool single_extent,
+               uint64_t keep_free_bytes, std::vector<Extent>* out, RejectReason* reject);
+
+  // Finds the session and checks its token. Requires mu_.
+  Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
+  Result<Group*> FindGroup(Session* session, uint64_t group_id);
+  // One attempt to place the group now, leaving keep_free_bytes of the
+  // usable arena free (for an aged waiter of another tenant). The caller has
+  // had the quotas checked (quota_.Check); this checks capacity, once
+  // (quota_.Room). Places only in the tenant's chunks (its TenantChunks list:
+  // no pass over every chunk), claiming empty ones when they are full.
+  // Requires mu_.
+  Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
+                                   bool single_extent, uint64_t keep_free_bytes,
+                                   RejectReason* reject);
+  // What the session and its job hold, for quota_. Requires mu_.
+  QuotaUsage UsageOf(const Session& session) const;
+  // RESOURCE_EXHAUSTED for a request queued behind capacity waiters of its
+  // own tenant, naming the arena and the shortfall. Requires mu_.
+  Status QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
+                      size_t ahead_count) const;
+
+  // The waiting-reserve machinery (session_table_reserve.cc). Answers run
+  // after mu_ is released, as Completions.
+  using Completions = std::vector<std::function<void()>>;
+  struct PendingReserve {
+    uint64_t session_id = 0;
+    uint64_t group_id = 0;
+    uint64_t rounded = 0;
+    bool single_extent = false;
+    Clock::time_point waited_from;
+    Status last;  // the latest refusal, named in the answer at the deadline
+    ReserveDone done;
+    std::function<bool()> cancelled;  // may be empty
+  };
+  // Who shares a line of the reserve queue: the chunk tenant, or the uid
+  // with TenantMode::kNone.
+  std::string QueueTenant(const Session& session) const;
+  // Whether the waiter's own quota holds it back now. Requires mu_.
+  bool QuotaHeld(const ReserveQueue::Waiter& waiter);
+  // A chunk the session's tenant may take over now, or -1. With its uid at
+  // quotas.uid_max_chunks, only one another tenant of the uid owns; *capped
+  // then says that the limit, not the arena, kept it from another chunk.
+  int64_t ClaimableFor(const Session& s, bool* capped);
+  // Whether quotas.uid_max_chunks holds back `rounded` for `s`: its uid's
+  // chunks have no room for it, and it needs more chunks than the limit lets
+  // the uid take (UidChunksFor), or another could be taken but for it.
+  bool UidChunksHold(const Session& s, uint64_t rounded, bool single_extent);
+  // A second uid opened a session: warns once, per daemon, when the per-uid
+  // limits that keep one uid from taking the arena are off. Requires mu_.
+  void WarnIfSharedWithoutUidLimits(uid_t uid);
+  bool warned_shared_uids_ = false;  // guarded by mu_
+  // Before a placement takes over chunks: whether the uid's chunk limit
+  // leaves enough of them for `rounded` beyond the free space of its pool
+  // (a claim that still does not fit would keep its chunk). Requires mu_.
+  Status UidChunksFor(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject);
+  // Before a placement takes over chunks: whether the free space of its
+  // pool and the chunks it may take over now (within quotas.uid_max_chunks)
+  // hold `rounded` (with single_extent: one of those chunks). If not, it is
+  // refused as arena full before it takes any, since the claims would still
+  // fail and keep their chunks, empty, from other tenants. Requires mu_.
+  Status ClaimsCover(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject);
+  // quotas.uid_max_chunks's "never fits" (with tenants only).
+  Status CheckFitsUidChunks(const Session& s, uint64_t rounded, RejectReason* reject) const;
+  // Offers free space to the waiters. Requires mu_.
+  void DispatchWaiters(Completions* out);
+  // Removes the waiter from pending_ and queues its answer. Requires mu_.
+  void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason, Completions* out);
+  // Answers every waiter with `status` (drain, shutdown). Requires mu_.
+  void FailAllWaiters(const Status& status, RejectReason reason, Completions* out);
+  // Answers the waiters of a closing session. Requires mu_.
+  void FailSessionWaiters(uint64_t session_id, Completions* out);
+  // Answers the waiters whose caller went away. Requires mu_.
+  void DropCancelledWaiters(Completions* out);
+  // Answers the waiters that can never fit any more: a limit was lowered
+  // (SIGHUP, or a smaller job limit asked by a new session of the job)
+  // while they waited. Requires mu_.
+  void FailWaitersThatCanNeverFit(Completions* out);
+  // Status CANCELLED for a waiter queued at `waited_from`.
+  static Status CancelledStatus(Clock::time_point waited_from);
+  ReserveQueue::Limits QueueLimits() const;  // requires mu_
+  // Answers waiters at their deadline; runs on deadline_thread_.
+  void ExpireWaitersLoop();
+  static void Run(Completions* completions);
+  // capacity - node reserve, or 0 when the reserve covers the arena.
+  uint64_t UsableBytes() const;                         // requires mu_
+  Job& JobOf(const Session& session);                   // requires mu_
+  void AddStateBytes(GroupState state, int64_t delta);  // requires mu_
+  // Returns extents the table holds to the allocator; a refusal is a bug,
+  // logged and counted in free_errors_. Requires mu_.
+  void FreeExtents(const std::vector<Extent>& extents);
+
+  Arena* const arena_;
+  mutable std::mutex mu_;
+  QuotaPolicy quota_;                                     // guarded by mu_
+  bool draining_ = false;                                 // guarded by mu_
+  bool shutting_down_ = false;                            // guarded by mu_
+  ReserveQueue queue_;                                    // guarded by mu_
+  std::unordered_map<uint64_t, PendingReserve> pending_;  // guarded by mu_; by ticket
+  std::condition_variable deadline_changed_;              // a waiter was queued, or stopping_
+  bool stopping_ = false;                                 // guarded by mu_
+  std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
+  std::unordered_map<uid_t, UidTotals> uid_totals_;       // guarded by mu_; by peer uid
+  std::vector<GroupNode> spare_groups_;                   // guarded by mu_
+
+  // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
+  // memfd when it belonged to another tenant (never faults pages: see
+  // FreshBacking) and retiring the old one to its recipients. Fails,
+  // changing nothing, only when no memfd can be created. Requires mu_.
+  Status Claim(uint32_t chunk, const std::string& tenant, uid_t uid);
+  // tenant_chunks_ agrees with the sessions. Requires mu_.
+  Status CheckTenantChunks() const;
+  TenantChunks tenant_chunks_;  // guarded by mu_
+  FreshBacking* const fresh_backing_;
+  uint64_t replaced_backings_ = 0;  // guarded by mu_
+
+  uint64_t next_session_id_ = 1;                         // guarded by mu_
+  absl::node_hash_map<uint64_t, Session> sessions_;      // guarded by mu_
+  uint64_t reserved_bytes_ = 0;                          // guarded by mu_
+  uint64_t committed_bytes_ = 0;                         // guarded by mu_
+  uint64_t read_bytes_ = 0;                              // guarded by mu_
+  uint64_t groups_ = 0;                                  // guarded by mu_
+  uint64_t free_errors_ = 0;                             // guarded by mu_
+  std::unordered_map<std::string, JobRegions> regions_;  // guarded by mu_; by job key
+  uint32_t region_count_ = 0;                            // guarded by mu_
+  uint32_t committed_region_count_ = 0;                  // guarded by mu_
+  uint64_t region_bytes_ = 0;                            // guarded by mu_
+  uint64_t committed_region_bytes_ = 0;                  // guarded by mu_
+  uint64_t regions_expired_ = 0;                         // guarded by mu_
+  // What each uid's regions hold, over all its job ids (a uid names as many
+  // jobs as it likes): regions.uid_max_bytes and max_per_uid bound it.
+  struct UidRegions {
+    uint64_t held_bytes = 0;
+    uint64_t count = 0;
+  };
+  std::unordered_map<uid_t, UidRegions> uid_regions_;  // guarded by mu_
+  UidRegions UidRegionsOf(uid_t uid) const;            // zeros for a uid without regions
+  // Adds the deltas to the uid's tally; forgets a uid left with no region.
+  // Requires mu_.
+  void CountUidRegions(uid_t uid, int64_t bytes_delta, int count_delta);
+  // Region extents in each chunk (sized on first use; with tenants only)
+  // and the bytes of the chunks with any: what regions keep from other
+  // tenants, which regions.max_bytes bounds.
+  std::vector<uint32_t> region_extents_in_chunk_;  // guarded by mu_
+  uint64_t region_chunk_bytes_ = 0;                // guarded by mu_
+
+  std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_SESSION_TABLE_H_

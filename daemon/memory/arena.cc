@@ -1,0 +1,250 @@
+#include "memory/arena.h"
+
+#include <sys/mman.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+
+#include "base/log.h"
+#include "memoffload/common/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+constexpr uint64_t kPrefaultPieceBytes = 64 * kMiB;
+constexpr uint64_t kProgressEveryBytes = 16 * kGiB;
+
+// Pre-faults all chunks with `threads` workers pulling 64 MiB pieces from a
+// shared counter. Logs progress for large arenas.
+Status PrefaultAll(std::vector<Chunk>& chunks, int threads) {
+  struct Piece {
+    uint32_t chunk;
+    uint64_t offset, length;
+  };
+  std::vector<Piece> pieces;
+  uint64_t total = 0;
+  for (uint32_t c = 0; c < chunks.size(); ++c) {
+    for (uint64_t off = 0; off < chunks[c].size_bytes(); off += kPrefaultPieceBytes) {
+      const uint64_t len = std::min(kPrefaultPieceBytes, chunks[c].size_bytes() - off);
+      pieces.push_back({c, off, len});
+      total += len;
+    }
+  }
+  std::atomic<size_t> next{0};
+  std::atomic<uint64_t> done_bytes{0};
+  std::atomic<bool> failed{false};
+  Status first_error;
+  std::atomic_flag error_taken = ATOMIC_FLAG_INIT;
+  auto worker = [&] {
+    for (size_t i = next++; i < pieces.size() && !failed; i = next++) {
+      const Piece& p = pieces[i];
+      Status st = chunks[p.chunk].Prefault(p.offset, p.length);
+      if (!st.ok()) {
+        if (!error_taken.test_and_set()) first_error = st;
+        failed = true;
+        return;
+      }
+      const uint64_t before = done_bytes.fetch_add(p.length);
+      if (total >= kProgressEveryBytes &&
+          (before / kProgressEveryBytes) != ((before + p.length) / kProgressEveryBytes)) {
+        MO_LOG_INFO("pre-faulting arena: %s of %s", FormatSize(before + p.length).c_str(),
+                    FormatSize(total).c_str());
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  const int n = std::max(1, std::min<int>(threads, static_cast<int>(pieces.size())));
+  for (int t = 1; t < n; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& t : pool) t.join();
+  return failed ? first_error : Status::Ok();
+}
+
+// Online NUMA nodes as listed in /sys/devices/system/node/online ("0",
+// "0-3,6"). Empty when the file is missing (kernel without NUMA): node 0
+// alone then.
+std::vector<int> OnlineNumaNodes() {
+  std::vector<int> nodes;
+  FILE* f = std::fopen("/sys/devices/system/node/online", "r");
+  if (f == nullptr) return {0};
+  char buf[4096] = "";
+  const bool read = std::fgets(buf, sizeof(buf), f) != nullptr;
+  std::fclose(f);
+  if (!read) return {0};
+  for (char* p = buf; *p != '\0' && *p != '\n';) {
+    char* end = nullptr;
+    const long first = std::strtol(p, &end, 10);
+    if (end == p) break;
+    long last = first;
+    p = end;
+    if (*p == '-') {
+      last = std::strtol(p + 1, &end, 10);
+      p = end;
+    }
+    for (long n = first; n <= last && n < 65536; ++n) nodes.push_back(static_cast<int>(n));
+    if (*p == ',') ++p;
+  }
+  return nodes;
+}
+
+std::string JoinNodes(const std::vector<int>& nodes) {
+  std::string s;
+  for (int n : nodes) s += (s.empty() ? "" : ",") + std::to_string(n);
+  return s;
+}
+
+std::string HugepageAdvice(uint64_t arena_bytes, uint64_t huge_bytes) {
+  const uint64_t pages = huge_bytes == 0 ? 0 : (arena_bytes + huge_bytes - 1) / huge_bytes;
+  return "reserve them with 'sysctl -w vm.nr_hugepages=" + std::to_string(pages) +
+         "' (or hugepages=" + std::to_string(pages) + " on the kernel command line)";
+}
+
+std::string MemlockAdvice(uint64_t needed) {
+  rlimit lim{};
+  getrlimit(RLIMIT_MEMLOCK, &lim);
+  std::string current = lim.rlim_cur == RLIM_INFINITY
+                            ? std::string("unlimited")
+                            : FormatSize(static_cast<uint64_t>(lim.rlim_cur));
+  return "RLIMIT_MEMLOCK is " + current + ", the arena needs " + FormatSize(needed) +
+         "; raise it with 'ulimit -l unlimited', LimitMEMLOCK=infinity (systemd) or "
+         "CAP_IPC_LOCK; continuing without mlock (pages may be swapped)";
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBuildReport* report) {
+  const auto start = std::chrono::steady_clock::now();
+  if (options.size_bytes == 0 || options.chunk_size_bytes == 0) {
+    return InvalidArgument("arena and chunk size must be positive");
+  }
+  if (options.numa_node >= 0) {
+    const std::vector<int> nodes = OnlineNumaNodes();
+    if (std::find(nodes.begin(), nodes.end(), options.numa_node) == nodes.end()) {
+      return InvalidArgument("arena.numa_node: node " + std::to_string(options.numa_node) +
+                             " does not exist; online nodes: " + JoinNodes(nodes) +
+                             " (/sys/devices/system/node/online)");
+    }
+  }
+  std::unique_ptr<Arena> arena(new Arena());
+  arena->page_bytes_ = SystemPageBytes();
+  arena->chunk_size_bytes_ = options.chunk_size_bytes;
+
+  bool use_hugepages = options.hugepages;
+  const uint64_t huge_bytes = DefaultHugePageBytes();
+  if (use_hugepages && (huge_bytes == 0 || options.chunk_size_bytes % huge_bytes != 0)) {
+    report->hugepage_fallback =
+        huge_bytes == 0
+            ? std::string("the kernel reports no hugepage size (Hugepagesize in /proc/meminfo)")
+            : "chunk size " + FormatSize(options.chunk_size_bytes) +
+                  " is not a multiple of the hugepage size " + FormatSize(huge_bytes) +
+                  "; set --chunk-size to a multiple of it";
+    use_hugepages = false;
+  }
+  std::vector<uint64_t> sizes;
+  for (uint64_t left = options.size_bytes; left > 0;) {
+    const uint64_t size = std::min(left, options.chunk_size_bytes);
+    const uint32_t index = static_cast<uint32_t>(sizes.size());
+    const std::string name = "memoffload-chunk-" + std::to_string(index);
+    bool huge = use_hugepages && size % huge_bytes == 0;
+    if (use_hugepages && !huge) {
+      // Only the last chunk can be shorter than the chunk size.
+      report->hugepage_fallback = "the last chunk (chunk " + std::to_string(index) + ", " +
+                                  FormatSize(size) + ") is not a multiple of the hugepage size " +
+                                  FormatSize(huge_bytes) + "; make --arena-size a multiple of it";
+    }
+    Result<Chunk> chunk = Chunk::Create(name, size, huge);
+    if (!chunk.ok() && huge) {
+      report->hugepage_fallback =
+          "not enough hugepages: HugePages_Free=" + std::to_string(FreeHugePages()) + " of " +
+          FormatSize(huge_bytes) + " at chunk " + std::to_string(index) + "; " +
+          HugepageAdvice(options.size_bytes, huge_bytes);
+      use_hugepages = false;
+      huge = false;
+      chunk = Chunk::Create(name, size, false);
+    }
+    if (!chunk.ok()) {
+      return Status(chunk.status().code(), "creating chunk " + std::to_string(index) + " of " +
+                                               FormatSize(size) + ": " + chunk.status().message());
+    }
+    if (huge) ++report->hugepage_chunks;
+    arena->chunks_.push_back(std::move(chunk).value());
+    arena->chunk_bytes_.push_back(size);
+    sizes.push_back(size);
+    left -= size;
+  }
+  if (options.hugepages && !report->hugepage_fallback.empty()) {
+    MO_LOG_WARN("--hugepages: using normal pages for %zu of %zu chunks: %s",
+                sizes.size() - report->hugepage_chunks, sizes.size(),
+                report->hugepage_fallback.c_str());
+  }
+  arena->capacity_bytes_ = options.size_bytes;
+
+  if (options.numa_node >= 0) {
+    MO_LOG_INFO("binding arena memory to NUMA node %d", options.numa_node);
+    for (Chunk& c : arena->chunks_) MEMOFFLOAD_RETURN_IF_ERROR(c.BindToNode(options.numa_node));
+  }
+
+  // Lock before faulting where the kernel can (MLOCK_ONFAULT): every page is
+  // then locked as it is faulted, instead of a second single-threaded pass.
+  bool lock_after_prefault = false;
+  if (options.mlock) {
+    arena->mlocked_ = true;
+    for (Chunk& c : arena->chunks_) {
+      Status st = c.LockOnFault();
+      if (st.code() == StatusCode::kUnimplemented) {
+        lock_after_prefault = true;
+        break;
+      }
+      if (!st.ok()) {
+        report->mlock_problem = st.message() + ": " + MemlockAdvice(options.size_bytes);
+        arena->mlocked_ = false;
+        break;
+      }
+    }
+    if (!arena->mlocked_ || lock_after_prefault) {
+      for (Chunk& c : arena->chunks_) munlock(c.data(), c.size_bytes());
+    }
+  } else {
+    report->mlock_problem = "mlock disabled by --no-mlock";
+  }
+
+  MEMOFFLOAD_RETURN_IF_ERROR(PrefaultAll(arena->chunks_, options.prefault_threads));
+
+  if (lock_after_prefault) {
+    for (Chunk& c : arena->chunks_) {
+      if (Status st = c.Lock(); !st.ok()) {
+        report->mlock_problem = st.message() + ": " + MemlockAdvice(options.size_bytes);
+        arena->mlocked_ = false;
+        break;
+      }
+    }
+    if (!arena->mlocked_) {
+      // Unlock whatever was locked: a partly locked arena helps nobody.
+      for (Chunk& c : arena->chunks_) munlock(c.data(), c.size_bytes());
+    }
+  }
+  arena->allocator_ = std::make_unique<ExtentAllocator>(sizes, arena->page_bytes_);
+  for (Chunk& c : arena->chunks_) {
+    arena->backings_.push_back(std::make_shared<Chunk>(std::move(c)));
+    arena->generations_.push_back(1);
+  }
+  arena->chunks_.clear();
+  report->mlocked = arena->mlocked_;
+  report->build_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return arena;
+}
+
+std::shared_ptr<Chunk> Arena::ReplaceBacking(uint32_t index, std::shared_ptr<Chunk> fresh) {
+  std::shared_ptr<Chunk> old = std::move(backings_[index]);
+  backings_[index] = std::move(fresh);
+  ++generations_[index];
+  return old;
+}
+
+}  // namespace memoffload::daemon

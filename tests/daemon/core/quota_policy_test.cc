@@ -1,0 +1,236 @@
+// QuotaPolicy (daemon/core/quota_policy.cc): the quota and capacity rules of a
+// Reserve, asked directly: no table, no thread, no clock.
+#include "core/quota_policy.h"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "memoffload/common/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+Policy Limits(uint64_t session_max, uint64_t job_max, uint64_t max_groups = 16) {
+  Policy p;
+  p.session_max_bytes = session_max;
+  p.job_max_bytes = job_max;
+  p.max_groups_per_session = max_groups;
+  return p;
+}
+
+QuotaUsage Usage(uint64_t session_held, uint64_t groups, uint64_t job_held) {
+  QuotaUsage u;
+  u.session_id = 7;
+  u.session_held_bytes = session_held;
+  u.session_groups = groups;
+  u.job_id = "train";
+  u.uid = 1000;
+  u.job_held_bytes = job_held;
+  return u;
+}
+
+TEST(QuotaPolicyTest, UsableArenaIsCapacityLessTheNodeReserveAndNeverWraps) {
+  Policy p;
+  p.node_reserve_bytes = kMiB;
+  QuotaPolicy quota(p);
+  EXPECT_EQ(quota.UsableBytes(4 * kMiB), 3 * kMiB);
+  EXPECT_EQ(quota.UsableBytes(kMiB), 0u);
+  EXPECT_EQ(quota.UsableBytes(kMiB / 2), 0u);
+  RejectReason reject = RejectReason::kNone;
+  EXPECT_TRUE(quota.CheckFitsArena(3 * kMiB, 4 * kMiB, &reject).ok());
+  EXPECT_EQ(reject, RejectReason::kNone);
+  const Status st = quota.CheckFitsArena(3 * kMiB + 1, 4 * kMiB, &reject);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reject, RejectReason::kTooLarge);
+}
+
+TEST(QuotaPolicyTest, TheTighterOfTheConfiguredAndTheAskedLimitHolds) {
+  QuotaPolicy none(Limits(0, 0));
+  EXPECT_EQ(none.SessionLimit(0), 0u);  // no limit at all
+  EXPECT_EQ(none.SessionLimit(kMiB), kMiB);
+  QuotaPolicy quota(Limits(4 * kMiB, 8 * kMiB));
+  EXPECT_EQ(quota.SessionLimit(0), 4 * kMiB);
+  EXPECT_EQ(quota.SessionLimit(2 * kMiB), 2 * kMiB);
+  EXPECT_EQ(quota.SessionLimit(6 * kMiB), 4 * kMiB);  // asking more gets no more
+  EXPECT_EQ(quota.JobLimit(0), 8 * kMiB);
+  EXPECT_EQ(quota.JobLimit(3 * kMiB), 3 * kMiB);
+}
+
+TEST(QuotaPolicyTest, RequestsOverAWholeLimitCanNeverFitWhateverIsHeld) {
+  QuotaPolicy quota(Limits(4 * kMiB, 6 * kMiB, 2));
+  // At the group limit too: the limit it can never meet is what it is told.
+  QuotaDecision d = quota.Check(Usage(0, 2, 0), 5 * kMiB);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kNever);
+  EXPECT_EQ(d.reason, RejectReason::kSessionLimit);
+  EXPECT_EQ(d.status.code(), StatusCode::kResourceExhausted);
+  QuotaUsage asked = Usage(0, 0, 0);
+  asked.session_asked_bytes = 8 * kMiB;  // above the configured 4 MiB: no effect
+  asked.job_asked_bytes = 3 * kMiB;
+  d = quota.Check(asked, 4 * kMiB);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kNever);
+  EXPECT_EQ(d.reason, RejectReason::kJobLimit);
+}
+
+TEST(QuotaPolicyTest, HeldByGroupsThenSessionBytesThenJobBytesAndAllowedUpToTheLimit) {
+  QuotaPolicy quota(Limits(4 * kMiB, 6 * kMiB, 2));
+  QuotaDecision d = quota.Check(Usage(4 * kMiB, 2, 6 * kMiB), kMiB);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kHeld);
+  EXPECT_EQ(d.reason, RejectReason::kGroupLimit);
+  d = quota.Check(Usage(3 * kMiB + 1, 1, 6 * kMiB), kMiB);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kHeld);
+  EXPECT_EQ(d.reason, RejectReason::kSessionLimit);
+  d = quota.Check(Usage(kMiB, 1, 5 * kMiB + 1), kMiB);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kHeld);
+  EXPECT_EQ(d.reason, RejectReason::kJobLimit);
+  // Exactly at both limits is still within them.
+  d = quota.Check(Usage(3 * kMiB, 1, 5 * kMiB), kMiB);
+  EXPECT_TRUE(d.allowed());
+  EXPECT_EQ(d.reason, RejectReason::kNone);
+  EXPECT_TRUE(d.status.ok());
+}
+
+TEST(QuotaPolicyTest, AUidsSessionsTogetherAreHeldByItsLimitAndNamedInTheRefusal) {
+  Policy p = Limits(0, 0);
+  p.uid_max_bytes = 4 * kMiB;
+  QuotaPolicy quota(p);
+  QuotaUsage u = Usage(0, 0, 0);
+  u.uid_held_bytes = 3 * kMiB;
+  EXPECT_TRUE(quota.Check(u, kMiB).allowed());  // exactly at the limit
+  QuotaDecision d = quota.Check(u, kMiB + 1);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kHeld);
+  EXPECT_EQ(d.reason, RejectReason::kUidLimit);
+  EXPECT_NE(d.status.message().find("uid 1000"), std::string::npos) << d.status.message();
+  EXPECT_NE(d.status.message().find("quotas.uid_max_bytes"), std::string::npos);
+  d = quota.Check(Usage(0, 0, 0), 4 * kMiB + 1);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kNever);
+  EXPECT_EQ(d.reason, RejectReason::kUidLimit);
+  EXPECT_STREQ(RejectReasonName(RejectReason::kUidLimit), "uid_limit");
+}
+
+TEST(QuotaPolicyTest, AUidsChunkLimitHoldsAtItsCountAndRefusesMoreThanItsChunksForever) {
+  Policy p;
+  QuotaPolicy none(p);
+  RejectReason reason = RejectReason::kNone;
+  // 0: no limit, whatever the uid owns.
+  EXPECT_TRUE(none.MayTakeChunks(1000, 1000, 1, kMiB, &reason).ok());
+  EXPECT_TRUE(none.CheckFitsUidChunks(1000, 1ull << 40, kMiB, &reason).ok());
+  EXPECT_EQ(reason, RejectReason::kNone);
+  p.uid_max_chunks = 2;
+  QuotaPolicy quota(p);
+  EXPECT_TRUE(quota.MayTakeChunks(1000, 1, 1, kMiB, &reason).ok());
+  Status st = quota.MayTakeChunks(1000, 2, 1, kMiB, &reason);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(st.message().find("the tenants of uid 1000 own 2 chunks"), std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("(quotas.uid_max_chunks is 2)"), std::string::npos);
+  // Several chunks at once: refused when they would pass the limit, and
+  // moving chunks between its own tenants (0 more) is always allowed.
+  st = quota.MayTakeChunks(1000, 1, 2, 2 * kMiB, &reason);
+  EXPECT_NE(st.message().find("own 1 chunk (quotas.uid_max_chunks is 2), and 2.00 MiB need 2 "
+                              "chunks more"),
+            std::string::npos)
+      << st.message();
+  EXPECT_TRUE(quota.MayTakeChunks(1000, 5, 0, kMiB, &reason).ok());
+  // Over it (a SIGHUP lowered it): the count and the limit, as they are.
+  st = quota.MayTakeChunks(1000, 5, 1, kMiB, &reason);
+  EXPECT_NE(st.message().find("own 5 chunks (quotas.uid_max_chunks is 2)"), std::string::npos)
+      << st.message();
+  reason = RejectReason::kNone;
+  EXPECT_TRUE(quota.CheckFitsUidChunks(1000, 2 * kMiB, kMiB, &reason).ok());
+  st = quota.CheckFitsUidChunks(1000, 2 * kMiB + 1, kMiB, &reason);
+  EXPECT_EQ(reason, RejectReason::kUidChunks);
+  EXPECT_NE(st.message().find("2097153 bytes is more than the 2 chunks of 1.00 MiB (2097152 "
+                              "bytes)"),
+            std::string::npos)
+      << st.message();
+  EXPECT_NE(st.message().find("it can never fit"), std::string::npos) << st.message();
+  EXPECT_STREQ(RejectReasonName(RejectReason::kUidChunks), "uid_chunks");
+}
+
+TEST(QuotaPolicyTest, RoomIsTheUsableArenaLessWhatIsUsedWithAndWithoutKeptBytes) {
+  Policy p;
+  p.node_reserve_bytes = kMiB;
+  QuotaPolicy quota(p);
+  // 8 MiB arena, 7 usable, 5 used: 2 available.
+  ArenaRoom room = quota.Room(8 * kMiB, 5 * kMiB, 2 * kMiB, 0);
+  EXPECT_TRUE(room.fits);
+  EXPECT_TRUE(room.leaves_kept_free);
+  EXPECT_EQ(room.available_bytes, 2 * kMiB);
+  room = quota.Room(8 * kMiB, 5 * kMiB, kMiB, kMiB);
+  EXPECT_TRUE(room.fits);
+  EXPECT_TRUE(room.leaves_kept_free);  // exactly the kept bytes are left
+  room = quota.Room(8 * kMiB, 5 * kMiB, kMiB, kMiB + 1);
+  EXPECT_TRUE(room.fits);
+  EXPECT_FALSE(room.leaves_kept_free);
+  room = quota.Room(8 * kMiB, 5 * kMiB, 2 * kMiB + 1, 0);
+  EXPECT_FALSE(room.fits);
+  EXPECT_FALSE(room.leaves_kept_free);
+  // A SIGHUP raised the reserve above what is in use: nothing is available.
+  room = quota.Room(8 * kMiB, 7 * kMiB + 1, 1, 0);
+  EXPECT_FALSE(room.fits);
+  EXPECT_EQ(room.available_bytes, 0u);
+  const Status full = quota.ArenaFull(room, 7 * kMiB + 1, 1, 0);
+  EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
+}
+
+// Check against a model written from the rules in quota_policy.h, over
+// random limits and holdings around the boundaries.
+TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
+  std::mt19937_64 rng(14);
+  auto around = [&](uint64_t v) {
+    return std::uniform_int_distribution<uint64_t>(v > 3 ? v - 3 : 0, v + 3)(rng);
+  };
+  auto pick = [&] { return std::uniform_int_distribution<uint64_t>(0, 12)(rng); };
+  for (int i = 0; i < 200000; ++i) {
+    const uint64_t session_max = pick(), job_max = pick(), groups_max = pick();
+    const uint64_t uid_max = pick();
+    Policy limits = Limits(session_max, job_max, groups_max);
+    limits.uid_max_bytes = uid_max;
+    QuotaPolicy quota(limits);
+    QuotaUsage u = Usage(pick(), around(groups_max), pick());
+    u.uid_held_bytes = pick();
+    u.session_asked_bytes = pick();
+    u.job_asked_bytes = pick();
+    const uint64_t bytes = 1 + pick();
+    auto tighter = [](uint64_t configured, uint64_t asked) {
+      if (configured == 0) return asked;
+      if (asked == 0) return configured;
+      return std::min(configured, asked);
+    };
+    const uint64_t sl = tighter(session_max, u.session_asked_bytes);
+    const uint64_t jl = tighter(job_max, u.job_asked_bytes);
+    QuotaVerdict want = QuotaVerdict::kAllowed;
+    RejectReason why = RejectReason::kNone;
+    if (sl != 0 && bytes > sl) {
+      want = QuotaVerdict::kNever;
+      why = RejectReason::kSessionLimit;
+    } else if (jl != 0 && bytes > jl) {
+      want = QuotaVerdict::kNever;
+      why = RejectReason::kJobLimit;
+    } else if (uid_max != 0 && bytes > uid_max) {
+      want = QuotaVerdict::kNever;
+      why = RejectReason::kUidLimit;
+    } else if (u.session_groups >= groups_max) {
+      want = QuotaVerdict::kHeld;
+      why = RejectReason::kGroupLimit;
+    } else if (sl != 0 && u.session_held_bytes + bytes > sl) {
+      want = QuotaVerdict::kHeld;
+      why = RejectReason::kSessionLimit;
+    } else if (jl != 0 && u.job_held_bytes + bytes > jl) {
+      want = QuotaVerdict::kHeld;
+      why = RejectReason::kJobLimit;
+    } else if (uid_max != 0 && u.uid_held_bytes + bytes > uid_max) {
+      want = QuotaVerdict::kHeld;
+      why = RejectReason::kUidLimit;
+    }
+    const QuotaDecision d = quota.Check(u, bytes);
+    ASSERT_EQ(d.verdict, want) << "case " << i;
+    ASSERT_EQ(d.reason, why) << "case " << i;
+    ASSERT_EQ(d.status.ok(), want == QuotaVerdict::kAllowed) << "case " << i;
+  }
+}
+
+}  // namespace
+}  // namespace memoffload::daemon
