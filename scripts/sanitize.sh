@@ -3,7 +3,9 @@
 #
 #   1. build-san/: clang-14 with ASan+UBSan (MEMOFFLOAD_SANITIZE) and the
 #      libFuzzer targets (MEMOFFLOAD_FUZZ); runs `ctest -L 'unit|integration'`
-#      with leak detection on.
+#      with leak detection on. With clang, CMakeLists.txt compiles our own
+#      targets with -Wthread-safety -Werror=thread-safety: a member marked
+#      ABSL_GUARDED_BY touched without its absl::Mutex fails this build.
 #   2. Runs every fuzz target for FUZZ_SECONDS (default 15) on a scratch copy
 #      of its checked-in corpus (tests/fuzz/corpus/<target>); any crash, leak,
 #      sanitizer report or failed check fails the script. Crash inputs are kept

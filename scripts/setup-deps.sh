@@ -7,7 +7,7 @@ set -euo pipefail
 # Build and runtime libraries of the daemon, client and tools.
 DEPS_BUILD=(
   build-essential cmake pkg-config git
-  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler libabsl-dev
   prometheus-cpp-dev libboost-dev libsystemd-dev libtomlplusplus-dev
 )
 # Headers for the Python extension. Torch itself, pytest and transformers come

@@ -14,6 +14,17 @@ QuotaDecision Refuse(QuotaVerdict verdict, RejectReason reason, std::string mess
   return QuotaDecision{verdict, reason, ResourceExhausted(std::move(message))};
 }
 
+// What the caller of a region a byte limit refused can do about it.
+std::string RegionLimitHint(uint64_t bytes, uint64_t limit) {
+  return bytes > limit ? "; it is larger than the whole limit and can never fit"
+                       : "; delete old checkpoints (a deleted or expired region still open "
+                         "by a reader counts until it is closed)";
+}
+
+std::string Regions(uint64_t count) {
+  return std::to_string(count) + (count == 1 ? " region" : " regions");
+}
+
 }  // namespace
 
 const char* RejectReasonName(RejectReason reason) {
@@ -158,6 +169,57 @@ QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
                       FormatSize(u.uid_held_bytes + bytes - uid_limit));
   }
   return QuotaDecision{};
+}
+
+Status QuotaPolicy::CheckRegionsEnabled() const {
+  if (policy_.region_max_bytes != 0) return Status::Ok();
+  return FailedPrecondition("checkpoint regions are disabled on this node (regions.max_bytes = 0)");
+}
+
+Status QuotaPolicy::CheckRegionCount(const RegionUsage& u) const {
+  if (u.job_regions >= policy_.max_regions_per_job) {
+    return ResourceExhausted("job " + std::string(u.job_id) + " holds " + Regions(u.job_regions) +
+                             ", the limit (regions.max_per_job); delete old ones");
+  }
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckUidRegionCount(u.uid, u.uid_regions));
+  if (u.node_regions >= policy_.max_regions) {
+    return ResourceExhausted("the node holds " + Regions(u.node_regions) +
+                             ", the limit (regions.max_count); delete old checkpoints");
+  }
+  return Status::Ok();
+}
+
+Status QuotaPolicy::CheckRegionBytes(const RegionUsage& u, const std::string& name,
+                                     uint64_t bytes) const {
+  const uint64_t job_limit = policy_.region_job_max_bytes;
+  if (job_limit != 0 && u.job_held_bytes + bytes > job_limit) {
+    return ResourceExhausted("region " + name + " (" + FormatSize(bytes) + ") over job " +
+                             std::string(u.job_id) + "'s region limit: it holds " +
+                             FormatSize(u.job_held_bytes) + " of " + FormatSize(job_limit) +
+                             " (regions.job_max_bytes)" + RegionLimitHint(bytes, job_limit));
+  }
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckUidRegionBytes(u.uid, u.uid_held_bytes, name, bytes));
+  if (u.node_held_bytes + bytes > policy_.region_max_bytes) {
+    return ResourceExhausted("region " + name + " (" + FormatSize(bytes) +
+                             ") over the node's region limit: regions hold " +
+                             FormatSize(u.node_held_bytes) + " of " +
+                             FormatSize(policy_.region_max_bytes) + " (regions.max_bytes)");
+  }
+  return Status::Ok();
+}
+
+Status QuotaPolicy::CheckRegionChunks(const std::string& name, const std::string& tenant,
+                                      uint64_t pinned_chunk_bytes,
+                                      uint64_t more_chunk_bytes) const {
+  if (more_chunk_bytes == 0 || pinned_chunk_bytes + more_chunk_bytes <= policy_.region_max_bytes) {
+    return Status::Ok();
+  }
+  return ResourceExhausted(
+      "region " + name + " would pin " + FormatSize(more_chunk_bytes) +
+      " more of the arena's chunks to tenant " + tenant + ": regions would keep " +
+      FormatSize(pinned_chunk_bytes + more_chunk_bytes) + " of chunks from other tenants, over " +
+      FormatSize(policy_.region_max_bytes) +
+      " (regions.max_bytes; a chunk holding a region stays its tenant's)");
 }
 
 Status QuotaPolicy::CheckUidRegionCount(uid_t uid, uint64_t held_count) const {

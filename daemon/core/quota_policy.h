@@ -3,7 +3,7 @@
 //
 // A pure decision object: no lock, no thread, no clock, no table. The caller
 // passes what the request's session and job hold (QuotaUsage) and what the
-// arena holds; SessionTable owns one and guards it with its mutex. Each rule
+// arena holds; SessionTable owns one (ABSL_GUARDED_BY its mutex). Each rule
 // is decided here once per try, so the caller never checks a limit again.
 //
 // Rules:
@@ -25,11 +25,15 @@
 //   more while its uid owns that many is held back by its own quota. A
 //   uid's bytes limit alone lets it pin a chunk with each of a few small
 //   groups or regions; this bounds the chunks it keeps from others.
-// - Checkpoint regions of one uid (over all its job ids) are at most
-//   regions.max_per_uid in number and regions.uid_max_bytes in bytes; by
-//   default an eighth of regions.max_count and half of regions.max_bytes
-//   (config.cc resolves them), 0: no per-uid limit. The region's other
-//   limits (per job, per node) are the SessionTable's.
+// - Checkpoint regions: none at all with regions.max_bytes = 0. A new one
+//   is refused while its job holds regions.max_per_job regions, its uid
+//   (over all its job ids) regions.max_per_uid, or the node
+//   regions.max_count (checked in that order); and when its bytes would take
+//   its job past regions.job_max_bytes, its uid past regions.uid_max_bytes or
+//   the node past regions.max_bytes (in that order). The per-uid limits are
+//   by default an eighth of regions.max_count and half of regions.max_bytes
+//   (config.cc resolves them); 0: no per-job or per-uid limit. With tenants
+//   the chunks regions pin are bounded by regions.max_bytes too.
 // - Room: a request fits the arena now when used + bytes <= usable. It
 //   leaves an aged waiter's keep_free_bytes free when used + bytes +
 //   keep_free_bytes <= usable too.
@@ -93,6 +97,19 @@ struct QuotaDecision {
   bool allowed() const { return verdict == QuotaVerdict::kAllowed; }
 };
 
+// What a new region is measured against: what its job, its uid (over all
+// its job ids) and the node hold now, and who they are (named in refusals).
+struct RegionUsage {
+  std::string_view job_id;  // outlives the call
+  uid_t uid = 0;
+  uint64_t job_regions = 0;
+  uint64_t job_held_bytes = 0;
+  uint64_t uid_regions = 0;
+  uint64_t uid_held_bytes = 0;
+  uint64_t node_regions = 0;
+  uint64_t node_held_bytes = 0;
+};
+
 // The arena's room for a request now (Room).
 struct ArenaRoom {
   bool fits = false;              // used + bytes <= usable
@@ -130,15 +147,20 @@ class QuotaPolicy {
   // its uid's own chunks to have room).
   Status MayTakeChunks(uid_t uid, uint32_t owned_chunks, uint64_t more_chunks, uint64_t bytes,
                        RejectReason* reject) const;
-  // regions.max_per_uid: RESOURCE_EXHAUSTED when `uid`, whose jobs hold
-  // `held_count` regions, may create no more; the message names the limit
-  // and how to raise it.
-  Status CheckUidRegionCount(uid_t uid, uint64_t held_count) const;
-  // regions.uid_max_bytes: RESOURCE_EXHAUSTED when region `name` of `bytes`
-  // (page-rounded) would take what the regions of `uid` hold, `held_bytes`,
-  // past the limit; the message names it and how to raise it.
-  Status CheckUidRegionBytes(uid_t uid, uint64_t held_bytes, const std::string& name,
-                             uint64_t bytes) const;
+  // FAILED_PRECONDITION when regions are disabled (regions.max_bytes = 0).
+  Status CheckRegionsEnabled() const;
+  // The region counts of `usage`: RESOURCE_EXHAUSTED naming the first limit
+  // that leaves no room for one more region (job, uid, node).
+  Status CheckRegionCount(const RegionUsage& usage) const;
+  // The region bytes: RESOURCE_EXHAUSTED naming the first limit that region
+  // `name` of `bytes` (page-rounded) would exceed (job, uid, node), and
+  // whether it can never fit.
+  Status CheckRegionBytes(const RegionUsage& usage, const std::string& name, uint64_t bytes) const;
+  // With tenants: RESOURCE_EXHAUSTED when region `name` would pin
+  // `more_chunk_bytes` more of the arena's chunks to `tenant` while regions
+  // pin `pinned_chunk_bytes`, past regions.max_bytes.
+  Status CheckRegionChunks(const std::string& name, const std::string& tenant,
+                           uint64_t pinned_chunk_bytes, uint64_t more_chunk_bytes) const;
   // The one capacity check of a placement: whether `bytes` fit the usable
   // arena now, and leave keep_free_bytes free.
   ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,
@@ -149,6 +171,12 @@ class QuotaPolicy {
                    uint64_t keep_free_bytes) const;
 
  private:
+  // regions.max_per_uid and regions.uid_max_bytes, whose messages say how
+  // to raise them.
+  Status CheckUidRegionCount(uid_t uid, uint64_t held_count) const;
+  Status CheckUidRegionBytes(uid_t uid, uint64_t held_bytes, const std::string& name,
+                             uint64_t bytes) const;
+
   Policy policy_;
 };
 

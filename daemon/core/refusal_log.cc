@@ -5,7 +5,7 @@
 namespace memoffload::daemon {
 
 std::optional<uint64_t> RefusalLog::Admit(const std::string& key, Clock::time_point now) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = entries_.find(key);
   if (it != entries_.end()) {
     Entry& e = it->second;

@@ -4,17 +4,19 @@
 // at most one line per interval is admitted, and the admitted line tells how
 // many refusals of that key were left out since the one before.
 //
-// Thread-safety: Admit may be called from any thread (its own mutex).
+// Thread-safe: Admit may be called from any thread.
 #ifndef MEMOFFLOAD_DAEMON_REFUSAL_LOG_H_
 #define MEMOFFLOAD_DAEMON_REFUSAL_LOG_H_
 
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <unordered_map>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace memoffload::daemon {
 
@@ -31,7 +33,8 @@ class RefusalLog {
   // A refusal of `key` at `now`: the number of refusals of `key` not logged
   // since its last logged one when this one is to be logged, nullopt when it
   // is left out (and counted).
-  std::optional<uint64_t> Admit(const std::string& key, Clock::time_point now);
+  std::optional<uint64_t> Admit(const std::string& key, Clock::time_point now)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Entry {
@@ -39,8 +42,8 @@ class RefusalLog {
     uint64_t left_out = 0;
   };
   const Clock::duration interval_;
-  std::mutex mu_;
-  std::unordered_map<std::string, Entry> entries_;  // GUARDED_BY(mu_)
+  absl::Mutex mu_;
+  std::unordered_map<std::string, Entry> entries_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace memoffload::daemon

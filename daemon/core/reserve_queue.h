@@ -2,7 +2,7 @@
 //
 // The rules, and nothing else: no lock, no thread, no clock of its own (the
 // caller passes `now`), so each rule is testable without threads and sleeps.
-// SessionTable owns one and guards it with its mutex.
+// SessionTable owns one (ABSL_GUARDED_BY its mutex).
 //
 // Rules:
 // - FIFO within a tenant: a tenant's waiters are tried in arrival order, and

@@ -33,11 +33,9 @@ const char* CloseReasonName(CloseReason reason) {
   return "unknown";
 }
 
-namespace {
-std::string JobKey(uid_t uid, const std::string& job_id) {
+std::string SessionTable::JobKey(uid_t uid, const std::string& job_id) {
   return std::to_string(uid) + ":" + job_id;
 }
-}  // namespace
 
 SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant_mode,
                            FreshBacking* fresh_backing)
@@ -59,12 +57,12 @@ SessionTable::SessionTable(Arena* arena, const Policy& policy, TenantMode tenant
 SessionTable::~SessionTable() {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stopping_ = true;
     FailAllWaiters(Unavailable("memoffloadd is stopping; nothing was reserved"),
                    RejectReason::kDraining, &done);
   }
-  deadline_changed_.notify_all();
+  deadline_changed_.SignalAll();
   deadline_thread_.join();
   Run(&done);
 }
@@ -72,7 +70,7 @@ SessionTable::~SessionTable() {
 void SessionTable::SetPolicy(const Policy& policy) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     quota_ = QuotaPolicy(policy);
     queue_.SetLimits(QueueLimits());
     FailWaitersThatCanNeverFit(&done);
@@ -84,7 +82,7 @@ void SessionTable::SetPolicy(const Policy& policy) {
 Status SessionTable::SetDraining(bool draining) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (!draining && shutting_down_) {
       return FailedPrecondition(
           "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
@@ -104,7 +102,7 @@ Status SessionTable::SetDraining(bool draining) {
 void SessionTable::BeginShutdown() {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     shutting_down_ = true;
     draining_ = true;
     FailAllWaiters(
@@ -115,11 +113,22 @@ void SessionTable::BeginShutdown() {
 }
 
 bool SessionTable::draining() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return draining_;
 }
 
 uint64_t SessionTable::UsableBytes() const { return quota_.UsableBytes(arena_->capacity_bytes()); }
+
+uint64_t SessionTable::PageRounded(uint64_t size_bytes) const {
+  const uint64_t page = arena_->page_bytes();  // a power of two
+  return (size_bytes + page - 1) & ~(page - 1);
+}
+
+Status SessionTable::DrainingRefusal(const std::string& refused) const {
+  return Unavailable(shutting_down_ ? "memoffloadd is shutting down (SIGTERM): " + refused
+                                    : "memoffloadd is draining: " + refused +
+                                          " until 'memoffloadctl undrain'");
+}
 
 SessionTable::Job& SessionTable::JobOf(const Session& session) { return *session.job; }
 
@@ -142,15 +151,8 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   Result<std::string> token = NewSessionToken();
   if (!token.ok()) return token.status();
   Completions done;
-  std::unique_lock<std::mutex> lock(mu_);
-  if (shutting_down_) {
-    return Unavailable("memoffloadd is shutting down (SIGTERM): new sessions are refused");
-  }
-  if (draining_) {
-    return Unavailable(
-        "memoffloadd is draining: new sessions are refused until 'memoffloadctl "
-        "undrain'");
-  }
+  absl::ReleasableMutexLock lock(&mu_);
+  if (draining_) return DrainingRefusal("new sessions are refused");  // shutting down too
   Session s;
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
@@ -188,14 +190,14 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   sessions_.emplace(grant.session_id, std::move(s));
   // The job's other sessions may have waiters the new limit can never fit.
   if (job_limit_lowered) FailWaitersThatCanNeverFit(&done);
-  lock.unlock();
+  lock.Release();
   Run(&done);
   return grant;
 }
 
 Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReason) {
   Completions done;
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return NotFound("session " + std::to_string(session_id) + " is not open");
@@ -226,7 +228,7 @@ Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReaso
   sessions_.erase(it);
   FailSessionWaiters(session_id, &done);
   DispatchWaiters(&done);
-  lock.unlock();
+  lock.Release();
   series.reset();
   Run(&done);
   return closed;
@@ -278,7 +280,7 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
                                           uint64_t group_id, uint64_t used_bytes,
                                           std::vector<uint32_t> extent_crc32c) {
   Completions done;
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Result<Group*> group = FindGroup(*session, group_id);
@@ -326,14 +328,14 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   // Copied under the lock: the session may end once it is released.
   CommitResult result{kept_bytes, returned, (*session)->series};
   if (returned != 0) DispatchWaiters(&done);
-  lock.unlock();
+  lock.Release();
   Run(&done);
   return result;
 }
 
 Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::string& token,
                                               uint64_t group_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Result<Group*> group = FindGroup(*session, group_id);
@@ -354,7 +356,7 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
 Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
                                             uint64_t group_id) {
   Completions done;
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Session& s = **session;
@@ -378,13 +380,13 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   --groups_;
   RecycleGroupNode(s.groups.extract(it));
   DispatchWaiters(&done);  // bytes, and a group slot, came back
-  lock.unlock();
+  lock.Release();
   Run(&done);
   return result;
 }
 
 ArenaSnapshot SessionTable::Snapshot() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   ArenaSnapshot a;
   a.capacity_bytes = arena_->allocator().capacity_bytes();
   a.free_bytes = arena_->allocator().free_bytes();
@@ -433,14 +435,14 @@ SessionSnapshot SessionTable::SnapshotOf(uint64_t id, const Session& s,
 }
 
 std::optional<SessionSnapshot> SessionTable::FindSession(uint64_t session_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return std::nullopt;
   return SnapshotOf(it->first, it->second, Clock::now());
 }
 
 std::vector<SessionSnapshot> SessionTable::ListSessions() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<SessionSnapshot> out;
   const auto now = Clock::now();
   for (const auto& [id, s] : sessions_) out.push_back(SnapshotOf(id, s, now));
@@ -449,121 +451,6 @@ std::vector<SessionSnapshot> SessionTable::ListSessions() const {
     return a.session_id < b.session_id;
   });
   return out;
-}
-
-Status SessionTable::CheckInvariants() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
-  uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
-  std::unordered_map<uid_t, UidTotals> uid_held;
-  for (const auto& [id, s] : sessions_) {
-    if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
-      return Internal("session " + std::to_string(id) + " does not point at its job " + s.job_key);
-    }
-    if (auto uid = uid_totals_.find(s.peer.uid);
-        uid == uid_totals_.end() || &uid->second != s.uid_totals) {
-      return Internal("session " + std::to_string(id) + " does not point at its uid's totals");
-    }
-    uid_held[s.peer.uid].held_bytes += s.held_bytes;
-    ++uid_held[s.peer.uid].sessions;
-    uint64_t session_held = 0;
-    for (const auto& [gid, g] : s.groups) {
-      uint64_t sum = 0;
-      for (const Extent& e : g.extents) {
-        sum += e.length;
-        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
-        if (tenant_chunks_.mode() != TenantMode::kNone && owner != s.tenant) {
-          return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
-                          " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
-                          owner);
-        }
-      }
-
-      if (sum != g.held_bytes) {
-        return Internal("group " + std::to_string(gid) + " extents sum to " + std::to_string(sum) +
-                        ", recorded " + std::to_string(g.held_bytes));
-      }
-      session_held += g.held_bytes;
-      by_state[static_cast<int>(g.state)] += g.held_bytes;
-      ++groups;
-    }
-    if (session_held != s.held_bytes) {
-      return Internal("session " + std::to_string(id) + " holds " + std::to_string(session_held) +
-                      ", recorded " + std::to_string(s.held_bytes));
-    }
-    held += session_held;
-  }
-  for (const auto& [uid, totals] : uid_totals_) {
-    const UidTotals& counted = uid_held[uid];
-    if (counted.held_bytes != totals.held_bytes || counted.sessions != totals.sessions) {
-      return Internal("uid " + std::to_string(uid) + " holds " +
-                      std::to_string(counted.held_bytes) + " in " +
-                      std::to_string(counted.sessions) + " sessions, its totals say " +
-                      std::to_string(totals.held_bytes) + " in " + std::to_string(totals.sessions));
-    }
-  }
-  uint64_t region_held = 0;
-  uint32_t region_count = 0;
-  std::unordered_map<uid_t, UidRegions> by_uid;
-  for (const auto& [key, job] : regions_) {
-    uint64_t job_held = 0;
-    for (const auto& [name, r] : job.by_name) {
-      uint64_t sum = 0;
-      for (const Extent& e : r.extents) {
-        sum += e.length;
-        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
-        if (tenant_chunks_.mode() != TenantMode::kNone && owner != r.tenant) {
-          return Internal("region " + name + " of tenant " + r.tenant + " has an extent in chunk " +
-                          std::to_string(e.chunk) + " of tenant " + owner);
-        }
-      }
-      if (sum != r.held_bytes) return Internal("region " + name + " extents disagree");
-      by_uid[r.uid].held_bytes += sum;
-      ++by_uid[r.uid].count;
-      job_held += sum;
-      ++region_count;
-    }
-    if (job_held != job.held_bytes) return Internal("job " + key + " region bytes disagree");
-    region_held += job_held;
-  }
-  if (tenant_chunks_.mode() != TenantMode::kNone) {
-    std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
-    uint64_t chunk_bytes = 0;
-    for (const auto& [key, job] : regions_) {
-      for (const auto& [name, r] : job.by_name) {
-        for (const Extent& e : r.extents) {
-          if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
-        }
-      }
-    }
-    if (chunk_bytes != region_chunk_bytes_ ||
-        (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
-      return Internal("the chunks regions pin disagree with the regions");
-    }
-  }
-  if (region_held != region_bytes_ || region_count != region_count_) {
-    return Internal("region counters disagree with the regions");
-  }
-  for (const auto& [uid, u] : by_uid) {
-    const UidRegions counted = UidRegionsOf(uid);
-    if (counted.held_bytes != u.held_bytes || counted.count != u.count) {
-      return Internal("uid " + std::to_string(uid) + "'s region tally disagrees with its regions");
-    }
-  }
-  if (by_uid.size() != uid_regions_.size()) {
-    return Internal("a uid without regions keeps a region tally");
-  }
-  held += region_held;
-  if (held != arena_->allocator().used_bytes()) {
-    return Internal("sessions and regions hold " + std::to_string(held) +
-                    " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
-  }
-  if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
-      by_state[2] != read_bytes_) {
-    return Internal("state counters disagree with the groups");
-  }
-  return Status::Ok();
 }
 
 }  // namespace memoffload::daemon

@@ -1,10 +1,10 @@
 // SessionTable: sessions, their groups, and every byte they hold.
 //
 // The single authority on who holds which extents. All public methods are
-// thread-safe (one mutex guards sessions_, the arena's allocator and the
-// counters) and validate their input completely: a bad request returns a
-// status and changes nothing. Groups are scoped to their session, so a
-// session can only ever name its own groups.
+// thread-safe (mu_ guards the members annotated with it, and the arena's
+// allocator, which only the table changes) and validate their input
+// completely: a bad request returns a status and changes nothing. Groups are scoped to their
+// session, so a session can only ever name its own groups.
 //
 // Group states: kReserved (extents writable by the client) -> Commit ->
 // kCommitted (the daemon owns the bytes) -> Prefetch -> kRead (extents
@@ -15,20 +15,20 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/node_hash_map.h"
+#include "absl/synchronization/mutex.h"
 #include "config/config.h"
 #include "core/quota_policy.h"
 #include "core/reserve_queue.h"
@@ -58,16 +58,17 @@ class SessionTable {
   // `series` (Metrics::SeriesFor of the hello's job id and rank; may be null)
   // is kept with the session and handed back by Commit and Prefetch.
   Result<SessionGrant> Open(const Hello& hello, const PeerCredentials& peer,
-                            std::shared_ptr<RankSeries> series = nullptr);
+                            std::shared_ptr<RankSeries> series = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Chunks whose fds a new session gets at attach: those its tenant owns
   // (every chunk with TenantMode::kNone). Records the session as a holder.
-  Result<std::vector<ChunkGrant>> AttachChunks(uint64_t session_id);
+  Result<std::vector<ChunkGrant>> AttachChunks(uint64_t session_id) ABSL_LOCKS_EXCLUDED(mu_);
   // A session asks for more chunk fds (its reservations landed there). Each
   // must belong to its tenant: PERMISSION_DENIED otherwise, nothing granted.
   // A backing handed to a live session is never replaced while it lives.
   Result<std::vector<ChunkGrant>> GrantChunks(uint64_t session_id,
-                                              const std::vector<uint32_t>& chunks);
+                                              const std::vector<uint32_t>& chunks)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // What closing a session gave back to the free pool.
   struct Closed {
@@ -79,7 +80,7 @@ class SessionTable {
   };
   // Ends a session and returns everything it holds to the free pool.
   // NOT_FOUND if the session is already gone.
-  Result<Closed> Close(uint64_t session_id, CloseReason reason);
+  Result<Closed> Close(uint64_t session_id, CloseReason reason) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Each checks the session (NOT_FOUND), then the token in constant time
   // (UNAUTHENTICATED), then the group and its state.
@@ -117,24 +118,28 @@ class SessionTable {
   uint64_t ReserveAsync(uint64_t session_id, const std::string& token, uint64_t group_id,
                         uint64_t size_bytes, bool single_extent,
                         std::optional<std::chrono::steady_clock::time_point> wait_until,
-                        ReserveDone done, std::function<bool()> cancelled = nullptr);
+                        ReserveDone done, std::function<bool()> cancelled = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The waiter's caller went away: it is answered CANCELLED and nothing is
   // reserved for it. Does nothing once the waiter was answered.
-  void CancelReserve(uint64_t ticket);
+  void CancelReserve(uint64_t ticket) ABSL_LOCKS_EXCLUDED(mu_);
   // ReserveAsync, waiting on the calling thread for the answer. *reject (if
   // non-null) is set to why a request was refused.
   Result<ReserveResult> Reserve(
       uint64_t session_id, const std::string& token, uint64_t group_id, uint64_t size_bytes,
       bool single_extent,
       std::optional<std::chrono::steady_clock::time_point> wait_until = std::nullopt,
-      RejectReason* reject = nullptr);
+      RejectReason* reject = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
 
   // extent_crc32c, when non-empty, must hold one checksum per kept extent; it
   // is stored and handed back by Prefetch (the daemon never reads the data).
   Result<CommitResult> Commit(uint64_t session_id, const std::string& token, uint64_t group_id,
-                              uint64_t used_bytes, std::vector<uint32_t> extent_crc32c = {});
-  Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id);
-  Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id);
+                              uint64_t used_bytes, std::vector<uint32_t> extent_crc32c = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
+  Result<PrefetchResult> Prefetch(uint64_t session_id, const std::string& token, uint64_t group_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  Result<ReleaseResult> Release(uint64_t session_id, const std::string& token, uint64_t group_id)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Checkpoint regions (session_table_regions.cc). Every call authenticates
   // the session like the group calls; a region is named within the session's
@@ -152,60 +157,64 @@ class SessionTable {
   // reads as complete. `ttl` 0 means regions.ttl; longer is capped to it.
   Result<ReserveResult> CreateRegion(uint64_t session_id, const std::string& token,
                                      const std::string& name, uint64_t size_bytes,
-                                     std::chrono::milliseconds ttl);
+                                     std::chrono::milliseconds ttl) ABSL_LOCKS_EXCLUDED(mu_);
   // By its writer: returns the unused tail (as Commit does) and makes the
   // region visible to the job. Its TTL runs from now.
   Result<CommitResult> CommitRegion(uint64_t session_id, const std::string& token,
                                     const std::string& name, uint64_t used_bytes,
-                                    std::vector<uint32_t> extent_crc32c);
+                                    std::vector<uint32_t> extent_crc32c) ABSL_LOCKS_EXCLUDED(mu_);
   // A committed region of the job, for reading: its extents stay the
   // region's (not freed, even when deleted) until CloseRegion or the end of
   // the reading session.
   Result<PrefetchResult> OpenRegion(uint64_t session_id, const std::string& token,
-                                    const std::string& name);
-  Status CloseRegion(uint64_t session_id, const std::string& token, const std::string& name);
+                                    const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
+  Status CloseRegion(uint64_t session_id, const std::string& token, const std::string& name)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Deletes a region of the session's job: a committed one, or one this
   // session is writing (an abort). Returns the bytes freed, 0 while readers
   // have it open (it is hidden now and freed when the last one closes).
   Result<uint64_t> DeleteRegion(uint64_t session_id, const std::string& token,
-                                const std::string& name);
+                                const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   // The operator's delete (admin token checked by the caller): any region.
-  Result<uint64_t> DeleteRegionOf(uid_t uid, const std::string& job_id, const std::string& name);
+  Result<uint64_t> DeleteRegionOf(uid_t uid, const std::string& job_id, const std::string& name)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The session's job's committed regions whose name starts with prefix,
   // by name.
   Result<std::vector<RegionSnapshot>> ListRegions(uint64_t session_id, const std::string& token,
-                                                  const std::string& prefix);
+                                                  const std::string& prefix)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Every region of the node (writing ones too), for operators.
-  std::vector<RegionSnapshot> ListAllRegions(const std::string& prefix) const;
+  std::vector<RegionSnapshot> ListAllRegions(const std::string& prefix) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Deletes the committed regions whose TTL has passed at `now`; returns how
   // many. The daemon calls it every second.
-  uint64_t ExpireRegions(std::chrono::steady_clock::time_point now);
+  uint64_t ExpireRegions(std::chrono::steady_clock::time_point now) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Replaces the quotas (SIGHUP). Sessions keep what they hold; the new
   // limits apply to every later reservation, existing sessions included, and
   // to the waiting ones (tried again now). Queued waiters stay queued when the
   // waiter bounds shrink below their count.
-  void SetPolicy(const Policy& policy);
+  void SetPolicy(const Policy& policy) ABSL_LOCKS_EXCLUDED(mu_);
   // Drain: new Reserves are UNAVAILABLE (waiting ones fail), existing groups
   // may still be committed, prefetched and released. Undrain is
   // FAILED_PRECONDITION once BeginShutdown was called.
-  Status SetDraining(bool draining);
+  Status SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
   // Drain for exit (SIGTERM): like SetDraining(true), for good; refusals say
   // the daemon is shutting down.
-  void BeginShutdown();
-  bool draining() const;
+  void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_);
+  bool draining() const ABSL_LOCKS_EXCLUDED(mu_);
 
-  ArenaSnapshot Snapshot() const;
+  ArenaSnapshot Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   // The chunks the tenants of `uid` own (0 with TenantMode::kNone).
-  uint32_t UidChunks(uid_t uid) const;
+  uint32_t UidChunks(uid_t uid) const ABSL_LOCKS_EXCLUDED(mu_);
   // Every uid with a session, a chunk or a region, by uid.
-  std::vector<UidSnapshot> ListUids() const;
-  std::vector<SessionSnapshot> ListSessions() const;
+  std::vector<UidSnapshot> ListUids() const ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<SessionSnapshot> ListSessions() const ABSL_LOCKS_EXCLUDED(mu_);
   // The session's snapshot, nullopt once it is gone.
-  std::optional<SessionSnapshot> FindSession(uint64_t session_id) const;
+  std::optional<SessionSnapshot> FindSession(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs the allocator's invariant check plus the table's own accounting.
-  Status CheckInvariants() const;
+  Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -223,10 +232,10 @@ class SessionTable {
   // Released groups' map nodes, kept with their vectors' capacity for the
   // next Reserve (no allocation on the request path): at most this many.
   static constexpr size_t kSpareGroupNodes = 1024;
-  // A node keyed `group_id` holding an empty Group. Requires mu_.
-  GroupNode NewGroupNode(uint64_t group_id);
-  // Keeps a node taken out of a session's map for reuse. Requires mu_.
-  void RecycleGroupNode(GroupNode node);
+  // A node keyed `group_id` holding an empty Group.
+  GroupNode NewGroupNode(uint64_t group_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Keeps a node taken out of a session's map for reuse.
+  void RecycleGroupNode(GroupNode node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A job is the hello's job id within one uid: another user naming the same
   // job id is another job (its own quota, its own requested limit).
   struct Job {
@@ -240,6 +249,8 @@ class SessionTable {
     uint64_t held_bytes = 0;
     uint32_t sessions = 0;
   };
+  // "<uid>:<job_id>": the key of jobs_ and regions_.
+  static std::string JobKey(uid_t uid, const std::string& job_id);
   struct Session {
     SessionGrant grant;
     Hello hello;
@@ -278,58 +289,68 @@ class SessionTable {
     std::map<std::string, Region> by_name;
   };
   // The session's job's regions (created on demand). FAILED_PRECONDITION
-  // without an explicit job id. Requires mu_.
-  Result<JobRegions*> RegionsOf(const Session& session);
-  // The job's visible region `name` (not deleted). Requires mu_.
-  Result<Region*> FindRegion(JobRegions* job, const Session& session, const std::string& name);
+  // without an explicit job id.
+  Result<JobRegions*> RegionsOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The job's visible region `name` (not deleted).
+  Result<Region*> FindRegion(JobRegions* job, const Session& session, const std::string& name)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The caller's region `name`: the session authenticated, the name checked,
-  // found (not deleted) among its job's regions. Requires mu_.
+  // found (not deleted) among its job's regions.
   struct OwnRegion {
     Session* session = nullptr;
     JobRegions* job = nullptr;
     Region* region = nullptr;
   };
   Result<OwnRegion> FindOwnRegion(uint64_t session_id, const std::string& token,
-                                  const std::string& name);
+                                  const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Deletes it now, or hides it until its last reader closes; returns the
-  // bytes freed. Erases it from `job` when freed. Requires mu_.
-  uint64_t DropRegion(JobRegions* job, std::map<std::string, Region>::iterator it);
+  // bytes freed. Erases it from `job` when freed.
+  uint64_t DropRegion(JobRegions* job, std::map<std::string, Region>::iterator it)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A closing session's regions: those it was writing are freed, its opens
-  // closed. Requires mu_.
-  // Adds what it freed to *closed.
-  void ForgetRegionsOf(const Session& session, Closed* closed);
+  // closed. Adds what it freed to *closed.
+  void ForgetRegionsOf(const Session& session, Closed* closed) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   RegionSnapshot SnapshotOf(const Region& region, Clock::time_point now) const;
-  // Requires mu_.
-  SessionSnapshot SnapshotOf(uint64_t id, const Session& session, Clock::time_point now) const;
+  SessionSnapshot SnapshotOf(uint64_t id, const Session& session, Clock::time_point now) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts the extents (delta +1) or uncounts them (-1) in the chunks they
-  // pin; with tenants only. Requires mu_.
-  void CountRegionChunks(const std::vector<Extent>& extents, int delta);
-  // The bytes of the chunks `extents` would newly pin. Requires mu_.
-  uint64_t NewRegionChunkBytes(const std::vector<Extent>& extents) const;
+  // pin; with tenants only.
+  void CountRegionChunks(const std::vector<Extent>& extents, int delta)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The bytes of the chunks `extents` would newly pin.
+  uint64_t NewRegionChunkBytes(const std::vector<Extent>& extents) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Places `rounded` bytes into *out (empty; left empty on failure) in the
   // session's tenant's pool (claiming empty chunks), leaving keep_free_bytes
-  // free; checks capacity (quota_.Room) and the extent count. Requires mu_.
+  // free; checks capacity (quota_.Room) and the extent count.
   Status Place(const Session& session, uint64_t rounded, bool single_extent,
-               uint64_t keep_free_bytes, std::vector<Extent>* out, RejectReason* reject);
+               uint64_t keep_free_bytes, std::vector<Extent>* out, RejectReason* reject)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Finds the session and checks its token. Requires mu_.
-  Result<Session*> Authenticate(uint64_t session_id, const std::string& token);
-  Result<Group*> FindGroup(Session* session, uint64_t group_id);
+  // Finds the session and checks its token.
+  Result<Session*> Authenticate(uint64_t session_id, const std::string& token)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Result<Group*> FindGroup(Session* session, uint64_t group_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // One attempt to place the group now, leaving keep_free_bytes of the
   // usable arena free (for an aged waiter of another tenant). The caller has
   // had the quotas checked (quota_.Check); this checks capacity, once
   // (quota_.Room). Places only in the tenant's chunks (its TenantChunks list:
   // no pass over every chunk), claiming empty ones when they are full.
-  // Requires mu_.
   Result<ReserveResult> TryReserve(Session* session, uint64_t group_id, uint64_t rounded,
                                    bool single_extent, uint64_t keep_free_bytes,
-                                   RejectReason* reject);
-  // What the session and its job hold, for quota_. Requires mu_.
-  QuotaUsage UsageOf(const Session& session) const;
+                                   RejectReason* reject) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // size_bytes rounded up to the arena's page (a power of two): what a group
+  // or a region of that size holds.
+  uint64_t PageRounded(uint64_t size_bytes) const;
+  // UNAVAILABLE while draining: "memoffloadd is draining: <refused> until
+  // 'memoffloadctl undrain'", or that it is shutting down (SIGTERM).
+  Status DrainingRefusal(const std::string& refused) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the session and its job hold, for quota_.
+  QuotaUsage UsageOf(const Session& session) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED for a request queued behind capacity waiters of its
-  // own tenant, naming the arena and the shortfall. Requires mu_.
+  // own tenant, naming the arena and the shortfall.
   Status QueuedBehind(const std::string& tenant, uint64_t rounded, uint64_t ahead_bytes,
-                      size_t ahead_count) const;
+                      size_t ahead_count) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The waiting-reserve machinery (session_table_reserve.cc). Answers run
   // after mu_ is released, as Completions.
@@ -344,116 +365,146 @@ class SessionTable {
     ReserveDone done;
     std::function<bool()> cancelled;  // may be empty
   };
+  // A Reserve's arguments (ReserveAsync's, less the token and the answer).
+  struct ReserveRequest {
+    uint64_t session_id = 0;
+    uint64_t group_id = 0;
+    uint64_t size_bytes = 0;
+    bool single_extent = false;
+    std::optional<Clock::time_point> wait_until;
+  };
+  // ReserveAsync under mu_: places the request, queues it (returns its
+  // ticket; *done and *cancelled move to the waiter), or sets *answer (and
+  // *reject) and returns 0. Answers to other waiters go to *others.
+  uint64_t AdmitReserve(const ReserveRequest& request, const std::string& token, ReserveDone* done,
+                        std::function<bool()>* cancelled,
+                        std::optional<Result<ReserveResult>>* answer, RejectReason* reject,
+                        Completions* others) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The refusals no wait can change: the group exists, an empty request,
+  // draining, larger than the usable arena or (single extent) a chunk.
+  Status CheckReserveNeverFits(const Session& s, const ReserveRequest& request, uint64_t rounded,
+                               RejectReason* reject) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Who shares a line of the reserve queue: the chunk tenant, or the uid
   // with TenantMode::kNone.
   std::string QueueTenant(const Session& session) const;
-  // Whether the waiter's own quota holds it back now. Requires mu_.
-  bool QuotaHeld(const ReserveQueue::Waiter& waiter);
+  // Whether the waiter's own quota holds it back now.
+  bool QuotaHeld(const ReserveQueue::Waiter& waiter) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A chunk the session's tenant may take over now, or -1. With its uid at
   // quotas.uid_max_chunks, only one another tenant of the uid owns; *capped
   // then says that the limit, not the arena, kept it from another chunk.
-  int64_t ClaimableFor(const Session& s, bool* capped);
+  int64_t ClaimableFor(const Session& s, bool* capped) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether quotas.uid_max_chunks holds back `rounded` for `s`: its uid's
   // chunks have no room for it, and it needs more chunks than the limit lets
   // the uid take (UidChunksFor), or another could be taken but for it.
-  bool UidChunksHold(const Session& s, uint64_t rounded, bool single_extent);
+  bool UidChunksHold(const Session& s, uint64_t rounded, bool single_extent)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A second uid opened a session: warns once, per daemon, when the per-uid
-  // limits that keep one uid from taking the arena are off. Requires mu_.
-  void WarnIfSharedWithoutUidLimits(uid_t uid);
-  bool warned_shared_uids_ = false;  // guarded by mu_
+  // limits that keep one uid from taking the arena are off.
+  void WarnIfSharedWithoutUidLimits(uid_t uid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool warned_shared_uids_ ABSL_GUARDED_BY(mu_) = false;
   // Before a placement takes over chunks: whether the uid's chunk limit
   // leaves enough of them for `rounded` beyond the free space of its pool
-  // (a claim that still does not fit would keep its chunk). Requires mu_.
-  Status UidChunksFor(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject);
+  // (a claim that still does not fit would keep its chunk).
+  Status UidChunksFor(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Before a placement takes over chunks: whether the free space of its
   // pool and the chunks it may take over now (within quotas.uid_max_chunks)
   // hold `rounded` (with single_extent: one of those chunks). If not, it is
   // refused as arena full before it takes any, since the claims would still
-  // fail and keep their chunks, empty, from other tenants. Requires mu_.
-  Status ClaimsCover(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject);
+  // fail and keep their chunks, empty, from other tenants.
+  Status ClaimsCover(const Session& s, uint64_t rounded, bool single_extent, RejectReason* reject)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // quotas.uid_max_chunks's "never fits" (with tenants only).
-  Status CheckFitsUidChunks(const Session& s, uint64_t rounded, RejectReason* reject) const;
-  // Offers free space to the waiters. Requires mu_.
-  void DispatchWaiters(Completions* out);
-  // Removes the waiter from pending_ and queues its answer. Requires mu_.
-  void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason, Completions* out);
-  // Answers every waiter with `status` (drain, shutdown). Requires mu_.
-  void FailAllWaiters(const Status& status, RejectReason reason, Completions* out);
-  // Answers the waiters of a closing session. Requires mu_.
-  void FailSessionWaiters(uint64_t session_id, Completions* out);
-  // Answers the waiters whose caller went away. Requires mu_.
-  void DropCancelledWaiters(Completions* out);
+  Status CheckFitsUidChunks(const Session& s, uint64_t rounded, RejectReason* reject) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Offers free space to the waiters.
+  void DispatchWaiters(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes the waiter from pending_ and queues its answer.
+  void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason, Completions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers every waiter with `status` (drain, shutdown).
+  void FailAllWaiters(const Status& status, RejectReason reason, Completions* out)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers the waiters of a closing session.
+  void FailSessionWaiters(uint64_t session_id, Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Answers the waiters whose caller went away.
+  void DropCancelledWaiters(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers the waiters that can never fit any more: a limit was lowered
   // (SIGHUP, or a smaller job limit asked by a new session of the job)
-  // while they waited. Requires mu_.
-  void FailWaitersThatCanNeverFit(Completions* out);
+  // while they waited.
+  void FailWaitersThatCanNeverFit(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Status CANCELLED for a waiter queued at `waited_from`.
   static Status CancelledStatus(Clock::time_point waited_from);
-  ReserveQueue::Limits QueueLimits() const;  // requires mu_
+  ReserveQueue::Limits QueueLimits() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Answers waiters at their deadline; runs on deadline_thread_.
-  void ExpireWaitersLoop();
+  void ExpireWaitersLoop() ABSL_LOCKS_EXCLUDED(mu_);
   static void Run(Completions* completions);
   // capacity - node reserve, or 0 when the reserve covers the arena.
-  uint64_t UsableBytes() const;                         // requires mu_
-  Job& JobOf(const Session& session);                   // requires mu_
-  void AddStateBytes(GroupState state, int64_t delta);  // requires mu_
+  uint64_t UsableBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Job& JobOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void AddStateBytes(GroupState state, int64_t delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns extents the table holds to the allocator; a refusal is a bug,
-  // logged and counted in free_errors_. Requires mu_.
-  void FreeExtents(const std::vector<Extent>& extents);
+  // logged and counted in free_errors_.
+  void FreeExtents(const std::vector<Extent>& extents) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Arena* const arena_;
-  mutable std::mutex mu_;
-  QuotaPolicy quota_;                                     // guarded by mu_
-  bool draining_ = false;                                 // guarded by mu_
-  bool shutting_down_ = false;                            // guarded by mu_
-  ReserveQueue queue_;                                    // guarded by mu_
-  std::unordered_map<uint64_t, PendingReserve> pending_;  // guarded by mu_; by ticket
-  std::condition_variable deadline_changed_;              // a waiter was queued, or stopping_
-  bool stopping_ = false;                                 // guarded by mu_
-  std::unordered_map<std::string, Job> jobs_;             // guarded by mu_; by Session::job_key
-  std::unordered_map<uid_t, UidTotals> uid_totals_;       // guarded by mu_; by peer uid
-  std::vector<GroupNode> spare_groups_;                   // guarded by mu_
+  mutable absl::Mutex mu_;
+  QuotaPolicy quota_ ABSL_GUARDED_BY(mu_);
+  bool draining_ ABSL_GUARDED_BY(mu_) = false;
+  bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  ReserveQueue queue_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, PendingReserve> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
+  absl::CondVar deadline_changed_;  // a waiter was queued, or stopping_
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::unordered_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);        // by Session::job_key
+  std::unordered_map<uid_t, UidTotals> uid_totals_ ABSL_GUARDED_BY(mu_);  // by peer uid
+  std::vector<GroupNode> spare_groups_ ABSL_GUARDED_BY(mu_);
 
   // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
   // memfd when it belonged to another tenant (never faults pages: see
   // FreshBacking) and retiring the old one to its recipients. Fails,
-  // changing nothing, only when no memfd can be created. Requires mu_.
-  Status Claim(uint32_t chunk, const std::string& tenant, uid_t uid);
-  // tenant_chunks_ agrees with the sessions. Requires mu_.
-  Status CheckTenantChunks() const;
-  TenantChunks tenant_chunks_;  // guarded by mu_
+  // changing nothing, only when no memfd can be created.
+  Status Claim(uint32_t chunk, const std::string& tenant, uid_t uid)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // tenant_chunks_ agrees with the sessions.
+  Status CheckTenantChunks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  TenantChunks tenant_chunks_ ABSL_GUARDED_BY(mu_);
   FreshBacking* const fresh_backing_;
-  uint64_t replaced_backings_ = 0;  // guarded by mu_
+  uint64_t replaced_backings_ ABSL_GUARDED_BY(mu_) = 0;
 
-  uint64_t next_session_id_ = 1;                         // guarded by mu_
-  absl::node_hash_map<uint64_t, Session> sessions_;      // guarded by mu_
-  uint64_t reserved_bytes_ = 0;                          // guarded by mu_
-  uint64_t committed_bytes_ = 0;                         // guarded by mu_
-  uint64_t read_bytes_ = 0;                              // guarded by mu_
-  uint64_t groups_ = 0;                                  // guarded by mu_
-  uint64_t free_errors_ = 0;                             // guarded by mu_
-  std::unordered_map<std::string, JobRegions> regions_;  // guarded by mu_; by job key
-  uint32_t region_count_ = 0;                            // guarded by mu_
-  uint32_t committed_region_count_ = 0;                  // guarded by mu_
-  uint64_t region_bytes_ = 0;                            // guarded by mu_
-  uint64_t committed_region_bytes_ = 0;                  // guarded by mu_
-  uint64_t regions_expired_ = 0;                         // guarded by mu_
+  uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
+  absl::node_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t committed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t read_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t groups_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t free_errors_ ABSL_GUARDED_BY(mu_) = 0;
+  std::unordered_map<std::string, JobRegions> regions_ ABSL_GUARDED_BY(mu_);  // by job key
+  uint32_t region_count_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t committed_region_count_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t region_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t committed_region_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t regions_expired_ ABSL_GUARDED_BY(mu_) = 0;
   // What each uid's regions hold, over all its job ids (a uid names as many
   // jobs as it likes): regions.uid_max_bytes and max_per_uid bound it.
   struct UidRegions {
     uint64_t held_bytes = 0;
     uint64_t count = 0;
   };
-  std::unordered_map<uid_t, UidRegions> uid_regions_;  // guarded by mu_
-  UidRegions UidRegionsOf(uid_t uid) const;            // zeros for a uid without regions
+  std::unordered_map<uid_t, UidRegions> uid_regions_ ABSL_GUARDED_BY(mu_);
+  // Zeros for a uid without regions.
+  UidRegions UidRegionsOf(uid_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What the session's job, its uid and the node hold in regions, for quota_.
+  RegionUsage RegionUsageOf(const Session& session, const JobRegions& job) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Adds the deltas to the uid's tally; forgets a uid left with no region.
-  // Requires mu_.
-  void CountUidRegions(uid_t uid, int64_t bytes_delta, int count_delta);
+  void CountUidRegions(uid_t uid, int64_t bytes_delta, int count_delta)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Region extents in each chunk (sized on first use; with tenants only)
   // and the bytes of the chunks with any: what regions keep from other
   // tenants, which regions.max_bytes bounds.
-  std::vector<uint32_t> region_extents_in_chunk_;  // guarded by mu_
-  uint64_t region_chunk_bytes_ = 0;                // guarded by mu_
+  std::vector<uint32_t> region_extents_in_chunk_ ABSL_GUARDED_BY(mu_);
+  uint64_t region_chunk_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 
   std::thread deadline_thread_;  // one for all waiters; last member: starts after the rest
 };

@@ -27,21 +27,6 @@ Status CheckRegionName(const std::string& name) {
   return Status::Ok();
 }
 
-std::string JobKey(uid_t uid, const std::string& job_id) {
-  return std::to_string(uid) + ":" + job_id;
-}
-
-// What the caller of a region a byte limit refused can do about it.
-std::string RegionLimitHint(uint64_t rounded, uint64_t limit) {
-  return rounded > limit ? "; it is larger than the whole limit and can never fit"
-                         : "; delete old checkpoints (a deleted or expired region still open "
-                           "by a reader counts until it is closed)";
-}
-
-std::string Regions(uint64_t count) {
-  return std::to_string(count) + (count == 1 ? " region" : " regions");
-}
-
 double UnixNow() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -74,6 +59,20 @@ uint64_t SessionTable::NewRegionChunkBytes(const std::vector<Extent>& extents) c
 
 const char* RegionStateName(RegionState state) {
   return state == RegionState::kWriting ? "writing" : "committed";
+}
+
+RegionUsage SessionTable::RegionUsageOf(const Session& s, const JobRegions& job) const {
+  const UidRegions uid = UidRegionsOf(s.peer.uid);
+  RegionUsage u;
+  u.job_id = s.hello.job_id;
+  u.uid = s.peer.uid;
+  u.job_regions = job.by_name.size();
+  u.job_held_bytes = job.held_bytes;
+  u.uid_regions = uid.count;
+  u.uid_held_bytes = uid.held_bytes;
+  u.node_regions = region_count_;
+  u.node_held_bytes = region_bytes_;
+  return u;
 }
 
 SessionTable::UidRegions SessionTable::UidRegionsOf(uid_t uid) const {
@@ -143,7 +142,7 @@ RegionSnapshot SessionTable::SnapshotOf(const Region& r, Clock::time_point now) 
 Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std::string& token,
                                                  const std::string& name, uint64_t size_bytes,
                                                  std::chrono::milliseconds ttl) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Session& s = **session;
@@ -152,17 +151,8 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
   if (!job.ok()) return job.status();
   if (size_bytes == 0) return InvalidArgument("size_bytes must be positive");
   if (ttl.count() < 0) return InvalidArgument("ttl_seconds must not be negative");
-  if (draining_) {
-    return Unavailable(shutting_down_ ? "memoffloadd is shutting down (SIGTERM): new regions are "
-                                        "refused"
-                                      : "memoffloadd is draining: new regions are refused until "
-                                        "'memoffloadctl undrain'");
-  }
-  const Policy& policy = quota_.policy();
-  if (policy.region_max_bytes == 0) {
-    return FailedPrecondition(
-        "checkpoint regions are disabled on this node (regions.max_bytes = 0)");
-  }
+  if (draining_) return DrainingRefusal("new regions are refused");
+  MEMOFFLOAD_RETURN_IF_ERROR(quota_.CheckRegionsEnabled());
   if (auto it = (*job)->by_name.find(name); it != (*job)->by_name.end()) {
     return Status(StatusCode::kAlreadyExists,
                   "region " + name + " already exists in job " + s.hello.job_id + " (" +
@@ -170,53 +160,25 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
                                           : RegionStateName(it->second.state)) +
                       "); delete it first, or use a new name");
   }
-  if ((*job)->by_name.size() >= policy.max_regions_per_job) {
-    return ResourceExhausted("job " + s.hello.job_id + " holds " + Regions((*job)->by_name.size()) +
-                             ", the limit (regions.max_per_job); delete old ones");
-  }
-  const UidRegions uid_held = UidRegionsOf(s.peer.uid);
-  MEMOFFLOAD_RETURN_IF_ERROR(quota_.CheckUidRegionCount(s.peer.uid, uid_held.count));
-  if (region_count_ >= policy.max_regions) {
-    return ResourceExhausted("the node holds " + Regions(region_count_) +
-                             ", the limit (regions.max_count); delete old checkpoints");
-  }
-  const uint64_t page = arena_->page_bytes();
+  const RegionUsage usage = RegionUsageOf(s, **job);
+  MEMOFFLOAD_RETURN_IF_ERROR(quota_.CheckRegionCount(usage));
   if (size_bytes > arena_->capacity_bytes()) {
     return ResourceExhausted("region of " + FormatSize(size_bytes) + " is larger than the " +
                              FormatSize(arena_->capacity_bytes()) + " arena");
   }
-  const uint64_t rounded = (size_bytes + page - 1) & ~(page - 1);  // a power of two
-  if (policy.region_job_max_bytes != 0 &&
-      (*job)->held_bytes + rounded > policy.region_job_max_bytes) {
-    return ResourceExhausted("region " + name + " (" + FormatSize(rounded) + ") over job " +
-                             s.hello.job_id + "'s region limit: it holds " +
-                             FormatSize((*job)->held_bytes) + " of " +
-                             FormatSize(policy.region_job_max_bytes) + " (regions.job_max_bytes)" +
-                             RegionLimitHint(rounded, policy.region_job_max_bytes));
-  }
-  MEMOFFLOAD_RETURN_IF_ERROR(
-      quota_.CheckUidRegionBytes(s.peer.uid, uid_held.held_bytes, name, rounded));
-  if (region_bytes_ + rounded > policy.region_max_bytes) {
-    return ResourceExhausted("region " + name + " (" + FormatSize(rounded) +
-                             ") over the node's region limit: regions hold " +
-                             FormatSize(region_bytes_) + " of " +
-                             FormatSize(policy.region_max_bytes) + " (regions.max_bytes)");
-  }
+  const uint64_t rounded = PageRounded(size_bytes);
+  MEMOFFLOAD_RETURN_IF_ERROR(quota_.CheckRegionBytes(usage, name, rounded));
   RejectReason reject = RejectReason::kNone;
   MEMOFFLOAD_RETURN_IF_ERROR(CheckFitsUidChunks(s, rounded, &reject));
   std::vector<Extent> extents;
   MEMOFFLOAD_RETURN_IF_ERROR(Place(s, rounded, /*single_extent=*/false, 0, &extents, &reject));
   // With tenants, a region keeps its whole chunk from every other tenant for
   // as long as it lives, so the node cap counts the chunks regions pin.
-  if (const uint64_t pinned = NewRegionChunkBytes(extents);
-      pinned != 0 && region_chunk_bytes_ + pinned > policy.region_max_bytes) {
+  if (Status pins = quota_.CheckRegionChunks(name, s.tenant, region_chunk_bytes_,
+                                             NewRegionChunkBytes(extents));
+      !pins.ok()) {
     FreeExtents(extents);
-    return ResourceExhausted("region " + name + " would pin " + FormatSize(pinned) +
-                             " more of the arena's chunks to tenant " + s.tenant +
-                             ": regions would keep " + FormatSize(region_chunk_bytes_ + pinned) +
-                             " of chunks from other tenants, over " +
-                             FormatSize(policy.region_max_bytes) +
-                             " (regions.max_bytes; a chunk holding a region stays its tenant's)");
+    return pins;
   }
   CountRegionChunks(extents, +1);
   Region r;
@@ -227,7 +189,7 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
   r.writer = session_id;
   r.extents = std::move(extents);
   r.held_bytes = rounded;
-  const std::chrono::milliseconds cap(policy.region_ttl_ms);
+  const std::chrono::milliseconds cap(quota_.policy().region_ttl_ms);
   r.ttl = ttl.count() == 0 ? cap : std::min(ttl, cap);
   (*job)->held_bytes += rounded;
   CountUidRegions(s.peer.uid, static_cast<int64_t>(rounded), +1);
@@ -241,7 +203,7 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
 Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::string& token,
                                                 const std::string& name, uint64_t used_bytes,
                                                 std::vector<uint32_t> extent_crc32c) {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::ReleasableMutexLock lock(&mu_);
   Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
   if (!own.ok()) return own.status();
   Region& r = *own->region;
@@ -288,14 +250,14 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   r.committed_unix = UnixNow();
   Completions done;
   if (returned != 0) DispatchWaiters(&done);
-  lock.unlock();
+  lock.Release();
   Run(&done);
   return CommitResult{kept_bytes, returned, nullptr};
 }
 
 Result<PrefetchResult> SessionTable::OpenRegion(uint64_t session_id, const std::string& token,
                                                 const std::string& name) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
   if (!own.ok()) return own.status();
   Region& r = *own->region;
@@ -315,7 +277,7 @@ Result<PrefetchResult> SessionTable::OpenRegion(uint64_t session_id, const std::
 
 Status SessionTable::CloseRegion(uint64_t session_id, const std::string& token,
                                  const std::string& name) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
@@ -359,7 +321,7 @@ Result<uint64_t> SessionTable::DeleteRegion(uint64_t session_id, const std::stri
   Completions done;
   uint64_t freed = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
     if (!own.ok()) return own.status();
     if (own->region->state == RegionState::kWriting && own->region->writer != session_id) {
@@ -379,7 +341,7 @@ Result<uint64_t> SessionTable::DeleteRegionOf(uid_t uid, const std::string& job_
   Completions done;
   uint64_t freed = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
     auto job = regions_.find(JobKey(uid, job_id));
     auto it = job == regions_.end() ? std::map<std::string, Region>::iterator{}
@@ -404,7 +366,7 @@ Result<uint64_t> SessionTable::DeleteRegionOf(uid_t uid, const std::string& job_
 Result<std::vector<RegionSnapshot>> SessionTable::ListRegions(uint64_t session_id,
                                                               const std::string& token,
                                                               const std::string& prefix) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Result<JobRegions*> job = RegionsOf(**session);
@@ -420,7 +382,7 @@ Result<std::vector<RegionSnapshot>> SessionTable::ListRegions(uint64_t session_i
 }
 
 std::vector<RegionSnapshot> SessionTable::ListAllRegions(const std::string& prefix) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<RegionSnapshot> out;
   const Clock::time_point now = Clock::now();
   for (const auto& [key, job] : regions_) {
@@ -439,7 +401,7 @@ uint64_t SessionTable::ExpireRegions(Clock::time_point now) {
   Completions done;
   uint64_t expired = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     bool freed = false;
     for (auto& [key, job] : regions_) {
       for (auto it = job.by_name.begin(); it != job.by_name.end();) {

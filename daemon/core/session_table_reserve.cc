@@ -58,55 +58,69 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
                                     uint64_t group_id, uint64_t size_bytes, bool single_extent,
                                     std::optional<Clock::time_point> wait_until, ReserveDone done,
                                     std::function<bool()> cancelled) {
+  ReserveRequest request{session_id, group_id, size_bytes, single_extent, wait_until};
   RejectReason reject = RejectReason::kNone;
   Completions others;  // answers to other waiters (cancelled ones)
-  std::unique_lock<std::mutex> lock(mu_);
-  auto answer = [&](Result<ReserveResult> result) -> uint64_t {
-    lock.unlock();
-    Run(&others);
-    const RejectReason reason = result.ok() ? RejectReason::kNone : reject;
-    done(std::move(result), reason);
-    return 0;
-  };
-  Result<Session*> session = Authenticate(session_id, token);
-  if (!session.ok()) return answer(session.status());
-  Session& s = **session;
-  if (auto it = s.groups.find(group_id); it != s.groups.end()) {
-    return answer(FailedPrecondition("group " + std::to_string(group_id) + " already exists (" +
-                                     GroupStateName(it->second.state) +
-                                     "); Release it before reserving it again"));
+  std::optional<Result<ReserveResult>> answer;
+  uint64_t ticket = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    ticket = AdmitReserve(request, token, &done, &cancelled, &answer, &reject, &others);
   }
-  if (size_bytes == 0) return answer(InvalidArgument("size_bytes must be positive"));
+  Run(&others);
+  if (!answer.has_value()) return ticket;
+  const RejectReason reason = answer->ok() ? RejectReason::kNone : reject;
+  done(std::move(*answer), reason);
+  return 0;
+}
+
+Status SessionTable::CheckReserveNeverFits(const Session& s, const ReserveRequest& r,
+                                           uint64_t rounded, RejectReason* reject) {
+  if (auto it = s.groups.find(r.group_id); it != s.groups.end()) {
+    return FailedPrecondition("group " + std::to_string(r.group_id) + " already exists (" +
+                              GroupStateName(it->second.state) +
+                              "); Release it before reserving it again");
+  }
+  if (r.size_bytes == 0) return InvalidArgument("size_bytes must be positive");
   if (draining_) {
-    reject = RejectReason::kDraining;
-    return answer(Unavailable(
-        shutting_down_ ? "memoffloadd is shutting down (SIGTERM): new reservations are refused"
-                       : "memoffloadd is draining: new reservations are refused until "
-                         "'memoffloadctl undrain'"));
+    *reject = RejectReason::kDraining;
+    return DrainingRefusal("new reservations are refused");
   }
   // Each rule once. The usable arena and every quota (QuotaPolicy::Check:
   // session and job limits, group count) are asked here and nowhere else on
   // this path: a request over a whole limit fails now, one its own quota
   // holds back may wait (below). Free space is asked once, in TryReserve.
-  if (Status st = quota_.CheckFitsArena(size_bytes, arena_->capacity_bytes(), &reject); !st.ok()) {
-    return answer(st);
-  }
-  const uint64_t page = arena_->page_bytes();
-  const uint64_t rounded = (size_bytes + page - 1) & ~(page - 1);  // a power of two
-  if (single_extent && rounded > arena_->chunk_size_bytes()) {
-    reject = RejectReason::kTooLarge;
-    return answer(ResourceExhausted(
+  MEMOFFLOAD_RETURN_IF_ERROR(quota_.CheckFitsArena(r.size_bytes, arena_->capacity_bytes(), reject));
+  if (r.single_extent && rounded > arena_->chunk_size_bytes()) {
+    *reject = RejectReason::kTooLarge;
+    return ResourceExhausted(
         "a single-extent group of " + FormatSize(rounded) + " is larger than a chunk (" +
         FormatSize(arena_->chunk_size_bytes()) +
         ", arena.chunk_size): an extent never spans chunks, so it can never fit; reserve it "
-        "without single_extent, or in smaller groups"));
+        "without single_extent, or in smaller groups");
   }
+  return Status::Ok();
+}
+
+uint64_t SessionTable::AdmitReserve(const ReserveRequest& r, const std::string& token,
+                                    ReserveDone* done, std::function<bool()>* cancelled,
+                                    std::optional<Result<ReserveResult>>* answer,
+                                    RejectReason* reject, Completions* others) {
+  auto answered = [answer](Result<ReserveResult> result) -> uint64_t {
+    answer->emplace(std::move(result));
+    return 0;
+  };
+  Result<Session*> session = Authenticate(r.session_id, token);
+  if (!session.ok()) return answered(session.status());
+  Session& s = **session;
+  const uint64_t rounded = PageRounded(r.size_bytes);
+  if (Status st = CheckReserveNeverFits(s, r, rounded, reject); !st.ok()) return answered(st);
   QuotaDecision quota = quota_.Check(UsageOf(s), rounded);
   if (quota.verdict == QuotaVerdict::kNever) {
-    reject = quota.reason;
-    return answer(std::move(quota.status));
+    *reject = quota.reason;
+    return answered(std::move(quota.status));
   }
-  if (Status st = CheckFitsUidChunks(s, rounded, &reject); !st.ok()) return answer(st);
+  if (Status st = CheckFitsUidChunks(s, rounded, reject); !st.ok()) return answered(st);
 
   // With nobody waiting (the common case) nobody is ahead: no queue walk,
   // and the clock is read only if this request is about to wait.
@@ -117,48 +131,49 @@ uint64_t SessionTable::ReserveAsync(uint64_t session_id, const std::string& toke
   if (anyone_waiting) {
     tenant = QueueTenant(s);
     now = Clock::now();
-    before =
-        queue_.Ahead(tenant, now, [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); });
+    before = queue_.Ahead(tenant, now,
+                          [this](const ReserveQueue::Waiter& w)
+                              ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return QuotaHeld(w); });
   }
   Status refusal;
   if (!quota.allowed()) {
-    reject = quota.reason;
+    *reject = quota.reason;
     refusal = std::move(quota.status);  // its own quota: it waits without blocking anyone
   } else if (before.same_tenant_count != 0) {
-    reject = RejectReason::kArenaFull;
+    *reject = RejectReason::kArenaFull;
     refusal = QueuedBehind(tenant, rounded, before.same_tenant_bytes, before.same_tenant_count);
   } else {
-    Result<ReserveResult> r =
-        TryReserve(&s, group_id, rounded, single_extent, before.keep_free_bytes, &reject);
-    if (r.ok() || r.status().code() != StatusCode::kResourceExhausted) return answer(std::move(r));
-    refusal = r.status();
+    Result<ReserveResult> placed =
+        TryReserve(&s, r.group_id, rounded, r.single_extent, before.keep_free_bytes, reject);
+    if (placed.ok() || placed.status().code() != StatusCode::kResourceExhausted) {
+      return answered(std::move(placed));
+    }
+    refusal = placed.status();
   }
-  if (!wait_until.has_value()) return answer(refusal);
+  if (!r.wait_until.has_value()) return answered(refusal);
   if (!anyone_waiting) {
     tenant = QueueTenant(s);
     now = Clock::now();
   }
-  if (*wait_until <= now) {
-    reject = RejectReason::kWaitTimeout;
-    return answer(
+  if (*r.wait_until <= now) {
+    *reject = RejectReason::kWaitTimeout;
+    return answered(
         ResourceExhausted("waited 0 ms for " + FormatSize(rounded) +
                           ": the deadline leaves no time to wait; refusal: " + refusal.message()));
   }
-  Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *wait_until, s.peer.uid);
+  Result<uint64_t> ticket = queue_.Add(tenant, rounded, now, *r.wait_until, s.peer.uid);
   if (!ticket.ok()) {
     // Callers that went away still count until asked: ask them now.
-    DropCancelledWaiters(&others);
-    ticket = queue_.Add(tenant, rounded, now, *wait_until, s.peer.uid);
+    DropCancelledWaiters(others);
+    ticket = queue_.Add(tenant, rounded, now, *r.wait_until, s.peer.uid);
   }
   if (!ticket.ok()) {
-    reject = RejectReason::kTooManyWaiters;
-    return answer(ticket.status());
+    *reject = RejectReason::kTooManyWaiters;
+    return answered(ticket.status());
   }
-  pending_.emplace(*ticket, PendingReserve{session_id, group_id, rounded, single_extent, now,
-                                           refusal, std::move(done), std::move(cancelled)});
-  deadline_changed_.notify_all();
-  lock.unlock();
-  Run(&others);
+  pending_.emplace(*ticket, PendingReserve{r.session_id, r.group_id, rounded, r.single_extent, now,
+                                           refusal, std::move(*done), std::move(*cancelled)});
+  deadline_changed_.SignalAll();
   return *ticket;
 }
 
@@ -170,7 +185,7 @@ Status SessionTable::Place(const Session& s, uint64_t rounded, bool single_exten
   // the aged waiter's bytes.
   const uint64_t used = alloc.used_bytes();
   const ArenaRoom room = quota_.Room(arena_->capacity_bytes(), used, rounded, keep_free_bytes);
-  auto arena_full = [&](uint64_t keep_free) {
+  auto arena_full = [&](uint64_t keep_free) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     *reject = RejectReason::kArenaFull;
     return quota_.ArenaFull(room, used, rounded, keep_free);
   };
@@ -336,7 +351,7 @@ Result<ReserveResult> SessionTable::Reserve(uint64_t session_id, const std::stri
 void SessionTable::CancelReserve(uint64_t ticket) {
   Completions done;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     auto pending = pending_.find(ticket);
     if (pending == pending_.end()) return;
     const Status st = CancelledStatus(pending->second.waited_from);
@@ -361,9 +376,10 @@ void SessionTable::Answer(uint64_t ticket, Result<ReserveResult> result, RejectR
 
 void SessionTable::DispatchWaiters(Completions* out) {
   if (queue_.size() == 0) return;
-  auto quota_held = [this](const ReserveQueue::Waiter& w) { return QuotaHeld(w); };
-  auto place = [this, out](const ReserveQueue::Waiter& w,
-                           uint64_t keep_free_bytes) -> ReserveQueue::Try {
+  auto quota_held = [this](const ReserveQueue::Waiter& w)
+                        ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return QuotaHeld(w); };
+  auto place = [this, out](const ReserveQueue::Waiter& w, uint64_t keep_free_bytes)
+                   ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> ReserveQueue::Try {
     PendingReserve& p = pending_.at(w.ticket);
     // A caller that went away is never granted (nobody would release it).
     if (p.cancelled && p.cancelled()) {
@@ -427,13 +443,16 @@ void SessionTable::FailSessionWaiters(uint64_t session_id, Completions* out) {
 }
 
 void SessionTable::ExpireWaitersLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   while (!stopping_) {
     const std::optional<Clock::time_point> next = queue_.NextDeadline();
     if (next.has_value()) {
-      deadline_changed_.wait_until(lock, *next);
+      const Clock::duration left = *next - Clock::now();
+      if (left > Clock::duration::zero()) {
+        deadline_changed_.WaitWithTimeout(&mu_, absl::FromChrono(left));
+      }
     } else {
-      deadline_changed_.wait(lock);
+      deadline_changed_.Wait(&mu_);
     }
     if (stopping_) break;
     Completions done;
@@ -449,10 +468,11 @@ void SessionTable::ExpireWaitersLoop() {
     }
     if (done.empty()) continue;
     DispatchWaiters(&done);  // an expired aged waiter may have held others back
-    lock.unlock();
+    mu_.Unlock();
     Run(&done);
-    lock.lock();
+    mu_.Lock();
   }
+  mu_.Unlock();
 }
 
 void SessionTable::Run(Completions* completions) {

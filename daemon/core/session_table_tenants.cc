@@ -26,7 +26,7 @@ ChunkGrant GrantOf(const Arena& arena, uint32_t chunk) {
 }  // namespace
 
 uint32_t SessionTable::UidChunks(uid_t uid) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return tenant_chunks_.UidChunks(uid);
 }
 
@@ -55,7 +55,7 @@ void SessionTable::WarnIfSharedWithoutUidLimits(uid_t uid) {
 }
 
 std::vector<UidSnapshot> SessionTable::ListUids() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::map<uid_t, UidSnapshot> by_uid;
   for (const auto& [uid, totals] : uid_totals_) {
     UidSnapshot& u = by_uid[uid];
@@ -224,7 +224,7 @@ Status SessionTable::CheckTenantChunks() const {
 }
 
 Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
   std::vector<ChunkGrant> chunks;
@@ -236,7 +236,7 @@ Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) 
 
 Result<std::vector<ChunkGrant>> SessionTable::GrantChunks(uint64_t session_id,
                                                           const std::vector<uint32_t>& chunks) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
   MEMOFFLOAD_RETURN_IF_ERROR(

@@ -3,7 +3,7 @@
 // Bookkeeping only: no lock, no thread, no clock, no memory of its own; the
 // one thing it asks the system, whether a recipient's process still lives,
 // tests may answer instead.
-// SessionTable owns one and guards it with its mutex; it says when a chunk is
+// SessionTable owns one (ABSL_GUARDED_BY its mutex); it says when a chunk is
 // empty (the allocator knows) and gives a chunk that changes tenant its new
 // backing (FreshBacking). So each rule is testable without an arena.
 //

@@ -60,7 +60,7 @@ OffloadService::OffloadService(const Arena* arena, SessionTable* table, Metrics*
       config_(config) {}
 
 void OffloadService::SetConfig(const DaemonConfig& config) {
-  std::lock_guard<std::mutex> lock(config_mu_);
+  absl::MutexLock lock(&config_mu_);
   config_ = config;
 }
 
@@ -78,8 +78,8 @@ namespace {
 // CANCELLED) instead of staying queued until its deadline or
 // quotas.max_wait, and, once aged, keeping its bytes free from other
 // tenants all that time. gRPC calls OnCancel and OnDone only after the
-// handler returned the reactor, and OnDone last; ticket_ is still guarded by
-// mu_ (ThreadSanitizer does not see gRPC's own ordering, tests/sanitizers/
+// handler returned the reactor, and OnDone last; ticket_ has a mutex all the
+// same (ThreadSanitizer does not see gRPC's own ordering, tests/sanitizers/
 // tsan.supp).
 class WaitingReserve final : public grpc::ServerUnaryReactor {
  public:
@@ -87,15 +87,15 @@ class WaitingReserve final : public grpc::ServerUnaryReactor {
 
   // The handler's: the table's ticket while the reserve waits, 0 once
   // answered.
-  void Started(uint64_t ticket) {
-    std::lock_guard<std::mutex> lock(mu_);
+  void Started(uint64_t ticket) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
     ticket_ = ticket;
   }
 
-  void OnCancel() override {
+  void OnCancel() override ABSL_LOCKS_EXCLUDED(mu_) {
     uint64_t ticket;
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      absl::MutexLock lock(&mu_);
       ticket = ticket_;
     }
     if (ticket != 0) table_->CancelReserve(ticket);  // a no-op once it was answered
@@ -105,8 +105,8 @@ class WaitingReserve final : public grpc::ServerUnaryReactor {
 
  private:
   SessionTable* const table_;
-  std::mutex mu_;
-  uint64_t ticket_ = 0;  // guarded by mu_
+  absl::Mutex mu_;
+  uint64_t ticket_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace
@@ -156,7 +156,7 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
     // The call's deadline, capped by quotas.max_wait: nothing waits forever.
     uint64_t max_wait_ms;
     {
-      std::lock_guard<std::mutex> lock(config_mu_);
+      absl::MutexLock lock(&config_mu_);
       max_wait_ms = config_.policy.max_wait_ms;
     }
     wait_until = start + std::chrono::milliseconds(max_wait_ms);
@@ -325,7 +325,7 @@ grpc::ServerUnaryReactor* OffloadService::Drain(grpc::CallbackServerContext* ctx
 }
 
 void OffloadService::SetMetricsAddress(const std::string& address) {
-  std::lock_guard<std::mutex> lock(metrics_address_mu_);
+  absl::MutexLock lock(&metrics_address_mu_);
   metrics_address_ = address;
 }
 
@@ -336,7 +336,7 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_version(info_.version);
   resp->set_runtime_dir(info_.runtime_dir);
   {
-    std::lock_guard<std::mutex> lock(metrics_address_mu_);
+    absl::MutexLock lock(&metrics_address_mu_);
     resp->set_metrics_address(metrics_address_);
   }
   resp->set_capacity_bytes(s.capacity_bytes);
@@ -375,7 +375,7 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   }
   Policy policy;
   {
-    std::lock_guard<std::mutex> lock(config_mu_);
+    absl::MutexLock lock(&config_mu_);
     policy = config_.policy;
   }
   resp->set_uid_max_bytes(policy.uid_max_bytes);
@@ -412,7 +412,7 @@ grpc::Status OffloadService::GetConfig(grpc::ServerContext*, const v1::GetConfig
   const auto start = Clock::now();
   DaemonConfig config;
   {
-    std::lock_guard<std::mutex> lock(config_mu_);
+    absl::MutexLock lock(&config_mu_);
     config = config_;
   }
   resp->set_config_file(config.config_file);

@@ -10,9 +10,10 @@
 
 #include <chrono>
 #include <functional>
-#include <mutex>
 #include <string>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "config/config.h"
 #include "core/refusal_log.h"
 #include "core/session_table.h"
@@ -54,7 +55,7 @@ class OffloadService final : public OffloadServiceBase {
 
   // Replaces the configuration GetConfig reports and the reserve wait cap
   // (after SIGHUP). Thread-safe.
-  void SetConfig(const DaemonConfig& config);
+  void SetConfig(const DaemonConfig& config) ABSL_LOCKS_EXCLUDED(config_mu_);
 
   grpc::ServerUnaryReactor* Reserve(grpc::CallbackServerContext* ctx, const v1::ReserveRequest* req,
                                     v1::ReserveResponse* resp) override;
@@ -125,7 +126,7 @@ class OffloadService final : public OffloadServiceBase {
                            v1::ListRegionsResponse* resp) override;
 
   // The metrics address once bound after start (its port was taken then).
-  void SetMetricsAddress(const std::string& address);
+  void SetMetricsAddress(const std::string& address) ABSL_LOCKS_EXCLUDED(metrics_address_mu_);
 
  private:
   // Converts and records; `start` is when the request arrived.
@@ -143,11 +144,11 @@ class OffloadService final : public OffloadServiceBase {
   SessionTable* table_;
   Metrics* metrics_;
   const ServiceInfo info_;
-  mutable std::mutex metrics_address_mu_;
-  std::string metrics_address_;  // guarded by metrics_address_mu_
+  mutable absl::Mutex metrics_address_mu_;
+  std::string metrics_address_ ABSL_GUARDED_BY(metrics_address_mu_);
   const std::chrono::steady_clock::time_point started_;
-  mutable std::mutex config_mu_;
-  DaemonConfig config_;  // guarded by config_mu_
+  mutable absl::Mutex config_mu_;
+  DaemonConfig config_ ABSL_GUARDED_BY(config_mu_);
   RefusalLog refusals_;  // its own lock
 };
 

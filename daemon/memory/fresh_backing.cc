@@ -87,10 +87,10 @@ FreshBacking::FreshBacking(const FreshBackingOptions& options) : options_(option
 
 FreshBacking::~FreshBacking() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  wake_.SignalAll();
   thread_.join();
   for (Retired& r : retired_) CloseRecipients(&r);
 }
@@ -98,7 +98,7 @@ FreshBacking::~FreshBacking() {
 Result<std::shared_ptr<Chunk>> FreshBacking::Create(uint64_t size_bytes, bool prefault) {
   std::string name;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     name = std::string(kBackingName) + "-" + std::to_string(++serial_);
   }
   Result<Chunk> chunk = Chunk::Create(name, size_bytes, options_.hugepages);
@@ -124,12 +124,12 @@ Result<std::shared_ptr<Chunk>> FreshBacking::Create(uint64_t size_bytes, bool pr
 
 Result<std::shared_ptr<Chunk>> FreshBacking::Take(uint64_t size_bytes) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     ++taken_;
     if (!spares_.empty() && spares_.front()->size_bytes() == size_bytes) {
       std::shared_ptr<Chunk> c = std::move(spares_.front());
       spares_.pop_front();
-      wake_.notify_all();  // refill
+      wake_.SignalAll();  // refill
       return c;
     }
     ++taken_unfaulted_;
@@ -137,10 +137,10 @@ Result<std::shared_ptr<Chunk>> FreshBacking::Take(uint64_t size_bytes) {
   Result<std::shared_ptr<Chunk>> c = Create(size_bytes, /*prefault=*/false);
   if (!c.ok()) return c.status();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     to_fault_.push_back(*c);
   }
-  wake_.notify_all();
+  wake_.SignalAll();
   return c;
 }
 
@@ -155,7 +155,7 @@ void FreshBacking::Retire(std::shared_ptr<Chunk> old, const std::vector<pid_t>& 
     if (fd >= 0) retired.recipients.push_back({pid, fd});
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (known) {
       retired_.push_back(std::move(retired));
     } else {
@@ -163,11 +163,11 @@ void FreshBacking::Retire(std::shared_ptr<Chunk> old, const std::vector<pid_t>& 
     }
     to_drop_.push_back(std::move(old));
   }
-  wake_.notify_all();
+  wake_.SignalAll();
 }
 
 FreshBackingStats FreshBacking::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   FreshBackingStats s;
   s.spares = static_cast<uint32_t>(spares_.size());
   s.taken = taken_;
@@ -183,12 +183,12 @@ FreshBackingStats FreshBacking::ScanNow() {
 }
 
 void FreshBacking::Scan() {
-  std::lock_guard<std::mutex> scan_lock(scan_mu_);
+  absl::MutexLock scan_lock(&scan_mu_);
   std::unordered_set<ino_t> wanted;
   std::vector<std::shared_ptr<Chunk>> drop;
   size_t scanned = 0;  // retired_[0, scanned) are looked for
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     // The daemon's own references go first: a backing is stale only when
     // someone else keeps it.
     drop.swap(to_drop_);
@@ -199,8 +199,9 @@ void FreshBacking::Scan() {
   if (wanted.empty()) return;
   const std::unordered_set<ino_t> held = HeldInodes(wanted);
   // Backings nobody was seen keeping: their recipients are looked at next.
-  // Only Scan (under scan_mu_) changes or erases entries of retired_ and
-  // Retire only appends, so these indices and pidfds stay valid without mu_.
+  // Only Scan (one at a time: scan_mu_) changes or erases entries of
+  // retired_ and Retire only appends, so these indices and pidfds stay valid
+  // while mu_ is released.
   struct Look {
     size_t index = 0;
     std::vector<Recipient> recipients;
@@ -209,7 +210,7 @@ void FreshBacking::Scan() {
   };
   std::vector<Look> looks;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (size_t k = 0; k < scanned; ++k) {
       if (held.count(retired_[k].inode) == 0)
         looks.push_back({k, retired_[k].recipients, {}, false});
@@ -222,7 +223,7 @@ void FreshBacking::Scan() {
   }
   std::vector<int> to_close;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (auto look = looks.rbegin(); look != looks.rend(); ++look) {  // erasing from the back
       Retired& r = retired_[look->index];
       auto exited = [&](const Recipient& c) {
@@ -263,54 +264,55 @@ void FreshBacking::CloseRecipients(Retired* r) {
 
 void FreshBacking::Run() {
   auto next_scan = std::chrono::steady_clock::now();
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   while (!stop_) {
     if (!to_drop_.empty()) {
       std::vector<std::shared_ptr<Chunk>> drop;
       drop.swap(to_drop_);
-      lock.unlock();
+      mu_.Unlock();
       drop.clear();  // munmap + close, off every caller's lock
-      lock.lock();
+      mu_.Lock();
       continue;
     }
     if (!to_fault_.empty()) {
       std::shared_ptr<Chunk> c = std::move(to_fault_.back());
       to_fault_.pop_back();
-      lock.unlock();
+      mu_.Unlock();
       if (Status st = c->Prefault(0, c->size_bytes(), Chunk::kMmapLockPiece); !st.ok()) {
         MO_LOG_WARN("faulting in a fresh chunk backing: %s", st.ToString().c_str());
       }
       c.reset();
-      lock.lock();
+      mu_.Lock();
       continue;
     }
     if (taken_ > 0 && spares_.size() < options_.spares && options_.chunk_size_bytes > 0) {
-      lock.unlock();
+      mu_.Unlock();
       Result<std::shared_ptr<Chunk>> c = Create(options_.chunk_size_bytes, /*prefault=*/true);
-      lock.lock();
+      mu_.Lock();
       if (c.ok()) {
         spares_.push_back(std::move(c).value());
         continue;
       }
       MO_LOG_WARN("preparing a spare chunk backing: %s (retrying in 1 s)",
                   c.status().ToString().c_str());
-      wake_.wait_for(lock, std::chrono::seconds(1));
+      wake_.WaitWithTimeout(&mu_, absl::Seconds(1));
       continue;
     }
     const auto now = std::chrono::steady_clock::now();
     if (!retired_.empty() && now >= next_scan) {
-      lock.unlock();
+      mu_.Unlock();
       Scan();
-      lock.lock();
+      mu_.Lock();
       next_scan = std::chrono::steady_clock::now() + options_.scan_interval;
       continue;
     }
     if (retired_.empty()) {
-      wake_.wait(lock);
+      wake_.Wait(&mu_);
     } else {
-      wake_.wait_until(lock, next_scan);
+      wake_.WaitWithTimeout(&mu_, absl::FromChrono(next_scan - now));
     }
   }
+  mu_.Unlock();
 }
 
 }  // namespace memoffload::daemon

@@ -29,16 +29,16 @@
 #include <sys/types.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "memoffload/common/status.h"
 #include "memoffload/shared_mem/chunk.h"
 
@@ -75,16 +75,17 @@ class FreshBacking {
 
   // A new memfd of size_bytes, never faulted on this thread. Fails only when
   // memfd_create/ftruncate/mmap fail (RESOURCE_EXHAUSTED or the errno).
-  Result<std::shared_ptr<Chunk>> Take(uint64_t size_bytes);
+  Result<std::shared_ptr<Chunk>> Take(uint64_t size_bytes) ABSL_LOCKS_EXCLUDED(mu_);
   // Takes the daemon's last reference of an old backing: it is closed and
   // unmapped on the background thread and counted as stale while a process
   // still keeps it.
   // `recipients`: the pids of the processes the backing was handed to.
-  void Retire(std::shared_ptr<Chunk> old, const std::vector<pid_t>& recipients = {});
+  void Retire(std::shared_ptr<Chunk> old, const std::vector<pid_t>& recipients = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
 
-  FreshBackingStats Stats() const;
+  FreshBackingStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   // Runs one /proc scan now and returns the stats after it (tests, status).
-  FreshBackingStats ScanNow();
+  FreshBackingStats ScanNow() ABSL_LOCKS_EXCLUDED(mu_, scan_mu_);
 
  private:
   struct Recipient {
@@ -97,28 +98,30 @@ class FreshBacking {
     std::vector<Recipient> recipients;  // alive when retired; pidfds owned
   };
   // True while a recipient that /proc does not show lives; adds the pidfds
-  // of those that exited to *exited. Slow (a poll and an open each): called
-  // without mu_.
+  // of those that exited to *exited. Slow (a poll and an open each).
   bool UnseenRecipientLives(const std::vector<Recipient>& recipients,
-                            std::vector<int>* exited) const;
+                            std::vector<int>* exited) const ABSL_LOCKS_EXCLUDED(mu_);
   static void CloseRecipients(Retired* r);
   // Whether the scan can read the process's /proc entries (proc_shows).
   bool ProcShows(pid_t pid) const;
-  void Run();
-  Result<std::shared_ptr<Chunk>> Create(uint64_t size_bytes, bool prefault);
-  void Scan();
+  void Run() ABSL_LOCKS_EXCLUDED(mu_);
+  Result<std::shared_ptr<Chunk>> Create(uint64_t size_bytes, bool prefault)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void Scan() ABSL_LOCKS_EXCLUDED(mu_, scan_mu_);
 
   const FreshBackingOptions options_;
-  mutable std::mutex mu_;
-  std::condition_variable wake_;
-  bool stop_ = false;                             // guarded by mu_
-  std::deque<std::shared_ptr<Chunk>> spares_;     // guarded by mu_
-  std::vector<std::shared_ptr<Chunk>> to_fault_;  // guarded by mu_
-  std::vector<std::shared_ptr<Chunk>> to_drop_;   // guarded by mu_
-  std::vector<Retired> retired_;                  // guarded by mu_; maybe still kept
-  uint64_t taken_ = 0, taken_unfaulted_ = 0;      // guarded by mu_
-  uint64_t serial_ = 0;                           // guarded by mu_
-  std::mutex scan_mu_;                            // one scan at a time
+  // Lock order: scan_mu_ before mu_.
+  absl::Mutex scan_mu_ ABSL_ACQUIRED_BEFORE(mu_);  // one scan at a time
+  mutable absl::Mutex mu_;
+  absl::CondVar wake_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::deque<std::shared_ptr<Chunk>> spares_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Chunk>> to_fault_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<Chunk>> to_drop_ ABSL_GUARDED_BY(mu_);
+  std::vector<Retired> retired_ ABSL_GUARDED_BY(mu_);  // maybe still kept
+  uint64_t taken_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t taken_unfaulted_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t serial_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread thread_;
 };
 

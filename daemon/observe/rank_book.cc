@@ -31,7 +31,7 @@ std::string HashedJobId(const std::string& job_id) {
 
 std::shared_ptr<RankSeries> RankBook::SeriesFor(const std::shared_ptr<RankBook>& self,
                                                 const std::string& job_id, int32_t rank) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   Key key(job_id, rank);
   auto it = slots_.find(key);
   if (it == slots_.end()) {
@@ -61,7 +61,7 @@ std::shared_ptr<RankSeries> RankBook::SeriesFor(const std::shared_ptr<RankBook>&
 }
 
 void RankBook::Unused(const Key& key, const RankSeries* series) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   auto it = slots_.find(key);
   if (it != slots_.end() && it->second.alive == series) it->second.alive = nullptr;
 }

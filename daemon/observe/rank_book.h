@@ -10,10 +10,11 @@
 #include <cstdint>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <utility>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "observe/metrics.h"
 
 namespace memoffload::daemon {
@@ -32,9 +33,10 @@ class RankBook {
       : registry_(std::move(registry)), offload_(offload), prefetch_(prefetch), labels_(labels) {}
 
   std::shared_ptr<RankSeries> SeriesFor(const std::shared_ptr<RankBook>& self,
-                                        const std::string& job_id, int32_t rank);
+                                        const std::string& job_id, int32_t rank)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // From ~RankSeries: `series` is gone, with every request that held it.
-  void Unused(const Key& key, const RankSeries* series);
+  void Unused(const Key& key, const RankSeries* series) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   struct Slot {
@@ -44,16 +46,16 @@ class RankBook {
     // The RankSeries whose destructor has not run yet; nullptr once it ran.
     const RankSeries* alive = nullptr;
   };
-  // Removes the slots without a RankSeries alive. Requires mu_.
-  void Prune();
+  // Removes the slots without a RankSeries alive.
+  void Prune() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::shared_ptr<prometheus::Registry> registry_;  // keeps the families alive
   prometheus::Family<prometheus::Counter>* const offload_;
   prometheus::Family<prometheus::Counter>* const prefetch_;
   const JobLabels labels_;
-  std::mutex mu_;
-  std::map<Key, Slot> slots_;         // guarded by mu_
-  size_t prune_at_ = kMaxRankSeries;  // guarded by mu_; Prune when slots_ reaches it
+  absl::Mutex mu_;
+  std::map<Key, Slot> slots_ ABSL_GUARDED_BY(mu_);
+  size_t prune_at_ ABSL_GUARDED_BY(mu_) = kMaxRankSeries;  // Prune when slots_ reaches it
 };
 
 struct RankSeries {

@@ -11,7 +11,6 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <mutex>
 #include <unordered_map>
 #include <utility>
 
@@ -61,11 +60,11 @@ std::string Hex16(uint64_t value) {
 // restarted.
 void LogInstance(const std::string& runtime_dir, uint64_t instance_id, uint64_t session_id,
                  int rank) {
-  static std::mutex mu;
-  static std::map<std::string, uint64_t> last;
+  static absl::Mutex mu;
+  static std::map<std::string, uint64_t> last ABSL_GUARDED_BY(mu);
   uint64_t before = 0;
   {
-    std::lock_guard<std::mutex> lock(mu);
+    absl::MutexLock lock(&mu);
     before = std::exchange(last[runtime_dir], instance_id);
   }
   if (before == instance_id) return;
@@ -139,8 +138,6 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   impl->reply = std::move(reply).value();
   impl->populate = options.populate;
   impl->checksums = options.checksums;
-  impl->chunks.resize(impl->reply.chunks.size());
-  impl->generations.assign(impl->reply.chunks.size(), 0);
   LogInstance(impl->runtime_dir, impl->reply.instance_id, impl->reply.session_id, options.rank);
   impl->populate_on_first_use = options.populate_on_first_use && !options.populate;
   impl->first_block.reserve(impl->reply.chunks.size());
@@ -152,7 +149,9 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   impl->block_state = std::make_unique<std::atomic<uint8_t>[]>(blocks);  // zeroed: unmapped
   impl->bases = std::make_unique<std::atomic<uint8_t*>[]>(impl->reply.chunks.size());
   for (size_t i = 0; i < impl->reply.chunks.size(); ++i) impl->bases[i].store(nullptr);
-  std::lock_guard<std::mutex> lock(impl->map_mu);
+  absl::MutexLock lock(&impl->map_mu);
+  impl->chunks.resize(impl->reply.chunks.size());
+  impl->generations.assign(impl->reply.chunks.size(), 0);
   for (uint32_t frame = 0; frame < impl->reply.fd_frames; ++frame) {
     if (Status st = RecvFrame(impl->lifeline_fd, &payload, &fds); !st.ok()) {
       CloseFds(&fds);
@@ -190,7 +189,7 @@ Result<Reservation> Client::Reserve(uint64_t group_id, uint64_t size_bytes,
     return mapped;
   }
   {
-    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    absl::MutexLock lock(&impl_->groups_mu);
     impl_->reserved[group_id] = reservation.extents;
     impl_->committed.erase(group_id);
   }
@@ -205,7 +204,7 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
   req.mutable_copy()->set_seconds(copy.seconds);
   std::vector<Extent> extents;
   {
-    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    absl::MutexLock lock(&impl_->groups_mu);
     // Kept until the Commit succeeds: a refused Commit may be retried.
     auto it = impl_->reserved.find(group_id);
     if (it != impl_->reserved.end()) extents = it->second;
@@ -222,7 +221,7 @@ Result<CommitInfo> Client::Commit(uint64_t group_id, uint64_t used_bytes, const 
   Status st = impl_->Call(&v1::Offload::Stub::Commit, &req, &resp);
   if (!st.ok()) return impl_->SessionGoneOr(st);
   {
-    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    absl::MutexLock lock(&impl_->groups_mu);
     impl_->reserved.erase(group_id);
     impl_->committed[group_id] = Placement{
         std::move(extents), used_bytes, {req.extent_crc32c().begin(), req.extent_crc32c().end()}};
@@ -247,7 +246,7 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
     // restarted daemon has new memfds), so it is read from there.
     st = impl_->SessionGoneOr(st);
     if (!impl_->lost.load() || !impl_->InstanceGone()) return st;
-    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    absl::MutexLock lock(&impl_->groups_mu);
     auto it = impl_->committed.find(group_id);
     if (it == impl_->committed.end()) return st;
     placement = it->second;
@@ -262,7 +261,7 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
 
 Status Client::Release(uint64_t group_id, const CopyStats& copy) {
   {
-    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    absl::MutexLock lock(&impl_->groups_mu);
     impl_->reserved.erase(group_id);
   }
   v1::ReleaseRequest req;
@@ -270,7 +269,7 @@ Status Client::Release(uint64_t group_id, const CopyStats& copy) {
   req.mutable_copy()->set_bytes(copy.bytes);
   req.mutable_copy()->set_seconds(copy.seconds);
   {
-    std::lock_guard<std::mutex> lock(impl_->groups_mu);
+    absl::MutexLock lock(&impl_->groups_mu);
     impl_->committed.erase(group_id);
   }
   v1::ReleaseResponse resp;
@@ -309,7 +308,7 @@ uint64_t Client::session_id() const { return impl_->reply.session_id; }
 uint64_t Client::instance_id() const { return impl_->reply.instance_id; }
 bool Client::session_lost() const { return impl_->LifelineClosed(); }
 uint64_t Client::chunk_generation(uint32_t chunk) const {
-  std::lock_guard<std::mutex> lock(impl_->map_mu);
+  absl::MutexLock lock(&impl_->map_mu);
   return chunk < impl_->generations.size() ? impl_->generations[chunk] : 0;
 }
 uint64_t Client::page_bytes() const { return impl_->reply.page_bytes; }

@@ -12,12 +12,13 @@
 #include <atomic>
 #include <cstdio>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "grpc_util.h"
 #include "memoffload/client/client.h"
 #include "memoffload/common/crc32c.h"
@@ -35,7 +36,7 @@ class Client::Impl {
  public:
   ~Impl() {
     // Before the chunks are unmapped (members go after this body).
-    std::lock_guard<std::mutex> lock(populator_mu);
+    absl::MutexLock lock(&populator_mu);
     stop_populating.store(true);
     if (populator.joinable()) populator.join();
     if (lifeline_fd >= 0) close(lifeline_fd);
@@ -46,9 +47,9 @@ class Client::Impl {
   // back: it finds its blocks mapped instead of filling them itself (a
   // process new to these pages pays ~0.1 s per GiB). One at a time; a
   // running one is waited for first.
-  void PopulateAhead(std::vector<Extent> extents) {
+  void PopulateAhead(std::vector<Extent> extents) ABSL_LOCKS_EXCLUDED(populator_mu) {
     if (!populate_on_first_use) return;
-    std::lock_guard<std::mutex> lock(populator_mu);
+    absl::MutexLock lock(&populator_mu);
     if (populator.joinable()) populator.join();
     populator = std::thread([this, extents = std::move(extents)] {
       constexpr uint64_t kStep = 4 * kPopulateBlockBytes;
@@ -59,13 +60,15 @@ class Client::Impl {
       }
     });
   }
-  std::mutex populator_mu;
-  std::thread populator;                     // guarded by populator_mu
+  absl::Mutex populator_mu;
+  std::thread populator ABSL_GUARDED_BY(populator_mu);
   std::atomic<bool> stop_populating{false};  // the Client is going away
 
   std::string runtime_dir;
   std::string grpc_socket;
-  int lifeline_fd = -1;  // after attach, read and written only under map_mu (polled anywhere)
+  // After attach, frames on it are sent and received only while map_mu is
+  // held (one exchange at a time); polled anywhere.
+  int lifeline_fd = -1;
   int rpc_timeout_ms = 30000;
   bool populate = false;
 
@@ -83,9 +86,9 @@ class Client::Impl {
   // each committed group, until Release. Kept so that, once the daemon that
   // held this session is gone, a committed group is still read from this
   // process's own mapping (see Prefetch).
-  std::mutex groups_mu;
-  std::unordered_map<uint64_t, std::vector<Extent>> reserved;  // guarded by groups_mu
-  std::unordered_map<uint64_t, Placement> committed;           // guarded by groups_mu
+  absl::Mutex groups_mu;
+  std::unordered_map<uint64_t, std::vector<Extent>> reserved ABSL_GUARDED_BY(groups_mu);
+  std::unordered_map<uint64_t, Placement> committed ABSL_GUARDED_BY(groups_mu);
 
   // Whether the daemon closed this session's broker connection. The daemon
   // ends a session exactly when it closes its connection (or exits), so a
@@ -199,19 +202,27 @@ class Client::Impl {
   // Chunk mappings. A chunk is mapped when this session is first handed its
   // fd; the base address is published once and never changes, so Locate
   // reads it without a lock.
-  std::mutex map_mu;
-  std::vector<Chunk> chunks;                       // guarded by map_mu
+  absl::Mutex map_mu;
+  std::vector<Chunk> chunks ABSL_GUARDED_BY(map_mu);
   std::unique_ptr<std::atomic<uint8_t*>[]> bases;  // indexed by chunk
 
-  // Generation of each mapped chunk's backing (0: not mapped). Guarded by map_mu.
-  std::vector<uint64_t> generations;
+  // Generation of each mapped chunk's backing (0: not mapped).
+  std::vector<uint64_t> generations ABSL_GUARDED_BY(map_mu);
 
-  // Maps received fds (taking ownership of all of them). Requires map_mu. A
-  // chunk this session already maps keeps its mapping only when the daemon
-  // names the same generation: a backing handed to a live session is never
-  // replaced, so another generation is a daemon bug (INTERNAL).
+  // A chunk whose base was published (bases[chunk] not null): it never
+  // changes again, so it is read without map_mu (the acquire load of its
+  // base orders the read after the mapping).
+  const Chunk& MappedChunk(uint32_t chunk) const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return chunks[chunk];
+  }
+
+  // Maps received fds (taking ownership of all of them). A chunk this
+  // session already maps keeps its mapping only when the daemon names the
+  // same generation: a backing handed to a live session is never replaced,
+  // so another generation is a daemon bug (INTERNAL).
   Status MapReceived(const std::vector<uint32_t>& indexes,
-                     const std::vector<uint64_t>& generations_received, std::vector<int>* fds) {
+                     const std::vector<uint64_t>& generations_received, std::vector<int>* fds)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
     Status result;
     for (size_t i = 0; i < fds->size(); ++i) {
       const int fd = (*fds)[i];
@@ -243,7 +254,7 @@ class Client::Impl {
 
   // Makes sure every chunk the extents touch is mapped, asking the daemon
   // for the missing fds over the broker connection.
-  Status EnsureMapped(const std::vector<uint32_t>& wanted) {
+  Status EnsureMapped(const std::vector<uint32_t>& wanted) ABSL_LOCKS_EXCLUDED(map_mu) {
     std::vector<uint32_t> missing;
     for (uint32_t c : wanted) {
       if (c >= reply.chunks.size()) {
@@ -255,9 +266,11 @@ class Client::Impl {
       }
     }
     if (missing.empty()) return Status::Ok();
-    std::lock_guard<std::mutex> lock(map_mu);
+    absl::MutexLock lock(&map_mu);
     missing.erase(std::remove_if(missing.begin(), missing.end(),
-                                 [&](uint32_t c) { return chunks[c].valid(); }),
+                                 [&](uint32_t c) ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
+                                   return chunks[c].valid();
+                                 }),
                   missing.end());
     for (size_t first = 0; first < missing.size(); first += kMaxFdsPerFrame) {
       const size_t last = std::min(missing.size(), first + kMaxFdsPerFrame);
@@ -267,8 +280,8 @@ class Client::Impl {
     return Status::Ok();
   }
 
-  // One request/reply exchange on the broker connection. Requires map_mu.
-  Status RequestChunks(const ChunkRequest& request) {
+  // One request/reply exchange on the broker connection.
+  Status RequestChunks(const ChunkRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
     MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(lifeline_fd, EncodeChunkRequest(request)));
     std::string payload;
     std::vector<int> fds;
@@ -343,10 +356,11 @@ class Client::Impl {
       uint64_t end = b;  // populate a run of unmapped blocks in one call
       while (end < last && state[end + 1].load(std::memory_order_relaxed) != kBlockMapped) ++end;
       const uint64_t from = b * kPopulateBlockBytes;
-      const uint64_t to = std::min((end + 1) * kPopulateBlockBytes, chunks[chunk].size_bytes());
-      // chunks[chunk] never changes once mapped (callers located it first).
+      // Mapped: callers located the extent first.
+      const Chunk& mapped = MappedChunk(chunk);
+      const uint64_t to = std::min((end + 1) * kPopulateBlockBytes, mapped.size_bytes());
       // Cannot fail for an in-range request; pages would fault on touch anyway.
-      (void)chunks[chunk].MapPages(from, to - from);
+      (void)mapped.MapPages(from, to - from);
       for (uint64_t i = b; i <= end; ++i) state[i].store(kBlockMapped, std::memory_order_release);
       b = end;
     }

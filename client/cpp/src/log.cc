@@ -5,8 +5,10 @@
 #include <atomic>
 #include <deque>
 #include <iterator>
-#include <mutex>
 #include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace memoffload::client {
 namespace {
@@ -22,10 +24,10 @@ void StderrSink(LogRecord record) {
 }
 
 struct LogQueue {
-  std::mutex mu;
-  size_t max_records = 1;       // GUARDED_BY(mu)
-  std::deque<LogRecord> queue;  // GUARDED_BY(mu)
-  uint64_t dropped = 0;         // GUARDED_BY(mu)
+  absl::Mutex mu;
+  size_t max_records ABSL_GUARDED_BY(mu) = 1;
+  std::deque<LogRecord> queue ABSL_GUARDED_BY(mu);
+  uint64_t dropped ABSL_GUARDED_BY(mu) = 0;
 };
 
 LogQueue& Queue() {
@@ -35,7 +37,7 @@ LogQueue& Queue() {
 
 void QueueSink(LogRecord record) {
   LogQueue& q = Queue();
-  std::lock_guard<std::mutex> lock(q.mu);
+  absl::MutexLock lock(&q.mu);
   if (q.queue.size() >= q.max_records) {
     q.queue.pop_front();
     ++q.dropped;
@@ -61,7 +63,7 @@ std::string FormatLogLine(const LogRecord& record) {
 void EnableLogQueue(size_t max_records) {
   {
     LogQueue& q = Queue();
-    std::lock_guard<std::mutex> lock(q.mu);
+    absl::MutexLock lock(&q.mu);
     q.max_records = max_records > 0 ? max_records : 1;
   }
   SetLogSink(QueueSink);
@@ -69,7 +71,7 @@ void EnableLogQueue(size_t max_records) {
 
 std::vector<LogRecord> DrainLog() {
   LogQueue& q = Queue();
-  std::lock_guard<std::mutex> lock(q.mu);
+  absl::MutexLock lock(&q.mu);
   std::vector<LogRecord> out(std::make_move_iterator(q.queue.begin()),
                              std::make_move_iterator(q.queue.end()));
   q.queue.clear();
@@ -78,7 +80,7 @@ std::vector<LogRecord> DrainLog() {
 
 uint64_t DroppedLogRecords() {
   LogQueue& q = Queue();
-  std::lock_guard<std::mutex> lock(q.mu);
+  absl::MutexLock lock(&q.mu);
   return q.dropped;
 }
 

@@ -175,6 +175,91 @@ TEST(QuotaPolicyTest, RoomIsTheUsableArenaLessWhatIsUsedWithAndWithoutKeptBytes)
   EXPECT_EQ(full.code(), StatusCode::kResourceExhausted);
 }
 
+Policy RegionLimits() {
+  Policy p;
+  p.region_max_bytes = 64 * kMiB;
+  p.region_job_max_bytes = 16 * kMiB;
+  p.region_uid_max_bytes = 32 * kMiB;
+  p.max_regions_per_job = 4;
+  p.max_regions_per_uid = 8;
+  p.max_regions = 16;
+  return p;
+}
+
+RegionUsage Held(uint64_t job_regions, uint64_t job_bytes, uint64_t uid_regions, uint64_t uid_bytes,
+                 uint64_t node_regions, uint64_t node_bytes) {
+  RegionUsage u;
+  u.job_id = "train";
+  u.uid = 1000;
+  u.job_regions = job_regions;
+  u.job_held_bytes = job_bytes;
+  u.uid_regions = uid_regions;
+  u.uid_held_bytes = uid_bytes;
+  u.node_regions = node_regions;
+  u.node_held_bytes = node_bytes;
+  return u;
+}
+
+bool Names(const Status& st, const std::string& text) {
+  return st.message().find(text) != std::string::npos;
+}
+
+TEST(QuotaPolicyTest, RegionsAreDisabledWithoutANodeRegionLimit) {
+  EXPECT_EQ(QuotaPolicy(Policy{}).CheckRegionsEnabled().code(), StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(Names(QuotaPolicy(Policy{}).CheckRegionsEnabled(), "regions.max_bytes = 0"));
+  EXPECT_TRUE(QuotaPolicy(RegionLimits()).CheckRegionsEnabled().ok());
+}
+
+TEST(QuotaPolicyTest, RegionCountsRefuseTheJobThenTheUidThenTheNodeAtTheirLimit) {
+  const QuotaPolicy quota(RegionLimits());
+  EXPECT_TRUE(quota.CheckRegionCount(Held(3, 0, 7, 0, 15, 0)).ok());
+  Status st = quota.CheckRegionCount(Held(4, 0, 8, 0, 16, 0));  // every one full: the job's named
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Names(st, "job train holds 4 regions, the limit (regions.max_per_job)"))
+      << st.message();
+  st = quota.CheckRegionCount(Held(3, 0, 8, 0, 16, 0));
+  EXPECT_TRUE(Names(st, "uid 1000 holds 8 regions over all its jobs")) << st.message();
+  st = quota.CheckRegionCount(Held(3, 0, 7, 0, 16, 0));
+  EXPECT_TRUE(Names(st, "the node holds 16 regions, the limit (regions.max_count)"))
+      << st.message();
+  Policy no_uid_limit = RegionLimits();
+  no_uid_limit.max_regions_per_uid = 0;  // 0: no per-uid limit
+  EXPECT_TRUE(QuotaPolicy(no_uid_limit).CheckRegionCount(Held(3, 0, 1000, 0, 15, 0)).ok());
+}
+
+TEST(QuotaPolicyTest, RegionBytesRefuseTheJobThenTheUidThenTheNodeUpToTheLimit) {
+  const QuotaPolicy quota(RegionLimits());
+  // Exactly at each limit fits.
+  EXPECT_TRUE(
+      quota.CheckRegionBytes(Held(0, 12 * kMiB, 0, 28 * kMiB, 0, 60 * kMiB), "r", 4 * kMiB).ok());
+  Status st =
+      quota.CheckRegionBytes(Held(0, 12 * kMiB + 1, 0, 32 * kMiB, 0, 64 * kMiB), "r", 4 * kMiB);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Names(st, "over job train's region limit")) << st.message();
+  EXPECT_TRUE(Names(st, "(regions.job_max_bytes); delete old checkpoints")) << st.message();
+  st = quota.CheckRegionBytes(Held(0, 0, 0, 0, 0, 0), "r", 16 * kMiB + 1);
+  EXPECT_TRUE(Names(st, "larger than the whole limit and can never fit")) << st.message();
+  st = quota.CheckRegionBytes(Held(0, 0, 0, 28 * kMiB + 1, 0, 64 * kMiB), "r", 4 * kMiB);
+  EXPECT_TRUE(Names(st, "over uid 1000's region limit")) << st.message();
+  st = quota.CheckRegionBytes(Held(0, 0, 0, 0, 0, 60 * kMiB + 1), "r", 4 * kMiB);
+  EXPECT_TRUE(Names(st, "r (4.00 MiB) over the node's region limit")) << st.message();
+  EXPECT_TRUE(Names(st, "(regions.max_bytes)")) << st.message();
+  Policy only_node = RegionLimits();
+  only_node.region_job_max_bytes = 0;  // 0: only the node cap (and the uid's)
+  EXPECT_TRUE(QuotaPolicy(only_node)
+                  .CheckRegionBytes(Held(0, 30 * kMiB, 0, 0, 0, 30 * kMiB), "r", 2 * kMiB)
+                  .ok());
+}
+
+TEST(QuotaPolicyTest, ChunksRegionsPinAreBoundedByTheNodeRegionLimit) {
+  const QuotaPolicy quota(RegionLimits());
+  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:1000", 64 * kMiB, 0).ok());  // pins no more
+  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:1000", 60 * kMiB, 4 * kMiB).ok());
+  const Status st = quota.CheckRegionChunks("r", "uid:1000", 60 * kMiB, 4 * kMiB + 1);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Names(st, "more of the arena's chunks to tenant uid:1000")) << st.message();
+}
+
 // Check against a model written from the rules in quota_policy.h, over
 // random limits and holdings around the boundaries.
 TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {

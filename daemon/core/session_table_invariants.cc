@@ -1,0 +1,123 @@
+// SessionTable::CheckInvariants: the table's accounting (sessions, groups,
+// jobs, uids, regions and the chunks regions pin) recounted from the
+// records and compared with its counters and the allocator.
+#include "core/session_table.h"
+
+namespace memoffload::daemon {
+
+Status SessionTable::CheckInvariants() const {
+  absl::MutexLock lock(&mu_);
+  MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
+  uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
+  std::unordered_map<uid_t, UidTotals> uid_held;
+  for (const auto& [id, s] : sessions_) {
+    if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
+      return Internal("session " + std::to_string(id) + " does not point at its job " + s.job_key);
+    }
+    if (auto uid = uid_totals_.find(s.peer.uid);
+        uid == uid_totals_.end() || &uid->second != s.uid_totals) {
+      return Internal("session " + std::to_string(id) + " does not point at its uid's totals");
+    }
+    uid_held[s.peer.uid].held_bytes += s.held_bytes;
+    ++uid_held[s.peer.uid].sessions;
+    uint64_t session_held = 0;
+    for (const auto& [gid, g] : s.groups) {
+      uint64_t sum = 0;
+      for (const Extent& e : g.extents) {
+        sum += e.length;
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != s.tenant) {
+          return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
+                          " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
+                          owner);
+        }
+      }
+
+      if (sum != g.held_bytes) {
+        return Internal("group " + std::to_string(gid) + " extents sum to " + std::to_string(sum) +
+                        ", recorded " + std::to_string(g.held_bytes));
+      }
+      session_held += g.held_bytes;
+      by_state[static_cast<int>(g.state)] += g.held_bytes;
+      ++groups;
+    }
+    if (session_held != s.held_bytes) {
+      return Internal("session " + std::to_string(id) + " holds " + std::to_string(session_held) +
+                      ", recorded " + std::to_string(s.held_bytes));
+    }
+    held += session_held;
+  }
+  for (const auto& [uid, totals] : uid_totals_) {
+    const UidTotals& counted = uid_held[uid];
+    if (counted.held_bytes != totals.held_bytes || counted.sessions != totals.sessions) {
+      return Internal("uid " + std::to_string(uid) + " holds " +
+                      std::to_string(counted.held_bytes) + " in " +
+                      std::to_string(counted.sessions) + " sessions, its totals say " +
+                      std::to_string(totals.held_bytes) + " in " + std::to_string(totals.sessions));
+    }
+  }
+  uint64_t region_held = 0;
+  uint32_t region_count = 0;
+  std::unordered_map<uid_t, UidRegions> by_uid;
+  for (const auto& [key, job] : regions_) {
+    uint64_t job_held = 0;
+    for (const auto& [name, r] : job.by_name) {
+      uint64_t sum = 0;
+      for (const Extent& e : r.extents) {
+        sum += e.length;
+        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+        if (tenant_chunks_.mode() != TenantMode::kNone && owner != r.tenant) {
+          return Internal("region " + name + " of tenant " + r.tenant + " has an extent in chunk " +
+                          std::to_string(e.chunk) + " of tenant " + owner);
+        }
+      }
+      if (sum != r.held_bytes) return Internal("region " + name + " extents disagree");
+      by_uid[r.uid].held_bytes += sum;
+      ++by_uid[r.uid].count;
+      job_held += sum;
+      ++region_count;
+    }
+    if (job_held != job.held_bytes) return Internal("job " + key + " region bytes disagree");
+    region_held += job_held;
+  }
+  if (tenant_chunks_.mode() != TenantMode::kNone) {
+    std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
+    uint64_t chunk_bytes = 0;
+    for (const auto& [key, job] : regions_) {
+      for (const auto& [name, r] : job.by_name) {
+        for (const Extent& e : r.extents) {
+          if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
+        }
+      }
+    }
+    if (chunk_bytes != region_chunk_bytes_ ||
+        (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
+      return Internal("the chunks regions pin disagree with the regions");
+    }
+  }
+  if (region_held != region_bytes_ || region_count != region_count_) {
+    return Internal("region counters disagree with the regions");
+  }
+  for (const auto& [uid, u] : by_uid) {
+    const UidRegions counted = UidRegionsOf(uid);
+    if (counted.held_bytes != u.held_bytes || counted.count != u.count) {
+      return Internal("uid " + std::to_string(uid) + "'s region tally disagrees with its regions");
+    }
+  }
+  if (by_uid.size() != uid_regions_.size()) {
+    return Internal("a uid without regions keeps a region tally");
+  }
+  held += region_held;
+  if (held != arena_->allocator().used_bytes()) {
+    return Internal("sessions and regions hold " + std::to_string(held) +
+                    " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
+  }
+  if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
+      by_state[2] != read_bytes_) {
+    return Internal("state counters disagree with the groups");
+  }
+  return Status::Ok();
+}
+
+}  // namespace memoffload::daemon
