@@ -1,6 +1,7 @@
 // Statuses become Python exceptions at the edge: the memoffload.errors class
 // of the status code (memoffload.Error and one subclass per code, each with
-// .code; InvalidArgument is also a ValueError). Needs the GIL.
+// .code; InvalidArgument is also a ValueError). Needs the GIL (WithoutGil
+// runs the call that produces the status without it).
 #ifndef MEMOFFLOAD_TORCH_PYTHON_ERRORS_H_
 #define MEMOFFLOAD_TORCH_PYTHON_ERRORS_H_
 
@@ -29,6 +30,14 @@ template <typename T>
 T Take(Result<T> r) {
   if (!r.ok()) Raise(r.status());
   return std::move(r).value();
+}
+
+// fn() (a Status or a Result: an RPC, a copy) run without the GIL; its
+// error is raised with the GIL back: Take(WithoutGil([&] { return ...; })).
+template <typename Fn>
+auto WithoutGil(Fn&& fn) -> decltype(fn()) {
+  py::gil_scoped_release release;
+  return fn();
 }
 
 }  // namespace memoffload::torch::python

@@ -1,10 +1,11 @@
 // The saved-tensor hooks of memoffload.torch in C++: PackHook and UnpackHook
 // are the callables given to torch.autograd.graph.saved_tensors_hooks, so a
 // saved CPU tensor costs no Python frame on its way into the arena and back.
-// PackHook decides what stays in place exactly as the Python rules it
-// replaces (memoffload/param_skip.py): too small, parameters and buffers by
-// storage identity or by their view's base, low-precision copies of weights
-// through their autograd history. CUDA tensors go to a Python fallback (the
+// PackHook decides what stays in place (the only copy of these rules; the
+// Python side, memoffload/torch/_param_skip.py, lists the group's parameter
+// storages): too small, parameters and buffers by storage identity or by
+// their view's base, low-precision copies of weights through their autograd
+// history. CUDA tensors go to a Python fallback (the
 // current stream and record_stream live there).
 #include "python_hooks.h"
 
@@ -33,7 +34,7 @@ namespace memoffload::torch::python {
 namespace {
 
 // Autograd nodes between a parameter and a low-precision copy of it: the
-// cast and views of either side (param_skip.py's _CAST_NODE, _VIEW_NODES).
+// cast and views of either side.
 constexpr const char* kCastNode = "ToCopyBackward0";
 constexpr std::array<const char*, 11> kViewNodes = {
     "TBackward0",          "TransposeBackward0", "PermuteBackward0",       "ViewBackward0",
@@ -51,13 +52,13 @@ bool IsViewNode(const std::string& name) {
 // std::shared_ptr before torch 2.10-ish, c10::intrusive_ptr on 2.13.
 using NodePtr = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
 
-// What a pack call decided (param_skip.py's NOT_PARAM, PARAM, WEIGHT_COPY).
+// What a pack call decided.
 enum class Kind { kNotParam, kParam, kWeightCopy };
 
 }  // namespace
 
 // Bytes a handle's pack hooks kept in place, by reason (read by
-// memoffload.counters._Counters). Training thread only.
+// memoffload.torch._counters._Counters). Training thread only.
 struct PackCounters {
   uint64_t small_bytes = 0;
   uint64_t param_bytes = 0;  // parameters and buffers, weight copies included
@@ -252,7 +253,8 @@ class PackHook {
            keys.count(reinterpret_cast<uintptr_t>(t.storage().unsafeGetStorageImpl())) != 0;
   }
 
-  // param_skip.py's _ParamSkip.__call__.
+  // A parameter or buffer of the group's modules (itself, a view of one, or
+  // a tensor over its storage), a low-precision copy of a weight, or neither.
   Kind Classify(py::handle obj, const at::Tensor& t) {
     if (IsParameterObject(obj) || (t.is_leaf() && t.requires_grad())) return Kind::kParam;
     if (t.is_view()) {
@@ -267,7 +269,7 @@ class PackHook {
   }
 
   // A cast (possibly with views around it) leading to a parameter's
-  // AccumulateGrad (param_skip.py's _weight_copy).
+  // AccumulateGrad.
   bool WeightCopy(const at::Tensor& t) {
     NodePtr node = t.grad_fn();
     bool cast = false;
@@ -344,7 +346,7 @@ void BindSavedTensorHooks(py::module_& m) {
            py::arg("param_storages"), py::arg("offload_weights"), py::arg("counters"),
            py::arg("cuda_pack"))
       .def("__call__", &PackHook::operator(), py::arg("tensor"))
-      // memoffload.checkpointing.OWN_HOOK_ATTR: not a foreign hook.
+      // memoffload.torch._activation_checkpoint.OWN_HOOK_ATTR: not a foreign hook.
       .def_property_readonly("_memoffload_pack", [](const PackHook&) { return true; });
   py::class_<UnpackHook>(m, "UnpackHook")
       .def(py::init<py::object>(), py::arg("fallback"))

@@ -28,6 +28,7 @@ using memoffload::torch::OffloaderStats;
 using memoffload::torch::SlotStats;
 using memoffload::torch::python::Check;
 using memoffload::torch::python::Take;
+using memoffload::torch::python::WithoutGil;
 
 namespace {
 
@@ -90,11 +91,8 @@ py::list DrainLog() {
 }
 
 py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
-  Result<memoffload::client::DaemonStatus> queried = [&] {
-    py::gil_scoped_release release;
-    return memoffload::client::QueryDaemonStatus(runtime_dir, timeout_ms);
-  }();
-  const memoffload::client::DaemonStatus r = Take(std::move(queried));
+  const memoffload::client::DaemonStatus r = Take(
+      WithoutGil([&] { return memoffload::client::QueryDaemonStatus(runtime_dir, timeout_ms); }));
   py::dict d;
   d["version"] = r.version;
   d["runtime_dir"] = r.runtime_dir;
@@ -114,11 +112,8 @@ py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
 }
 
 py::dict NodeRegions(const std::string& runtime_dir, const std::string& prefix, int timeout_ms) {
-  Result<memoffload::client::NodeRegions> queried = [&] {
-    py::gil_scoped_release release;
-    return memoffload::client::QueryNodeRegions(runtime_dir, prefix, timeout_ms);
-  }();
-  const memoffload::client::NodeRegions r = Take(std::move(queried));
+  const memoffload::client::NodeRegions r = Take(WithoutGil(
+      [&] { return memoffload::client::QueryNodeRegions(runtime_dir, prefix, timeout_ms); }));
   py::list regions;
   for (const memoffload::client::NodeRegion& region : r.regions) {
     py::dict d;
@@ -202,11 +197,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "get",
           [](GroupOffloader& o, uint64_t key, int64_t entry, uintptr_t stream) {
-            Result<at::Tensor> r = [&] {
-              py::gil_scoped_release release;
-              return o.Get(key, entry, stream);
-            }();
-            return Take(std::move(r));
+            return Take(WithoutGil([&] { return o.Get(key, entry, stream); }));
           },
           py::arg("key"), py::arg("entry"), py::arg("stream") = 0)
       .def(
@@ -224,11 +215,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "get_group",
           [](GroupOffloader& o, uint64_t key, uintptr_t stream) {
-            Result<std::vector<at::Tensor>> r = [&] {
-              py::gil_scoped_release release;
-              return o.GetGroup(key, stream);
-            }();
-            return Take(std::move(r));
+            return Take(WithoutGil([&] { return o.GetGroup(key, stream); }));
           },
           py::arg("key"), py::arg("stream") = 0)
       .def("flush", &GroupOffloader::Flush, py::call_guard<py::gil_scoped_release>())

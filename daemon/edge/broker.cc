@@ -61,7 +61,7 @@ void Broker::Accept() {
       reply.code = StatusCode::kResourceExhausted;
       reply.message = full;
       const std::string payload = EncodeAttachReply(reply);
-      const std::string bytes = FrameHeader(payload.size()) + payload;
+      const std::string bytes = EncodeFrameHeader(static_cast<uint32_t>(payload.size())) + payload;
       const ssize_t ignored =
           send(socket.native_handle(), bytes.data(), bytes.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
       (void)ignored;  // a peer that cannot take it just sees the close

@@ -34,8 +34,6 @@ namespace asio = boost::asio;
 using boost::system::error_code;
 using Socket = asio::local::stream_protocol::socket;
 
-inline constexpr uint32_t kMaxClientFrameBytes = 64 * 1024;
-
 // ", rank 3, local rank 1" for log lines: each part only when the hello
 // named it (a client that knows no rank sends -1; a log never says "rank -1").
 inline std::string RankLabel(int32_t rank, int32_t local_rank) {
@@ -43,12 +41,6 @@ inline std::string RankLabel(int32_t rank, int32_t local_rank) {
   if (rank >= 0) label += ", rank " + std::to_string(rank);
   if (local_rank >= 0) label += ", local rank " + std::to_string(local_rank);
   return label;
-}
-
-inline std::string FrameHeader(size_t len) {
-  std::string header(4, '\0');
-  for (int i = 0; i < 4; ++i) header[i] = static_cast<char>((len >> (8 * i)) & 0xff);
-  return header;
 }
 
 // One frame on its way out. The fds travel with the frame's first byte.
@@ -142,7 +134,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
  private:
   // Reads one frame into payload_, allocating only as its bytes arrive, then
-  // calls `done`. A frame over kMaxClientFrameBytes or a closed peer ends
+  // calls `done`. A frame over kMaxRequestFrameBytes or a closed peer ends
   // the connection (a hello gets a reply first).
   void ReadFrame(std::function<void()> done) {
     header_bytes_ = 0;
@@ -171,7 +163,8 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   void ReadAvailable() {
     std::array<unsigned char, 4096> buf;
     for (;;) {
-      size_t want = header_bytes_ < 4 ? 4 - header_bytes_ : frame_bytes_ - payload_.size();
+      size_t want = header_bytes_ < kFrameHeaderBytes ? kFrameHeaderBytes - header_bytes_
+                                                      : frame_bytes_ - payload_.size();
       want = std::min(want, buf.size());
       const ssize_t n = recv(socket_.native_handle(), buf.data(), want, MSG_DONTWAIT);
       if (n == 0) return Finish();
@@ -181,13 +174,12 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         return Finish();
       }
       size_t used = static_cast<size_t>(n);
-      if (header_bytes_ < 4) {
+      if (header_bytes_ < kFrameHeaderBytes) {
         std::memcpy(header_.data() + header_bytes_, buf.data(), used);
         header_bytes_ += used;
-        if (header_bytes_ < 4) continue;
-        frame_bytes_ = 0;
-        for (int i = 0; i < 4; ++i) frame_bytes_ |= static_cast<uint32_t>(header_[i]) << (8 * i);
-        if (frame_bytes_ > kMaxClientFrameBytes) return FrameTooLarge();
+        if (header_bytes_ < kFrameHeaderBytes) continue;
+        frame_bytes_ = DecodeFrameHeader(header_.data());
+        if (frame_bytes_ > kMaxRequestFrameBytes) return FrameTooLarge();
       } else {
         payload_.append(reinterpret_cast<const char*>(buf.data()), used);
       }
@@ -200,7 +192,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   void FrameTooLarge() {
     const std::string what = std::to_string(frame_bytes_) + "-byte frame (limit " +
-                             std::to_string(kMaxClientFrameBytes) + ")";
+                             std::to_string(kMaxRequestFrameBytes) + ")";
     if (session_id_ == 0) return Refuse("bad_hello", InvalidArgument("hello is a " + what));
     MO_LOG_WARN_LIMITED("session %lu sent a %s on its broker connection; closing it",
                         static_cast<unsigned long>(session_id_), what.c_str());
@@ -292,7 +284,8 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   }
 
   static OutFrame Frame(const std::string& payload, std::vector<int> fds = {}) {
-    return OutFrame{FrameHeader(payload.size()) + payload, std::move(fds), {}};
+    return OutFrame{
+        EncodeFrameHeader(static_cast<uint32_t>(payload.size())) + payload, std::move(fds), {}};
   }
 
   // Serves chunk requests until the peer closes: the connection is the
@@ -524,7 +517,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   uint64_t session_id_ = 0;
   bool closed_ = false;
   // Reading: the frame so far.
-  std::array<unsigned char, 4> header_{};
+  std::array<unsigned char, kFrameHeaderBytes> header_{};
   size_t header_bytes_ = 0;
   uint32_t frame_bytes_ = 0;
   std::string payload_;

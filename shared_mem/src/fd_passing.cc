@@ -50,6 +50,20 @@ Status RecvExact(int sock, char* buf, size_t len, std::vector<int>* fds) {
 
 }  // namespace
 
+std::string EncodeFrameHeader(uint32_t payload_bytes) {
+  std::string header(kFrameHeaderBytes, '\0');
+  for (size_t i = 0; i < kFrameHeaderBytes; ++i) {
+    header[i] = static_cast<char>((payload_bytes >> (8 * i)) & 0xff);
+  }
+  return header;
+}
+
+uint32_t DecodeFrameHeader(const unsigned char* header) {
+  uint32_t len = 0;
+  for (size_t i = 0; i < kFrameHeaderBytes; ++i) len |= static_cast<uint32_t>(header[i]) << (8 * i);
+  return len;
+}
+
 Status SendFrame(int sock, const std::string& payload, const std::vector<int>& fds) {
   if (payload.size() > kMaxFrameBytes) {
     return InvalidArgument("frame of " + std::to_string(payload.size()) +
@@ -59,10 +73,7 @@ Status SendFrame(int sock, const std::string& payload, const std::vector<int>& f
     return InvalidArgument("frame carries " + std::to_string(fds.size()) + " fds, limit " +
                            std::to_string(kMaxFdsPerFrame));
   }
-  std::string frame(4, '\0');
-  const uint32_t len = static_cast<uint32_t>(payload.size());
-  for (int i = 0; i < 4; ++i) frame[i] = static_cast<char>((len >> (8 * i)) & 0xff);
-  frame += payload;
+  std::string frame = EncodeFrameHeader(static_cast<uint32_t>(payload.size())) + payload;
 
   size_t sent = 0;
   bool fds_sent = fds.empty();
@@ -99,12 +110,10 @@ Status SendFrame(int sock, const std::string& payload, const std::vector<int>& f
 }
 
 Status RecvFrame(int sock, std::string* payload, std::vector<int>* fds) {
-  char header[4];
-  MEMOFFLOAD_RETURN_IF_ERROR(RecvExact(sock, header, 4, fds));
-  uint32_t len = 0;
-  for (int i = 0; i < 4; ++i) {
-    len |= static_cast<uint32_t>(static_cast<unsigned char>(header[i])) << (8 * i);
-  }
+  unsigned char header[kFrameHeaderBytes];
+  MEMOFFLOAD_RETURN_IF_ERROR(
+      RecvExact(sock, reinterpret_cast<char*>(header), kFrameHeaderBytes, fds));
+  const uint32_t len = DecodeFrameHeader(header);
   if (len > kMaxFrameBytes) {
     return InvalidArgument("frame of " + std::to_string(len) + " bytes exceeds the limit of " +
                            std::to_string(kMaxFrameBytes));

@@ -304,6 +304,37 @@ TEST(HostilePeers, LengthPrefixAloneAllocatesNothing) {
   EXPECT_LT(after - before, 4096) << "RSS " << before << " KiB -> " << after << " KiB";
 }
 
+// The broker frame header is shared, but a client's frame may be at most
+// kMaxRequestFrameBytes (a 1 MiB limit, the attach reply's, would let each
+// unanswered connection hold 1 MiB of the daemon): one byte over is refused
+// from the header alone, the limit itself waits for its payload.
+// Whether the daemon answered (its refusal) or closed within `ms`.
+bool AnsweredWithin(int fd, int ms) {
+  pollfd p{fd, POLLIN, 0};
+  return poll(&p, 1, ms) > 0;
+}
+
+TEST(HostilePeers, AClientFrameOverTheRequestLimitIsRefusedFromItsHeader) {
+  std::string error;
+  auto daemon = DaemonProcess::Start({}, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  const int over = ConnectUnix(daemon->runtime_dir() + "/broker.sock");
+  const int at = ConnectUnix(daemon->runtime_dir() + "/broker.sock");
+  ASSERT_GE(over, 0);
+  ASSERT_GE(at, 0);
+  const std::string over_header =
+      EncodeFrameHeader(static_cast<uint32_t>(kMaxRequestFrameBytes + 1));
+  const std::string at_header = EncodeFrameHeader(static_cast<uint32_t>(kMaxRequestFrameBytes));
+  ASSERT_EQ(write(over, over_header.data(), over_header.size()), 4);
+  ASSERT_EQ(write(at, at_header.data(), at_header.size()), 4);
+  EXPECT_TRUE(AnsweredWithin(over, 5000));
+  EXPECT_FALSE(AnsweredWithin(at, 300));
+  EXPECT_NE(daemon->Log().find("limit " + std::to_string(kMaxRequestFrameBytes)), std::string::npos)
+      << daemon->Log();
+  close(over);
+  close(at);
+}
+
 // Item 5: half-sent requests held civetweb's two threads, and scrapes waited
 // 19-40 s. Now a scrape answers while they hang.
 TEST(HostilePeers, HalfSentMetricsRequestsDoNotHoldUpScrapes) {

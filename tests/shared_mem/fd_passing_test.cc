@@ -20,6 +20,26 @@ class SocketPair : public ::testing::Test {
   int fds_[2] = {-1, -1};
 };
 
+// The header the daemon's broker writes and parses on its own (without
+// SendFrame/RecvFrame) is the one SendFrame puts on the wire.
+TEST(FrameHeader, IsTheLittleEndianLengthThatSendFrameWrites) {
+  for (uint32_t len : {0u, 1u, 0x01020304u, static_cast<uint32_t>(kMaxFrameBytes)}) {
+    const std::string header = EncodeFrameHeader(len);
+    ASSERT_EQ(header.size(), kFrameHeaderBytes);
+    EXPECT_EQ(static_cast<unsigned char>(header[0]), len & 0xff);
+    EXPECT_EQ(static_cast<unsigned char>(header[3]), len >> 24);
+    EXPECT_EQ(DecodeFrameHeader(reinterpret_cast<const unsigned char*>(header.data())), len);
+  }
+  int pair[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, pair), 0);
+  ASSERT_TRUE(SendFrame(pair[0], "hello").ok());
+  char wire[16];
+  ASSERT_EQ(read(pair[1], wire, sizeof(wire)), 9);
+  EXPECT_EQ(std::string(wire, 9), EncodeFrameHeader(5) + "hello");
+  close(pair[0]);
+  close(pair[1]);
+}
+
 TEST_F(SocketPair, FrameWithoutFds) {
   ASSERT_TRUE(SendFrame(fds_[0], "hello").ok());
   std::string payload;

@@ -282,17 +282,50 @@ Status Client::Release(uint64_t group_id, const CopyStats& copy) {
 Status Client::Write(const std::vector<Extent>& extents, uint64_t offset, const void* src,
                      uint64_t length) {
   const uint8_t* in = static_cast<const uint8_t*>(src);
-  return impl_->ForEachPiece(extents, offset, length, [&](uint8_t* p, uint64_t at, uint64_t n) {
+  return ForEachPiece(extents, offset, length, [&](uint8_t* p, uint64_t at, uint64_t n) {
     std::memcpy(p, in + at, n);
+    return Status::Ok();
   });
 }
 
 Status Client::Read(const std::vector<Extent>& extents, uint64_t offset, void* dst,
                     uint64_t length) const {
   uint8_t* out = static_cast<uint8_t*>(dst);
-  return impl_->ForEachPiece(extents, offset, length, [&](uint8_t* p, uint64_t at, uint64_t n) {
+  return ForEachPiece(extents, offset, length, [&](uint8_t* p, uint64_t at, uint64_t n) {
     std::memcpy(out + at, p, n);
+    return Status::Ok();
   });
+}
+
+Status Client::ForEachPiece(const std::vector<Extent>& extents, uint64_t offset, uint64_t length,
+                            const PieceFn& fn) const {
+  uint64_t pos = 0;  // stream position of the current extent's start
+  uint64_t done = 0;
+  for (const Extent& e : extents) {
+    if (done == length) break;
+    uint8_t* base = impl_->Locate(e);
+    if (base == nullptr) {
+      return InvalidArgument("extent (chunk " + std::to_string(e.chunk) + ", offset " +
+                             std::to_string(e.offset) + ", length " + std::to_string(e.length) +
+                             ") is outside the mapped arena");
+    }
+    const uint64_t end = pos + e.length;
+    const uint64_t want = offset + done;
+    if (want < end) {
+      const uint64_t in_extent = want - pos;
+      const uint64_t n = std::min(e.length - in_extent, length - done);
+      impl_->PopulateRange(e.chunk, e.offset + in_extent, n);
+      MEMOFFLOAD_RETURN_IF_ERROR(fn(base + in_extent, done, n));
+      done += n;
+    }
+    pos = end;
+  }
+  if (done != length) {
+    return InvalidArgument("range [" + std::to_string(offset) + ", " +
+                           std::to_string(offset + length) + ") exceeds the extents' " +
+                           std::to_string(pos) + " bytes");
+  }
+  return Status::Ok();
 }
 
 uint8_t* Client::Address(const Extent& extent) const {

@@ -312,39 +312,6 @@ class Client::Impl {
     return out;
   }
 
-  // Runs `fn` over the pieces of [offset, offset+length) of the extent stream.
-  template <typename Fn>
-  Status ForEachPiece(const std::vector<Extent>& extents, uint64_t offset, uint64_t length,
-                      Fn fn) const {
-    uint64_t pos = 0;  // stream position of the current extent's start
-    uint64_t done = 0;
-    for (const Extent& e : extents) {
-      if (done == length) break;
-      uint8_t* base = Locate(e);
-      if (base == nullptr) {
-        return InvalidArgument("extent (chunk " + std::to_string(e.chunk) + ", offset " +
-                               std::to_string(e.offset) + ", length " + std::to_string(e.length) +
-                               ") is outside the mapped arena");
-      }
-      const uint64_t end = pos + e.length;
-      const uint64_t want = offset + done;
-      if (want < end) {
-        const uint64_t in_extent = want - pos;
-        const uint64_t n = std::min(e.length - in_extent, length - done);
-        PopulateRange(e.chunk, e.offset + in_extent, n);
-        fn(base + in_extent, done, n);
-        done += n;
-      }
-      pos = end;
-    }
-    if (done != length) {
-      return InvalidArgument("range [" + std::to_string(offset) + ", " +
-                             std::to_string(offset + length) + ") exceeds the extents' " +
-                             std::to_string(pos) + " bytes");
-    }
-    return Status::Ok();
-  }
-
   // Fills the page tables of [offset, offset + length) of a mapped chunk
   // unless done before (see block_state).
   void PopulateRange(uint32_t chunk, uint64_t offset, uint64_t length) const {

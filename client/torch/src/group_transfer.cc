@@ -20,34 +20,6 @@ using client::Client;
 
 Status DataLoss(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
 
-// Runs fn(host_address, done, n) over the pieces of [offset, offset + length)
-// of the byte stream formed by `extents`.
-template <typename Fn>
-Status ForEachPiece(const Client& c, const std::vector<Extent>& extents, uint64_t offset,
-                    uint64_t length, Fn fn) {
-  uint64_t pos = 0;
-  uint64_t done = 0;
-  for (const Extent& e : extents) {
-    if (done == length) break;
-    const uint64_t end = pos + e.length;
-    const uint64_t want = offset + done;
-    if (want < end) {
-      uint8_t* base = c.Address(e);
-      if (base == nullptr) return Internal("extent outside the mapped arena");
-      const uint64_t in_extent = want - pos;
-      const uint64_t n = std::min(e.length - in_extent, length - done);
-      MEMOFFLOAD_RETURN_IF_ERROR(fn(base + in_extent, done, n));
-      done += n;
-    }
-    pos = end;
-  }
-  if (done != length) {
-    return Internal("range [" + std::to_string(offset) + ", " + std::to_string(offset + length) +
-                    ") exceeds the group's " + std::to_string(pos) + " bytes");
-  }
-  return Status::Ok();
-}
-
 // What an arena view's DataPtr holds: its group, whose space stays reserved
 // (and mapped, through g->client) while the view lives.
 struct ArenaViewRef {
@@ -109,10 +81,10 @@ bool CopyOutInline(Group& g, StoredStorage& s) {
   if (s.offset + s.nbytes > g.reserved_bytes) return false;
   const uint8_t* src = static_cast<const uint8_t*>(s.source.data());
   const auto start = std::chrono::steady_clock::now();
-  Status st = ForEachPiece(*g.client, g.write_extents, s.offset, s.nbytes,
-                           [&](uint8_t* dst, uint64_t done, uint64_t n) {
-                             return s.engine->CopyOut(s.device, src + done, dst, n, 0);
-                           });
+  Status st = g.client->ForEachPiece(g.write_extents, s.offset, s.nbytes,
+                                     [&](uint8_t* dst, uint64_t done, uint64_t n) {
+                                       return s.engine->CopyOut(s.device, src + done, dst, n, 0);
+                                     });
   g.inline_copy_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!st.ok()) return false;  // the worker tries again at Close and reports
@@ -141,10 +113,10 @@ Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, Read
                        /*allocator=*/nullptr, /*resizable=*/false);
   }
   uint8_t* dst = static_cast<uint8_t*>(out.mutable_data());
-  Status st = ForEachPiece(*g.client, g.read_extents, s.offset, s.nbytes,
-                           [&](uint8_t* src, uint64_t done, uint64_t n) {
-                             return s.engine->CopyIn(s.device, src, dst + done, n);
-                           });
+  Status st = g.client->ForEachPiece(g.read_extents, s.offset, s.nbytes,
+                                     [&](uint8_t* src, uint64_t done, uint64_t n) {
+                                       return s.engine->CopyIn(s.device, src, dst + done, n);
+                                     });
   // Even after a failed piece: the token covers what was queued.
   Result<ReadyToken> token = s.engine->FinishCopyIn(s.device);
   if (!token.ok()) return token.status();
@@ -227,12 +199,12 @@ void GroupTransfer::CopyOut(Group& g, StoredStorage& s) {
   const uint8_t* src = static_cast<const uint8_t*>(s.source.data());
   bool first = true;
   const auto start = std::chrono::steady_clock::now();
-  Status st = ForEachPiece(*g.client, g.write_extents, s.offset, s.nbytes,
-                           [&](uint8_t* dst, uint64_t done, uint64_t n) {
-                             const ReadyToken token = first ? ready : 0;
-                             first = false;
-                             return s.engine->CopyOut(s.device, src + done, dst, n, token);
-                           });
+  Status st = g.client->ForEachPiece(
+      g.write_extents, s.offset, s.nbytes, [&](uint8_t* dst, uint64_t done, uint64_t n) {
+        const ReadyToken token = first ? ready : 0;
+        first = false;
+        return s.engine->CopyOut(s.device, src + done, dst, n, token);
+      });
   g.copy_out_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (first) s.engine->DropToken(ready);  // zero bytes: no piece consumed it

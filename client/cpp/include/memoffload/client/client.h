@@ -14,6 +14,7 @@
 #define MEMOFFLOAD_CLIENT_CLIENT_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -143,6 +144,16 @@ class Client {
                uint64_t length);
   Status Read(const std::vector<Extent>& extents, uint64_t offset, void* dst,
               uint64_t length) const;
+
+  // Calls fn(address, done, n) over the pieces of [offset, offset + length)
+  // of the byte stream formed by `extents`, in order: one piece per extent
+  // the range touches, `address` its first byte in this process (its pages
+  // mapped), `done` the bytes of the range before it. Stops at fn's first
+  // error and returns it. INVALID_ARGUMENT when the range does not fit or an
+  // extent is not inside a mapped chunk. Write and Read are this and a copy.
+  using PieceFn = std::function<Status(uint8_t* address, uint64_t done, uint64_t n)>;
+  Status ForEachPiece(const std::vector<Extent>& extents, uint64_t offset, uint64_t length,
+                      const PieceFn& fn) const;
 
   // Address of an extent's first byte in this process, or nullptr when the
   // extent is not inside a mapped chunk. The extent's pages are mapped

@@ -7,7 +7,8 @@ import enum
 import typing
 from typing import Any, Dict, Optional, TypedDict
 
-from .errors import StatusCode
+from ..errors import StatusCode
+from ._native import _C
 
 
 class GroupStats(TypedDict):
@@ -96,8 +97,6 @@ class _Counters:
     __slots__ = ("native", "steps", "stepped_aside")
 
     def __init__(self) -> None:
-        from . import _C
-
         self.native = _C.PackCounters()
         self.steps = 0  # forward passes through the first layer
         self.stepped_aside = 0  # layer calls under foreign hooks or in backward

@@ -1,0 +1,73 @@
+"""The process's offloaders: one native ``_C.GroupOffloader`` (one session
+of memoffloadd) per runtime dir and job id, made on first use."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Dict, Optional, Tuple
+
+from .. import errors, logs
+from ._native import _C
+
+# The process's offloaders (one session each), by (runtime dir, job id).
+_offloaders: Dict[Tuple[str, str], "_C.GroupOffloader"] = {}
+_offloaders_lock = threading.Lock()
+
+DEFAULT_JOB_ID = "torch"
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "-1"))
+    except ValueError:
+        return -1
+
+
+def _job_id_of(job_id: Optional[str]) -> str:
+    """``job_id``, else ``$MEMOFFLOAD_JOB_ID``, else ``"torch"``."""
+    if job_id is not None and (not isinstance(job_id, str) or not job_id):
+        raise errors.InvalidArgument(f"job_id must be a non-empty string or None, not {job_id!r}")
+    return job_id or os.environ.get("MEMOFFLOAD_JOB_ID") or DEFAULT_JOB_ID
+
+
+def get_offloader(runtime_dir: Optional[str] = None, job_id: Optional[str] = None) -> "_C.GroupOffloader":
+    """The process's offloader (one session) for ``runtime_dir`` and ``job_id``.
+
+    ``None`` or ``""`` means ``$MEMOFFLOAD_RUNTIME_DIR`` or the default runtime
+    directory; ``job_id`` ``None`` means ``$MEMOFFLOAD_JOB_ID`` or ``"torch"``
+    (the job ``memoffloadctl sessions`` and ``/metrics`` show, and the job
+    quota the session counts against). One offloader per (runtime dir, job
+    id). The first call attaches (the only blocking RPC of a steady training
+    loop); without a daemon it still succeeds and every group stays in memory
+    until a daemon appears there.
+    """
+    key = (runtime_dir or "", _job_id_of(job_id))
+    with _offloaders_lock:
+        off = _offloaders.get(key)
+        if off is None:
+            off = _C.GroupOffloader(
+                runtime_dir=key[0],
+                job_id=key[1],
+                rank=_env_int("RANK"),
+                local_rank=_env_int("LOCAL_RANK"),
+            )
+            _offloaders[key] = off
+    logs.drain(_C)
+    return off
+
+
+def forget_offloader(runtime_dir: Optional[str] = None, job_id: Optional[str] = None) -> None:
+    """Drops the cached offloader of ``runtime_dir`` and ``job_id`` (``None``:
+    of every job id there); its session ends once no live graph uses it.
+    Mostly for tests that start and stop daemons."""
+    with _offloaders_lock:
+        for key in list(_offloaders):
+            if key[0] == (runtime_dir or "") and (job_id is None or key[1] == _job_id_of(job_id)):
+                del _offloaders[key]
+
+
+def daemon_status(runtime_dir: Optional[str] = None, timeout_ms: int = 5000) -> Dict[str, Any]:
+    """The daemon's GetStatus (capacity, used, reserved, committed, ...).
+    Raises :class:`memoffload.Unavailable` when no daemon answers."""
+    return _C.daemon_status(runtime_dir or "", timeout_ms)
