@@ -24,7 +24,6 @@
 #include <sstream>
 #include <string_view>
 
-
 extern char** environ;
 
 namespace memoffload::daemon {
