@@ -130,46 +130,44 @@ py::dict NodeRegions(const std::string& runtime_dir, const std::string& prefix, 
   return d;
 }
 
-}  // namespace
+// GroupOffloader(...) from Python: created without the GIL, and destroyed
+// without it too.
+std::shared_ptr<GroupOffloader> CreateOffloader(const std::string& runtime_dir,
+                                                const std::string& job_id, int rank, int local_rank,
+                                                int rpc_timeout_ms, int reconnect_interval_ms,
+                                                bool use_cuda) {
+  OffloaderOptions o;
+  o.runtime_dir = runtime_dir;
+  o.job_id = job_id;
+  o.rank = rank;
+  o.local_rank = local_rank;
+  o.rpc_timeout_ms = rpc_timeout_ms;
+  o.reconnect_interval_ms = reconnect_interval_ms;
+  o.use_cuda = use_cuda;
+  std::shared_ptr<GroupOffloader> created;
+  {
+    py::gil_scoped_release release;
+    created = GroupOffloader::Create(o);
+  }
+  // The destructor waits for the worker, whose last tasks may
+  // drop storages that need the GIL (torch decrefs their Python
+  // objects): never wait for it while holding the GIL.
+  GroupOffloader* raw = created.get();
+  return std::shared_ptr<GroupOffloader>(raw, [created](GroupOffloader*) mutable {
+    if (Py_IsInitialized() && PyGILState_Check()) {
+      py::gil_scoped_release release;
+      created.reset();
+    } else {
+      created.reset();
+    }
+  });
+}
 
-PYBIND11_MODULE(_C, m) {
-  m.doc() = "memoffload native part: group offloader over the memoffloadd arena";
-  // The torch this extension was compiled against (memoffload.torch checks
-  // it against the torch it runs with).
-  m.attr("built_torch_version") = MEMOFFLOAD_BUILT_TORCH_VERSION;
-
+// memoffload._C.GroupOffloader.
+void BindGroupOffloader(py::module_& m) {
   py::class_<GroupOffloader, std::shared_ptr<GroupOffloader>>(m, "GroupOffloader")
-      .def(py::init([](const std::string& runtime_dir, const std::string& job_id, int rank,
-                       int local_rank, int rpc_timeout_ms, int reconnect_interval_ms,
-                       bool use_cuda) {
-             OffloaderOptions o;
-             o.runtime_dir = runtime_dir;
-             o.job_id = job_id;
-             o.rank = rank;
-             o.local_rank = local_rank;
-             o.rpc_timeout_ms = rpc_timeout_ms;
-             o.reconnect_interval_ms = reconnect_interval_ms;
-             o.use_cuda = use_cuda;
-             std::shared_ptr<GroupOffloader> created;
-             {
-               py::gil_scoped_release release;
-               created = GroupOffloader::Create(o);
-             }
-             // The destructor waits for the worker, whose last tasks may
-             // drop storages that need the GIL (torch decrefs their Python
-             // objects): never wait for it while holding the GIL.
-             GroupOffloader* raw = created.get();
-             return std::shared_ptr<GroupOffloader>(raw, [created](GroupOffloader*) mutable {
-               if (Py_IsInitialized() && PyGILState_Check()) {
-                 py::gil_scoped_release release;
-                 created.reset();
-               } else {
-                 created.reset();
-               }
-             });
-           }),
-           py::arg("runtime_dir") = "", py::arg("job_id") = "torch", py::arg("rank") = -1,
-           py::arg("local_rank") = -1, py::arg("rpc_timeout_ms") = 10000,
+      .def(py::init(&CreateOffloader), py::arg("runtime_dir") = "", py::arg("job_id") = "torch",
+           py::arg("rank") = -1, py::arg("local_rank") = -1, py::arg("rpc_timeout_ms") = 10000,
            py::arg("reconnect_interval_ms") = 1000, py::arg("use_cuda") = true)
       .def(
           "begin_group",
@@ -229,10 +227,10 @@ PYBIND11_MODULE(_C, m) {
       .def("take_arena_held_peak", &GroupOffloader::TakeArenaHeldPeak,
            "The most arena bytes held at once since the previous call (one reader: the "
            "framework callbacks).");
+}
 
-  memoffload::torch::python::BindSavedTensorHooks(m);
-  memoffload::torch::python::BindRegions(m);
-
+// The log queue's drain and the admin queries of the daemon.
+void BindLogAndQueries(py::module_& m) {
   // The client's log sink, installed at import: every line of the client
   // and of the torch layer is queued, whatever thread logs it, and goes to
   // Python's "memoffload" logger when Python drains the queue (memoffload.logs,
@@ -250,4 +248,18 @@ PYBIND11_MODULE(_C, m) {
         py::arg("timeout_ms") = 5000,
         "Every region of the node (any uid, any job) whose name starts with prefix: "
         "{'regions': [{name, uid, job_id, committed, committed_unix}], 'omitted': n}.");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "memoffload native part: group offloader over the memoffloadd arena";
+  // The torch this extension was compiled against (memoffload.torch checks
+  // it against the torch it runs with).
+  m.attr("built_torch_version") = MEMOFFLOAD_BUILT_TORCH_VERSION;
+
+  BindGroupOffloader(m);
+  memoffload::torch::python::BindSavedTensorHooks(m);
+  memoffload::torch::python::BindRegions(m);
+  BindLogAndQueries(m);
 }

@@ -1,13 +1,10 @@
 #include "app/daemon.h"
 
-#include <fcntl.h>
-#include <grp.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
 #include <prometheus/exposer.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -19,9 +16,10 @@
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
 #include <cstring>
-#include <random>
 
+#include "app/config_changes.h"
 #include "app/notifier.h"
+#include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
 #include "base/log.h"
 #include "core/session_table.h"
@@ -45,7 +43,6 @@ namespace {
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
-constexpr char kAdminTokenName[] = "admin.token";
 // Threads of gRPC's synchronous pool (region calls, health, reflection).
 constexpr int kMaxSyncThreads = 64;
 // Calls one gRPC connection may have open at once (a rank may have a
@@ -54,89 +51,11 @@ constexpr int kMaxStreamsPerConnection = 4096;
 // How often a taken metrics port is tried again (metrics_port.h).
 constexpr int kMetricsRetryMs = 5000;
 
-Result<gid_t> ResolveGroup(const std::string& name) {
-  if (name.empty()) return static_cast<gid_t>(-1);
-  std::vector<char> buf(16384);
-  group gr{};
-  group* found = nullptr;
-  if (getgrnam_r(name.c_str(), &gr, buf.data(), buf.size(), &found) != 0 || found == nullptr) {
-    char* end = nullptr;
-    unsigned long gid = std::strtoul(name.c_str(), &end, 10);
-    if (*end == '\0' && !name.empty()) return static_cast<gid_t>(gid);
-    return InvalidArgument("server.socket_group: no group named '" + name + "'");
-  }
-  return found->gr_gid;
-}
-
-// Raises the soft descriptor limit to the hard one, and warns when the
-// connection limits of the two sockets could still exhaust it.
-void RaiseDescriptorLimit(const DaemonConfig& config) {
-  rlimit lim{};
-  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
-  if (lim.rlim_cur < lim.rlim_max) {
-    lim.rlim_cur = lim.rlim_max;
-    if (setrlimit(RLIMIT_NOFILE, &lim) != 0) getrlimit(RLIMIT_NOFILE, &lim);
-  }
-  const uint64_t needed = 2 * config.max_connections + 256;
-  if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < needed) {
-    MO_LOG_WARN(
-        "the descriptor limit (%llu) is below what server.max_connections = %llu on two sockets "
-        "needs (about %llu): a connection flood can exhaust descriptors (the daemon then backs "
-        "off and recovers, and /readyz says 503); raise LimitNOFILE or lower max_connections",
-        static_cast<unsigned long long>(lim.rlim_cur),
-        static_cast<unsigned long long>(config.max_connections),
-        static_cast<unsigned long long>(needed));
-  }
-}
-
-// Writes a fresh random admin token, readable by the daemon's user only.
-Result<std::string> WriteAdminToken(const std::string& dir) {
-  Result<std::string> token = NewSessionToken();
-  if (!token.ok()) return token.status();
-  const std::string path = dir + "/" + kAdminTokenName;
-  unlink(path.c_str());
-  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return ErrnoStatus("creating " + path, errno);
-  const bool ok = write(fd, token->data(), token->size()) == static_cast<ssize_t>(token->size());
-  close(fd);
-  if (!ok) return Internal("writing " + path + " failed");
-  return token;
-}
-
-// Settings a SIGHUP applies to the running daemon, the fields of Policy: the
-// access policy, the quotas and the region limits (access.tenant is fixed at
-// start: chunks already belong to tenants).
-bool IsLiveSetting(const std::string& key) {
-  if (key == "access.tenant") return false;
-  return key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0 ||
-         key.rfind("regions.", 0) == 0;
-}
-
-void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {
-  const auto old_entries = ConfigEntries(before);
-  const auto new_entries = ConfigEntries(after);
-  for (size_t i = 0; i < old_entries.size() && i < new_entries.size(); ++i) {
-    if (old_entries[i].value == new_entries[i].value) continue;
-    const std::string& key = new_entries[i].key;
-    const bool live = IsLiveSetting(key);
-    MO_LOG_INFO("config %s: %s -> %s%s", key.c_str(), old_entries[i].value.c_str(),
-                new_entries[i].value.c_str(), live ? "" : " (takes effect at restart)");
-  }
-}
-
 }  // namespace
 
 const char* DaemonVersion() { return MEMOFFLOAD_VERSION; }
 
 namespace {
-// Random per start, never 0: tells clients and logs a restart from a reclaim.
-uint64_t RandomInstanceId() {
-  std::random_device rd;
-  uint64_t id = 0;
-  while (id == 0) id = (static_cast<uint64_t>(rd()) << 32) ^ rd();
-  return id;
-}
-
 // The running daemon: every part it wires together is a member, declared in
 // the order it is made, so that whatever step fails, the parts made so far
 // are undone by their own destructors (the runtime dir claim last: the files

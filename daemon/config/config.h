@@ -40,7 +40,7 @@ inline constexpr uint64_t kMaxConnectionsLimit = 1 << 20;
 inline constexpr uint64_t kMaxExtentsPerReserveLimit = 100000;
 
 // Settings SIGHUP may change without a restart (access policy, quotas and
-// region limits; daemon.cc's IsLiveSetting names their sections).
+// region limits; app/config_changes.h's IsLiveSetting names their sections).
 struct Policy {
   std::vector<uint32_t> allowed_uids;  // besides the daemon's uid and root
   std::vector<uint32_t> allowed_gids;  // peers in these groups are allowed too

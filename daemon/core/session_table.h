@@ -32,6 +32,7 @@
 #include "config/config.h"
 #include "core/quota_policy.h"
 #include "core/reserve_queue.h"
+#include "core/session_records.h"
 #include "core/session_token.h"
 #include "core/session_types.h"
 #include "core/tenant_chunks.h"
@@ -217,17 +218,17 @@ class SessionTable {
   Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  using Clock = std::chrono::steady_clock;
-  struct Group {
-    GroupState state = GroupState::kReserved;
-    std::vector<Extent> extents;
-    uint64_t held_bytes = 0;              // sum of extent lengths
-    uint64_t used_bytes = 0;              // valid bytes after Commit
-    std::vector<uint32_t> extent_crc32c;  // optional, from Commit
-
-    Clock::time_point committed_at;
-  };
-  using GroupMap = absl::node_hash_map<uint64_t, Group>;
+  // The records (session_records.h), all guarded by mu_ where the table
+  // holds them.
+  using Clock = session_records::Clock;
+  using Group = session_records::Group;
+  using GroupMap = session_records::GroupMap;
+  using Job = session_records::Job;
+  using UidTotals = session_records::UidTotals;
+  using Session = session_records::Session;
+  using Region = session_records::Region;
+  using JobRegions = session_records::JobRegions;
+  using UidRegions = session_records::UidRegions;
   using GroupNode = GroupMap::node_type;
   // Released groups' map nodes, kept with their vectors' capacity for the
   // next Reserve (no allocation on the request path): at most this many.
@@ -236,58 +237,8 @@ class SessionTable {
   GroupNode NewGroupNode(uint64_t group_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a node taken out of a session's map for reuse.
   void RecycleGroupNode(GroupNode node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // A job is the hello's job id within one uid: another user naming the same
-  // job id is another job (its own quota, its own requested limit).
-  struct Job {
-    uint64_t held_bytes = 0;
-    uint32_t sessions = 0;
-    uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
-  };
-  // What all sessions of one uid hold (quotas.uid_max_bytes), whatever job
-  // ids they name.
-  struct UidTotals {
-    uint64_t held_bytes = 0;
-    uint32_t sessions = 0;
-  };
   // "<uid>:<job_id>": the key of jobs_ and regions_.
   static std::string JobKey(uid_t uid, const std::string& job_id);
-  struct Session {
-    SessionGrant grant;
-    Hello hello;
-    std::string tenant;
-    const TenantChunks::Owned* owned = nullptr;  // its tenant's; null with TenantMode::kNone
-    std::string job_key;                         // "<uid>:<job_id>", the key of jobs_
-    Job* job = nullptr;                          // jobs_[job_key], which outlives the session
-    UidTotals* uid_totals = nullptr;             // uid_totals_[peer.uid], likewise
-
-    PeerCredentials peer;
-    Clock::time_point opened_at;
-    uint64_t held_bytes = 0;
-    GroupMap groups;
-    std::shared_ptr<RankSeries> series;  // may be null
-  };
-
-  struct Region {
-    std::string name;
-    uid_t uid = 0;
-    std::string job_id;
-    std::string tenant;
-    RegionState state = RegionState::kWriting;
-    uint64_t writer = 0;            // the creating session, while writing
-    std::vector<uint64_t> readers;  // sessions that opened it (once per open)
-    bool deleted = false;           // hidden; freed when the last reader closes
-    std::vector<Extent> extents;
-    uint64_t held_bytes = 0;
-    uint64_t used_bytes = 0;
-    std::vector<uint32_t> extent_crc32c;
-    std::chrono::milliseconds ttl{0};
-    Clock::time_point expires_at;
-    double committed_unix = 0;
-  };
-  struct JobRegions {
-    uint64_t held_bytes = 0;
-    std::map<std::string, Region> by_name;
-  };
   // The session's job's regions (created on demand). FAILED_PRECONDITION
   // without an explicit job id.
   Result<JobRegions*> RegionsOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -468,6 +419,18 @@ class SessionTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // tenant_chunks_ agrees with the sessions.
   Status CheckTenantChunks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // CheckInvariants' parts (session_table_invariants.cc). The sessions'
+  // groups against the sessions, jobs and uid totals: adds what they hold to
+  // *held, their count to *groups and their bytes by state to by_state.
+  Status CheckSessionRecords(uint64_t* held, uint64_t* groups, uint64_t by_state[3]) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A group's extents: in its tenant's chunks, summing to its held bytes.
+  Status CheckGroupRecord(uint64_t gid, const Group& g, const std::string& tenant) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The regions against their jobs, uids and counters; sets *region_held.
+  Status CheckRegionRecords(uint64_t* region_held) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chunks regions pin (with tenants only) against the regions.
+  Status CheckRegionChunks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   TenantChunks tenant_chunks_ ABSL_GUARDED_BY(mu_);
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ ABSL_GUARDED_BY(mu_) = 0;
@@ -485,12 +448,7 @@ class SessionTable {
   uint64_t region_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t committed_region_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t regions_expired_ ABSL_GUARDED_BY(mu_) = 0;
-  // What each uid's regions hold, over all its job ids (a uid names as many
-  // jobs as it likes): regions.uid_max_bytes and max_per_uid bound it.
-  struct UidRegions {
-    uint64_t held_bytes = 0;
-    uint64_t count = 0;
-  };
+  // What each uid's regions hold (regions.uid_max_bytes, max_per_uid).
   std::unordered_map<uid_t, UidRegions> uid_regions_ ABSL_GUARDED_BY(mu_);
   // Zeros for a uid without regions.
   UidRegions UidRegionsOf(uid_t uid) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -10,6 +10,23 @@ Status SessionTable::CheckInvariants() const {
   MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
   MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
   uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckSessionRecords(&held, &groups, by_state));
+  uint64_t region_held = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionRecords(&region_held));
+  held += region_held;
+  if (held != arena_->allocator().used_bytes()) {
+    return Internal("sessions and regions hold " + std::to_string(held) +
+                    " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
+  }
+  if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
+      by_state[2] != read_bytes_) {
+    return Internal("state counters disagree with the groups");
+  }
+  return Status::Ok();
+}
+
+Status SessionTable::CheckSessionRecords(uint64_t* held, uint64_t* groups,
+                                         uint64_t by_state[3]) const {
   std::unordered_map<uid_t, UidTotals> uid_held;
   for (const auto& [id, s] : sessions_) {
     if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
@@ -23,30 +40,16 @@ Status SessionTable::CheckInvariants() const {
     ++uid_held[s.peer.uid].sessions;
     uint64_t session_held = 0;
     for (const auto& [gid, g] : s.groups) {
-      uint64_t sum = 0;
-      for (const Extent& e : g.extents) {
-        sum += e.length;
-        const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
-        if (tenant_chunks_.mode() != TenantMode::kNone && owner != s.tenant) {
-          return Internal("group " + std::to_string(gid) + " of tenant " + s.tenant +
-                          " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " +
-                          owner);
-        }
-      }
-
-      if (sum != g.held_bytes) {
-        return Internal("group " + std::to_string(gid) + " extents sum to " + std::to_string(sum) +
-                        ", recorded " + std::to_string(g.held_bytes));
-      }
+      MEMOFFLOAD_RETURN_IF_ERROR(CheckGroupRecord(gid, g, s.tenant));
       session_held += g.held_bytes;
       by_state[static_cast<int>(g.state)] += g.held_bytes;
-      ++groups;
+      ++*groups;
     }
     if (session_held != s.held_bytes) {
       return Internal("session " + std::to_string(id) + " holds " + std::to_string(session_held) +
                       ", recorded " + std::to_string(s.held_bytes));
     }
-    held += session_held;
+    *held += session_held;
   }
   for (const auto& [uid, totals] : uid_totals_) {
     const UidTotals& counted = uid_held[uid];
@@ -57,7 +60,29 @@ Status SessionTable::CheckInvariants() const {
                       std::to_string(totals.held_bytes) + " in " + std::to_string(totals.sessions));
     }
   }
-  uint64_t region_held = 0;
+  return Status::Ok();
+}
+
+Status SessionTable::CheckGroupRecord(uint64_t gid, const Group& g,
+                                      const std::string& tenant) const {
+  uint64_t sum = 0;
+  for (const Extent& e : g.extents) {
+    sum += e.length;
+    const std::string& owner = tenant_chunks_.OwnerOf(e.chunk);
+    if (tenant_chunks_.mode() != TenantMode::kNone && owner != tenant) {
+      return Internal("group " + std::to_string(gid) + " of tenant " + tenant +
+                      " has an extent in chunk " + std::to_string(e.chunk) + " of tenant " + owner);
+    }
+  }
+
+  if (sum != g.held_bytes) {
+    return Internal("group " + std::to_string(gid) + " extents sum to " + std::to_string(sum) +
+                    ", recorded " + std::to_string(g.held_bytes));
+  }
+  return Status::Ok();
+}
+
+Status SessionTable::CheckRegionRecords(uint64_t* region_held) const {
   uint32_t region_count = 0;
   std::unordered_map<uid_t, UidRegions> by_uid;
   for (const auto& [key, job] : regions_) {
@@ -79,24 +104,12 @@ Status SessionTable::CheckInvariants() const {
       ++region_count;
     }
     if (job_held != job.held_bytes) return Internal("job " + key + " region bytes disagree");
-    region_held += job_held;
+    *region_held += job_held;
   }
   if (tenant_chunks_.mode() != TenantMode::kNone) {
-    std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
-    uint64_t chunk_bytes = 0;
-    for (const auto& [key, job] : regions_) {
-      for (const auto& [name, r] : job.by_name) {
-        for (const Extent& e : r.extents) {
-          if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
-        }
-      }
-    }
-    if (chunk_bytes != region_chunk_bytes_ ||
-        (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
-      return Internal("the chunks regions pin disagree with the regions");
-    }
+    MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionChunks());
   }
-  if (region_held != region_bytes_ || region_count != region_count_) {
+  if (*region_held != region_bytes_ || region_count != region_count_) {
     return Internal("region counters disagree with the regions");
   }
   for (const auto& [uid, u] : by_uid) {
@@ -108,14 +121,22 @@ Status SessionTable::CheckInvariants() const {
   if (by_uid.size() != uid_regions_.size()) {
     return Internal("a uid without regions keeps a region tally");
   }
-  held += region_held;
-  if (held != arena_->allocator().used_bytes()) {
-    return Internal("sessions and regions hold " + std::to_string(held) +
-                    " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
+  return Status::Ok();
+}
+
+Status SessionTable::CheckRegionChunks() const {
+  std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
+  uint64_t chunk_bytes = 0;
+  for (const auto& [key, job] : regions_) {
+    for (const auto& [name, r] : job.by_name) {
+      for (const Extent& e : r.extents) {
+        if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
+      }
+    }
   }
-  if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
-      by_state[2] != read_bytes_) {
-    return Internal("state counters disagree with the groups");
+  if (chunk_bytes != region_chunk_bytes_ ||
+      (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
+    return Internal("the chunks regions pin disagree with the regions");
   }
   return Status::Ok();
 }

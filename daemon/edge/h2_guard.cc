@@ -135,59 +135,12 @@ H2Violation H2Guard::OnClientFrame(const uint8_t* h, Clock::time_point now) {
     return Fail(H2Violation::kHeaderBlock, "a frame inside an unfinished header block");
   }
   switch (type) {
-    case kHeaders: {
-      if (stream == 0) return Fail(H2Violation::kHeaderBlock, "HEADERS on stream 0");
-      block_bytes_ = length;
-      block_frames_ = 1;
-      block_started_ = now;
-      if ((flags & kEndHeaders) == 0) block_stream_ = stream;
-      const bool ends = (flags & kEndStream) != 0;
-      if (auto it = streams_.find(stream); it != streams_.end()) {
-        if (ends) ClientDone(it->second);  // the client's trailers
-        break;
-      }
-      // Not a new stream (ids only grow): frames on a stream gRPC ended.
-      if (stream <= last_stream_) break;
-      last_stream_ = stream;
-      if (budget_->live_streams >= limits_.max_live_streams) {
-        return Fail(H2Violation::kStreams, "more than " + std::to_string(limits_.max_live_streams) +
-                                               " calls of this uid not answered yet");
-      }
-      if (!ends && budget_->open_streams >= limits_.max_open_streams) {
-        return Fail(H2Violation::kStreams, "more than " + std::to_string(limits_.max_open_streams) +
-                                               " streams of this uid opened and not finished");
-      }
-      streams_[stream].client_open = !ends;
-      ++budget_->live_streams;
-      if (!ends) ++budget_->open_streams;
-      break;
-    }
+    case kHeaders:
+      return OnClientHeaders(stream, length, flags, now);
     case kContinuation:
-      if (block_stream_ == 0 || stream != block_stream_) {
-        return Fail(H2Violation::kHeaderBlock, "CONTINUATION without an open header block");
-      }
-      block_bytes_ += length;
-      ++block_frames_;
-      if (block_bytes_ > limits_.max_header_block_bytes ||
-          block_frames_ > limits_.max_header_block_frames) {
-        return Fail(H2Violation::kHeaderBlock,
-                    "a header block over " + std::to_string(limits_.max_header_block_bytes) +
-                        " bytes or " + std::to_string(limits_.max_header_block_frames) + " frames");
-      }
-      if ((flags & kEndHeaders) != 0) block_stream_ = 0;
-      break;
+      return OnClientContinuation(stream, length, flags);
     case kData:
-      if (auto it = streams_.find(stream); it != streams_.end() && it->second.client_open) {
-        it->second.data_bytes += length;
-        budget_->pending_data_bytes += length;
-        if (budget_->pending_data_bytes > limits_.max_pending_data_bytes) {
-          return Fail(H2Violation::kStreams,
-                      "more than " + std::to_string(limits_.max_pending_data_bytes) +
-                          " bytes of DATA on unfinished streams of this uid");
-        }
-        if ((flags & kEndStream) != 0) ClientDone(it->second);
-      }
-      break;
+      return OnClientData(stream, length, flags);
     case kRstStream:
       EndStream(stream);
       if (!budget_->resets.Take(limits_.reset_burst, limits_.resets_per_second, now)) {
@@ -206,6 +159,65 @@ H2Violation H2Guard::OnClientFrame(const uint8_t* h, Clock::time_point now) {
       break;
     default:
       break;
+  }
+  return H2Violation::kNone;
+}
+
+H2Violation H2Guard::OnClientHeaders(uint32_t stream, uint32_t length, uint8_t flags,
+                                     Clock::time_point now) {
+  if (stream == 0) return Fail(H2Violation::kHeaderBlock, "HEADERS on stream 0");
+  block_bytes_ = length;
+  block_frames_ = 1;
+  block_started_ = now;
+  if ((flags & kEndHeaders) == 0) block_stream_ = stream;
+  const bool ends = (flags & kEndStream) != 0;
+  if (auto it = streams_.find(stream); it != streams_.end()) {
+    if (ends) ClientDone(it->second);  // the client's trailers
+    return H2Violation::kNone;
+  }
+  // Not a new stream (ids only grow): frames on a stream gRPC ended.
+  if (stream <= last_stream_) return H2Violation::kNone;
+  last_stream_ = stream;
+  if (budget_->live_streams >= limits_.max_live_streams) {
+    return Fail(H2Violation::kStreams, "more than " + std::to_string(limits_.max_live_streams) +
+                                           " calls of this uid not answered yet");
+  }
+  if (!ends && budget_->open_streams >= limits_.max_open_streams) {
+    return Fail(H2Violation::kStreams, "more than " + std::to_string(limits_.max_open_streams) +
+                                           " streams of this uid opened and not finished");
+  }
+  streams_[stream].client_open = !ends;
+  ++budget_->live_streams;
+  if (!ends) ++budget_->open_streams;
+  return H2Violation::kNone;
+}
+
+H2Violation H2Guard::OnClientContinuation(uint32_t stream, uint32_t length, uint8_t flags) {
+  if (block_stream_ == 0 || stream != block_stream_) {
+    return Fail(H2Violation::kHeaderBlock, "CONTINUATION without an open header block");
+  }
+  block_bytes_ += length;
+  ++block_frames_;
+  if (block_bytes_ > limits_.max_header_block_bytes ||
+      block_frames_ > limits_.max_header_block_frames) {
+    return Fail(H2Violation::kHeaderBlock,
+                "a header block over " + std::to_string(limits_.max_header_block_bytes) +
+                    " bytes or " + std::to_string(limits_.max_header_block_frames) + " frames");
+  }
+  if ((flags & kEndHeaders) != 0) block_stream_ = 0;
+  return H2Violation::kNone;
+}
+
+H2Violation H2Guard::OnClientData(uint32_t stream, uint32_t length, uint8_t flags) {
+  if (auto it = streams_.find(stream); it != streams_.end() && it->second.client_open) {
+    it->second.data_bytes += length;
+    budget_->pending_data_bytes += length;
+    if (budget_->pending_data_bytes > limits_.max_pending_data_bytes) {
+      return Fail(H2Violation::kStreams, "more than " +
+                                             std::to_string(limits_.max_pending_data_bytes) +
+                                             " bytes of DATA on unfinished streams of this uid");
+    }
+    if ((flags & kEndStream) != 0) ClientDone(it->second);
   }
   return H2Violation::kNone;
 }

@@ -125,6 +125,12 @@ class H2Guard {
     uint64_t payload_left = 0;
   };
   H2Violation OnClientFrame(const uint8_t* header, Clock::time_point now);
+  // OnClientFrame's rules for HEADERS (stream limits), CONTINUATION (the
+  // header block's limits) and DATA (unfinished streams' bytes).
+  H2Violation OnClientHeaders(uint32_t stream, uint32_t length, uint8_t flags,
+                              Clock::time_point now);
+  H2Violation OnClientContinuation(uint32_t stream, uint32_t length, uint8_t flags);
+  H2Violation OnClientData(uint32_t stream, uint32_t length, uint8_t flags);
   void OnServerFrame(const uint8_t* header);
   H2Violation Fail(H2Violation v, std::string message);
   struct Stream {

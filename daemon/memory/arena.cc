@@ -115,25 +115,23 @@ std::string MemlockAdvice(uint64_t needed) {
          "CAP_IPC_LOCK; continuing without mlock (pages may be swapped)";
 }
 
-}  // namespace
-
-Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBuildReport* report) {
-  const auto start = std::chrono::steady_clock::now();
-  if (options.size_bytes == 0 || options.chunk_size_bytes == 0) {
-    return InvalidArgument("arena and chunk size must be positive");
+// arena.numa_node names an online node.
+Status CheckNumaNode(int numa_node) {
+  const std::vector<int> nodes = OnlineNumaNodes();
+  if (std::find(nodes.begin(), nodes.end(), numa_node) == nodes.end()) {
+    return InvalidArgument("arena.numa_node: node " + std::to_string(numa_node) +
+                           " does not exist; online nodes: " + JoinNodes(nodes) +
+                           " (/sys/devices/system/node/online)");
   }
-  if (options.numa_node >= 0) {
-    const std::vector<int> nodes = OnlineNumaNodes();
-    if (std::find(nodes.begin(), nodes.end(), options.numa_node) == nodes.end()) {
-      return InvalidArgument("arena.numa_node: node " + std::to_string(options.numa_node) +
-                             " does not exist; online nodes: " + JoinNodes(nodes) +
-                             " (/sys/devices/system/node/online)");
-    }
-  }
-  std::unique_ptr<Arena> arena(new Arena());
-  arena->page_bytes_ = SystemPageBytes();
-  arena->chunk_size_bytes_ = options.chunk_size_bytes;
+  return Status::Ok();
+}
 
+// Creates the chunks of options.size_bytes (only the last one may be
+// shorter than the chunk size), on hugepages when asked and while they last;
+// *sizes gets each chunk's size, the report why hugepages were not used and
+// how many chunks have them.
+Status CreateChunks(const ArenaOptions& options, std::vector<Chunk>* chunks,
+                    std::vector<uint64_t>* sizes, ArenaBuildReport* report) {
   bool use_hugepages = options.hugepages;
   const uint64_t huge_bytes = DefaultHugePageBytes();
   if (use_hugepages && (huge_bytes == 0 || options.chunk_size_bytes % huge_bytes != 0)) {
@@ -145,10 +143,9 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
                   "; set --chunk-size to a multiple of it";
     use_hugepages = false;
   }
-  std::vector<uint64_t> sizes;
   for (uint64_t left = options.size_bytes; left > 0;) {
     const uint64_t size = std::min(left, options.chunk_size_bytes);
-    const uint32_t index = static_cast<uint32_t>(sizes.size());
+    const uint32_t index = static_cast<uint32_t>(sizes->size());
     const std::string name = "memoffload-chunk-" + std::to_string(index);
     bool huge = use_hugepages && size % huge_bytes == 0;
     if (use_hugepages && !huge) {
@@ -172,11 +169,71 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
                                                FormatSize(size) + ": " + chunk.status().message());
     }
     if (huge) ++report->hugepage_chunks;
-    arena->chunks_.push_back(std::move(chunk).value());
-    arena->chunk_bytes_.push_back(size);
-    sizes.push_back(size);
+    chunks->push_back(std::move(chunk).value());
+    sizes->push_back(size);
     left -= size;
   }
+  return Status::Ok();
+}
+
+// Locks the chunks as they are faulted (MLOCK_ONFAULT), so that the
+// pre-fault locks every page instead of a second single-threaded pass.
+// Returns true when the kernel cannot (lock them after the pre-fault
+// instead); on another failure *mlocked turns false and the report says why.
+// Either way nothing stays locked on return but what MLOCK_ONFAULT will lock.
+bool LockOnFault(std::vector<Chunk>& chunks, uint64_t arena_bytes, bool* mlocked,
+                 ArenaBuildReport* report) {
+  bool lock_after_prefault = false;
+  for (Chunk& c : chunks) {
+    Status st = c.LockOnFault();
+    if (st.code() == StatusCode::kUnimplemented) {
+      lock_after_prefault = true;
+      break;
+    }
+    if (!st.ok()) {
+      report->mlock_problem = st.message() + ": " + MemlockAdvice(arena_bytes);
+      *mlocked = false;
+      break;
+    }
+  }
+  if (!*mlocked || lock_after_prefault) {
+    for (Chunk& c : chunks) munlock(c.data(), c.size_bytes());
+  }
+  return lock_after_prefault;
+}
+
+// Locks the pre-faulted chunks; on a failure *mlocked turns false, the
+// report says why and none stays locked.
+void LockAfterPrefault(std::vector<Chunk>& chunks, uint64_t arena_bytes, bool* mlocked,
+                       ArenaBuildReport* report) {
+  for (Chunk& c : chunks) {
+    if (Status st = c.Lock(); !st.ok()) {
+      report->mlock_problem = st.message() + ": " + MemlockAdvice(arena_bytes);
+      *mlocked = false;
+      break;
+    }
+  }
+  if (!*mlocked) {
+    // Unlock whatever was locked: a partly locked arena helps nobody.
+    for (Chunk& c : chunks) munlock(c.data(), c.size_bytes());
+  }
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBuildReport* report) {
+  const auto start = std::chrono::steady_clock::now();
+  if (options.size_bytes == 0 || options.chunk_size_bytes == 0) {
+    return InvalidArgument("arena and chunk size must be positive");
+  }
+  if (options.numa_node >= 0) MEMOFFLOAD_RETURN_IF_ERROR(CheckNumaNode(options.numa_node));
+  std::unique_ptr<Arena> arena(new Arena());
+  arena->page_bytes_ = SystemPageBytes();
+  arena->chunk_size_bytes_ = options.chunk_size_bytes;
+
+  std::vector<uint64_t> sizes;
+  MEMOFFLOAD_RETURN_IF_ERROR(CreateChunks(options, &arena->chunks_, &sizes, report));
+  arena->chunk_bytes_ = sizes;
   if (options.hugepages && !report->hugepage_fallback.empty()) {
     MO_LOG_WARN("--hugepages: using normal pages for %zu of %zu chunks: %s",
                 sizes.size() - report->hugepage_chunks, sizes.size(),
@@ -189,26 +246,10 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
     for (Chunk& c : arena->chunks_) MEMOFFLOAD_RETURN_IF_ERROR(c.BindToNode(options.numa_node));
   }
 
-  // Lock before faulting where the kernel can (MLOCK_ONFAULT): every page is
-  // then locked as it is faulted, instead of a second single-threaded pass.
   bool lock_after_prefault = false;
   if (options.mlock) {
     arena->mlocked_ = true;
-    for (Chunk& c : arena->chunks_) {
-      Status st = c.LockOnFault();
-      if (st.code() == StatusCode::kUnimplemented) {
-        lock_after_prefault = true;
-        break;
-      }
-      if (!st.ok()) {
-        report->mlock_problem = st.message() + ": " + MemlockAdvice(options.size_bytes);
-        arena->mlocked_ = false;
-        break;
-      }
-    }
-    if (!arena->mlocked_ || lock_after_prefault) {
-      for (Chunk& c : arena->chunks_) munlock(c.data(), c.size_bytes());
-    }
+    lock_after_prefault = LockOnFault(arena->chunks_, options.size_bytes, &arena->mlocked_, report);
   } else {
     report->mlock_problem = "mlock disabled by --no-mlock";
   }
@@ -216,17 +257,7 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
   MEMOFFLOAD_RETURN_IF_ERROR(PrefaultAll(arena->chunks_, options.prefault_threads));
 
   if (lock_after_prefault) {
-    for (Chunk& c : arena->chunks_) {
-      if (Status st = c.Lock(); !st.ok()) {
-        report->mlock_problem = st.message() + ": " + MemlockAdvice(options.size_bytes);
-        arena->mlocked_ = false;
-        break;
-      }
-    }
-    if (!arena->mlocked_) {
-      // Unlock whatever was locked: a partly locked arena helps nobody.
-      for (Chunk& c : arena->chunks_) munlock(c.data(), c.size_bytes());
-    }
+    LockAfterPrefault(arena->chunks_, options.size_bytes, &arena->mlocked_, report);
   }
   arena->allocator_ = std::make_unique<ExtentAllocator>(sizes, arena->page_bytes_);
   for (Chunk& c : arena->chunks_) {

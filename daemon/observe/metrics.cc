@@ -87,96 +87,9 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
   std::vector<prometheus::MetricFamily> Collect() const override {
     const ArenaSnapshot s = table_->Snapshot();
     std::vector<prometheus::MetricFamily> out;
-    auto capacity =
-        GaugeFamily("memoffload_arena_capacity_bytes", "Total bytes of the shared arena.");
-    AddGauge(&capacity, static_cast<double>(s.capacity_bytes));
-    out.push_back(std::move(capacity));
-    auto bytes = GaugeFamily("memoffload_arena_bytes",
-                             "Arena bytes by state: free, reserved (being written), "
-                             "committed (parked), read (prefetched, being read).");
-    AddGauge(&bytes, static_cast<double>(s.free_bytes), {{"state", "free"}});
-    AddGauge(&bytes, static_cast<double>(s.reserved_bytes), {{"state", "reserved"}});
-    AddGauge(&bytes, static_cast<double>(s.committed_bytes), {{"state", "committed"}});
-    AddGauge(&bytes, static_cast<double>(s.read_bytes), {{"state", "read"}});
-    out.push_back(std::move(bytes));
-    auto used =
-        GaugeFamily("memoffload_arena_used_bytes", "Arena bytes held by sessions in any state.");
-    AddGauge(&used, static_cast<double>(s.capacity_bytes - s.free_bytes));
-    out.push_back(std::move(used));
-    auto largest = GaugeFamily("memoffload_arena_largest_free_extent_bytes",
-                               "Largest contiguous free extent (fragmentation signal).");
-    AddGauge(&largest, static_cast<double>(s.largest_free_extent_bytes));
-    out.push_back(std::move(largest));
-    auto chunks = GaugeFamily("memoffload_arena_chunks", "Memfd chunks in the arena.");
-    AddGauge(&chunks, info_.chunks);
-    out.push_back(std::move(chunks));
-    auto mlocked = GaugeFamily("memoffload_arena_mlocked",
-                               "1 when the arena is mlock'ed, 0 when it could not be.");
-    AddGauge(&mlocked, info_.mlocked ? 1 : 0);
-    out.push_back(std::move(mlocked));
-    auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");
-    AddGauge(&sessions, s.sessions);
-    out.push_back(std::move(sessions));
-    auto waiting =
-        GaugeFamily("memoffload_waiting_reserves", "Reserve requests waiting for space right now.");
-    AddGauge(&waiting, s.waiting_reserves);
-    out.push_back(std::move(waiting));
-    auto draining = GaugeFamily("memoffload_draining",
-                                "1 while the daemon drains (refuses attaches and reserves).");
-    AddGauge(&draining, s.draining ? 1 : 0);
-    out.push_back(std::move(draining));
-    auto reserve =
-        GaugeFamily("memoffload_arena_node_reserve_bytes",
-                    "Arena bytes the daemon never hands out (quotas.node_reserve_bytes).");
-    AddGauge(&reserve, static_cast<double>(s.node_reserve_bytes));
-    out.push_back(std::move(reserve));
-    auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
-    AddGauge(&groups, static_cast<double>(s.groups));
-    out.push_back(std::move(groups));
-    out.push_back(CounterOf("memoffload_chunk_backings_replaced_total",
-                            "Chunks given a new memfd because they changed tenant.",
-                            static_cast<double>(s.replaced_backings)));
-    out.push_back(CounterOf("memoffload_chunk_backings_unfaulted_total",
-                            "Of those, backings handed out before they were pre-faulted "
-                            "(no spare was ready).",
-                            static_cast<double>(s.unfaulted_backings)));
-    prometheus::MetricFamily internal =
-        CounterOf("memoffload_internal_errors_total",
-                  "Failures that mean a bug in the daemon (each is logged as an error), by where.",
-                  static_cast<double>(s.free_errors));
-    internal.metric[0].label = {{"where", "session_table_free"}};
-    out.push_back(std::move(internal));
-    auto spares = GaugeFamily("memoffload_spare_backings",
-                              "Pre-faulted memfds ready for the next change of tenant.");
-    AddGauge(&spares, static_cast<double>(s.spare_backings));
-    out.push_back(std::move(spares));
-    auto stale = GaugeFamily("memoffload_stale_backing_bytes",
-                             "Bytes of old chunk memfds that processes of a previous tenant "
-                             "still map or hold (outside the arena's capacity).");
-    AddGauge(&stale, static_cast<double>(s.stale_bytes));
-    out.push_back(std::move(stale));
-    auto regions = GaugeFamily("memoffload_regions",
-                               "Checkpoint regions, by state (writing: created, not committed).");
-    AddGauge(&regions, static_cast<double>(s.regions - s.committed_regions),
-             {{"state", "writing"}});
-    AddGauge(&regions, static_cast<double>(s.committed_regions), {{"state", "committed"}});
-    out.push_back(std::move(regions));
-    auto region_bytes =
-        GaugeFamily("memoffload_region_bytes",
-                    "Arena bytes held by checkpoint regions, by state (deleted "
-                    "regions still open by a reader count as writing until freed).");
-    AddGauge(&region_bytes, static_cast<double>(s.region_bytes - s.committed_region_bytes),
-             {{"state", "writing"}});
-    AddGauge(&region_bytes, static_cast<double>(s.committed_region_bytes),
-             {{"state", "committed"}});
-    out.push_back(std::move(region_bytes));
-    auto region_limit = GaugeFamily("memoffload_region_limit_bytes",
-                                    "regions.max_bytes: what all checkpoint regions may hold.");
-    AddGauge(&region_limit, static_cast<double>(s.region_max_bytes));
-    out.push_back(std::move(region_limit));
-    out.push_back(CounterOf("memoffload_regions_expired_total",
-                            "Committed checkpoint regions deleted by their TTL.",
-                            static_cast<double>(s.regions_expired)));
+    AddArenaFamilies(s, &out);
+    AddBackingFamilies(s, &out);
+    AddRegionFamilies(s, &out);
     auto uptime = GaugeFamily("memoffload_uptime_seconds", "Seconds since the daemon started.");
     AddGauge(&uptime,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
@@ -188,6 +101,111 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
   }
 
  private:
+  // The arena's bytes by state, its shape, its sessions and groups.
+  void AddArenaFamilies(const ArenaSnapshot& s, std::vector<prometheus::MetricFamily>* out) const {
+    auto capacity =
+        GaugeFamily("memoffload_arena_capacity_bytes", "Total bytes of the shared arena.");
+    AddGauge(&capacity, static_cast<double>(s.capacity_bytes));
+    out->push_back(std::move(capacity));
+    auto bytes = GaugeFamily("memoffload_arena_bytes",
+                             "Arena bytes by state: free, reserved (being written), "
+                             "committed (parked), read (prefetched, being read).");
+    AddGauge(&bytes, static_cast<double>(s.free_bytes), {{"state", "free"}});
+    AddGauge(&bytes, static_cast<double>(s.reserved_bytes), {{"state", "reserved"}});
+    AddGauge(&bytes, static_cast<double>(s.committed_bytes), {{"state", "committed"}});
+    AddGauge(&bytes, static_cast<double>(s.read_bytes), {{"state", "read"}});
+    out->push_back(std::move(bytes));
+    auto used =
+        GaugeFamily("memoffload_arena_used_bytes", "Arena bytes held by sessions in any state.");
+    AddGauge(&used, static_cast<double>(s.capacity_bytes - s.free_bytes));
+    out->push_back(std::move(used));
+    auto largest = GaugeFamily("memoffload_arena_largest_free_extent_bytes",
+                               "Largest contiguous free extent (fragmentation signal).");
+    AddGauge(&largest, static_cast<double>(s.largest_free_extent_bytes));
+    out->push_back(std::move(largest));
+    auto chunks = GaugeFamily("memoffload_arena_chunks", "Memfd chunks in the arena.");
+    AddGauge(&chunks, info_.chunks);
+    out->push_back(std::move(chunks));
+    auto mlocked = GaugeFamily("memoffload_arena_mlocked",
+                               "1 when the arena is mlock'ed, 0 when it could not be.");
+    AddGauge(&mlocked, info_.mlocked ? 1 : 0);
+    out->push_back(std::move(mlocked));
+    auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");
+    AddGauge(&sessions, s.sessions);
+    out->push_back(std::move(sessions));
+    auto waiting =
+        GaugeFamily("memoffload_waiting_reserves", "Reserve requests waiting for space right now.");
+    AddGauge(&waiting, s.waiting_reserves);
+    out->push_back(std::move(waiting));
+    auto draining = GaugeFamily("memoffload_draining",
+                                "1 while the daemon drains (refuses attaches and reserves).");
+    AddGauge(&draining, s.draining ? 1 : 0);
+    out->push_back(std::move(draining));
+    auto reserve =
+        GaugeFamily("memoffload_arena_node_reserve_bytes",
+                    "Arena bytes the daemon never hands out (quotas.node_reserve_bytes).");
+    AddGauge(&reserve, static_cast<double>(s.node_reserve_bytes));
+    out->push_back(std::move(reserve));
+    auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
+    AddGauge(&groups, static_cast<double>(s.groups));
+    out->push_back(std::move(groups));
+  }
+
+  // Chunk backings replaced at a change of tenant, their spares and stale
+  // ones, and the table's internal errors.
+  static void AddBackingFamilies(const ArenaSnapshot& s,
+                                 std::vector<prometheus::MetricFamily>* out) {
+    out->push_back(CounterOf("memoffload_chunk_backings_replaced_total",
+                             "Chunks given a new memfd because they changed tenant.",
+                             static_cast<double>(s.replaced_backings)));
+    out->push_back(CounterOf("memoffload_chunk_backings_unfaulted_total",
+                             "Of those, backings handed out before they were pre-faulted "
+                             "(no spare was ready).",
+                             static_cast<double>(s.unfaulted_backings)));
+    prometheus::MetricFamily internal =
+        CounterOf("memoffload_internal_errors_total",
+                  "Failures that mean a bug in the daemon (each is logged as an error), by where.",
+                  static_cast<double>(s.free_errors));
+    internal.metric[0].label = {{"where", "session_table_free"}};
+    out->push_back(std::move(internal));
+    auto spares = GaugeFamily("memoffload_spare_backings",
+                              "Pre-faulted memfds ready for the next change of tenant.");
+    AddGauge(&spares, static_cast<double>(s.spare_backings));
+    out->push_back(std::move(spares));
+    auto stale = GaugeFamily("memoffload_stale_backing_bytes",
+                             "Bytes of old chunk memfds that processes of a previous tenant "
+                             "still map or hold (outside the arena's capacity).");
+    AddGauge(&stale, static_cast<double>(s.stale_bytes));
+    out->push_back(std::move(stale));
+  }
+
+  // Checkpoint regions: their count and bytes by state, their limit, expiries.
+  static void AddRegionFamilies(const ArenaSnapshot& s,
+                                std::vector<prometheus::MetricFamily>* out) {
+    auto regions = GaugeFamily("memoffload_regions",
+                               "Checkpoint regions, by state (writing: created, not committed).");
+    AddGauge(&regions, static_cast<double>(s.regions - s.committed_regions),
+             {{"state", "writing"}});
+    AddGauge(&regions, static_cast<double>(s.committed_regions), {{"state", "committed"}});
+    out->push_back(std::move(regions));
+    auto region_bytes =
+        GaugeFamily("memoffload_region_bytes",
+                    "Arena bytes held by checkpoint regions, by state (deleted "
+                    "regions still open by a reader count as writing until freed).");
+    AddGauge(&region_bytes, static_cast<double>(s.region_bytes - s.committed_region_bytes),
+             {{"state", "writing"}});
+    AddGauge(&region_bytes, static_cast<double>(s.committed_region_bytes),
+             {{"state", "committed"}});
+    out->push_back(std::move(region_bytes));
+    auto region_limit = GaugeFamily("memoffload_region_limit_bytes",
+                                    "regions.max_bytes: what all checkpoint regions may hold.");
+    AddGauge(&region_limit, static_cast<double>(s.region_max_bytes));
+    out->push_back(std::move(region_limit));
+    out->push_back(CounterOf("memoffload_regions_expired_total",
+                             "Committed checkpoint regions deleted by their TTL.",
+                             static_cast<double>(s.regions_expired)));
+  }
+
   const SessionTable* table_;
   const MetricsInfo info_;
   const std::chrono::steady_clock::time_point started_;
