@@ -1,4 +1,4 @@
-// ThreadSanitizer builds only (CMake adds this file to memoffload_shared when
+// ThreadSanitizer builds only (CMake adds this file to memoffload_common when
 // CMAKE_CXX_FLAGS has -fsanitize=thread): makes absl::Mutex visible to TSan.
 //
 // Debian's libabsl is not instrumented, so TSan sees neither the lock nor the
@@ -9,7 +9,9 @@
 // tell TSan about the lock (its mutex annotations, as an instrumented abseil
 // does) and call the library's function, found with dlsym(RTLD_NEXT).
 // Only the calls our code makes are here: Lock, Unlock, CondVar::Wait and
-// CondVar::WaitWithTimeout (which release and retake the mutex inside).
+// CondVar::WaitWithTimeout (which release and retake the mutex inside), and
+// ReleasableMutexLock::Release, whose library definition unlocks from inside
+// libabsl, out of TSan's sight (TSan then saw the mutex held twice).
 #include <dlfcn.h>
 #include <sanitizer/tsan_interface.h>
 
@@ -76,6 +78,12 @@ MO_TSAN_HIDDEN bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
   __tsan_mutex_pre_lock(mu, 0);
   __tsan_mutex_post_lock(mu, 0, 0);
   return timed_out;
+}
+
+// Unlocks through the Unlock above, not the library's.
+MO_TSAN_HIDDEN void ReleasableMutexLock::Release() {
+  this->mu_->Unlock();
+  this->mu_ = nullptr;
 }
 
 ABSL_NAMESPACE_END
