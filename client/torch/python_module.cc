@@ -4,7 +4,7 @@
 // (memoffload.Error and one subclass per code, each with .code; InvalidArgument is also a
 // ValueError). Blocking calls release the GIL. The saved-tensor hooks are in python_hooks.cc. The
 // log lines of the client and of the torch layer (memoffload/client/log.h) are queued from import
-// on and drained by Python into its "memoffload" logger.
+// on and taken by Python into its "memoffload" logger.
 #include <torch/extension.h>
 
 #include <string>
@@ -32,7 +32,7 @@ using memoffload::torch::python::WithoutGil;
 
 namespace {
 
-// Maximum number of queued log records between two drains.
+// Maximum number of queued log records between two takes.
 constexpr size_t kLogQueueRecords = 1000;
 
 py::object StatusCodeOf(StatusCode code) {
@@ -81,8 +81,8 @@ py::dict SlotStatsDict(const SlotStats& s) {
 }
 
 // [(level, code, rank, message)] of every queued log record, oldest first.
-py::list DrainLog() {
-  std::vector<memoffload::client::LogRecord> records = memoffload::client::DrainLog();
+py::list TakeLogRecords() {
+  std::vector<memoffload::client::LogRecord> records = memoffload::client::TakeLogRecords();
   py::list out;
   for (const auto& r : records) {
     out.append(py::make_tuple(static_cast<int>(r.level), StatusCodeOf(r.code), r.rank, r.message));
@@ -229,18 +229,18 @@ void BindGroupOffloader(py::module_& m) {
            "framework callbacks).");
 }
 
-// The log queue's drain and the admin queries of the daemon.
+// Taking the log queue, and the admin queries of the daemon.
 void BindLogAndQueries(py::module_& m) {
   // The client's log sink, installed at import: every line of the client
   // and of the torch layer is queued, whatever thread logs it, and goes to
-  // Python's "memoffload" logger when Python drains the queue (memoffload.logs,
+  // Python's "memoffload" logger when Python takes the queue (memoffload.logs,
   // on Python threads only: no thread of ours takes the GIL), never to stderr.
   memoffload::client::EnableLogQueue(kLogQueueRecords);
-  m.def("drain_log", &DrainLog,
+  m.def("take_log_records", &TakeLogRecords,
         "Queued messages of the native part as [(logging level, StatusCode, rank or -1, "
         "message)].");
   m.def("dropped_log_records", &memoffload::client::DroppedLogRecords,
-        "Messages dropped because nobody drained the queue in time.");
+        "Messages dropped because nobody took the queue in time.");
   m.def("daemon_status", &DaemonStatus, py::arg("runtime_dir") = "", py::arg("timeout_ms") = 5000,
         "GetStatus of the daemon at runtime_dir as a dict (memoffload.Unavailable when "
         "unreachable).");

@@ -30,10 +30,10 @@ int cuCtxGetCurrent(void** context);
 namespace memoffload::torch {
 
 // The tests read what the engine logs through the client's log queue.
-using client::DrainLog;
 using client::EnableLogQueue;
 using client::LogLevel;
 using client::LogRecord;
+using client::TakeLogRecords;
 
 inline constexpr size_t kBytes = 1 << 20;
 inline const c10::Device kGpu0(c10::DeviceType::CUDA, 0);

@@ -198,7 +198,7 @@ TEST_F(CudaEngine, AStaleRegistrationAtTheSameAddressIsReplaced) {
   engine_->ForgetHostRanges(&old_session);  // the unmap follows; the driver keeps it
   EXPECT_EQ(sim_stats().registered_ranges, 1u);
   bool logged = false;
-  for (const LogRecord& r : DrainLog()) {
+  for (const LogRecord& r : TakeLogRecords()) {
     logged = logged || r.message.find("cuMemHostUnregister") != std::string::npos;
   }
   EXPECT_TRUE(logged) << "a failed unregister was not logged";
@@ -206,7 +206,7 @@ TEST_F(CudaEngine, AStaleRegistrationAtTheSameAddressIsReplaced) {
   EXPECT_EQ(sim_stats().register_calls, 2u) << "the stale registration was taken as ours";
   engine_->ForgetHostRanges(&new_session);
   EXPECT_EQ(sim_stats().registered_ranges, 0u) << "a registration outlived its mapping";
-  DrainLog();
+  TakeLogRecords();
 }
 
 // Issue 18 #9: if waiting for the copy back fails, the range may still be
@@ -220,7 +220,7 @@ TEST_F(CudaEngine, AFailedWaitForTheCopyBackIsLogged) {
   sim_fail_call("cuEventSynchronize", 1, 700);  // CUDA_ERROR_ILLEGAL_ADDRESS
   engine_->SyncAndDropToken(*done);
   bool logged = false;
-  for (const LogRecord& r : DrainLog()) {
+  for (const LogRecord& r : TakeLogRecords()) {
     logged = logged || (r.level == LogLevel::kError &&
                         r.message.find("CUDA_ERROR_ILLEGAL_ADDRESS") != std::string::npos);
   }
@@ -256,7 +256,7 @@ TEST_F(CudaEngine, ARegistrationRefusedForWantOfAContextIsRetried) {
   EXPECT_EQ(sim_stats().registered_ranges, 1u) << "the registration was never tried again";
   EXPECT_EQ(engine_->UnpinnedHostBytes(), 0u);
   engine_->ForgetHostRanges(&session);
-  DrainLog();
+  TakeLogRecords();
 }
 
 // Issue 18 #7. Every chunk that stays unpinned says so once (not only the
@@ -265,14 +265,14 @@ TEST_F(CudaEngine, EachUnpinnedChunkIsLoggedOnceAndCounted) {
   uint8_t* a = Host(0);
   uint8_t* b = Host(0);
   const int session = 0;
-  DrainLog();
+  TakeLogRecords();
   for (uint8_t* chunk : {a, b}) {
     sim_fail_call("cuMemHostRegister", 1, 2);  // CUDA_ERROR_OUT_OF_MEMORY
     engine_->PrepareHostRange(&session, chunk, kBytes);
     engine_->PrepareHostRange(&session, chunk, kBytes);  // no second line
   }
   int lines = 0;
-  for (const LogRecord& r : DrainLog()) {
+  for (const LogRecord& r : TakeLogRecords()) {
     if (r.message.find("CUDA_ERROR_OUT_OF_MEMORY") != std::string::npos) ++lines;
   }
   EXPECT_EQ(lines, 2) << "each chunk that stays unpinned is logged once";

@@ -69,7 +69,7 @@ void EnableLogQueue(size_t max_records) {
   SetLogSink(QueueSink);
 }
 
-std::vector<LogRecord> DrainLog() {
+std::vector<LogRecord> TakeLogRecords() {
   LogQueue& q = Queue();
   absl::MutexLock lock(&q.mu);
   std::vector<LogRecord> out(std::make_move_iterator(q.queue.begin()),

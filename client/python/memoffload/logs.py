@@ -12,7 +12,7 @@ nothing: never ``rank -1``.
 
 The rank is torch.distributed's once a process group is initialized, else
 ``$RANK`` (the local rank: ``$LOCAL_RANK``); a native record made by a
-session that knows its rank carries it. The native queue is drained (moved
+session that knows its rank carries it. The native queue is taken (moved
 into the logger) on Python threads only, so no native thread ever takes the
 GIL: at attach, at each offloaded layer, ``stats()``, ``flush()``, and at exit.
 """
@@ -78,7 +78,7 @@ def log(level: int, message: str, code: "StatusCode | int" = StatusCode.OK,
                extra={"rank": r, "local_rank": lr, "code": StatusCode(int(code))})
 
 
-def drain(native: Any) -> None:
+def forward(native: Any) -> None:
     """Logs what the native part ``native`` (memoffload._C) queued."""
-    for level, code, native_rank, message in native.drain_log():
+    for level, code, native_rank, message in native.take_log_records():
         log(level, message, code, native_rank)

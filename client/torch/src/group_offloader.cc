@@ -26,8 +26,8 @@ std::unique_ptr<CopyEngine> MaybeCudaEngine(const OffloaderOptions& options) {
 GroupOffloader::Impl::Impl(const OffloaderOptions& options)
     : host_engine_(MakeHostCopyEngine()),
       cuda_engine_(MaybeCudaEngine(options)),
-      session_(options, /*pinning_engine=*/cuda_engine_.get(), &stats_),
-      transfer_(&session_, &stats_, cuda_engine_.get(), &mu_) {
+      link_(options, /*pinning_engine=*/cuda_engine_.get(), &stats_),
+      transfer_(&link_, &stats_, cuda_engine_.get(), &mu_) {
   stats_.Count([this](OffloaderStats& s) { s.engine = cuda_engine_ ? "cuda" : "host"; });
 }
 
@@ -45,7 +45,7 @@ GroupOffloader::Impl::~Impl() {
 
 void GroupOffloader::Impl::AttachNow() {
   stats_.Count([](OffloaderStats& s) { ++s.blocking_rpcs; });
-  worker_.Post([this] { session_.Ensure(/*force=*/true); });
+  worker_.Post([this] { link_.Ensure(/*force=*/true); });
   worker_.Flush();
 }
 

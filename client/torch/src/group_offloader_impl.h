@@ -16,12 +16,12 @@
 #include <unordered_map>
 #include <vector>
 
+#include "daemon_link.h"
 #include "group.h"
 #include "group_transfer.h"
 #include "memoffload/client/log.h"
 #include "memoffload/torch/copy_engine.h"
 #include "memoffload/torch/group_offloader.h"
-#include "session.h"
 #include "stats_book.h"
 #include "worker.h"
 
@@ -128,7 +128,7 @@ class GroupOffloader::Impl {
   std::set<std::string> logged_kept_;                    // GUARDED_BY(mu_)
 
   // Worker-only.
-  Session session_;
+  DaemonLink link_;
   GroupTransfer transfer_;
 
   std::shared_ptr<ReleaseSink> sink_ = std::make_shared<ReleaseSink>(this);

@@ -128,13 +128,13 @@ Result<c10::Storage> RestoreStorage(const Group& g, const StoredStorage& s, Read
   return out;
 }
 
-GroupTransfer::GroupTransfer(Session* session, StatsBook* stats, CopyEngine* cuda_engine,
+GroupTransfer::GroupTransfer(DaemonLink* link, StatsBook* stats, CopyEngine* cuda_engine,
                              std::mutex* training_mu)
-    : session_(session), stats_(stats), cuda_engine_(cuda_engine), training_mu_(training_mu) {}
+    : link_(link), stats_(stats), cuda_engine_(cuda_engine), training_mu_(training_mu) {}
 
 void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   g.reserve_tried = true;
-  std::shared_ptr<Client> c = session_->Ensure();
+  std::shared_ptr<Client> c = link_->Ensure();
   if (!c) {
     g.reserve_status = Unavailable("memoffloadd is not reachable");
     return;
@@ -142,7 +142,7 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   Result<client::Reservation> r = c->Reserve(g.daemon_id, bytes);
   if (!r.ok()) {
     g.reserve_status = r.status();
-    session_->NoteFailure(r.status(), "Reserve");
+    link_->NoteFailure(r.status(), "Reserve");
     return;
   }
   g.client = c;
@@ -209,7 +209,7 @@ void GroupTransfer::CopyOut(Group& g, StoredStorage& s) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (first) s.engine->DropToken(ready);  // zero bytes: no piece consumed it
   if (!st.ok()) {
-    session_->NoteFailure(st, "copy to the arena");
+    link_->NoteFailure(st, "copy to the arena");
     return;
   }
   std::lock_guard<std::mutex> lock(g.mu);
@@ -270,7 +270,7 @@ void GroupTransfer::Close(Group& g) {
         s->source = c10::Storage();
       }
     } else {
-      session_->NoteFailure(commit.status(), "Commit");
+      link_->NoteFailure(commit.status(), "Commit");
       DropReservation(g);
       kept += stored;
       stored = 0;
@@ -295,7 +295,7 @@ void GroupTransfer::Close(Group& g) {
 
 void GroupTransfer::DropReservation(Group& g) {
   Status st = g.client->Release(g.daemon_id);
-  if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
+  if (!st.ok() && !IsTransport(st.code())) link_->NoteFailure(st, "Release");
   g.client.reset();
   LetGoOfHeld(g);
 }
@@ -317,14 +317,14 @@ void GroupTransfer::Prefetch(const std::shared_ptr<Group>& group) {
   } else if (IsTransport(placement.status().code()) ||
              ((placement.status().code() == StatusCode::kNotFound ||
                placement.status().code() == StatusCode::kUnauthenticated) &&
-              !session_->IsCurrent(g.client))) {
+              !link_->IsCurrent(g.client))) {
     // The daemon is gone (or restarted and no longer knows the session):
     // the data is still in this process's mapping of the old chunks, whose
     // extents nobody else was given.
-    session_->NoteFailure(placement.status(), "Prefetch");
+    link_->NoteFailure(placement.status(), "Prefetch");
     g.read_extents = g.write_extents;
   } else {
-    session_->NoteFailure(placement.status(), "Prefetch");
+    link_->NoteFailure(placement.status(), "Prefetch");
     g.prefetch_promise.set_value(
         DataLoss("offload group " + std::to_string(g.key) +
                  " cannot be read back: " + placement.status().ToString()));
@@ -386,7 +386,7 @@ void GroupTransfer::Release(Group& g) {
   }
   if (g.client) {
     Status st = g.client->Release(g.daemon_id, {g.copy_in_bytes, g.copy_in_seconds});
-    if (!st.ok() && !IsTransport(st.code())) session_->NoteFailure(st, "Release");
+    if (!st.ok() && !IsTransport(st.code())) link_->NoteFailure(st, "Release");
 
     g.client.reset();
     LetGoOfHeld(g);

@@ -14,10 +14,10 @@
 #include <cstdint>
 #include <mutex>
 
+#include "daemon_link.h"
 #include "group.h"
 #include "memoffload/common/status.h"
 #include "memoffload/torch/copy_engine.h"
-#include "session.h"
 #include "stats_book.h"
 
 namespace memoffload::torch {
@@ -45,7 +45,7 @@ class GroupTransfer {
   // `cuda_engine` (may be null) pins the chunks of each reservation;
   // `training_mu` is the offloader's mutex, held while reading a group's
   // training-side fields. Every pointer must outlive the transfer.
-  GroupTransfer(Session* session, StatsBook* stats, CopyEngine* cuda_engine,
+  GroupTransfer(DaemonLink* link, StatsBook* stats, CopyEngine* cuda_engine,
                 std::mutex* training_mu);
 
   // Reserves `bytes` for the group (the reservation is kept in g.client and
@@ -69,7 +69,7 @@ class GroupTransfer {
   // The group holds no arena bytes any more (StatsBook's arena_held_bytes).
   void LetGoOfHeld(Group& g);
 
-  Session* const session_;
+  DaemonLink* const link_;
   StatsBook* const stats_;
   CopyEngine* const cuda_engine_;
   std::mutex* const training_mu_;

@@ -73,7 +73,7 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
             self._hooks.__exit__(*exc)
         finally:
             self._off.close_group(self.key)
-            logs.drain(_C)
+            logs.forward(_C)
 
     def prefetch(self) -> None:
         if self._off is not None and self.key is not None:
@@ -84,7 +84,7 @@ class offload_activations:  # noqa: N801 - used like a function: `with offload_a
         (:class:`OffloadStats`); zeros when disabled."""
         s: Dict[str, Any] = _zero_stats(OffloadStats)
         if self._off is not None:
-            logs.drain(_C)
+            logs.forward(_C)
             s.update(self._off.stats())
         s.update(self._counters.as_dict())
         return s  # type: ignore[return-value]

@@ -148,7 +148,7 @@ def attach(runtime_dir: str, job_id: str, rank: int, checksums: bool,
         except (errors.Unavailable, errors.NotFound) as exc:
             return None, str(exc)
         finally:
-            logs.drain(_C)  # the attach's line
+            logs.forward(_C)  # the attach's line
         _stores[key] = store
         return store, ""
 

@@ -107,7 +107,7 @@ class OffloadHandle:
         stats = self._off.stats()
         if stats["connected"]:
             return
-        logs.drain(_C)
+        logs.forward(_C)
         if stats["last_skip_code"] == errors.StatusCode.PERMISSION_DENIED:
             # The client refused the daemon it found (or the daemon refused it).
             raise errors.PermissionDenied(f"strict=True and {stats['last_skip_reason']}")
@@ -204,7 +204,7 @@ class OffloadHandle:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
             finally:
                 self._off.close_group(key)
-                logs.drain(_C)
+                logs.forward(_C)
         if failed:
             return None
         chain.append(key)
@@ -237,7 +237,7 @@ class OffloadHandle:
         handle reports zeros."""
         s: Dict[str, Any] = _zero_stats(OffloadStats)
         if self._off is not None:
-            logs.drain(_C)
+            logs.forward(_C)
             s.update(self._off.stats())
         s.update(self._counters.as_dict())
         s["enabled"] = self._off is not None
@@ -263,7 +263,7 @@ class OffloadHandle:
         """Waits until queued Commit/Prefetch/Release calls have run."""
         if self._off is not None:
             self._off.flush()
-            logs.drain(_C)
+            logs.forward(_C)
 
     def remove(self) -> None:
         """Restores the layers' forward. Graphs already built keep working."""

@@ -37,9 +37,9 @@ except ImportError as exc:  # built against another torch, or not built at all
         "pip install --no-build-isolation --force-reinstall <memoffload>/client/python"
     ) from exc
 
-# What the native part logged after the last drain reaches the logger at
+# What the native part logged after the last take reaches the logger at
 # exit too (before logging's own atexit handler shuts it down).
-atexit.register(logs.drain, _C)
+atexit.register(logs.forward, _C)
 
 if _C.built_torch_version != torch.__version__.split("+")[0]:
     raise ImportError(

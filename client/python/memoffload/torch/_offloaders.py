@@ -53,7 +53,7 @@ def get_offloader(runtime_dir: Optional[str] = None, job_id: Optional[str] = Non
                 local_rank=_env_int("LOCAL_RANK"),
             )
             _offloaders[key] = off
-    logs.drain(_C)
+    logs.forward(_C)
     return off
 
 

@@ -7,7 +7,7 @@
 // line to stderr ("memoffload: rank 3: message", the rank left out when
 // unknown), which is what a C++ program sees. A program with a logging
 // system of its own installs a sink: the Python extension installs the
-// queue (EnableLogQueue) at import and drains it into Python's "memoffload"
+// queue (EnableLogQueue) at import and takes it into Python's "memoffload"
 // logger from Python threads, so no thread of ours ever takes the GIL.
 //
 // Thread-safety: every function may be called from any thread. A sink is
@@ -50,11 +50,11 @@ std::string FormatLogLine(const LogRecord& record);
 
 // Installs a sink that queues records, keeping at most `max_records` (older
 // ones are dropped and counted): for a program that moves them into its own
-// logger from a thread of its choice (DrainLog).
+// logger from a thread of its choice (TakeLogRecords).
 void EnableLogQueue(size_t max_records);
 
 // Takes every queued record, oldest first.
-std::vector<LogRecord> DrainLog();
+std::vector<LogRecord> TakeLogRecords();
 
 // Records the queue dropped because it was full.
 uint64_t DroppedLogRecords();

@@ -1,11 +1,13 @@
-// Session: the worker's connection to memoffloadd. Attaches on demand, marks
-// itself broken on transport errors and attaches a new session when the
-// daemon is back, at most once per reconnect interval.
+// DaemonLink: the worker's link to memoffloadd. It holds one of the
+// daemon's sessions at a time (a "session" is the daemon's record of an
+// attached client, nothing else). Attaches on demand, marks itself broken
+// on transport errors and attaches a new session when the daemon is back,
+// at most once per reconnect interval.
 //
 // Thread-safety: worker thread only (GroupOffloader::Create's first attach
 // runs there too). Counters go to the shared StatsBook under its own lock.
-#ifndef MEMOFFLOAD_TORCH_SRC_SESSION_H_
-#define MEMOFFLOAD_TORCH_SRC_SESSION_H_
+#ifndef MEMOFFLOAD_TORCH_SRC_DAEMON_LINK_H_
+#define MEMOFFLOAD_TORCH_SRC_DAEMON_LINK_H_
 
 #include <chrono>
 #include <cstdint>
@@ -24,13 +26,13 @@ namespace memoffload::torch {
 // still in this process's mapping of the chunks and can be read back.
 bool IsTransport(StatusCode code);
 
-class Session {
+class DaemonLink {
  public:
   // `pinning_engine` (may be null: the CUDA engine) registers whole chunks:
   // the daemon's chunk size is asked at each attach, and each client's
   // registrations are dropped (ForgetHostRanges) before its chunks are
   // unmapped. `pinning_engine` and `stats` must outlive every client.
-  Session(const OffloaderOptions& options, CopyEngine* pinning_engine, StatsBook* stats);
+  DaemonLink(const OffloaderOptions& options, CopyEngine* pinning_engine, StatsBook* stats);
 
   // The current session, attaching a new one when there is none (at most
   // once per reconnect interval unless `force`). nullptr: no daemon.
@@ -61,4 +63,4 @@ class Session {
 
 }  // namespace memoffload::torch
 
-#endif  // MEMOFFLOAD_TORCH_SRC_SESSION_H_
+#endif  // MEMOFFLOAD_TORCH_SRC_DAEMON_LINK_H_

@@ -1,4 +1,4 @@
-#include "session.h"
+#include "daemon_link.h"
 
 #include <string>
 #include <utility>
@@ -14,10 +14,11 @@ bool IsTransport(StatusCode code) {
          code == StatusCode::kCancelled;
 }
 
-Session::Session(const OffloaderOptions& options, CopyEngine* pinning_engine, StatsBook* stats)
+DaemonLink::DaemonLink(const OffloaderOptions& options, CopyEngine* pinning_engine,
+                       StatsBook* stats)
     : options_(options), pinning_engine_(pinning_engine), stats_(stats) {}
 
-std::shared_ptr<Client> Session::Ensure(bool force) {
+std::shared_ptr<Client> DaemonLink::Ensure(bool force) {
   if (client_ && !broken_) return client_;
   const auto now = Clock::now();
   if (!force && attempted_ &&
@@ -57,7 +58,7 @@ std::shared_ptr<Client> Session::Ensure(bool force) {
   return client_;
 }
 
-void Session::NoteFailure(const Status& st, const char* what) {
+void DaemonLink::NoteFailure(const Status& st, const char* what) {
   if (IsTransport(st.code()) && client_) broken_ = true;
   stats_->Count([&](OffloaderStats& s) {
     ++s.rpc_errors;
