@@ -196,7 +196,7 @@ def exported_families(text: str) -> dict:
 def declared_families() -> dict:
     """{family name: type} of every family daemon/observe/metrics.cc defines, with or
     without series: prometheus-cpp prints no # TYPE line for a family that has
-    no series yet (tests/daemon/metrics_test.cc checks that), so a scrape alone
+    no series yet (tests/daemon/observe/metrics_test.cc checks that), so a scrape alone
     misses e.g. the per-rank families on an idle daemon."""
     text = METRICS_SOURCE.read_text()
     families = {}
