@@ -356,7 +356,16 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
 Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::string& token,
                                             uint64_t group_id) {
   Completions done;
-  absl::ReleasableMutexLock lock(&mu_);
+  Result<ReleaseResult> result = [&] {
+    absl::MutexLock lock(&mu_);
+    return ReleaseLocked(session_id, token, group_id, &done);
+  }();
+  Run(&done);
+  return result;
+}
+
+Result<ReleaseResult> SessionTable::ReleaseLocked(uint64_t session_id, const std::string& token,
+                                                  uint64_t group_id, Completions* done) {
   Result<Session*> session = Authenticate(session_id, token);
   if (!session.ok()) return session.status();
   Session& s = **session;
@@ -379,9 +388,7 @@ Result<ReleaseResult> SessionTable::Release(uint64_t session_id, const std::stri
   s.uid_totals->held_bytes -= g.held_bytes;
   --groups_;
   RecycleGroupNode(s.groups.extract(it));
-  DispatchWaiters(&done);  // bytes, and a group slot, came back
-  lock.Release();
-  Run(&done);
+  DispatchWaiters(done);  // bytes, and a group slot, came back
   return result;
 }
 

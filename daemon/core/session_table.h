@@ -370,6 +370,10 @@ class SessionTable {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Offers free space to the waiters.
   void DispatchWaiters(Completions* out) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Release's work under mu_; what it unblocked goes to `done`.
+  Result<ReleaseResult> ReleaseLocked(uint64_t session_id, const std::string& token,
+                                      uint64_t group_id, Completions* done)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the waiter from pending_ and queues its answer.
   void Answer(uint64_t ticket, Result<ReserveResult> result, RejectReason reason, Completions* out)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -106,7 +106,7 @@ uint64_t SessionTable::AdmitReserve(const ReserveRequest& r, const std::string& 
                                     ReserveDone* done, std::function<bool()>* cancelled,
                                     std::optional<Result<ReserveResult>>* answer,
                                     RejectReason* reject, Completions* others) {
-  auto answered = [answer](Result<ReserveResult> result) -> uint64_t {
+  auto answered = [answer](Result<ReserveResult>&& result) -> uint64_t {
     answer->emplace(std::move(result));
     return 0;
   };

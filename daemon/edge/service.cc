@@ -175,7 +175,7 @@ uint64_t OffloadService::StartReserve(const v1::ReserveRequest& req, v1::Reserve
   return table_->ReserveAsync(
       session_id, req.session().session_token(), req.group_id(), req.size_bytes(),
       req.single_extent(), wait_until,
-      [this, start, resp, session_id, done = std::move(done)](Result<ReserveResult> r,
+      [this, start, resp, session_id, done = std::move(done)](Result<ReserveResult>&& r,
                                                               RejectReason reject) {
         metrics_->RecordRejection(reject);
         if (!r.ok() &&
