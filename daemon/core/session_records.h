@@ -1,5 +1,5 @@
 // The records SessionTable keeps under its lock: a session and its groups,
-// the job and the uid totals a session counts in, and checkpoint regions.
+// and checkpoint regions (what they hold is counted in the Ledger).
 // Plain data with no lock of their own: only SessionTable (session_table.h)
 // holds them, and its mu_ guards every one it owns.
 #ifndef MEMOFFLOAD_DAEMON_SESSION_RECORDS_H_
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/container/node_hash_map.h"
+#include "core/ledger.h"
 #include "core/session_types.h"
 #include "core/tenant_chunks.h"
 #include "memoffload/shared_mem/attach_wire.h"
@@ -35,31 +36,16 @@ struct Group {
 };
 using GroupMap = absl::node_hash_map<uint64_t, Group>;
 
-// A job is the hello's job id within one uid: another user naming the same
-// job id is another job (its own quota, its own requested limit).
-struct Job {
-  uint64_t held_bytes = 0;
-  uint32_t sessions = 0;
-  uint64_t requested_limit = 0;  // smallest job_max_bytes a hello asked for
-};
-// What all sessions of one uid hold (quotas.uid_max_bytes), whatever job
-// ids they name.
-struct UidTotals {
-  uint64_t held_bytes = 0;
-  uint32_t sessions = 0;
-};
 struct Session {
   SessionGrant grant;
   Hello hello;
   std::string tenant;
   const TenantChunks::Owned* owned = nullptr;  // its tenant's; null with TenantMode::kNone
-  std::string job_key;                         // "<uid>:<job_id>", the key of jobs_
-  Job* job = nullptr;                          // jobs_[job_key], which outlives the session
-  UidTotals* uid_totals = nullptr;             // uid_totals_[peer.uid], likewise
+  std::string job_key;                         // "<uid>:<job_id>", its job in the Ledger
+  Ledger::Account account;                     // what its groups hold, and its job and uid
 
   PeerCredentials peer;
   Clock::time_point opened_at;
-  uint64_t held_bytes = 0;
   GroupMap groups;
   std::shared_ptr<RankSeries> series;  // may be null
 };

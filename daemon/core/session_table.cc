@@ -130,19 +130,17 @@ Status SessionTable::DrainingRefusal(const std::string& refused) const {
                                           " until 'memoffloadctl undrain'");
 }
 
-SessionTable::Job& SessionTable::JobOf(const Session& session) { return *session.job; }
-
 QuotaUsage SessionTable::UsageOf(const Session& s) const {
   QuotaUsage u;
   u.session_id = s.grant.session_id;
-  u.session_held_bytes = s.held_bytes;
+  u.session_held_bytes = s.account.held_bytes;
   u.session_groups = s.groups.size();
   u.session_asked_bytes = s.hello.max_bytes;
   u.job_id = s.hello.job_id;
   u.uid = s.peer.uid;
-  u.job_held_bytes = s.job->held_bytes;
-  u.job_asked_bytes = s.job->requested_limit;
-  u.uid_held_bytes = s.uid_totals->held_bytes;
+  u.job_held_bytes = s.account.job->held_bytes;
+  u.job_asked_bytes = s.account.job->requested_limit;
+  u.uid_held_bytes = s.account.uid->held_bytes;
   return u;
 }
 
@@ -174,11 +172,9 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.peer = peer;
   s.opened_at = Clock::now();
   s.series = std::move(series);
-  Job& job = jobs_[s.job_key];
-  s.job = &job;
-  ++job.sessions;
-  s.uid_totals = &uid_totals_[peer.uid];
-  if (++s.uid_totals->sessions == 1) WarnIfSharedWithoutUidLimits(peer.uid);
+  s.account = ledger_.Open(s.job_key, peer.uid);
+  Ledger::Job& job = *s.account.job;
+  if (s.account.uid->sessions == 1) WarnIfSharedWithoutUidLimits(peer.uid);
   bool job_limit_lowered = false;
   if (hello.job_max_bytes != 0 &&
       (job.requested_limit == 0 || hello.job_max_bytes < job.requested_limit)) {
@@ -204,20 +200,11 @@ Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReaso
   }
   uint64_t reclaimed = 0;
   for (auto& [id, group] : it->second.groups) {
-    AddStateBytes(group.state, -static_cast<int64_t>(group.held_bytes));
+    ledger_.Released(&it->second.account, group.state, group.held_bytes);
     FreeExtents(group.extents);
     reclaimed += group.held_bytes;
-    --groups_;
   }
-  auto job = jobs_.find(it->second.job_key);
-  if (job != jobs_.end()) {
-    job->second.held_bytes -= reclaimed;
-    if (--job->second.sessions == 0) jobs_.erase(job);
-  }
-  if (auto uid = uid_totals_.find(it->second.peer.uid); uid != uid_totals_.end()) {
-    uid->second.held_bytes -= reclaimed;
-    if (--uid->second.sessions == 0) uid_totals_.erase(uid);
-  }
+  ledger_.Close(it->second.job_key, it->second.peer.uid);
   Closed closed;
   closed.group_bytes = reclaimed;
   ForgetRegionsOf(it->second, &closed);
@@ -254,13 +241,6 @@ Result<SessionTable::Group*> SessionTable::FindGroup(Session* session, uint64_t 
                     std::to_string(session->grant.session_id));
   }
   return &it->second;
-}
-
-void SessionTable::AddStateBytes(GroupState state, int64_t delta) {
-  uint64_t* counter = state == GroupState::kReserved    ? &reserved_bytes_
-                      : state == GroupState::kCommitted ? &committed_bytes_
-                                                        : &read_bytes_;
-  *counter = static_cast<uint64_t>(static_cast<int64_t>(*counter) + delta);
 }
 
 void SessionTable::FreeExtents(const std::vector<Extent>& extents) {
@@ -314,11 +294,7 @@ Result<CommitResult> SessionTable::Commit(uint64_t session_id, const std::string
   uint64_t kept_bytes = 0;
   for (const Extent& e : *kept) kept_bytes += e.length;
   const uint64_t returned = g.held_bytes - kept_bytes;
-  reserved_bytes_ -= g.held_bytes;
-  committed_bytes_ += kept_bytes;
-  (*session)->held_bytes -= returned;
-  JobOf(**session).held_bytes -= returned;
-  (*session)->uid_totals->held_bytes -= returned;
+  ledger_.Committed(&(*session)->account, g.held_bytes, kept_bytes);
   g.extents = std::move(kept).value();
   g.held_bytes = kept_bytes;
   g.used_bytes = used_bytes;
@@ -346,8 +322,7 @@ Result<PrefetchResult> SessionTable::Prefetch(uint64_t session_id, const std::st
                               " is reserved but not committed; Commit it before Prefetch");
   }
   if (g.state == GroupState::kCommitted) {
-    committed_bytes_ -= g.held_bytes;
-    read_bytes_ += g.held_bytes;
+    ledger_.Read(g.held_bytes);
     g.state = GroupState::kRead;
   }
   return PrefetchResult{g.extents, g.used_bytes, g.extent_crc32c, (*session)->series};
@@ -381,12 +356,8 @@ Result<ReleaseResult> SessionTable::ReleaseLocked(uint64_t session_id, const std
   if (g.state != GroupState::kReserved) {
     result.resident_seconds = std::chrono::duration<double>(Clock::now() - g.committed_at).count();
   }
-  AddStateBytes(g.state, -static_cast<int64_t>(g.held_bytes));
+  ledger_.Released(&s.account, g.state, g.held_bytes);
   FreeExtents(g.extents);
-  s.held_bytes -= g.held_bytes;
-  JobOf(s).held_bytes -= g.held_bytes;
-  s.uid_totals->held_bytes -= g.held_bytes;
-  --groups_;
   RecycleGroupNode(s.groups.extract(it));
   DispatchWaiters(done);  // bytes, and a group slot, came back
   return result;
@@ -398,12 +369,13 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.capacity_bytes = arena_->allocator().capacity_bytes();
   a.free_bytes = arena_->allocator().free_bytes();
   a.largest_free_extent_bytes = arena_->allocator().largest_free_extent_bytes();
-  a.reserved_bytes = reserved_bytes_;
-  a.committed_bytes = committed_bytes_;
-  a.read_bytes = read_bytes_;
+  const Ledger::Totals& totals = ledger_.totals();
+  a.reserved_bytes = totals.reserved_bytes;
+  a.committed_bytes = totals.committed_bytes;
+  a.read_bytes = totals.read_bytes;
   a.node_reserve_bytes = quota_.policy().node_reserve_bytes;
   a.sessions = static_cast<uint32_t>(sessions_.size());
-  a.groups = groups_;
+  a.groups = totals.groups;
   a.waiting_reserves = static_cast<uint32_t>(queue_.size());
   a.draining = draining_;
   a.shutting_down = shutting_down_;
@@ -434,7 +406,7 @@ SessionSnapshot SessionTable::SnapshotOf(uint64_t id, const Session& s,
   snap.rank = s.hello.rank;
   snap.local_rank = s.hello.local_rank;
   snap.peer = s.peer;
-  snap.held_bytes = s.held_bytes;
+  snap.held_bytes = s.account.held_bytes;
   snap.groups = s.groups.size();
   snap.limit_bytes = quota_.SessionLimit(s.hello.max_bytes);
   snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();

@@ -30,6 +30,7 @@
 #include "absl/container/node_hash_map.h"
 #include "absl/synchronization/mutex.h"
 #include "config/config.h"
+#include "core/ledger.h"
 #include "core/quota_policy.h"
 #include "core/reserve_queue.h"
 #include "core/session_records.h"
@@ -223,8 +224,6 @@ class SessionTable {
   using Clock = session_records::Clock;
   using Group = session_records::Group;
   using GroupMap = session_records::GroupMap;
-  using Job = session_records::Job;
-  using UidTotals = session_records::UidTotals;
   using Session = session_records::Session;
   using Region = session_records::Region;
   using JobRegions = session_records::JobRegions;
@@ -396,8 +395,6 @@ class SessionTable {
   static void Run(Completions* completions);
   // capacity - node reserve, or 0 when the reserve covers the arena.
   uint64_t UsableBytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  Job& JobOf(const Session& session) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void AddStateBytes(GroupState state, int64_t delta) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Returns extents the table holds to the allocator; a refusal is a bug,
   // logged and counted in free_errors_.
   void FreeExtents(const std::vector<Extent>& extents) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -411,8 +408,7 @@ class SessionTable {
   std::unordered_map<uint64_t, PendingReserve> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
   absl::CondVar deadline_changed_;  // a waiter was queued, or stopping_
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::unordered_map<std::string, Job> jobs_ ABSL_GUARDED_BY(mu_);        // by Session::job_key
-  std::unordered_map<uid_t, UidTotals> uid_totals_ ABSL_GUARDED_BY(mu_);  // by peer uid
+  Ledger ledger_ ABSL_GUARDED_BY(mu_);  // what groups hold, by state, session, job and uid
   std::vector<GroupNode> spare_groups_ ABSL_GUARDED_BY(mu_);
 
   // Marks `chunk` as the tenant's (tenant_chunks_.Assign), giving it a new
@@ -424,10 +420,9 @@ class SessionTable {
   // tenant_chunks_ agrees with the sessions.
   Status CheckTenantChunks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // CheckInvariants' parts (session_table_invariants.cc). The sessions'
-  // groups against the sessions, jobs and uid totals: adds what they hold to
-  // *held, their count to *groups and their bytes by state to by_state.
-  Status CheckSessionRecords(uint64_t* held, uint64_t* groups, uint64_t by_state[3]) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // groups recounted against their sessions and the ledger (by state, job
+  // and uid); adds what they hold to *held.
+  Status CheckSessionRecords(uint64_t* held) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // A group's extents: in its tenant's chunks, summing to its held bytes.
   Status CheckGroupRecord(uint64_t gid, const Group& g, const std::string& tenant) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -441,10 +436,6 @@ class SessionTable {
 
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::node_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);
-  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t committed_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t read_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t groups_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t free_errors_ ABSL_GUARDED_BY(mu_) = 0;
   std::unordered_map<std::string, JobRegions> regions_ ABSL_GUARDED_BY(mu_);  // by job key
   uint32_t region_count_ ABSL_GUARDED_BY(mu_) = 0;

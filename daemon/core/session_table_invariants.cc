@@ -9,8 +9,8 @@ Status SessionTable::CheckInvariants() const {
   absl::MutexLock lock(&mu_);
   MEMOFFLOAD_RETURN_IF_ERROR(arena_->allocator().CheckInvariants());
   MEMOFFLOAD_RETURN_IF_ERROR(CheckTenantChunks());
-  uint64_t held = 0, groups = 0, by_state[3] = {0, 0, 0};
-  MEMOFFLOAD_RETURN_IF_ERROR(CheckSessionRecords(&held, &groups, by_state));
+  uint64_t held = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckSessionRecords(&held));
   uint64_t region_held = 0;
   MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionRecords(&region_held));
   held += region_held;
@@ -18,49 +18,40 @@ Status SessionTable::CheckInvariants() const {
     return Internal("sessions and regions hold " + std::to_string(held) +
                     " bytes, allocator says " + std::to_string(arena_->allocator().used_bytes()));
   }
-  if (groups != groups_ || by_state[0] != reserved_bytes_ || by_state[1] != committed_bytes_ ||
-      by_state[2] != read_bytes_) {
-    return Internal("state counters disagree with the groups");
-  }
   return Status::Ok();
 }
 
-Status SessionTable::CheckSessionRecords(uint64_t* held, uint64_t* groups,
-                                         uint64_t by_state[3]) const {
-  std::unordered_map<uid_t, UidTotals> uid_held;
+Status SessionTable::CheckSessionRecords(uint64_t* held) const {
+  uint64_t groups = 0, by_state[3] = {0, 0, 0};
+  std::unordered_map<std::string, Ledger::Job> job_held;
+  std::unordered_map<uid_t, Ledger::UidTotals> uid_held;
   for (const auto& [id, s] : sessions_) {
-    if (auto job = jobs_.find(s.job_key); job == jobs_.end() || &job->second != s.job) {
+    if (auto job = ledger_.jobs().find(s.job_key);
+        job == ledger_.jobs().end() || &job->second != s.account.job) {
       return Internal("session " + std::to_string(id) + " does not point at its job " + s.job_key);
     }
-    if (auto uid = uid_totals_.find(s.peer.uid);
-        uid == uid_totals_.end() || &uid->second != s.uid_totals) {
+    if (auto uid = ledger_.uids().find(s.peer.uid);
+        uid == ledger_.uids().end() || &uid->second != s.account.uid) {
       return Internal("session " + std::to_string(id) + " does not point at its uid's totals");
     }
-    uid_held[s.peer.uid].held_bytes += s.held_bytes;
-    ++uid_held[s.peer.uid].sessions;
     uint64_t session_held = 0;
     for (const auto& [gid, g] : s.groups) {
       MEMOFFLOAD_RETURN_IF_ERROR(CheckGroupRecord(gid, g, s.tenant));
       session_held += g.held_bytes;
       by_state[static_cast<int>(g.state)] += g.held_bytes;
-      ++*groups;
+      ++groups;
     }
-    if (session_held != s.held_bytes) {
+    if (session_held != s.account.held_bytes) {
       return Internal("session " + std::to_string(id) + " holds " + std::to_string(session_held) +
-                      ", recorded " + std::to_string(s.held_bytes));
+                      ", recorded " + std::to_string(s.account.held_bytes));
     }
+    job_held[s.job_key].held_bytes += session_held;
+    ++job_held[s.job_key].sessions;
+    uid_held[s.peer.uid].held_bytes += session_held;
+    ++uid_held[s.peer.uid].sessions;
     *held += session_held;
   }
-  for (const auto& [uid, totals] : uid_totals_) {
-    const UidTotals& counted = uid_held[uid];
-    if (counted.held_bytes != totals.held_bytes || counted.sessions != totals.sessions) {
-      return Internal("uid " + std::to_string(uid) + " holds " +
-                      std::to_string(counted.held_bytes) + " in " +
-                      std::to_string(counted.sessions) + " sessions, its totals say " +
-                      std::to_string(totals.held_bytes) + " in " + std::to_string(totals.sessions));
-    }
-  }
-  return Status::Ok();
+  return ledger_.Check(by_state, groups, job_held, uid_held);
 }
 
 Status SessionTable::CheckGroupRecord(uint64_t gid, const Group& g,

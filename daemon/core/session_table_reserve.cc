@@ -251,11 +251,7 @@ Result<ReserveResult> SessionTable::TryReserve(Session* session, uint64_t group_
     return st;
   }
   g.held_bytes = rounded;
-  s.held_bytes += rounded;
-  JobOf(s).held_bytes += rounded;
-  s.uid_totals->held_bytes += rounded;
-  reserved_bytes_ += rounded;
-  ++groups_;
+  ledger_.Reserved(&s.account, rounded);
   ReserveResult result{ExtentList(g.extents.begin(), g.extents.end()), rounded};
   s.groups.insert(std::move(node));
   return result;

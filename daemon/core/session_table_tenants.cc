@@ -31,13 +31,13 @@ uint32_t SessionTable::UidChunks(uid_t uid) const {
 }
 
 void SessionTable::WarnIfSharedWithoutUidLimits(uid_t uid) {
-  if (warned_shared_uids_ || uid_totals_.size() < 2) return;
+  if (warned_shared_uids_ || ledger_.uids().size() < 2) return;
   const Policy& p = quota_.policy();
   const bool bytes_off = p.uid_max_bytes == 0;
   const bool chunks_off = p.uid_max_chunks == 0 && tenant_chunks_.mode() != TenantMode::kNone;
   if (!bytes_off && !chunks_off) return;
   uid_t other = uid;
-  for (const auto& [u, totals] : uid_totals_) {
+  for (const auto& [u, totals] : ledger_.uids()) {
     if (u != uid) other = u;
   }
   const std::string off = bytes_off && chunks_off ? "quotas.uid_max_bytes and uid_max_chunks are"
@@ -57,7 +57,7 @@ void SessionTable::WarnIfSharedWithoutUidLimits(uid_t uid) {
 std::vector<UidSnapshot> SessionTable::ListUids() const {
   absl::MutexLock lock(&mu_);
   std::map<uid_t, UidSnapshot> by_uid;
-  for (const auto& [uid, totals] : uid_totals_) {
+  for (const auto& [uid, totals] : ledger_.uids()) {
     UidSnapshot& u = by_uid[uid];
     u.sessions = totals.sessions;
     u.held_bytes = totals.held_bytes;
