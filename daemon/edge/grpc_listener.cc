@@ -93,11 +93,7 @@ void GrpcListener::AcceptPending() {
     if (error == EINTR || error == ECONNABORTED || error == EPROTO) continue;
     if (error == EAGAIN || error == EWOULDBLOCK) {
       // Accept works (a fd was available): the data plane serves again.
-      if (!problem_.empty()) {
-        MO_LOG_INFO("gRPC listener: accepting again (was: %s)", problem_.c_str());
-        problem_.clear();
-      }
-      backoff_ = std::chrono::milliseconds(0);
+      Accepting();
       return WaitForConnection();
     }
     return BackOff(error);
@@ -161,12 +157,16 @@ bool GrpcListener::OnAccepted(int fd) {
     return true;
   }
   grpc::AddInsecureChannelFromFd(server_, *grpc_end);
-  if (problem_.rfind("gRPC socket cannot accept", 0) == 0) {
+  Accepting();
+  return true;
+}
+
+void GrpcListener::Accepting() {
+  if (!problem_.empty()) {
     MO_LOG_INFO("gRPC listener: accepting again (was: %s)", problem_.c_str());
     problem_.clear();
   }
   backoff_ = std::chrono::milliseconds(0);
-  return true;
 }
 
 void GrpcListener::Penalize(uid_t uid, H2Violation why) {

@@ -75,6 +75,9 @@ class GrpcListener {
   // backs off as if accept had failed).
   bool OnAccepted(int fd);
   void BackOff(int error);
+  // Accepting works again: clears the problem BackOff set (logged once) and
+  // the back-off.
+  void Accepting();
   void Penalize(uid_t uid, H2Violation why);
   // Empty when `uid` may connect now; else why not.
   std::string Penalized(uid_t uid);
