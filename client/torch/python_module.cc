@@ -16,6 +16,7 @@
 #include "memoffload/torch/group_offloader.h"
 #include "python_errors.h"
 #include "python_hooks.h"
+#include "python_host_state.h"
 #include "python_regions.h"
 
 namespace py = pybind11;
@@ -261,5 +262,6 @@ PYBIND11_MODULE(_C, m) {
   BindGroupOffloader(m);
   memoffload::torch::python::BindSavedTensorHooks(m);
   memoffload::torch::python::BindRegions(m);
+  memoffload::torch::python::BindHostState(m);
   BindLogAndQueries(m);
 }

@@ -67,7 +67,11 @@ TEST(HostBlocks, AreContiguousExactAndCountedAsCommitted) {
   for (size_t i = 0; i < held.size(); ++i) {
     EXPECT_EQ(held[i].address[0], i + 1);
     EXPECT_EQ(held[i].address[held[i].size_bytes - 1], i + 1);
+    EXPECT_TRUE(blocks->Holds(held[i].address));
+    EXPECT_TRUE(blocks->Holds(held[i].address + held[i].size_bytes - 1));
   }
+  int on_the_stack = 0;
+  EXPECT_FALSE(blocks->Holds(&on_the_stack));
   v1::GetStatusResponse s = d->Status();
   EXPECT_EQ(s.committed_bytes(), expected);
   EXPECT_EQ(s.reserved_bytes(), 0u);
@@ -75,6 +79,7 @@ TEST(HostBlocks, AreContiguousExactAndCountedAsCommitted) {
   EXPECT_EQ(blocks->stats().blocks, sizes.size());
 
   ASSERT_TRUE(blocks->Free(held[1].group_id).ok());
+  EXPECT_FALSE(blocks->Holds(held[1].address));
   EXPECT_EQ(blocks->Free(held[1].group_id).code(), StatusCode::kNotFound);
   EXPECT_EQ(d->Status().committed_bytes(), expected - held[1].held_bytes);
   blocks.reset();  // frees the rest

@@ -53,10 +53,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 class Daemon:
     """One memoffloadd process; stop() at the end, kill() to simulate a crash."""
 
-    def __init__(self, runtime_dir: Path, arena: str, chunk: str) -> None:
+    def __init__(self, runtime_dir: Path, arena: str, chunk: str, extra_args: List[str] = ()) -> None:
         self.runtime_dir = str(runtime_dir)
         self.arena = arena
         self.chunk = chunk
+        self.extra_args = list(extra_args)
         self.proc: Optional[subprocess.Popen] = None
         self.log = runtime_dir.parent / f"memoffloadd-{runtime_dir.name}.log"
 
@@ -73,6 +74,7 @@ class Daemon:
                 "--metrics-address=none",
                 "--prefault-threads=1",
                 "--log-level=warn",
+                *self.extra_args,
             ],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,

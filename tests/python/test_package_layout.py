@@ -167,6 +167,8 @@ _PUBLIC_NAMES = [
     "OWN_HOOK_ATTR",
     "OffloadHandle",
     "OffloadStats",
+    "StatePlacement",
+    "TESTED_TORCH",
     "checkpointed",
     "daemon_status",
     "errors",
@@ -178,17 +180,20 @@ _PUBLIC_NAMES = [
     "logs",
     "offload_activations",
     "offload_layers",
+    "place_state",
 ]
 _ALL = [
     "GroupStats",
     "HandleStats",
     "OffloadHandle",
     "OffloadStats",
+    "StatePlacement",
     "daemon_status",
     "find_layer_stack",
     "get_offloader",
     "offload_activations",
     "offload_layers",
+    "place_state",
 ]
 
 

@@ -63,7 +63,8 @@ Result<HostBlock> HostBlocks::Allocate(uint64_t size_bytes) {
     return refused(Internal("a reserved extent is not mapped in this process"));
   }
   absl::MutexLock lock(&mu_);
-  held_[group] = Held{size_bytes, block.held_bytes};
+  held_[group] = Held{size_bytes, block.held_bytes, block.address};
+  by_address_[block.address] = size_bytes;
   ++stats_.blocks;
   stats_.size_bytes += size_bytes;
   stats_.held_bytes += block.held_bytes;
@@ -80,9 +81,19 @@ Status HostBlocks::Free(uint64_t group_id) {
     --stats_.blocks;
     stats_.size_bytes -= it->second.size_bytes;
     stats_.held_bytes -= it->second.held_bytes;
+    by_address_.erase(it->second.address);
     held_.erase(it);
   }
   return client_->Release(group_id);
+}
+
+bool HostBlocks::Holds(const void* address) const {
+  const auto* p = static_cast<const uint8_t*>(address);
+  absl::MutexLock lock(&mu_);
+  auto it = by_address_.upper_bound(p);
+  if (it == by_address_.begin()) return false;
+  --it;
+  return p < it->first + it->second;
 }
 
 HostBlockStats HostBlocks::stats() const {

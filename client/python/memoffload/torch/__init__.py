@@ -26,7 +26,8 @@ The package's modules, each imported by this one and none importing it:
 job id), ``_hooks`` (the saved-tensor hooks), ``_handle`` (OffloadHandle),
 ``_layers`` (offload_layers), ``_activations`` (offload_activations),
 ``_counters`` (the shapes of ``stats()``), ``_selection``, ``_param_skip``,
-``_activation_checkpoint``; ``_hf`` (the Hugging Face callback, loaded on
+``_activation_checkpoint``, ``_state`` (place_state: FSDP2's offloaded shards
+and optimizer state in the arena); ``_hf`` (the Hugging Face callback, loaded on
 first use) and ``checkpoint`` (checkpoint storage, imported by its users).
 """
 
@@ -45,6 +46,7 @@ from ._layers import DEFAULT_MIN_TENSOR_BYTES, find_layer_stack, offload_layers 
 from ._offloaders import DEFAULT_JOB_ID, daemon_status, forget_offloader, get_offloader  # noqa: F401
 from ._param_skip import _ParamSkip  # noqa: F401
 from ._selection import LayerSelection  # noqa: F401
+from ._state import TESTED_TORCH, StatePlacement, place_state  # noqa: F401
 
 __all__ = [
     # MemoffloadCallback is provided lazily (module __getattr__ below) and is
@@ -59,6 +61,8 @@ __all__ = [
     "get_offloader",
     "offload_activations",
     "offload_layers",
+    "place_state",
+    "StatePlacement",
 ]
 
 

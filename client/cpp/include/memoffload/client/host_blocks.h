@@ -13,6 +13,7 @@
 #define MEMOFFLOAD_CLIENT_HOST_BLOCKS_H_
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <unordered_map>
 
@@ -55,6 +56,10 @@ class HostBlocks {
   // (or freed already).
   Status Free(uint64_t group_id);
 
+  // Whether `address` lies in a block this object handed out and has not
+  // freed.
+  bool Holds(const void* address) const;
+
   HostBlockStats stats() const;
   const std::shared_ptr<Client>& client() const { return client_; }
 
@@ -62,11 +67,13 @@ class HostBlocks {
   struct Held {
     uint64_t size_bytes = 0;
     uint64_t held_bytes = 0;
+    const uint8_t* address = nullptr;
   };
   const std::shared_ptr<Client> client_;
   mutable absl::Mutex mu_;
   uint64_t next_group_ ABSL_GUARDED_BY(mu_) = 1;
-  std::unordered_map<uint64_t, Held> held_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Held> held_ ABSL_GUARDED_BY(mu_);        // by group id
+  std::map<const uint8_t*, uint64_t> by_address_ ABSL_GUARDED_BY(mu_);  // -> size_bytes
   HostBlockStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

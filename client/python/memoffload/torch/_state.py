@@ -1,0 +1,297 @@
+"""A rank's long-lived host state in the node arena: FSDP2's CPU-offloaded
+parameter shards and a CPU optimizer's states (``place_state``).
+
+Each tensor moves into one block of the arena (``_C.HostStateStore``, a
+session of its own): exact size (page-rounded only, never to a power of
+two), counted by the daemon against the rank's session, job and uid like
+any group (quotas, ``memoffloadctl sessions``, ``/metrics``), registered with
+CUDA where there is a GPU, and freed by the daemon the moment the rank dies.
+The values are copied bit for bit, so training is identical to the same run
+without it. A tensor's block goes back when the tensor dies.
+
+What moves, once each:
+
+- FSDP2 (``fully_shard(..., offload_policy=CPUOffloadPolicy())``): each
+  FSDPParam's padded CPU shard (``_sharded_param_data``), its parameter's local
+  tensor re-viewed onto it, as FSDP2's own ``reset_sharded_param`` does. This
+  reads FSDP2 internals, so it runs only on the torch versions it was tested
+  with (``TESTED_TORCH``) and refuses others with a message.
+- the optimizer's state tensors on the CPU (AdamW's ``exp_avg`` and
+  ``exp_avg_sq``; a DTensor's local tensor), with or without FSDP2 (ZeRO-offload
+  style CPU optimizers). Optimizers create their state at the first step, so
+  a step post-hook moves new state after each step (a dict walk when nothing
+  is new).
+
+What stays in torch's memory, counted in ``stats()``: tensors under
+``min_bytes`` (AdamW's ``step`` scalars: a page each would cost more than
+they hold), tensors larger than an arena chunk (a block is contiguous), and
+gradients (FSDP2 makes new ones at each step; not placed yet).
+
+Without a daemon, or when a quota refuses a tensor, it says so once (the
+daemon's message names the limit) and training goes on with torch's own
+memory; ``strict=True`` raises instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Set
+
+import torch
+
+from .. import errors, logs
+from ._native import _C
+from ._offloaders import _env_int, _job_id_of
+
+__all__ = ["place_state", "StatePlacement", "TESTED_TORCH"]
+
+# torch versions whose FSDP2 internals place_state was tested against.
+TESTED_TORCH = ("2.11", "2.13")
+
+_log = logging.getLogger("memoffload")
+
+
+def _torch_minor() -> str:
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
+
+
+def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
+    """Every FSDPParam under ``model`` (none without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:  # torch 2.11: at most one group
+            group = state._fsdp_param_group
+            groups = [group] if group is not None else []
+        for group in groups:
+            yield from group.fsdp_params
+
+
+_FSDP_PARAM_FIELDS = ("offload_to_cpu", "_sharded_param_data", "sharded_param",
+                      "padded_sharded_param_size", "fsdp_placement")
+
+
+class StatePlacement:
+    """What ``place_state`` placed, and the hooks that place more.
+
+    ``stats()``: ``tensors``/``bytes``/``held_bytes`` now in the arena (live:
+    a tensor that died gave its block back), ``left``/``left_bytes`` kept in
+    torch's memory and ``left_reasons`` (reason -> count), ``refused`` (the
+    daemon said no), ``unpinned_bytes`` (chunks CUDA did not register), and
+    ``session_id`` (``memoffloadctl sessions``) or ``None`` without a daemon.
+    """
+
+    def __init__(self, runtime_dir: str, job_id: str, strict: bool, min_bytes: int) -> None:
+        self._runtime_dir = runtime_dir
+        self._job_id = job_id
+        self._strict = strict
+        self._min_bytes = min_bytes
+        self._store: Optional[Any] = None
+        self._attach_error: Optional[errors.Error] = None
+        self._warned: Set[str] = set()
+        self._left: Dict[str, List[int]] = {}  # reason -> [count, bytes]
+        self._decided: Set[int] = set()  # ids of state tensors already placed or left
+        self._hooks: List[Any] = []
+        try:
+            self._store = _C.HostStateStore(
+                runtime_dir=runtime_dir, job_id=job_id, rank=_env_int("RANK"),
+                local_rank=_env_int("LOCAL_RANK"),
+            )
+        except errors.Error as e:
+            if strict:
+                raise
+            self._attach_error = e
+            self._warn_once(
+                "attach",
+                f"place_state: no memoffloadd session ({e}); the model and optimizer state stay "
+                f"in torch's own memory",
+            )
+        logs.forward(_C)
+
+    # ---- placing ----
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            _log.warning("%s", message)
+
+    def _leave(self, reason: str, nbytes: int) -> None:
+        entry = self._left.setdefault(reason, [0, 0])
+        entry[0] += 1
+        entry[1] += nbytes
+
+    def _arena_copy(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+        """A copy of the plain CPU tensor ``t`` in the arena, or None (and why
+        is counted) when it stays where it is."""
+        nbytes = t.numel() * t.element_size()
+        if self._store is None:
+            self._leave("no daemon", nbytes)
+            return None
+        if nbytes < max(self._min_bytes, 1):
+            self._leave("under min_bytes", nbytes)
+            return None
+        try:
+            raw = self._store.empty(nbytes)
+        except errors.Error as e:
+            if self._strict:
+                raise
+            reason = "larger than a chunk" if "larger than a chunk" in e.message else e.code.name
+            self._leave(reason, nbytes)
+            self._warn_once(
+                reason,
+                f"place_state: a tensor of {nbytes} bytes stays in torch's memory: {e} "
+                f"(logged once per reason; stats() counts them)",
+            )
+            return None
+        out = raw.view(t.dtype).view(t.shape)
+        out.copy_(t)
+        return out
+
+    def _placeable(self, t: Any) -> bool:
+        return (isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                and t.layout == torch.strided and not t.is_quantized)
+
+    def _place_fsdp(self, model: torch.nn.Module) -> int:
+        params = list(_fsdp_params(model))
+        if not params:
+            return 0
+        if _torch_minor() not in TESTED_TORCH:
+            raise errors.FailedPrecondition(
+                f"place_state reads FSDP2 internals and was tested with torch "
+                f"{', '.join(TESTED_TORCH)}, not {torch.__version__}: refusing to patch them blindly "
+                f"(pass model=None to place the optimizer's state only)")
+        moved = 0
+        for fp in params:
+            missing = [f for f in _FSDP_PARAM_FIELDS if not hasattr(fp, f)]
+            if missing:
+                raise errors.FailedPrecondition(
+                    f"this torch's FSDPParam lacks {', '.join(missing)}: place_state cannot place "
+                    f"FSDP2's shards here")
+            if not fp.offload_to_cpu:
+                self._leave("FSDP2 without CPUOffloadPolicy", 0)
+                continue
+            data = fp._sharded_param_data
+            if not self._placeable(data):
+                continue
+            new = self._arena_copy(data)
+            if new is None:
+                continue
+            local = fp.sharded_param._local_tensor
+            dim = fp.fsdp_placement.dim
+            length = local.size(dim) if local.numel() > 0 else 0
+            fp._sharded_param_data = new
+            fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(
+                dim, 0, length)
+            moved += 1
+        return moved
+
+    def _place_value(self, v: torch.Tensor) -> Optional[torch.Tensor]:
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:
+            DTensor = None  # noqa: N806
+        if DTensor is not None and isinstance(v, DTensor):
+            local = v._local_tensor
+            if not self._placeable(local):
+                return None
+            new_local = self._arena_copy(local)
+            if new_local is None:
+                return None
+            return DTensor.from_local(new_local, v.device_mesh, v.placements, run_check=False,
+                                      shape=v.shape, stride=v.stride())
+        if not self._placeable(v):
+            return None
+        return self._arena_copy(v)
+
+    def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
+        """Moves the optimizer's CPU state tensors not moved (or left) yet;
+        returns how many moved. The step post-hook calls this."""
+        moved = 0
+        for state in optimizer.state.values():
+            for key, value in list(state.items()):
+                if not isinstance(value, torch.Tensor) or id(value) in self._decided:
+                    continue
+                new = self._place_value(value)
+                if new is None:
+                    self._decided.add(id(value))
+                    continue
+                state[key] = new
+                self._decided.add(id(new))
+                moved += 1
+        return moved
+
+    def _watch(self, optimizer: torch.optim.Optimizer) -> None:
+        this = weakref.ref(self)
+
+        def after_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
+            placement = this()
+            if placement is not None:
+                placement.place_optimizer_state(opt)
+
+        self._hooks.append(optimizer.register_step_post_hook(after_step))
+        self.place_optimizer_state(optimizer)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage (a DTensor's local tensor's) is in the arena,
+        placed by this placement and still alive."""
+        local = getattr(t, "_local_tensor", t)
+        if self._store is None or local.untyped_storage().nbytes() == 0:
+            return False
+        return bool(self._store.holds(local.untyped_storage().data_ptr()))
+
+    def remove(self) -> None:
+        """Stops placing new optimizer state; what is placed stays placed."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def stats(self) -> Dict[str, Any]:
+        native = self._store.stats() if self._store is not None else {}
+        return {
+            "tensors": native.get("tensors", 0),
+            "bytes": native.get("bytes", 0),
+            "held_bytes": native.get("held_bytes", 0),
+            "refused": native.get("refused", 0),
+            "unpinned_bytes": native.get("unpinned_bytes", 0),
+            "left": sum(c for c, _ in self._left.values()),
+            "left_bytes": sum(b for _, b in self._left.values()),
+            "left_reasons": {r: c for r, (c, _) in self._left.items()},
+            "session_id": native.get("session_id"),
+        }
+
+
+def place_state(
+    model: Optional[torch.nn.Module] = None,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    job_id: Optional[str] = None,
+    runtime_dir: Optional[str] = None,
+    strict: bool = False,
+    min_bytes: int = 64 * 1024,
+) -> StatePlacement:
+    """Moves ``model``'s FSDP2 CPU-offloaded shards and ``optimizer``'s CPU
+    state into the node arena (see the module's docstring), now and (for the
+    optimizer) after each step. Call it after ``fully_shard`` and after the
+    optimizer is made, before training. Keep the returned placement while you
+    want new optimizer state placed; the memory stays with the tensors.
+
+    ``job_id``/``runtime_dir`` as for :func:`memoffload.torch.offload`.
+    ``strict=True`` raises the daemon's error (``memoffload.Unavailable``,
+    ``ResourceExhausted``, ...) instead of leaving a tensor in torch's memory.
+    """
+    if min_bytes < 0:
+        raise errors.InvalidArgument(f"min_bytes must be >= 0, not {min_bytes}")
+    placement = StatePlacement(runtime_dir or "", _job_id_of(job_id), strict, min_bytes)
+    if model is not None:
+        placement._place_fsdp(model)
+    if optimizer is not None:
+        placement._watch(optimizer)
+    logs.forward(_C)
+    return placement

@@ -1,0 +1,72 @@
+#include "host_state.h"
+
+#include <string>
+#include <utility>
+
+#include "memoffload/client/log.h"
+
+namespace memoffload::torch {
+
+Result<std::shared_ptr<HostStateStore>> HostStateStore::Attach(const client::AttachOptions& options,
+                                                               bool use_cuda) {
+  std::shared_ptr<CopyEngine> engine;
+  if (use_cuda) {
+    Result<std::unique_ptr<CopyEngine>> cuda = MakeCudaCopyEngine();
+    if (cuda.ok()) engine = std::move(cuda).value();
+  }
+  Result<std::unique_ptr<client::Client>> attached = client::Client::Attach(options);
+  if (!attached.ok()) return attached.status();
+  // The chunks' CUDA registrations go before the mapping does (the last
+  // holder of the client is the last tensor's block, or the store).
+  std::shared_ptr<client::Client> client(std::move(attached).value().release(),
+                                         [engine](client::Client* c) {
+                                           if (engine != nullptr) engine->ForgetHostRanges(c);
+                                           delete c;
+                                         });
+  return std::shared_ptr<HostStateStore>(
+      new HostStateStore(std::make_shared<client::HostBlocks>(std::move(client)), engine));
+}
+
+HostStateStore::HostStateStore(std::shared_ptr<client::HostBlocks> blocks,
+                               std::shared_ptr<CopyEngine> engine)
+    : blocks_(std::move(blocks)), engine_(std::move(engine)) {}
+
+void HostStateStore::Prepare(uint32_t chunk) {
+  if (engine_ == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!prepared_.insert(chunk).second) return;
+  }
+  const client::Client& c = *blocks_->client();
+  const uint64_t size = c.chunk_size_bytes(chunk);
+  uint8_t* base = c.Address(Extent{chunk, 0, size});
+  if (base != nullptr) engine_->PrepareHostRange(&c, base, size);
+}
+
+uint64_t HostStateStore::unpinned_bytes() const {
+  return engine_ == nullptr ? 0 : engine_->UnpinnedHostBytes();
+}
+
+Result<at::Tensor> HostStateStore::Empty(uint64_t nbytes) {
+  Result<client::HostBlock> block = blocks_->Allocate(nbytes);
+  if (!block.ok()) return block.status();
+  Prepare(block->chunk);
+  std::shared_ptr<client::HostBlocks> blocks = blocks_;
+  const uint64_t group = block->group_id;
+  auto give_back = [blocks, group](void*) {
+    if (Status st = blocks->Free(group); !st.ok()) {
+      client::Log(client::LogLevel::kWarning, st.code(),
+                  "giving a state tensor's arena block back failed: " + st.message() +
+                      " (the daemon frees it when this process ends)");
+    }
+  };
+  try {
+    return at::from_blob(block->address, {static_cast<int64_t>(nbytes)}, give_back,
+                         at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  } catch (const std::exception& e) {
+    give_back(nullptr);
+    return Internal(std::string("wrapping an arena block as a tensor: ") + e.what());
+  }
+}
+
+}  // namespace memoffload::torch
