@@ -35,12 +35,13 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return local.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _shard(model: nn.Module, kind: str) -> nn.Module:
+def _shard(model: nn.Module, kind: str, device: str) -> nn.Module:
     if kind == "cpu":
         return model
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    policy = CPUOffloadPolicy(pin_memory=False)
+    # Pinned shards where there is a GPU to copy them to (FSDP2's default).
+    policy = CPUOffloadPolicy(pin_memory=device == "cuda")
     for layer in model.layers:
         fully_shard(layer, offload_policy=policy)
     fully_shard(model, offload_policy=policy)
@@ -66,16 +67,22 @@ def _states(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
 
 
 def run(rank: int, world_size: int, port: int, kinds: List[str], runtime_dir: str, bin_dir: str,
-        out_dir: str, job_id: str, steps: int, min_bytes: int) -> None:
+        out_dir: str, job_id: str, steps: int, min_bytes: int, device: str = "cpu") -> None:
+    """mp.spawn entry. ``device`` "cuda": NCCL, rank r on GPU r, FSDP2 only."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       LOCAL_RANK=str(rank), MEMOFFLOAD_JOB_ID=job_id)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world_size,
+                                device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         for kind in kinds:
             result: Dict[str, Any] = {"kind": kind, "rank": rank, "mismatches": []}
             try:
-                _train(rank, kind, runtime_dir, bin_dir, steps, min_bytes, result)
+                _train(rank, kind, runtime_dir, bin_dir, steps, min_bytes, result, device)
             finally:
                 Path(out_dir, f"{kind}-rank{rank}.json").write_text(json.dumps(result, default=str))
             dist.barrier()
@@ -84,14 +91,14 @@ def run(rank: int, world_size: int, port: int, kinds: List[str], runtime_dir: st
 
 
 def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min_bytes: int,
-           result: Dict[str, Any]) -> None:
+           result: Dict[str, Any], device: str) -> None:
     import memoffload.torch as mot
     from memoffload.torch import _state
 
     torch.manual_seed(0)
-    base = DecoderStack(layers=2, dim=128, heads=4)
-    model = _shard(copy.deepcopy(base), kind)
-    ref = _shard(base, kind)
+    base = DecoderStack(layers=2, dim=128, heads=4).to(device)
+    model = _shard(copy.deepcopy(base), kind, device)
+    ref = _shard(base, kind, device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
@@ -105,7 +112,7 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
     result["params_held_before"] = sum(placement.holds(p) for p in params)
     gen = torch.Generator().manual_seed(rank)
     for step in range(steps):
-        batch = tokens(batch=2, length=16).random_(0, 97, generator=gen)
+        batch = tokens(batch=2, length=16).random_(0, 97, generator=gen).to(device)
         losses = []
         for m, o, s in ((model, opt, sched), (ref, opt_ref, sched_ref)):
             o.zero_grad(set_to_none=True)
@@ -133,6 +140,10 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
     result["states_held"] = sum(placement.holds(t) for t in states)
     result["state_bytes"] = sum(t.numel() * t.element_size() for t in states)
     result["params_held"] = sum(placement.holds(p) for p in params)
+    # Placed shards a GPU copies from must be page-locked (CUDA-registered).
+    result["params_pinned"] = sum(p._local_tensor.is_pinned() for p in params
+                                  if placement.holds(p))
+    result["torch"] = torch.__version__
     result["final"] = placement.stats()
     result["status_committed"] = mot.daemon_status(runtime_dir)["committed_bytes"]
     dist.barrier()  # both ranks placed: one session each

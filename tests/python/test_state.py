@@ -108,6 +108,24 @@ def test_an_untested_torch_is_refused_not_patched(runs):
     assert "tested with torch" in msg and torch.__version__ in msg
 
 
+@pytest.mark.gpu
+def test_fsdp2_on_a_gpu_trains_the_same_from_registered_arena_shards(own_daemon, tmp_path):
+    """FSDP2 over NCCL with CPUOffloadPolicy(pin_memory=True), one rank: the
+    placed shards are CUDA-registered (is_pinned), training is bit-identical."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    job = f"state-gpu-{uuid.uuid4().hex[:8]}"
+    mp.spawn(state_worker.run,
+             args=(1, _free_port(), ["fsdp2"], own_daemon.runtime_dir, str(bin_dir()),
+                   str(tmp_path), job, STEPS, MIN_BYTES, "cuda"),
+             nprocs=1)
+    r = json.loads((tmp_path / "fsdp2-rank0.json").read_text())
+    assert r["mismatches"] == [], r["mismatches"][:10]
+    assert r["params_held"] == r["big_params"] > 0, r
+    assert r["params_pinned"] == r["params_held"], r
+    assert r["final"]["unpinned_bytes"] == 0, r["final"]
+
+
 # ---- in this process: a CPU optimizer's state, no FSDP ----
 
 
