@@ -116,6 +116,20 @@ uint64_t Append(RegionWriter& writer, const py::handle& obj) {
   }));
 }
 
+// Room for `nbytes` in the region, filled in place: (offset, a uint8 CPU
+// tensor over those bytes of the mapping). The tensor keeps the session (and
+// so the mapping) alive; writing it after the region is committed changes a
+// committed checkpoint, so callers stop writing at commit.
+py::tuple Place(RegionWriter& writer, uint64_t nbytes, uint64_t align) {
+  uint8_t* address = nullptr;
+  const uint64_t offset = Take(writer.Place(nbytes, align, &address));
+  std::shared_ptr<client::Client> keep = writer.client();
+  at::Tensor view = at::from_blob(
+      address, {static_cast<int64_t>(nbytes)}, [keep](void*) {},
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+  return py::make_tuple(offset, view);
+}
+
 void ReadInto(RegionReader& reader, uint64_t offset, const py::handle& obj) {
   Bytes bytes(obj);
   Check(WithoutGil([&] { return reader.Read(offset, bytes.data(), bytes.size()); }));
@@ -160,9 +174,15 @@ void BindRegions(py::module_& m) {
       .def("append", &Append, py::arg("data"),
            "Copies a contiguous CPU tensor's bytes (or a buffer's) to the end; returns the "
            "offset they start at.")
+      .def("place", &Place, py::arg("nbytes"), py::arg("align") = 64,
+           "Room for nbytes in one extent, filled in place: (offset, uint8 tensor over it).")
       .def(
-          "commit", [](RegionWriter& w) { return Take(WithoutGil([&] { return w.Commit(); })); },
-          "Makes the region visible; returns the bytes used.")
+          "commit",
+          [](RegionWriter& w, const std::string& rename_to) {
+            return Take(WithoutGil([&] { return w.Commit(rename_to); }));
+          },
+          py::arg("rename_to") = "",
+          "Makes the region visible (under rename_to when given); returns the bytes used.")
       .def("abort", [](RegionWriter& w) { Check(WithoutGil([&] { return w.Abort(); })); })
       .def_property_readonly("name", &RegionWriter::name)
       .def_property_readonly("size_bytes", &RegionWriter::size_bytes)

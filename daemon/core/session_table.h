@@ -161,10 +161,13 @@ class SessionTable {
                                      const std::string& name, uint64_t size_bytes,
                                      std::chrono::milliseconds ttl) ABSL_LOCKS_EXCLUDED(mu_);
   // By its writer: returns the unused tail (as Commit does) and makes the
-  // region visible to the job. Its TTL runs from now.
+  // region visible to the job. Its TTL runs from now. A non-empty
+  // `rename_to` commits it under that name (ALREADY_EXISTS when the job has
+  // a region of that name, changing nothing).
   Result<CommitResult> CommitRegion(uint64_t session_id, const std::string& token,
                                     const std::string& name, uint64_t used_bytes,
-                                    std::vector<uint32_t> extent_crc32c) ABSL_LOCKS_EXCLUDED(mu_);
+                                    std::vector<uint32_t> extent_crc32c,
+                                    const std::string& rename_to = "") ABSL_LOCKS_EXCLUDED(mu_);
   // A committed region of the job, for reading: its extents stay the
   // region's (not freed, even when deleted) until CloseRegion or the end of
   // the reading session.

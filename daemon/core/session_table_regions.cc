@@ -202,7 +202,8 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
 
 Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::string& token,
                                                 const std::string& name, uint64_t used_bytes,
-                                                std::vector<uint32_t> extent_crc32c) {
+                                                std::vector<uint32_t> extent_crc32c,
+                                                const std::string& rename_to) {
   absl::ReleasableMutexLock lock(&mu_);
   Result<OwnRegion> own = FindOwnRegion(session_id, token, name);
   if (!own.ok()) return own.status();
@@ -228,6 +229,17 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
                            " checksums; the used bytes span " + std::to_string(touched) +
                            " extents");
   }
+  if (!rename_to.empty() && rename_to != name) {
+    MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(rename_to));
+    if (auto it = own->job->by_name.find(rename_to); it != own->job->by_name.end()) {
+      return Status(StatusCode::kAlreadyExists,
+                    "cannot commit region " + name + " as " + rename_to + ": job " +
+                        own->session->hello.job_id + " has a region of that name (" +
+                        (it->second.deleted ? "deleted, still open by a reader"
+                                            : RegionStateName(it->second.state)) +
+                        "); nothing was committed");
+    }
+  }
   Result<std::vector<Extent>> kept = arena_->allocator().Trim(r.extents, used_bytes);
   if (!kept.ok()) return Internal("trimming region: " + kept.status().message());
   uint64_t kept_bytes = 0;
@@ -248,6 +260,12 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   r.writer = 0;
   r.expires_at = Clock::now() + r.ttl;
   r.committed_unix = UnixNow();
+  if (!rename_to.empty() && rename_to != name) {
+    auto node = own->job->by_name.extract(name);
+    node.key() = rename_to;
+    node.mapped().name = rename_to;
+    own->job->by_name.insert(std::move(node));
+  }
   Completions done;
   if (returned != 0) DispatchWaiters(&done);
   lock.Release();

@@ -63,7 +63,7 @@ grpc::Status OffloadService::CommitRegion(grpc::ServerContext*, const v1::Commit
   if (st.ok()) {
     Result<CommitResult> r = table_->CommitRegion(
         req->session().session_id(), req->session().session_token(), req->name(), req->used_bytes(),
-        {req->extent_crc32c().begin(), req->extent_crc32c().end()});
+        {req->extent_crc32c().begin(), req->extent_crc32c().end()}, req->rename_to());
     if (r.ok()) {
       resp->set_committed_bytes(r->committed_bytes);
       resp->set_returned_bytes(r->returned_bytes);

@@ -28,9 +28,11 @@ Result<Reservation> Client::CreateRegion(const std::string& name, uint64_t size_
 }
 
 Result<CommitInfo> Client::CommitRegion(const std::string& name, uint64_t used_bytes,
-                                        const std::vector<uint32_t>& extent_crc32c) {
+                                        const std::vector<uint32_t>& extent_crc32c,
+                                        const std::string& rename_to) {
   v1::CommitRegionRequest req;
   req.set_name(name);
+  req.set_rename_to(rename_to);
   req.set_used_bytes(used_bytes);
   for (uint32_t crc : extent_crc32c) req.add_extent_crc32c(crc);
   v1::CommitRegionResponse resp;

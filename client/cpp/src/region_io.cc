@@ -66,17 +66,51 @@ Result<uint64_t> RegionWriter::AppendFrom(const uint8_t* src, uint64_t size_byte
   return at;
 }
 
-Result<uint64_t> RegionWriter::Commit() {
+Result<uint64_t> RegionWriter::Place(uint64_t size_bytes, uint64_t align, uint8_t** address) {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckOpen());
+  if (size_bytes == 0 || align == 0 || (align & (align - 1)) != 0) {
+    return InvalidArgument("Place needs a positive size and a power-of-two alignment");
+  }
+  uint64_t start = 0;  // of extent i in the region's byte stream
+  for (const Extent& e : reservation_.extents) {
+    const uint64_t end = start + e.length;
+    if (written_ < end) {
+      // Extents start page-aligned, so aligning the offset in the extent
+      // aligns the address.
+      const uint64_t from = std::max(written_, start);
+      const uint64_t at = start + ((from - start + align - 1) & ~(align - 1));
+      if (at + size_bytes <= end) {
+        *address = client_->Address(Extent{e.chunk, e.offset + (at - start), size_bytes});
+        if (*address == nullptr) return NotMapped(e.chunk);
+        placed_ = true;
+        written_ = at + size_bytes;
+        return at;
+      }
+    }
+    start = end;
+  }
+  return Status(StatusCode::kOutOfRange,
+                "placing " + std::to_string(size_bytes) + " contiguous bytes in region " + name_ +
+                    ": no extent has room left (" + std::to_string(written_) + " of " +
+                    std::to_string(reservation_.reserved_bytes) + " bytes written)");
+}
+
+Result<uint64_t> RegionWriter::Commit(const std::string& rename_to) {
   MEMOFFLOAD_RETURN_IF_ERROR(CheckOpen());
   std::vector<uint32_t> crcs;
-  if (checksums_) {
+  if (checksums_ && placed_) {
+    Result<std::vector<uint32_t>> from_mapping =
+        client_->ExtentChecksums(reservation_.extents, written_);
+    if (!from_mapping.ok()) return from_mapping.status();
+    crcs = std::move(from_mapping).value();
+  } else if (checksums_) {
     size_t touched = 0;
     for (uint64_t pos = 0; touched < reservation_.extents.size() && pos < written_; ++touched) {
       pos += reservation_.extents[touched].length;
     }
     crcs.assign(crc_.begin(), crc_.begin() + static_cast<ptrdiff_t>(touched));
   }
-  Result<CommitInfo> r = client_->CommitRegion(name_, written_, crcs);
+  Result<CommitInfo> r = client_->CommitRegion(name_, written_, crcs, rename_to);
   if (!r.ok()) return r.status();
   state_ = State::kCommitted;
   return written_;

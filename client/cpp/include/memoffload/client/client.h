@@ -124,8 +124,11 @@ class Client {
   // Regions do not survive a daemon restart.
   Result<Reservation> CreateRegion(const std::string& name, uint64_t size_bytes,
                                    double ttl_seconds = 0);
+  // `rename_to` (non-empty): commit it under that name (ALREADY_EXISTS if the
+  // job has one).
   Result<CommitInfo> CommitRegion(const std::string& name, uint64_t used_bytes,
-                                  const std::vector<uint32_t>& extent_crc32c = {});
+                                  const std::vector<uint32_t>& extent_crc32c = {},
+                                  const std::string& rename_to = "");
   Result<Placement> OpenRegion(const std::string& name, bool verify = true);
   Status CloseRegion(const std::string& name);
   // Bytes freed (0 while another session still has it open).

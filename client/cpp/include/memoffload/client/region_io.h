@@ -59,13 +59,24 @@ class RegionWriter {
   Result<uint64_t> Append(const void* data, uint64_t size_bytes);
   // The same for `size_bytes` bytes that `copy` brings in.
   Result<uint64_t> Append(uint64_t size_bytes, const DeviceCopy& copy);
-  // Makes the region visible to the job (with the extents' checksums);
-  // returns the bytes written. FAILED_PRECONDITION once committed or aborted.
-  Result<uint64_t> Commit();
+  // Room for `size_bytes` bytes (> 0) filled in place by the caller: the
+  // next offset aligned to `align` (a power of two) where they fit in one
+  // extent (contiguous), skipping what is left of the current extent if they
+  // do not. Sets *address to their first byte in this process's mapping and
+  // returns their offset; the skipped bytes count as written. OUT_OF_RANGE
+  // when no extent left has room; FAILED_PRECONDITION once committed or
+  // aborted. A writer that placed anything computes its checksums at Commit,
+  // from the mapping.
+  Result<uint64_t> Place(uint64_t size_bytes, uint64_t align, uint8_t** address);
+  // Makes the region visible to the job (with the extents' checksums),
+  // under `rename_to` when that is not empty; returns the bytes written.
+  // FAILED_PRECONDITION once committed or aborted.
+  Result<uint64_t> Commit(const std::string& rename_to = "");
   // Deletes the uncommitted region; nothing once committed or aborted.
   Status Abort();
 
   const std::string& name() const { return name_; }
+  const std::shared_ptr<Client>& client() const { return client_; }
   uint64_t size_bytes() const { return reservation_.reserved_bytes; }
   uint64_t written() const { return written_; }
 
@@ -84,6 +95,7 @@ class RegionWriter {
   const bool checksums_;
   uint64_t written_ = 0;
   std::vector<uint32_t> crc_;  // running CRC32C per extent
+  bool placed_ = false;        // Place was used: checksums come from the mapping
   State state_ = State::kOpen;
 };
 
