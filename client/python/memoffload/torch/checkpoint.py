@@ -39,98 +39,44 @@ import logging
 import os
 import pickle
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
-    FileSystemReader,
     FileSystemWriter,
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
     SavePlan,
     SavePlanner,
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import errors, logs
+from . import _checkpoint_stage as _stage
 from . import _checkpoint_store as _store
 from . import _trusted_files
 from ._checkpoint_store import latest_checkpoint
 
 __all__ = ["MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]
 
-DAEMON = "daemon"
-FILESYSTEM = "filesystem"
-
-
-@dataclass(frozen=True)
-class _RegionItem:
-    """Where one item of a daemon checkpoint is (Metadata.storage_data).
-    ``dtype`` and ``shape`` describe a tensor item's raw bytes; both are None
-    for a BYTE_IO item."""
-
-    region: str
-    offset: int
-    length: int
-    dtype: Optional[torch.dtype] = None
-    shape: Optional[Tuple[int, ...]] = None
-
-
-@dataclass(frozen=True)
-class _RankMode:
-    """A rank's local SavePlan.storage_data: could it reach the daemon."""
-
-    rank: int
-    daemon: bool
-    reason: str
-    runtime_dir: str
-
-
-@dataclass(frozen=True)
-class _RegionPlan:
-    """The coordinator's answer when every rank reached the daemon."""
-
-    region: str
-
-
-@dataclass(frozen=True)
-class _FallbackPlan:
-    """The coordinator's answer when some rank did not: the prefix DCP's
-    FileSystemWriter would give this rank, and why."""
-
-    prefix: _StoragePrefix
-    runtime_dir: str
-    reason: str
-
-
-def _rank_of(rank: Optional[int]) -> int:
-    if rank is not None:
-        return int(rank)
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _warn_fallback(what: str, why: str, path: str) -> None:
-    # The "memoffload" logger; with no handler configured Python's last-resort
-    # handler prints WARNING records on stderr.
-    logs.log(logging.WARNING, f"checkpoint {what} falls back to the filesystem: {why}; using {path}",
-             errors.StatusCode.UNAVAILABLE)
-
-
-def _unreachable(runtime_dir: str, reason: str) -> str:
-    return f"no memoffload daemon reachable at {runtime_dir} ({reason})"
-
+from ._checkpoint_items import (  # noqa: F401 - _RegionItem: the name .metadata pickles
+    DAEMON,
+    FILESYSTEM,
+    _FallbackPlan,
+    _rank_of,
+    _RankMode,
+    _RegionItem,
+    _RegionPlan,
+    _unreachable,
+    _warn_fallback,
+)
+from ._checkpoint_reader import MemoffloadReader
 
 class MemoffloadWriter(StorageWriter):
     """A DCP StorageWriter into the node daemon's regions, with a visible
@@ -148,7 +94,16 @@ class MemoffloadWriter(StorageWriter):
     checkpoint id comes from ``dcp.save(checkpoint_id=...)`` or the
     constructor; use a new one per save (e.g. ``f"step-{step}"``).
     Needs ``use_collectives=True`` (DCP's default).
+
+    It is also the ``AsyncStager`` that ``dcp.async_save(state, storage_writer=
+    writer, ...)`` uses: the staged copy is written straight into a region that
+    becomes the checkpoint (``_checkpoint_stage``), with
+    ``AsyncCheckpointerType.THREAD`` (the default) only. ``close()`` after the
+    last save.
     """
+
+    # AsyncStager: stage() copies before it returns.
+    _synchronize_after_execute = False
 
     def __init__(
         self,
@@ -189,6 +144,60 @@ class MemoffloadWriter(StorageWriter):
         self._fs: Optional[FileSystemWriter] = None
         # Test hook: called with (region name, bytes written) after each append.
         self._after_append: Optional[Callable[[str, int], None]] = None
+        # async_save: the staged region of the save to come, and its session.
+        self._staged: Optional[_stage.Staged] = None
+        self._stage_store: Optional[Any] = None
+        self.last_staged: Dict[str, int] = {}
+
+    # -- AsyncStager (dcp.async_save) -------------------------------------------
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return self._synchronize_after_execute
+
+    def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """A copy of ``state_dict`` in a new region of the daemon (staged, to
+        become the checkpoint at the save), or, without a daemon, in torch's
+        memory (the save then takes its usual path)."""
+        self._drop_staged()
+        rank = _rank_of(None)
+        if self._stage_store is None:
+            self._stage_store, reason = _store.attach(
+                self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
+            if self._stage_store is None:
+                logs.log(logging.WARNING,
+                         "async checkpoint staging: "
+                         f"{_unreachable(_store.runtime_dir_of(self.runtime_dir), reason)}; the "
+                         "staged copy is in torch's memory and the save takes its usual path",
+                         errors.StatusCode.UNAVAILABLE)
+                return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
+        staged_dict, self._staged = _stage.stage(self._stage_store, state_dict, rank,
+                                                 self.ttl_seconds)
+        s = self._staged
+        self.last_staged = ({"tensors": s.tensors, "bytes": s.bytes, "outside": s.outside}
+                            if s is not None else {})
+        return staged_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: stage() copies before it returns."""
+
+    def close(self) -> None:
+        """Aborts a staged region that was never saved and lets go of the
+        staging session."""
+        self._drop_staged()
+        if self._stage_store is not None:
+            self._stage_store.close()
+            self._stage_store = None
+
+    def _drop_staged(self) -> None:
+        if self._staged is not None:
+            self._staged.writer.abort()
+            self._staged = None
+
+    def __reduce__(self) -> Any:
+        raise TypeError("MemoffloadWriter holds this process's daemon session and cannot be sent "
+                        "to another process: use dcp.async_save with "
+                        "AsyncCheckpointerType.THREAD (the default)")
 
     # -- StorageWriter --------------------------------------------------------
 
@@ -254,11 +263,22 @@ class MemoffloadWriter(StorageWriter):
             self._fs.fs.mkdir(path)
             if self._is_coordinator:
                 _store.write_marker(path, self.job_id)
-            return self._fs.write_data(dataclasses.replace(plan, storage_data=target.prefix), planner)
+            fs_fut = self._fs.write_data(dataclasses.replace(plan, storage_data=target.prefix), planner)
+            self._drop_staged()  # written from the staged tensors; the region is not needed
+            return fs_fut
         if not isinstance(target, _RegionPlan) or self._region_store is None:
             raise RuntimeError(f"MemoffloadWriter: unexpected plan storage_data {target!r}")
         self.last_mode = DAEMON
         fut: Future[List[WriteResult]] = Future()
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            try:
+                fut.set_result(_stage.write(staged, plan.items, planner, target.region,
+                                            lambda region, items: self._write_region(region, items, planner)))
+            except BaseException:
+                staged.writer.abort()
+                raise
+            return fut
         fut.set_result(self._write_region(target.region, plan.items, planner))
         return fut
 
@@ -343,165 +363,3 @@ class MemoffloadWriter(StorageWriter):
             writer.abort()
             raise
         return offsets
-
-
-class MemoffloadReader(StorageReader):
-    """A DCP StorageReader of checkpoints written by :class:`MemoffloadWriter`:
-    from the daemon's regions when the checkpoint is there, else (with one
-    warning) from ``<fallback_dir>/<id>``. ``verify``: check the CRC32C of
-    each checksummed region, as its items are copied out (memoffload.DataLoss
-    on a mismatch; the load then fails, and the state dict may hold part of
-    the bad checkpoint). Other arguments as for the writer."""
-
-    def __init__(
-        self,
-        checkpoint_id: Optional[str] = None,
-        *,
-        job_id: Optional[str] = None,
-        runtime_dir: str = "",
-        fallback_dir: Optional[str] = None,
-        verify: bool = True,
-        rpc_timeout_ms: int = 30000,
-    ) -> None:
-        super().__init__()
-        self.job_id = _store.job_id_of(job_id)
-        self.runtime_dir = runtime_dir or ""
-        self.fallback_dir = _store.fallback_dir_of(fallback_dir, self.job_id)
-        self.verify = verify
-        self.rpc_timeout_ms = rpc_timeout_ms
-        self.checkpoint_id: Optional[str] = (
-            None if checkpoint_id is None else _store.checked_checkpoint_id(checkpoint_id))
-        self.load_id = str(uuid.uuid4())
-        self.storage_data: Dict[Any, Any] = {}
-        self.last_mode = ""
-        self._region_store: Optional[Any] = None
-        self._fs: Optional[FileSystemReader] = None
-
-    def reset(self, checkpoint_id: Any = None) -> None:
-        if checkpoint_id:
-            self.checkpoint_id = _store.checked_checkpoint_id(checkpoint_id)
-        self.load_id = str(uuid.uuid4())
-        self.storage_data = {}
-        self.last_mode = ""
-        self._fs = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _store.checkpoint_id_problem(checkpoint_id) is None
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:
-            raise FileNotFoundError("memoffload checkpoints have one global .metadata, no per-rank one")
-        if self.checkpoint_id is None:
-            raise ValueError("MemoffloadReader needs a checkpoint id: dcp.load(..., checkpoint_id=...) "
-                             "(latest_checkpoint() names the newest)")
-        runtime_dir = _store.runtime_dir_of(self.runtime_dir)
-        store, reason = _store.attach(self.runtime_dir, self.job_id, _rank_of(None), True,
-                                      self.rpc_timeout_ms)
-        if store is not None:
-            name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)
-            try:
-                reader = store.open(name, self.verify)
-            except errors.Unavailable as exc:
-                _store.forget(store)
-                why = _unreachable(runtime_dir, str(exc))
-            except errors.NotFound:
-                why = f"the memoffload daemon at {runtime_dir} has no checkpoint {self.checkpoint_id!r} " \
-                      f"of job {self.job_id!r}"
-            else:
-                try:
-                    metadata = pickle.loads(reader.read_bytes(0, reader.size_bytes))
-                finally:
-                    reader.close()
-                self._region_store = store
-                self.last_mode = DAEMON
-                return self._stamped(metadata)
-        else:
-            why = _unreachable(runtime_dir, reason)
-        path = os.path.join(self.fallback_dir, self.checkpoint_id)
-        if not os.path.exists(os.path.join(path, _store.METADATA_NAME)):
-            raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {path} "
-                                    f"has no {_store.METADATA_NAME}")
-        _trusted_files.check_checkpoint(self.fallback_dir, path)  # before a byte is unpickled
-        _warn_fallback("load", why, path)
-        self._fs = FileSystemReader(path)
-        self.last_mode = FILESYSTEM
-        return self._stamped(self._fs.read_metadata())
-
-    def _stamped(self, metadata: Metadata) -> Metadata:
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
-        if self._fs is not None:
-            self._fs.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-            return
-        if metadata.storage_data is None:
-            raise AssertionError("storage_data must not be None in metadata")
-        self.storage_data = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return dataclasses.replace(plan, storage_data=(_rank_of(None), self.last_mode))
-
-    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        modes = {mode for _, mode in (p.storage_data for p in plans)}
-        if len(modes) > 1:
-            where = ", ".join(f"rank {r}: {m}" for r, m in (p.storage_data for p in plans))
-            raise RuntimeError(
-                f"checkpoint {self.checkpoint_id!r}: the ranks read it from different places ({where})")
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        if self._fs is not None:
-            return self._fs.read_data(plan, planner)
-        assert self._region_store is not None
-        readers: Dict[str, Any] = {}
-        try:
-            for req in plan.items:
-                info: _RegionItem = self.storage_data[req.storage_index]
-                reader = readers.get(info.region)
-                if reader is None and info.length:
-                    # Checksums are checked as the items are copied out (in
-                    # region order, the order they were written), and what
-                    # no read covered, at the end: one pass over the bytes.
-                    reader = readers[info.region] = self._region_store.open(
-                        info.region, self.verify, verify_as_read=True)
-                if req.type == LoadItemType.BYTE_IO:
-                    blob = reader.read_bytes(info.offset, info.length) if info.length else b""
-                    planner.load_bytes(req, io.BytesIO(blob))
-                    continue
-                target = planner.resolve_tensor(req).detach()
-                _read_tensor(reader, info, req.storage_offsets, req.lengths, target, req.storage_index)
-                planner.commit_tensor(req, target)
-            for reader in readers.values():
-                reader.verify_rest()
-        finally:
-            for reader in readers.values():
-                reader.close()
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
-
-
-def _read_tensor(reader: Any, info: _RegionItem, offsets: Any, lengths: Any,
-                 target: torch.Tensor, index: Any) -> None:
-    """Copies the stored chunk, narrowed to ``offsets``/``lengths`` as
-    FileSystemReader narrows it, into ``target``: straight from the region
-    when the whole chunk is wanted in a matching CPU tensor."""
-    assert info.dtype is not None and info.shape is not None
-    whole = all(o == 0 for o in offsets) and tuple(lengths) == info.shape
-    if (whole and target.device.type == "cpu" and target.dtype == info.dtype
-            and tuple(target.shape) == info.shape and target.is_contiguous()):
-        if info.length:
-            reader.read_into(info.offset, target)
-        return
-    chunk = torch.empty(info.shape, dtype=info.dtype)
-    if info.length:
-        reader.read_into(info.offset, chunk)
-    chunk = narrow_tensor_by_index(chunk, offsets, lengths)
-    if target.size() != chunk.size():
-        raise AssertionError(f"req {index} mismatch sizes {target.size()} vs {chunk.size()}")
-    target.copy_(chunk)

@@ -1,0 +1,82 @@
+"""The plan and metadata records of :mod:`memoffload.torch.checkpoint` and the
+helpers its writer and reader share.
+
+``_RegionItem`` is pickled into every daemon checkpoint's ``.metadata`` under
+the name ``memoffload.torch.checkpoint._RegionItem`` (where it was defined
+first, and which re-exports it), so checkpoints saved before and after it
+moved here read the same."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import _StoragePrefix
+
+from .. import errors, logs
+
+DAEMON = "daemon"
+FILESYSTEM = "filesystem"
+
+
+@dataclass(frozen=True)
+class _RegionItem:
+    """Where one item of a daemon checkpoint is (Metadata.storage_data).
+    ``dtype`` and ``shape`` describe a tensor item's raw bytes; both are None
+    for a BYTE_IO item."""
+
+    region: str
+    offset: int
+    length: int
+    dtype: Optional[torch.dtype] = None
+    shape: Optional[Tuple[int, ...]] = None
+
+
+@dataclass(frozen=True)
+class _RankMode:
+    """A rank's local SavePlan.storage_data: could it reach the daemon."""
+
+    rank: int
+    daemon: bool
+    reason: str
+    runtime_dir: str
+
+
+@dataclass(frozen=True)
+class _RegionPlan:
+    """The coordinator's answer when every rank reached the daemon."""
+
+    region: str
+
+
+@dataclass(frozen=True)
+class _FallbackPlan:
+    """The coordinator's answer when some rank did not: the prefix DCP's
+    FileSystemWriter would give this rank, and why."""
+
+    prefix: _StoragePrefix
+    runtime_dir: str
+    reason: str
+
+
+def _rank_of(rank: Optional[int]) -> int:
+    if rank is not None:
+        return int(rank)
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _warn_fallback(what: str, why: str, path: str) -> None:
+    # The "memoffload" logger; with no handler configured Python's last-resort
+    # handler prints WARNING records on stderr.
+    logs.log(logging.WARNING, f"checkpoint {what} falls back to the filesystem: {why}; using {path}",
+             errors.StatusCode.UNAVAILABLE)
+
+
+def _unreachable(runtime_dir: str, reason: str) -> str:
+    return f"no memoffload daemon reachable at {runtime_dir} ({reason})"
+
+
+_RegionItem.__module__ = "memoffload.torch.checkpoint"

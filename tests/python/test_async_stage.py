@@ -1,0 +1,163 @@
+"""``dcp.async_save`` with MemoffloadWriter as its own AsyncStager: the
+staged copy lands in a region that becomes the checkpoint (no second copy,
+no staging buffer of torch's), against a real daemon.
+
+In this process: the staged copy is taken when async_save returns (training
+may change the tensors from then on), the checkpoint is what was staged, bit
+for bit, and holds one copy of the state; no staging region is left behind,
+nor after a staged state that is never saved; without a daemon the staged
+copy is torch's and the save falls back as it always did. In a process of
+its own: a save SIGKILLed half-way leaves no complete checkpoint. Real FSDP2
+(gloo, world size 2, stage_worker.py): sharded model and optimizer state
+saved asynchronously while training goes on, loaded back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+import memoffload.torch as mot
+import stage_worker
+from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter, latest_checkpoint
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+
+
+def _regions(runtime_dir: str, job: str):
+    store = mot._C.RegionStore(runtime_dir, job)
+    try:
+        return {r["name"]: r for r in store.list("")}
+    finally:
+        store.close()
+
+
+def test_the_staged_copy_is_the_checkpoint(daemon):
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    model = _model()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    writer = MemoffloadWriter(job_id=job, runtime_dir=daemon.runtime_dir)
+    fut = dcp.async_save({"model": model.state_dict(), "step": 3}, storage_writer=writer,
+                         checkpoint_id="step-3")
+    # The copy is taken: training may change the tensors now.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    fut.result()
+    state_bytes = sum(v.numel() * v.element_size() for v in saved.values())
+    assert writer.last_staged == {"tensors": len(saved), "bytes": state_bytes, "outside": 0}
+    assert writer.last_mode == "daemon"
+    writer.close()
+    regions = _regions(daemon.runtime_dir, job)
+    assert sorted(regions) == ["dcp/step-3/.metadata", "dcp/step-3/__0_0.distcp",
+                               "dcp/step-3/__0_1.distcp"], sorted(regions)
+    # One copy of the state: the staged region is the checkpoint's data.
+    data = regions["dcp/step-3/__0_0.distcp"]
+    assert state_bytes <= data["size_bytes"] < state_bytes + len(saved) * 64 + 4096, data
+    assert latest_checkpoint(job_id=job, runtime_dir=daemon.runtime_dir) == "step-3"
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, storage_reader=MemoffloadReader(job_id=job, runtime_dir=daemon.runtime_dir),
+             checkpoint_id="step-3")
+    for key, value in state["model"].items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_a_staged_state_never_saved_leaves_nothing(daemon):
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    writer = MemoffloadWriter(job_id=job, runtime_dir=daemon.runtime_dir)
+    before = daemon.status()["used_bytes"]
+    writer.stage({"model": _model().state_dict()})
+    assert daemon.status()["used_bytes"] > before
+    writer.stage({"model": _model().state_dict()})  # the first staged region is aborted
+    writer.close()
+    assert daemon.status()["used_bytes"] == before
+    assert _regions(daemon.runtime_dir, job) == {}
+
+
+def test_without_a_daemon_staging_and_saving_fall_back(tmp_path, caplog):
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    missing = tmp_path / "none"
+    missing.mkdir(mode=0o700)
+    model = _model()
+    writer = MemoffloadWriter(job_id="fallback", runtime_dir=str(missing),
+                              fallback_dir=str(tmp_path / "ckpt"))
+    dcp.async_save({"model": model.state_dict()}, storage_writer=writer,
+                   checkpoint_id="step-1").result()
+    writer.close()
+    assert writer.last_mode == "filesystem"
+    assert any("async checkpoint staging" in r.getMessage() for r in caplog.records)
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 256))
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, storage_reader=MemoffloadReader(job_id="fallback", runtime_dir=str(missing),
+                                                    fallback_dir=str(tmp_path / "ckpt")),
+             checkpoint_id="step-1")
+    for key, value in model.state_dict().items():
+        assert torch.equal(state["model"][key], value), key
+
+
+KILLED = """
+import os, signal, sys, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed.checkpoint as dcp
+from memoffload.torch.checkpoint import MemoffloadWriter
+torch.manual_seed(0)
+model = torch.nn.Linear(512, 512)
+writer = MemoffloadWriter(job_id=sys.argv[2], runtime_dir=sys.argv[1])
+dcp.async_save({"model": model.state_dict()}, storage_writer=writer, checkpoint_id="good").result()
+def die(region, written):
+    os.kill(os.getpid(), signal.SIGKILL)   # half-way: data staged and committed, no .metadata
+writer._after_append = die
+dcp.async_save({"model": model.state_dict(), "step": 1}, storage_writer=writer,
+               checkpoint_id="killed").result()
+"""
+
+
+def test_a_save_killed_half_way_leaves_no_complete_checkpoint(daemon):
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.run([sys.executable, "-c", KILLED, daemon.runtime_dir, job], timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert latest_checkpoint(job_id=job, runtime_dir=daemon.runtime_dir) == "good"
+    names = sorted(_regions(daemon.runtime_dir, job))
+    assert "dcp/killed/.metadata" not in names, names
+    assert not any(n.startswith("staging/") for n in names), names
+    # The next save collects what the dead one left.
+    writer = MemoffloadWriter(job_id=job, runtime_dir=daemon.runtime_dir)
+    dcp.async_save({"model": _model().state_dict()}, storage_writer=writer,
+                   checkpoint_id="next").result()
+    writer.close()
+    assert "killed" in writer.last_collected
+    assert not any(n.startswith("dcp/killed/") for n in _regions(daemon.runtime_dir, job))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_fsdp2_async_save_while_training_loads_back_bit_for_bit(daemon, tmp_path):
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    mp.spawn(stage_worker.run, args=(2, _free_port(), daemon.runtime_dir, str(tmp_path), job),
+             nprocs=2)
+    for rank in range(2):
+        r = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert r["mismatches"] == [], r
+        assert r["mode"] == "daemon", r
+        assert r["staged"]["tensors"] > 0 and r["staged"]["outside"] == 0, r
