@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -43,12 +44,13 @@ import memoffload.torch as mot
 from memoffload.torch import _Counters, _make_pack, _ParamSkip, _unpack  # noqa: E402
 
 
-def start_daemon(tmp: str, arena: str = "512MiB", chunk: str = "128MiB") -> subprocess.Popen:
+def start_daemon(tmp: str, arena: str = "512MiB", chunk: str = "128MiB",
+                 extra: Sequence[str] = ()) -> subprocess.Popen:
     """memoffloadd of $MEMOFFLOAD_BIN_DIR (default build/bin) in `tmp`, once it answers."""
     exe = os.path.join(os.environ.get("MEMOFFLOAD_BIN_DIR", os.path.join(REPO, "build", "bin")), "memoffloadd")
     proc = subprocess.Popen(
         [exe, f"--runtime-dir={tmp}", f"--arena-size={arena}", f"--chunk-size={chunk}",
-         "--metrics-address=none", "--log-level=warn"])
+         "--metrics-address=none", "--log-level=warn", *extra])
     for _ in range(200):
         try:
             mot.daemon_status(tmp)

@@ -161,3 +161,33 @@ def test_fsdp2_async_save_while_training_loads_back_bit_for_bit(daemon, tmp_path
         assert r["mismatches"] == [], r
         assert r["mode"] == "daemon", r
         assert r["staged"]["tensors"] > 0 and r["staged"]["outside"] == 0, r
+
+
+def test_a_region_limit_at_staging_is_said_and_the_save_fails_clearly(tmp_path, caplog):
+    """The staged copy falls back to torch's memory with one warning naming
+    the limit; the save itself then meets the same limit and its future
+    raises the daemon's error (as a synchronous save would): nothing is
+    half-written, training can go on."""
+    import memoffload
+    from conftest import Daemon
+
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    d = Daemon(rt, "64MiB", "16MiB", ["--regions-job-max-bytes=256KiB"]).start()
+    try:
+        writer = MemoffloadWriter(job_id="limited", runtime_dir=d.runtime_dir)
+        fut = dcp.async_save({"model": _model().state_dict()}, storage_writer=writer,
+                             checkpoint_id="step-1")
+        with pytest.raises(BaseException) as raised:  # DCP's CheckpointException
+            fut.result()
+        writer.close()
+        assert "regions.job_max_bytes" in str(raised.value), raised.value
+        staging = [r.getMessage() for r in caplog.records
+                   if "staging into the daemon failed" in r.getMessage()]
+        assert len(staging) == 1 and "regions.job_max_bytes" in staging[0], staging
+        assert latest_checkpoint(job_id="limited", runtime_dir=d.runtime_dir) is None
+        assert d.status()["used_bytes"] == 0
+        assert isinstance(memoffload.ResourceExhausted("x"), memoffload.Error)
+    finally:
+        d.stop()

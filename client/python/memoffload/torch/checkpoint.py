@@ -171,8 +171,15 @@ class MemoffloadWriter(StorageWriter):
                          "staged copy is in torch's memory and the save takes its usual path",
                          errors.StatusCode.UNAVAILABLE)
                 return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
-        staged_dict, self._staged = _stage.stage(self._stage_store, state_dict, rank,
-                                                 self.ttl_seconds)
+        try:
+            staged_dict, self._staged = _stage.stage(self._stage_store, state_dict, rank,
+                                                     self.ttl_seconds)
+        except errors.Error as e:  # a region limit, the daemon going away
+            logs.log(logging.WARNING,
+                     f"async checkpoint staging into the daemon failed ({e}); the staged copy is "
+                     "in torch's memory and the save takes its usual path", e.code)
+            self.last_staged = {}
+            return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
         s = self._staged
         self.last_staged = ({"tensors": s.tensors, "bytes": s.bytes, "outside": s.outside}
                             if s is not None else {})
