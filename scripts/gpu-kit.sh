@@ -73,7 +73,7 @@ cp client/torch/*.cc client/torch/*.h "$stage/src/torch/"
 cp client/torch/src/*.cc client/torch/src/*.h "$stage/src/torch/src/"
 cp -r client/python/memoffload "$stage/python/"
 cp -r tests/python "$stage/tests/"
-cp bench/gpu_bench.py bench/torch_bench.py "$stage/bench/"
+cp bench/gpu_bench.py bench/torch_bench.py bench/async_save_bench.py "$stage/bench/"
 cp scripts/gpu-kit/run.sh scripts/gpu-kit/build_c.py scripts/gpu-kit/summarize.py "$stage/"
 find "$stage" \( -name __pycache__ -o -name '_C*.so' -o -name '*.pyc' \) -prune -exec rm -rf {} +
 {

@@ -224,6 +224,12 @@ bench() {
   local rc=0 mode=()
   "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' || mode=(--cpu-smoke)
   "$PY" "$KIT/bench/gpu_bench.py" --runtime-dir "$scratch/rt" "${mode[@]}" | tee -a "$RESULTS" || rc=1
+  # dcp.async_save of a CUDA state: staged into the checkpoint's region vs
+  # DefaultStager's pinned shared buffer.
+  if ((${#mode[@]} == 0)); then
+    "$PY" "$KIT/bench/async_save_bench.py" --device cuda --size 1GiB --rounds 3 |
+      tee -a "$RESULTS" || rc=1
+  fi
   # The arena on 4 KiB pages, then on hugepages (reserved here when we may).
   local arena=4GiB
   ((${#mode[@]})) && arena=256MiB
