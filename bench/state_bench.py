@@ -31,6 +31,7 @@ the ratios arena / torch of the medians.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -124,6 +125,11 @@ def rank_main(rank: int, port: int, mode: str, runtime_dir: str, out_dir: str, l
         result["left_tensors"] = s["left"]
     else:
         result["held_bytes"] = result["state_bytes"]
+    # What the ranks' allocators keep of memory freed (the unsharded model,
+    # a moved tensor's first copy) is returned, so that RssAnon is what is
+    # in use; before: the same figures without that.
+    result["before_trim"] = _rss()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     result.update(_rss())
     dist.barrier()
     if rank == 0:
@@ -145,6 +151,7 @@ def one_run(mode: str, runtime_dir: str, layers: int, dim: int, steps: int) -> D
         "held_bytes": sum(r["held_bytes"] for r in ranks),
         "rss": sum(r["VmRSS"] for r in ranks),
         "rss_anon": sum(r["RssAnon"] for r in ranks),
+        "rss_anon_untrimmed": sum(r["before_trim"]["RssAnon"] for r in ranks),
         "rss_shmem": sum(r["RssShmem"] for r in ranks),
         "arena_used": arena_used,
         "node_bytes": sum(r["RssAnon"] for r in ranks) + arena_used,
