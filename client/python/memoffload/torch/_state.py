@@ -203,6 +203,22 @@ class StatePlacement:
             new = self._arena_copy(data)
             if new is None:
                 continue
+            if getattr(fp, "pin_memory", False) and not new.is_pinned():
+                # CUDA did not register the chunk. FSDP2's reset_sharded_param
+                # (lazy init, load_state_dict, _apply) would re-pin the local
+                # tensor into a copy of its own and leave _sharded_param_data
+                # here: the optimizer would update one, the all-gather read
+                # the other. The shard stays where it is (``new`` dies and
+                # gives its block back).
+                nbytes = new.numel() * new.element_size()
+                del new
+                self._leave("not page-locked", nbytes)
+                self._warn_once(
+                    "not page-locked",
+                    "place_state: CUDA did not page-lock an arena chunk and FSDP2 was asked for "
+                    "pinned CPU shards (CPUOffloadPolicy(pin_memory=True)); such shards stay in "
+                    "torch's pinned memory (logged once; stats() counts them)")
+                continue
             local = fp.sharded_param._local_tensor
             dim = fp.fsdp_placement.dim
             length = local.size(dim) if local.numel() > 0 else 0
