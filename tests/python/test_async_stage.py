@@ -191,3 +191,37 @@ def test_a_region_limit_at_staging_is_said_and_the_save_fails_clearly(tmp_path, 
         assert isinstance(memoffload.ResourceExhausted("x"), memoffload.Error)
     finally:
         d.stop()
+
+
+def test_staging_goes_on_after_the_daemon_restarts(own_daemon, caplog):
+    """The staging session is attached again after a restart, like the
+    saving one: the staged copy is the checkpoint again, not torch's."""
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    writer = MemoffloadWriter(job_id=job, runtime_dir=own_daemon.runtime_dir)
+    state = {"x": torch.arange(1 << 18, dtype=torch.float32)}
+    dcp.async_save(state, storage_writer=writer, checkpoint_id="step-1").result()
+    assert writer.last_staged["tensors"] == 1
+    own_daemon.stop()
+    own_daemon.start()
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    dcp.async_save(state, storage_writer=writer, checkpoint_id="step-2").result()
+    assert writer.last_mode == "daemon"
+    assert writer.last_staged.get("tensors") == 1, writer.last_staged
+    assert not [r for r in caplog.records if "staging into the daemon failed" in r.getMessage()]
+    writer.close()
+
+
+def test_closing_one_writer_leaves_the_others_staging(daemon, caplog):
+    """Writers (and readers) of one job and rank share the process's
+    RegionStore: one writer's close() must not close it under the others."""
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    first = MemoffloadWriter(job_id=job, runtime_dir=daemon.runtime_dir)
+    second = MemoffloadWriter(job_id=job, runtime_dir=daemon.runtime_dir)
+    dcp.async_save({"a": torch.ones(1 << 16)}, storage_writer=first, checkpoint_id="a-1").result()
+    dcp.async_save({"b": torch.ones(1 << 16)}, storage_writer=second, checkpoint_id="b-1").result()
+    first.close()
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    dcp.async_save({"b": torch.ones(1 << 16)}, storage_writer=second, checkpoint_id="b-2").result()
+    assert second.last_staged.get("tensors") == 1, second.last_staged
+    assert not [r for r in caplog.records if "staging into the daemon failed" in r.getMessage()]
+    second.close()

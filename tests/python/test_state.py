@@ -184,6 +184,62 @@ def test_without_a_daemon_it_says_so_and_strict_raises(tmp_path, caplog):
         mot.place_state(runtime_dir=str(missing), strict=True)
 
 
+def _train_conv(fused, runtime_dir=None, steps=3):
+    """A channels_last conv (its AdamW states are channels_last too) and
+    AdamW, with place_state when runtime_dir is given."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(32, 32, 3).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    placement = (mot.place_state(None, opt, runtime_dir=runtime_dir, job_id="conv", min_bytes=4096)
+                 if runtime_dir is not None else None)
+    x = torch.randn(2, 32, 8, 8).to(memory_format=torch.channels_last)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+    return model, opt, placement
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_placed_state_keeps_its_layout(daemon, fused):
+    """AdamW(fused=True) walks a parameter and its states as flat memory: a
+    channels_last parameter's exp_avg placed contiguous trained wrongly."""
+    ref, ref_opt, _ = _train_conv(fused)
+    model, opt, placement = _train_conv(fused, daemon.runtime_dir)
+    st = opt.state[model.weight]
+    assert placement.holds(st["exp_avg"]) and placement.holds(st["exp_avg_sq"])
+    assert st["exp_avg"].stride() == ref_opt.state[ref.weight]["exp_avg"].stride()
+    assert torch.equal(model.weight, ref.weight)
+    assert torch.equal(st["exp_avg_sq"], ref_opt.state[ref.weight]["exp_avg_sq"])
+
+
+def test_state_replaced_by_load_state_dict_is_placed_again(daemon):
+    """The state tensors optimizer.load_state_dict makes (a resume) are
+    placed at the next step, also those that reuse a dead tensor's id."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    placement = mot.place_state(None, opt, runtime_dir=daemon.runtime_dir, job_id="reload",
+                                min_bytes=4096)
+
+    def big_states():
+        return [v for st in opt.state.values() for k, v in st.items()
+                if k != "step" and v.numel() * v.element_size() >= 4096]
+
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        assert len(big_states()) == 16 and all(placement.holds(v) for v in big_states())
+        sd = opt.state_dict()
+        opt.load_state_dict({"state": {k: {kk: vv.clone() for kk, vv in v.items()}
+                                       for k, v in sd["state"].items()},
+                             "param_groups": sd["param_groups"]})
+        del sd
+    # Until the next step the loaded state is torch's; the placed one died.
+    assert placement.stats()["tensors"] == 0, placement.stats()
+
+
 KILLED = """
 import sys, torch, memoffload.torch as mot
 torch.manual_seed(0)

@@ -109,7 +109,10 @@ class StatePlacement:
         self._attach_error: Optional[errors.Error] = None
         self._warned: Set[str] = set()
         self._left: Dict[str, List[int]] = {}  # reason -> [count, bytes]
-        self._decided: Set[int] = set()  # ids of state tensors already placed or left
+        # State tensors already placed or left, by id, with a weak reference
+        # to tell a live one from a new tensor that reuses a dead one's id
+        # (optimizer.load_state_dict replaces every state tensor).
+        self._decided: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._hooks: List[Any] = []
         try:
             self._store = _C.HostStateStore(
@@ -162,7 +165,12 @@ class StatePlacement:
                 f"(logged once per reason; stats() counts them)",
             )
             return None
-        out = raw.view(t.dtype).view(t.shape)
+        # The same strides as ``t`` where its layout is dense (channels_last,
+        # a transposed parameter's state): fused optimizers (AdamW(fused=True))
+        # walk a parameter, its gradient and its states as flat memory and
+        # need them laid out alike. Else (overlapping, gaps) contiguous.
+        strides = torch.empty_like(t, device="meta").stride()
+        out = raw.view(t.dtype).as_strided(t.shape, strides)
         out.copy_(t)
         return out
 
@@ -195,6 +203,22 @@ class StatePlacement:
             new = self._arena_copy(data)
             if new is None:
                 continue
+            if getattr(fp, "pin_memory", False) and not new.is_pinned():
+                # CUDA did not register the chunk. FSDP2's reset_sharded_param
+                # (lazy init, load_state_dict, _apply) would re-pin the local
+                # tensor into a copy of its own and leave _sharded_param_data
+                # here: the optimizer would update one, the all-gather read
+                # the other. The shard stays where it is (``new`` dies and
+                # gives its block back).
+                nbytes = new.numel() * new.element_size()
+                del new
+                self._leave("not page-locked", nbytes)
+                self._warn_once(
+                    "not page-locked",
+                    "place_state: CUDA did not page-lock an arena chunk and FSDP2 was asked for "
+                    "pinned CPU shards (CPUOffloadPolicy(pin_memory=True)); such shards stay in "
+                    "torch's pinned memory (logged once; stats() counts them)")
+                continue
             local = fp.sharded_param._local_tensor
             dim = fp.fsdp_placement.dim
             length = local.size(dim) if local.numel() > 0 else 0
@@ -224,20 +248,33 @@ class StatePlacement:
             return None
         return self._arena_copy(v)
 
+    def _is_decided(self, t: torch.Tensor) -> bool:
+        ref = self._decided.get(id(t))
+        return ref is not None and ref() is t
+
+    def _decide(self, t: torch.Tensor) -> None:
+        key, decided = id(t), self._decided
+
+        def forget(ref: Any) -> None:
+            if decided.get(key) is ref:
+                del decided[key]
+
+        decided[key] = weakref.ref(t, forget)
+
     def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
         """Moves the optimizer's CPU state tensors not moved (or left) yet;
         returns how many moved. The step post-hook calls this."""
         moved = 0
         for state in optimizer.state.values():
             for key, value in list(state.items()):
-                if not isinstance(value, torch.Tensor) or id(value) in self._decided:
+                if not isinstance(value, torch.Tensor) or self._is_decided(value):
                     continue
                 new = self._place_value(value)
                 if new is None:
-                    self._decided.add(id(value))
+                    self._decide(value)
                     continue
                 state[key] = new
-                self._decided.add(id(new))
+                self._decide(new)
                 moved += 1
         if moved:
             _give_back_freed_memory()

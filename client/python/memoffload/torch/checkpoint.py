@@ -161,16 +161,18 @@ class MemoffloadWriter(StorageWriter):
         memory (the save then takes its usual path)."""
         self._drop_staged()
         rank = _rank_of(None)
+        # Attached at each stage, as the save attaches at each save: the
+        # process's store for this job and rank, checked alive (a daemon
+        # restart, or another writer's close(), leaves a dead one).
+        self._stage_store, reason = _store.attach(
+            self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
         if self._stage_store is None:
-            self._stage_store, reason = _store.attach(
-                self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
-            if self._stage_store is None:
-                logs.log(logging.WARNING,
-                         "async checkpoint staging: "
-                         f"{_unreachable(_store.runtime_dir_of(self.runtime_dir), reason)}; the "
-                         "staged copy is in torch's memory and the save takes its usual path",
-                         errors.StatusCode.UNAVAILABLE)
-                return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
+            logs.log(logging.WARNING,
+                     "async checkpoint staging: "
+                     f"{_unreachable(_store.runtime_dir_of(self.runtime_dir), reason)}; the "
+                     "staged copy is in torch's memory and the save takes its usual path",
+                     errors.StatusCode.UNAVAILABLE)
+            return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
         try:
             staged_dict, self._staged = _stage.stage(self._stage_store, state_dict, rank,
                                                      self.ttl_seconds)
@@ -190,11 +192,10 @@ class MemoffloadWriter(StorageWriter):
 
     def close(self) -> None:
         """Aborts a staged region that was never saved and lets go of the
-        staging session."""
+        staging session (the process's RegionStore for this job and rank,
+        which other writers and readers share: it stays open for them)."""
         self._drop_staged()
-        if self._stage_store is not None:
-            self._stage_store.close()
-            self._stage_store = None
+        self._stage_store = None
 
     def _drop_staged(self) -> None:
         if self._staged is not None:
