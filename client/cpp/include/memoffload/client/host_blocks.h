@@ -13,12 +13,8 @@
 #define MEMOFFLOAD_CLIENT_HOST_BLOCKS_H_
 
 #include <cstdint>
-#include <map>
 #include <memory>
-#include <unordered_map>
 
-#include "absl/base/thread_annotations.h"
-#include "absl/synchronization/mutex.h"
 #include "memoffload/client/client.h"
 #include "memoffload/common/status.h"
 
@@ -64,17 +60,11 @@ class HostBlocks {
   const std::shared_ptr<Client>& client() const { return client_; }
 
  private:
-  struct Held {
-    uint64_t size_bytes = 0;
-    uint64_t held_bytes = 0;
-    const uint8_t* address = nullptr;
-  };
+  // The blocks handed out and the counters, under their own lock (the .cc:
+  // the public headers of the client need no abseil).
+  class Book;
   const std::shared_ptr<Client> client_;
-  mutable absl::Mutex mu_;
-  uint64_t next_group_ ABSL_GUARDED_BY(mu_) = 1;
-  std::unordered_map<uint64_t, Held> held_ ABSL_GUARDED_BY(mu_);        // by group id
-  std::map<const uint8_t*, uint64_t> by_address_ ABSL_GUARDED_BY(mu_);  // -> size_bytes
-  HostBlockStats stats_ ABSL_GUARDED_BY(mu_);
+  const std::unique_ptr<Book> book_;
 };
 
 }  // namespace memoffload::client
