@@ -117,3 +117,76 @@ def test_attach_with_the_cuda_engine_is_one_round_trip_and_registers_every_chunk
     assert got["unpinned_bytes"] == 0, f"a chunk stayed unregistered: {got}"
     assert got["registered_after"] == 0, f"registrations outlived the offloader: {got}"
     assert got["unknown_unregisters"] == 0 and got["misuse"] == 0, got
+
+
+STATE = r"""
+import ctypes, gc, json, sys
+import torch
+import memoffload._C as C
+
+class SimStats(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in (
+        "live_events", "pending_work", "registered_ranges", "register_calls",
+        "unknown_unregisters", "misuse", "dtoh_copies", "htod_copies",
+        "copies_with_pageable_host", "stream_waits", "captured_nodes",
+        "captures_invalidated", "device_allocations")]  # as tests/cuda_sim/cuda_sim.h
+
+store = C.HostStateStore(runtime_dir=sys.argv[1], job_id="state", use_cuda=True)
+sim = ctypes.CDLL("libcuda.so.1")  # the instance the engine dlopened
+sim.sim_stats.restype = SimStats
+blocks = [store.empty(5 << 20) for _ in range(3)]   # 15 MiB: at least two 8 MiB chunks
+for i, b in enumerate(blocks):
+    b.fill_(i + 1)
+during = sim.sim_stats()
+stats = store.stats()
+same = all(bool((b == i + 1).all()) for i, b in enumerate(blocks))
+del blocks, b
+gc.collect()
+held_after_tensors = store.stats()["tensors"]
+del store                          # the last reference: the session's mapping goes
+gc.collect()
+after = sim.sim_stats()
+print(json.dumps({"cuda": stats["cuda"], "unpinned_bytes": stats["unpinned_bytes"],
+                  "same": same, "held_after_tensors": held_after_tensors,
+                  "registered_during": during.registered_ranges,
+                  "register_calls": after.register_calls,
+                  "registered_after": after.registered_ranges,
+                  "unknown_unregisters": after.unknown_unregisters, "misuse": after.misuse}))
+"""
+
+
+def test_placed_state_registers_its_chunks_and_unregisters_them_before_unmapping(tmp_path: Path):
+    """HostStateStore (place_state's) with the CUDA engine on the simulated
+    driver: each chunk a block lands in is registered once at its own size
+    (nothing left pageable), and every registration is gone, without a
+    misuse, once the tensors and the store are."""
+    sim_dir = bin_dir().parent / "cuda_sim"
+    if not (sim_dir / "libcuda.so.1").exists():
+        pytest.fail(f"{sim_dir}/libcuda.so.1 not built (target cuda_sim)")
+    rt = tmp_path / "rt"
+    log = tmp_path / "memoffloadd.log"
+    daemon = subprocess.Popen(
+        [str(bin_dir() / "memoffloadd"), f"--runtime-dir={rt}", "--arena-size=32MiB",
+         "--chunk-size=8MiB", "--metrics-address=none", "--log-level=warn"],
+        stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    try:
+        env = dict(os.environ, LD_LIBRARY_PATH=str(sim_dir), CUDA_SIM_MAX_DELAY_US="200")
+        deadline = time.monotonic() + 20
+        while not (rt / "broker.sock").exists():
+            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        r = subprocess.run([sys.executable, "-c", STATE, str(rt)], env=env, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        import json
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    assert got["cuda"] and got["same"], got
+    assert got["registered_during"] >= 2, got
+    assert got["register_calls"] == got["registered_during"], got
+    assert got["unpinned_bytes"] == 0, f"a chunk stayed unregistered: {got}"
+    assert got["held_after_tensors"] == 0, got
+    assert got["registered_after"] == 0, f"registrations outlived the mapping: {got}"
+    assert got["unknown_unregisters"] == 0 and got["misuse"] == 0, got
