@@ -55,6 +55,11 @@ def _nbytes(t: torch.Tensor) -> int:
     return local.untyped_storage().nbytes()
 
 
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = t._local_tensor if hasattr(t, "_local_tensor") else t
+    return local.numel() * local.element_size()
+
+
 def _states(opt: torch.optim.Optimizer) -> List[torch.Tensor]:
     out = []
     for group in opt.param_groups:
@@ -92,8 +97,13 @@ def run(rank: int, world_size: int, port: int, kinds: List[str], runtime_dir: st
 
 def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min_bytes: int,
            result: Dict[str, Any], device: str) -> None:
+    """``kind``: "fsdp2" or "cpu", with "_keep_grads" when the trainer keeps
+    its gradients between steps (zero_grad(set_to_none=False))."""
     import memoffload.torch as mot
     from memoffload.torch import _state
+
+    set_to_none = not kind.endswith("_keep_grads")
+    kind = kind.replace("_keep_grads", "")
 
     torch.manual_seed(0)
     base = DecoderStack(layers=2, dim=128, heads=4).to(device)
@@ -115,7 +125,7 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
         batch = tokens(batch=2, length=16).random_(0, 97, generator=gen).to(device)
         losses = []
         for m, o, s in ((model, opt, sched), (ref, opt_ref, sched_ref)):
-            o.zero_grad(set_to_none=True)
+            o.zero_grad(set_to_none=set_to_none)
             loss = m(batch)
             loss.backward()
             o.step()
@@ -126,6 +136,9 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
         for i, (p, q) in enumerate(zip(params, ref.parameters())):
             if not torch.equal(_bits(p), _bits(q)):
                 result["mismatches"].append(f"step {step}: parameter {i}")
+            if (p.grad is None) != (q.grad is None) or (
+                    p.grad is not None and not torch.equal(_bits(p.grad), _bits(q.grad))):
+                result["mismatches"].append(f"step {step}: gradient {i}")
         states, states_ref = _states(opt), _states(opt_ref)
         if len(states) != len(states_ref):
             result["mismatches"].append(f"step {step}: {len(states)} states, {len(states_ref)} ref")
@@ -140,6 +153,11 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
     result["states_held"] = sum(placement.holds(t) for t in states)
     result["state_bytes"] = sum(t.numel() * t.element_size() for t in states)
     result["params_held"] = sum(placement.holds(p) for p in params)
+    # A gradient's local tensor may view a larger buffer (FSDP2's reduce-scatter
+    # output): what would move is its own bytes.
+    result["big_grads"] = sum(q.grad is not None and _local_nbytes(q.grad) >= min_bytes
+                              for q in ref.parameters())
+    result["grads_held"] = sum(p.grad is not None and placement.holds(p.grad) for p in params)
     # Placed shards a GPU copies from must be page-locked (CUDA-registered).
     result["params_pinned"] = sum(p._local_tensor.is_pinned() for p in params
                                   if placement.holds(p))

@@ -34,7 +34,7 @@ from models import DecoderStack, tokens
 
 WORLD_SIZE = 2
 STEPS = 5
-KINDS = ["fsdp2", "cpu"]
+KINDS = ["fsdp2", "cpu", "fsdp2_keep_grads", "cpu_keep_grads"]
 MIN_BYTES = 4096
 
 
@@ -71,14 +71,31 @@ def test_training_is_bit_identical_with_the_state_in_the_arena(runs, kind):
         assert r["final"]["refused"] == 0
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_stay_in_the_arena_only_when_the_trainer_keeps_them(runs, kind):
+    _, results = runs
+    for r in results[kind]:
+        assert r["big_grads"] > 0, r
+        if kind.endswith("_keep_grads"):
+            # zero_grad(set_to_none=False): placed once, then added into in place.
+            assert r["grads_held"] == r["big_grads"], r
+            assert "gradients made anew each step" not in r["final"]["left_reasons"], r
+        else:
+            # set_to_none=True makes them anew: placing stopped at the second step.
+            assert r["grads_held"] == 0, r
+            assert r["final"]["left_reasons"].get("gradients made anew each step", 0) == 1, r
+
+
 def test_fsdp2_shards_are_placed_before_the_first_step_and_stay(runs):
     _, results = runs
     for r in results["fsdp2"]:
         assert r["params_held_before"] == r["big_params"] > 0, r
         assert r["params_held"] == r["big_params"], r
         assert r["placed_before_step"]["tensors"] == r["big_params"]
-        # Optimizer state came with the first step (AdamW: exp_avg, exp_avg_sq).
-        assert r["placed_after_step"]["tensors"] == r["big_params"] + r["big_states"]
+        # Optimizer state (AdamW: exp_avg, exp_avg_sq) and the gradients came
+        # with the first step.
+        assert r["placed_after_step"]["tensors"] == (r["big_params"] + r["big_states"]
+                                                     + r["big_grads"]), r
     # The plain CPU model's parameters stay where they are (no FSDP2).
     for r in results["cpu"]:
         assert r["params_held"] == 0 and r["placed_before_step"]["tensors"] == 0

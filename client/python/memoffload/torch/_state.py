@@ -22,10 +22,15 @@ What moves, once each:
   a step post-hook moves new state after each step (a dict walk when nothing
   is new).
 
+- the parameters' CPU gradients after the first step, when the trainer keeps
+  them (``zero_grad(set_to_none=False)``: they are added into in place from
+  then on); gradients made anew at each step (``set_to_none=True``) stay in
+  torch's memory once that is seen (FSDP2's: tested torch versions only).
+
 What stays in torch's memory, counted in ``stats()``: tensors under
 ``min_bytes`` (AdamW's ``step`` scalars: a page each would cost more than
 they hold), tensors larger than an arena chunk (a block is contiguous), and
-gradients (FSDP2 makes new ones at each step; not placed yet).
+the gradients above.
 
 Without a daemon, or when a quota refuses a tensor, it says so once (the
 daemon's message names the limit) and training goes on with torch's own
@@ -114,6 +119,10 @@ class StatePlacement:
         # (optimizer.load_state_dict replaces every state tensor).
         self._decided: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._hooks: List[Any] = []
+        # Gradients are placed until one placed is found replaced (by id of
+        # its parameter).
+        self._gradients = True
+        self._grad_of: Dict[int, bool] = {}
         try:
             self._store = _C.HostStateStore(
                 runtime_dir=runtime_dir, job_id=job_id, rank=_env_int("RANK"),
@@ -261,9 +270,49 @@ class StatePlacement:
 
         decided[key] = weakref.ref(t, forget)
 
+    def _place_gradients(self, optimizer: torch.optim.Optimizer) -> int:
+        """Moves the CPU gradients of the optimizer's parameters, once each:
+        they stay in the arena while the trainer keeps them
+        (``zero_grad(set_to_none=False)``; FSDP2 and autograd then add into
+        them in place). When a gradient placed at one step is gone at the
+        next (``set_to_none=True``, the default, makes them anew), placing
+        them would copy every step: it stops and says so once."""
+        if not self._gradients:
+            return 0
+        moved = 0
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None or self._is_decided(g):
+                    continue
+                if id(p) in self._grad_of:  # placed before, and replaced since
+                    self._gradients = False
+                    self._grad_of.clear()
+                    self._leave("gradients made anew each step", g.numel() * g.element_size())
+                    self._warn_once(
+                        "gradients",
+                        "place_state: the gradients are made anew at each step "
+                        "(zero_grad(set_to_none=True)), so they stay in torch's memory; "
+                        "zero_grad(set_to_none=False) keeps them in the arena")
+                    return moved
+                if hasattr(g, "_local_tensor") and _torch_minor() not in TESTED_TORCH:
+                    self._leave("gradients on an untested torch", g.numel() * g.element_size())
+                    self._decide(g)
+                    continue
+                new = self._place_value(g)
+                if new is None:
+                    self._decide(g)
+                    continue
+                p.grad = new
+                self._decide(new)
+                self._grad_of[id(p)] = True
+                moved += 1
+        return moved
+
     def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
-        """Moves the optimizer's CPU state tensors not moved (or left) yet;
-        returns how many moved. The step post-hook calls this."""
+        """Moves the optimizer's CPU state tensors (and its parameters'
+        gradients) not moved (or left) yet; returns how many moved. The step
+        post-hook calls this."""
         moved = 0
         for state in optimizer.state.values():
             for key, value in list(state.items()):
@@ -276,6 +325,9 @@ class StatePlacement:
                 state[key] = new
                 self._decide(new)
                 moved += 1
+        # After the state, which stays for the whole run: the gradients come
+        # second when a limit leaves room for only some.
+        moved += self._place_gradients(optimizer)
         if moved:
             _give_back_freed_memory()
         return moved
