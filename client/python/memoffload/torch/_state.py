@@ -22,10 +22,10 @@ What moves, once each:
   a step post-hook moves new state after each step (a dict walk when nothing
   is new).
 
-- the parameters' CPU gradients after the first step, when the trainer keeps
-  them (``zero_grad(set_to_none=False)``: they are added into in place from
-  then on); gradients made anew at each step (``set_to_none=True``) stay in
-  torch's memory once that is seen (FSDP2's: tested torch versions only).
+- the parameters' CPU gradients after the second step, when the trainer
+  keeps them (``zero_grad(set_to_none=False)``: they are added into in place
+  from then on); gradients made anew at each step (``set_to_none=True``) stay
+  in torch's memory, never copied (FSDP2's: tested torch versions only).
 
 What stays in torch's memory, counted in ``stats()``: tensors under
 ``min_bytes`` (AdamW's ``step`` scalars: a page each would cost more than
@@ -119,10 +119,10 @@ class StatePlacement:
         # (optimizer.load_state_dict replaces every state tensor).
         self._decided: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._hooks: List[Any] = []
-        # Gradients are placed until one placed is found replaced (by id of
-        # its parameter).
+        # Gradients are placed while the trainer keeps them: each seen once
+        # (by its parameter's id) before it is placed.
         self._gradients = True
-        self._grad_of: Dict[int, bool] = {}
+        self._grad_seen: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         try:
             self._store = _C.HostStateStore(
                 runtime_dir=runtime_dir, job_id=job_id, rank=_env_int("RANK"),
@@ -141,10 +141,10 @@ class StatePlacement:
 
     # ---- placing ----
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def _warn_once(self, key: str, message: str, level: int = logging.WARNING) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            _log.warning("%s", message)
+            _log.log(level, "%s", message)
 
     def _leave(self, reason: str, nbytes: int) -> None:
         entry = self._left.setdefault(reason, [0, 0])
@@ -271,12 +271,13 @@ class StatePlacement:
         decided[key] = weakref.ref(t, forget)
 
     def _place_gradients(self, optimizer: torch.optim.Optimizer) -> int:
-        """Moves the CPU gradients of the optimizer's parameters, once each:
-        they stay in the arena while the trainer keeps them
-        (``zero_grad(set_to_none=False)``; FSDP2 and autograd then add into
-        them in place). When a gradient placed at one step is gone at the
-        next (``set_to_none=True``, the default, makes them anew), placing
-        them would copy every step: it stops and says so once."""
+        """Moves the CPU gradients of the optimizer's parameters that the
+        trainer keeps between steps (``zero_grad(set_to_none=False)``; FSDP2
+        and autograd then add into them in place), once each: a gradient is
+        placed at the step after the one it was first seen at, if it is
+        still the same tensor. When it was replaced (``set_to_none=True``,
+        the default, makes them anew) placing them would copy every step:
+        it stops and says so once."""
         if not self._gradients:
             return 0
         moved = 0
@@ -285,28 +286,30 @@ class StatePlacement:
                 g = p.grad
                 if g is None or self._is_decided(g):
                     continue
-                if id(p) in self._grad_of:  # placed before, and replaced since
+                seen = self._grad_seen.get(id(p))
+                if seen is None:
+                    self._grad_seen[id(p)] = weakref.ref(g)
+                    continue
+                if seen() is not g:
                     self._gradients = False
-                    self._grad_of.clear()
+                    self._grad_seen.clear()
                     self._leave("gradients made anew each step", g.numel() * g.element_size())
+                    # torch's default, not a problem: said at INFO.
                     self._warn_once(
                         "gradients",
                         "place_state: the gradients are made anew at each step "
                         "(zero_grad(set_to_none=True)), so they stay in torch's memory; "
-                        "zero_grad(set_to_none=False) keeps them in the arena")
+                        "zero_grad(set_to_none=False) keeps them in the arena", logging.INFO)
                     return moved
                 if hasattr(g, "_local_tensor") and _torch_minor() not in TESTED_TORCH:
                     self._leave("gradients on an untested torch", g.numel() * g.element_size())
                     self._decide(g)
                     continue
                 new = self._place_value(g)
-                if new is None:
-                    self._decide(g)
-                    continue
-                p.grad = new
-                self._decide(new)
-                self._grad_of[id(p)] = True
-                moved += 1
+                self._decide(g if new is None else new)
+                if new is not None:
+                    p.grad = new
+                    moved += 1
         return moved
 
     def place_optimizer_state(self, optimizer: torch.optim.Optimizer) -> int:
