@@ -22,7 +22,7 @@ class HostBlocks::Book {
   absl::Mutex mu;
   uint64_t next_group ABSL_GUARDED_BY(mu) = 1;
   std::unordered_map<uint64_t, Held> held ABSL_GUARDED_BY(mu);        // by group id
-  std::map<const uint8_t*, uint64_t> by_address ABSL_GUARDED_BY(mu);  // -> size_bytes
+  std::map<const uint8_t*, uint64_t> by_address ABSL_GUARDED_BY(mu);  // -> group id
   HostBlockStats stats ABSL_GUARDED_BY(mu);
 };
 
@@ -83,7 +83,7 @@ Result<HostBlock> HostBlocks::Allocate(uint64_t size_bytes) {
   }
   absl::MutexLock lock(&book_->mu);
   book_->held[group] = Book::Held{size_bytes, block.held_bytes, block.address};
-  book_->by_address[block.address] = size_bytes;
+  book_->by_address[block.address] = group;
   ++book_->stats.blocks;
   book_->stats.size_bytes += size_bytes;
   book_->stats.held_bytes += block.held_bytes;
@@ -112,7 +112,7 @@ bool HostBlocks::Holds(const void* address) const {
   auto it = book_->by_address.upper_bound(p);
   if (it == book_->by_address.begin()) return false;
   --it;
-  return p < it->first + it->second;
+  return p < it->first + book_->held.at(it->second).size_bytes;
 }
 
 HostBlockStats HostBlocks::stats() const {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "chunk_pinning.h"
 #include "memoffload/client/log.h"
 
 namespace memoffload::torch {
@@ -154,16 +155,9 @@ void GroupTransfer::Reserve(Group& g, uint64_t bytes) {
   // copy on the training thread.
   if (!g.reserve_closed) g.reserved.store(true, std::memory_order_release);
   if (cuda_engine_) {
-    // Each chunk at its own size from the attach reply (the last one may be
-    // smaller), so every chunk a group lands in gets registered.
+    // Every chunk a group lands in gets registered.
     for (const Extent& e : g.write_extents) {
-      const uint64_t chunk_bytes = c->chunk_size_bytes(e.chunk);
-      uint8_t* base = chunk_bytes > 0 ? c->Address(Extent{e.chunk, 0, chunk_bytes}) : nullptr;
-      if (base != nullptr) {
-        cuda_engine_->PrepareHostRange(c.get(), base, chunk_bytes);
-      } else if (!warned_unsized_chunk_) {
-        // The attach reply lacks the chunk (a daemon bug): copies through it
-        // stay pageable.
+      if (!PrepareChunk(cuda_engine_, *c, e.chunk) && !warned_unsized_chunk_) {
         warned_unsized_chunk_ = true;
         client::Log(
             client::LogLevel::kWarning, StatusCode::kInternal,

@@ -3,6 +3,7 @@
 #include <string>
 #include <utility>
 
+#include "chunk_pinning.h"
 #include "memoffload/client/log.h"
 
 namespace memoffload::torch {
@@ -31,18 +32,6 @@ HostStateStore::HostStateStore(std::shared_ptr<client::HostBlocks> blocks,
                                std::shared_ptr<CopyEngine> engine)
     : blocks_(std::move(blocks)), engine_(std::move(engine)) {}
 
-void HostStateStore::Prepare(uint32_t chunk) {
-  if (engine_ == nullptr) return;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!prepared_.insert(chunk).second) return;
-  }
-  const client::Client& c = *blocks_->client();
-  const uint64_t size = c.chunk_size_bytes(chunk);
-  uint8_t* base = c.Address(Extent{chunk, 0, size});
-  if (base != nullptr) engine_->PrepareHostRange(&c, base, size);
-}
-
 uint64_t HostStateStore::unpinned_bytes() const {
   return engine_ == nullptr ? 0 : engine_->UnpinnedHostBytes();
 }
@@ -50,7 +39,7 @@ uint64_t HostStateStore::unpinned_bytes() const {
 Result<at::Tensor> HostStateStore::Empty(uint64_t nbytes) {
   Result<client::HostBlock> block = blocks_->Allocate(nbytes);
   if (!block.ok()) return block.status();
-  Prepare(block->chunk);
+  if (engine_ != nullptr) PrepareChunk(engine_.get(), *blocks_->client(), block->chunk);
   std::shared_ptr<client::HostBlocks> blocks = blocks_;
   const uint64_t group = block->group_id;
   auto give_back = [blocks, group](void*) {

@@ -18,8 +18,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
-#include <set>
 
 #include "memoffload/client/client.h"
 #include "memoffload/client/host_blocks.h"
@@ -50,13 +48,9 @@ class HostStateStore {
 
  private:
   HostStateStore(std::shared_ptr<client::HostBlocks> blocks, std::shared_ptr<CopyEngine> engine);
-  // Registers `chunk` with CUDA the first time a block lands in it.
-  void Prepare(uint32_t chunk);
 
   const std::shared_ptr<client::HostBlocks> blocks_;
   const std::shared_ptr<CopyEngine> engine_;  // null: no CUDA
-  std::mutex mu_;
-  std::set<uint32_t> prepared_;  // guarded by mu_
 };
 
 }  // namespace memoffload::torch
