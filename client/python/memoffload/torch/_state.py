@@ -55,9 +55,6 @@ __all__ = ["place_state", "StatePlacement", "TESTED_TORCH"]
 # torch versions whose FSDP2 internals place_state was tested against.
 TESTED_TORCH = ("2.11", "2.13")
 
-_log = logging.getLogger("memoffload")
-
-
 def _give_back_freed_memory() -> None:
     """Returns what glibc's allocator keeps of freed memory to the system:
     the torch copies of the tensors just moved would otherwise stay in the
@@ -106,12 +103,9 @@ class StatePlacement:
     """
 
     def __init__(self, runtime_dir: str, job_id: str, strict: bool, min_bytes: int) -> None:
-        self._runtime_dir = runtime_dir
-        self._job_id = job_id
         self._strict = strict
         self._min_bytes = min_bytes
         self._store: Optional[Any] = None
-        self._attach_error: Optional[errors.Error] = None
         self._warned: Set[str] = set()
         self._left: Dict[str, List[int]] = {}  # reason -> [count, bytes]
         # State tensors already placed or left, by id, with a weak reference
@@ -131,20 +125,20 @@ class StatePlacement:
         except errors.Error as e:
             if strict:
                 raise
-            self._attach_error = e
             self._warn_once(
                 "attach",
                 f"place_state: no memoffloadd session ({e}); the model and optimizer state stay "
-                f"in torch's own memory",
+                f"in torch's own memory", e.code,
             )
         logs.forward(_C)
 
     # ---- placing ----
 
-    def _warn_once(self, key: str, message: str, level: int = logging.WARNING) -> None:
+    def _warn_once(self, key: str, message: str, code: errors.StatusCode = errors.StatusCode.OK,
+                   level: int = logging.WARNING) -> None:
         if key not in self._warned:
             self._warned.add(key)
-            _log.log(level, "%s", message)
+            logs.log(level, message, code)
 
     def _leave(self, reason: str, nbytes: int) -> None:
         entry = self._left.setdefault(reason, [0, 0])
@@ -171,7 +165,7 @@ class StatePlacement:
             self._warn_once(
                 reason,
                 f"place_state: a tensor of {nbytes} bytes stays in torch's memory: {e} "
-                f"(logged once per reason; stats() counts them)",
+                f"(logged once per reason; stats() counts them)", e.code,
             )
             return None
         # The same strides as ``t`` where its layout is dense (channels_last,
@@ -299,7 +293,8 @@ class StatePlacement:
                         "gradients",
                         "place_state: the gradients are made anew at each step "
                         "(zero_grad(set_to_none=True)), so they stay in torch's memory; "
-                        "zero_grad(set_to_none=False) keeps them in the arena", logging.INFO)
+                        "zero_grad(set_to_none=False) keeps them in the arena",
+                        level=logging.INFO)
                     return moved
                 if hasattr(g, "_local_tensor") and _torch_minor() not in TESTED_TORCH:
                     self._leave("gradients on an untested torch", g.numel() * g.element_size())

@@ -144,9 +144,8 @@ class MemoffloadWriter(StorageWriter):
         self._fs: Optional[FileSystemWriter] = None
         # Test hook: called with (region name, bytes written) after each append.
         self._after_append: Optional[Callable[[str, int], None]] = None
-        # async_save: the staged region of the save to come, and its session.
+        # async_save: the staged region of the save to come.
         self._staged: Optional[_stage.Staged] = None
-        self._stage_store: Optional[Any] = None
         self.last_staged: Dict[str, int] = {}
 
     # -- AsyncStager (dcp.async_save) -------------------------------------------
@@ -164,38 +163,40 @@ class MemoffloadWriter(StorageWriter):
         # Attached at each stage, as the save attaches at each save: the
         # process's store for this job and rank, checked alive (a daemon
         # restart, or another writer's close(), leaves a dead one).
-        self._stage_store, reason = _store.attach(
+        store, reason = _store.attach(
             self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
-        if self._stage_store is None:
-            logs.log(logging.WARNING,
-                     "async checkpoint staging: "
-                     f"{_unreachable(_store.runtime_dir_of(self.runtime_dir), reason)}; the "
-                     "staged copy is in torch's memory and the save takes its usual path",
-                     errors.StatusCode.UNAVAILABLE)
-            return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
+        if store is None:
+            return self._stage_in_torch(
+                state_dict,
+                "async checkpoint staging: "
+                f"{_unreachable(_store.runtime_dir_of(self.runtime_dir), reason)}",
+                errors.StatusCode.UNAVAILABLE)
         try:
-            staged_dict, self._staged = _stage.stage(self._stage_store, state_dict, rank,
-                                                     self.ttl_seconds)
+            staged_dict, self._staged = _stage.stage(store, state_dict, rank, self.ttl_seconds)
         except errors.Error as e:  # a region limit, the daemon going away
-            logs.log(logging.WARNING,
-                     f"async checkpoint staging into the daemon failed ({e}); the staged copy is "
-                     "in torch's memory and the save takes its usual path", e.code)
-            self.last_staged = {}
-            return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
+            return self._stage_in_torch(
+                state_dict, f"async checkpoint staging into the daemon failed ({e})", e.code)
         s = self._staged
         self.last_staged = ({"tensors": s.tensors, "bytes": s.bytes, "outside": s.outside}
                             if s is not None else {})
         return staged_dict
 
+    def _stage_in_torch(self, state_dict: Dict[str, Any], why: str,
+                        code: errors.StatusCode) -> Dict[str, Any]:
+        """The staged copy in torch's memory, after a warning saying why."""
+        logs.log(logging.WARNING, f"{why}; the staged copy is in torch's memory and the save "
+                 "takes its usual path", code)
+        self.last_staged = {}
+        return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
+
     def synchronize_staging(self) -> None:
         """Nothing to wait for: stage() copies before it returns."""
 
     def close(self) -> None:
-        """Aborts a staged region that was never saved and lets go of the
-        staging session (the process's RegionStore for this job and rank,
-        which other writers and readers share: it stays open for them)."""
+        """Aborts a staged region that was never saved. The staging session
+        is the process's RegionStore for this job and rank, which other
+        writers and readers share: it stays open for them."""
         self._drop_staged()
-        self._stage_store = None
 
     def _drop_staged(self) -> None:
         if self._staged is not None:
