@@ -20,10 +20,11 @@ import pytest
 
 from conftest import bin_dir
 
-TRAINER = r"""
+# The simulated driver's counters, as tests/cuda_sim/cuda_sim.h has them
+# (the start of each script below).
+SIM_STATS = r"""
 import ctypes, gc, json, sys
 import torch
-import memoffload.torch as mot
 
 class SimStats(ctypes.Structure):
     _fields_ = [(n, ctypes.c_uint64) for n in (
@@ -31,6 +32,10 @@ class SimStats(ctypes.Structure):
         "unknown_unregisters", "misuse", "dtoh_copies", "htod_copies",
         "copies_with_pageable_host", "stream_waits", "captured_nodes",
         "captures_invalidated", "device_allocations")]  # as tests/cuda_sim/cuda_sim.h
+"""
+
+TRAINER = SIM_STATS + r"""
+import memoffload.torch as mot
 
 runtime_dir = sys.argv[1]
 off = mot.get_offloader(runtime_dir)
@@ -119,17 +124,8 @@ def test_attach_with_the_cuda_engine_is_one_round_trip_and_registers_every_chunk
     assert got["unknown_unregisters"] == 0 and got["misuse"] == 0, got
 
 
-STATE = r"""
-import ctypes, gc, json, sys
-import torch
+STATE = SIM_STATS + r"""
 import memoffload._C as C
-
-class SimStats(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_uint64) for n in (
-        "live_events", "pending_work", "registered_ranges", "register_calls",
-        "unknown_unregisters", "misuse", "dtoh_copies", "htod_copies",
-        "copies_with_pageable_host", "stream_waits", "captured_nodes",
-        "captures_invalidated", "device_allocations")]  # as tests/cuda_sim/cuda_sim.h
 
 store = C.HostStateStore(runtime_dir=sys.argv[1], job_id="state", use_cuda=True)
 sim = ctypes.CDLL("libcuda.so.1")  # the instance the engine dlopened
