@@ -7,28 +7,17 @@ ratios are finite. The targets (held vs exact <= 1.01 at 200 M parameters)
 are reported by the benchmark at full size, not asserted here. Usage:
 state_bench_test.py --bin-dir DIR [unittest args], under the Python that has
 memoffload installed."""
-import argparse
-import json
 import math
-import os
-import subprocess
-import sys
 import unittest
 
-BIN_DIR = None
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
+import python_bench
 
 
 class StateBench(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        cmd = [sys.executable, os.path.join(REPO, "bench", "state_bench.py"),
-               "--layers", "2", "--dim", "256", "--rounds", "1"]
-        env = dict(os.environ, MEMOFFLOAD_BIN_DIR=BIN_DIR)
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-        if proc.returncode != 0:
-            raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr}")
-        cls.row = json.loads(proc.stdout.strip().splitlines()[-1])
+        cls.row = python_bench.run("state_bench.py", "--layers", "2", "--dim", "256",
+                                   "--rounds", "1")[-1]
 
     def median(self, mode, key):
         return self.row[mode][key]["median"]
@@ -60,8 +49,4 @@ class StateBench(unittest.TestCase):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--bin-dir", required=True)
-    args, rest = parser.parse_known_args()
-    BIN_DIR = args.bin_dir
-    unittest.main(argv=[sys.argv[0]] + rest)
+    python_bench.main()
