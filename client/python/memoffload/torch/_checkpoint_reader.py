@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import pickle
 import uuid
@@ -18,9 +19,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import errors
+from .. import errors, logs
 from . import _checkpoint_store as _store
-from . import _trusted_files
+from . import _node_load, _replication, _trusted_files
 from ._checkpoint_items import DAEMON, FILESYSTEM, _rank_of, _RegionItem, _unreachable, _warn_fallback
 
 __all__ = ["MemoffloadReader"]
@@ -32,7 +33,13 @@ class MemoffloadReader(StorageReader):
     warning) from ``<fallback_dir>/<id>``. ``verify``: check the CRC32C of
     each checksummed region, as its items are copied out (memoffload.DataLoss
     on a mismatch; the load then fails, and the state dict may hold part of
-    the bad checkpoint). Other arguments as for the writer."""
+    the bad checkpoint). Other arguments as for the writer.
+
+    On a job whose ranks use the daemons of several nodes, each region comes
+    from this node's daemon when it is there and intact (verified whole
+    before it is read), else from the daemon of another node that holds a
+    copy, streamed by one of that node's ranks; ``last_sources`` says which
+    served each region, and one INFO line per rank counts them."""
 
     def __init__(
         self,
@@ -57,6 +64,8 @@ class MemoffloadReader(StorageReader):
         self.last_mode = ""
         self._region_store: Optional[Any] = None
         self._fs: Optional[FileSystemReader] = None
+        self._link: Optional[_replication.Link] = None
+        self.last_sources: Dict[str, str] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
         if checkpoint_id:
@@ -65,6 +74,7 @@ class MemoffloadReader(StorageReader):
         self.storage_data = {}
         self.last_mode = ""
         self._fs = None
+        self.last_sources = {}
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -77,28 +87,36 @@ class MemoffloadReader(StorageReader):
             raise ValueError("MemoffloadReader needs a checkpoint id: dcp.load(..., checkpoint_id=...) "
                              "(latest_checkpoint() names the newest)")
         runtime_dir = _store.runtime_dir_of(self.runtime_dir)
+        self._link = _replication.multi_node(self.runtime_dir)
         store, reason = _store.attach(self.runtime_dir, self.job_id, _rank_of(None), True,
                                       self.rpc_timeout_ms)
+        blob: Optional[bytes] = None
         if store is not None:
             name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)
             try:
                 reader = store.open(name, self.verify)
             except errors.Unavailable as exc:
                 _store.forget(store)
+                store = None
                 why = _unreachable(runtime_dir, str(exc))
-            except errors.NotFound:
+            except (errors.NotFound, errors.DataLoss) as exc:
+                if self._link is None and isinstance(exc, errors.DataLoss):
+                    raise
                 why = f"the memoffload daemon at {runtime_dir} has no checkpoint {self.checkpoint_id!r} " \
                       f"of job {self.job_id!r}"
             else:
                 try:
-                    metadata = pickle.loads(reader.read_bytes(0, reader.size_bytes))
+                    blob = reader.read_bytes(0, reader.size_bytes)
                 finally:
                     reader.close()
-                self._region_store = store
-                self.last_mode = DAEMON
-                return self._stamped(metadata)
         else:
             why = _unreachable(runtime_dir, reason)
+        if self._link is not None:  # every rank, so that the collective pairs up
+            blob = _node_load.metadata(self._link, blob)
+        if blob is not None:
+            self._region_store = store
+            self.last_mode = DAEMON
+            return self._stamped(pickle.loads(blob))
         path = os.path.join(self.fallback_dir, self.checkpoint_id)
         if not os.path.exists(os.path.join(path, _store.METADATA_NAME)):
             raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {path} "
@@ -138,8 +156,9 @@ class MemoffloadReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if self._fs is not None:
             return self._fs.read_data(plan, planner)
-        assert self._region_store is not None
         readers: Dict[str, Any] = {}
+        if self._link is not None:
+            readers = self._fetch_across_nodes(plan)
         try:
             for req in plan.items:
                 info: _RegionItem = self.storage_data[req.storage_index]
@@ -148,6 +167,7 @@ class MemoffloadReader(StorageReader):
                     # Checksums are checked as the items are copied out (in
                     # region order, the order they were written), and what
                     # no read covered, at the end: one pass over the bytes.
+                    assert self._region_store is not None
                     reader = readers[info.region] = self._region_store.open(
                         info.region, self.verify, verify_as_read=True)
                 if req.type == LoadItemType.BYTE_IO:
@@ -165,6 +185,23 @@ class MemoffloadReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _fetch_across_nodes(self, plan: LoadPlan) -> Dict[str, Any]:
+        """Readers of every region this rank needs, from its node or another
+        (_node_load.fetch, a collective: every rank calls it), already
+        verified whole."""
+        assert self._link is not None and self.checkpoint_id is not None
+        needed = sorted({self.storage_data[req.storage_index].region for req in plan.items
+                         if self.storage_data[req.storage_index].length})
+        readers, self.last_sources = _node_load.fetch(
+            self._link, self._region_store, self.checkpoint_id, needed, self.verify)
+        local = sum(1 for where in self.last_sources.values() if where == _node_load.LOCAL)
+        logs.log(logging.INFO, f"checkpoint {self.checkpoint_id!r}: {local} region(s) from this node's daemon, {len(self.last_sources) - local} "
+                 "from other nodes" + "".join(f"; {name} from {where}" for name, where in
+                                              sorted(self.last_sources.items())
+                                              if where != _node_load.LOCAL),
+                 errors.StatusCode.OK)
+        return readers
 
 
 def _read_tensor(reader: Any, info: _RegionItem, offsets: Any, lengths: Any,

@@ -19,13 +19,14 @@ import shutil
 import stat
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _C, errors, logs
 from . import _trusted_files
 
 REGION_PREFIX = "dcp/"
 METADATA_NAME = ".metadata"
+NODE_SAFE_NAME = ".node-safe"  # committed once every piece has a copy on another node
 MARKER_NAME = ".memoffload-job"
 JOB_ID_ENV = "MEMOFFLOAD_JOB_ID"
 FALLBACK_DIR_ENV = "MEMOFFLOAD_CHECKPOINT_DIR"
@@ -192,6 +193,7 @@ class StoredCheckpoint:
     committed_unix: float = 0.0
     regions: List[str] = field(default_factory=list)
     size_bytes: int = 0
+    node_safe: bool = False  # its .node-safe region is here (_node_safe)
 
 
 def stored_checkpoints(store: Any) -> Dict[str, StoredCheckpoint]:
@@ -205,6 +207,8 @@ def stored_checkpoints(store: Any) -> Dict[str, StoredCheckpoint]:
         info.regions.append(region["name"])
         info.size_bytes += int(region["size_bytes"])
         committed = float(region["committed_unix"])
+        if file_name == NODE_SAFE_NAME:
+            info.node_safe = True
         if file_name == METADATA_NAME:
             info.complete = True
             info.committed_unix = committed
@@ -226,8 +230,8 @@ def delete_checkpoint(store: Any, info: StoredCheckpoint) -> None:
 
 def retain(store: Any, keep_last: Optional[int], current_id: str) -> List[str]:
     """After ``current_id`` committed: deletes complete checkpoints older than
-    the newest ``keep_last`` and incomplete ones (dead saves) older than the
-    current one. Returns the ids deleted."""
+    the newest ``keep_last`` (never the newest node-safe one) and incomplete
+    ones (dead saves) older than the current one. Returns the ids deleted."""
     if keep_last is None:
         return []
     found = stored_checkpoints(store)
@@ -237,6 +241,9 @@ def retain(store: Any, keep_last: Optional[int], current_id: str) -> List[str]:
     complete = sorted((c for c in found.values() if c.complete),
                       key=lambda c: (c.committed_unix, c.checkpoint_id), reverse=True)
     keep = {c.checkpoint_id for c in complete[:keep_last]} | {current_id}
+    node_safe = [c for c in complete if c.node_safe]
+    if node_safe:
+        keep.add(node_safe[0].checkpoint_id)
     doomed = [c for c in complete if c.checkpoint_id not in keep]
     doomed += [c for c in found.values()
                if not c.complete and c.committed_unix <= current.committed_unix]
@@ -313,105 +320,3 @@ def retain_filesystem(fallback_dir: str, job_id: str, keep_last: Optional[int], 
         os.remove(os.path.join(path, METADATA_NAME))  # incomplete from here on
         shutil.rmtree(path)
     return doomed
-
-
-def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
-                      fallback_dir: Optional[str] = None) -> Optional[str]:
-    """The newest complete checkpoint of the job (in the daemon, or in the
-    fallback directory when that one is newer), or None. Fallback checkpoints
-    another user could have written are ignored, with one warning. When the
-    job has none but this user has checkpoints under other job ids (a typo in
-    ``job_id``?), one warning names them (once per job id and process)."""
-    job = job_id_of(job_id)
-    best: Optional[Tuple[float, str]] = None
-    store, _ = attach(runtime_dir, job, -1, True)
-    if store is not None:
-        try:
-            for info in stored_checkpoints(store).values():
-                if info.complete and (best is None or (info.committed_unix, info.checkpoint_id) > best):
-                    best = (info.committed_unix, info.checkpoint_id)
-        except errors.Unavailable:
-            forget(store)
-    problems: List[str] = []
-    fallback = fallback_dir_of(fallback_dir, job)
-    for ckpt_id, mtime in filesystem_checkpoints(fallback, job, problems).items():
-        if best is None or (mtime, ckpt_id) > best:
-            best = (mtime, ckpt_id)
-    _trusted_files.warn_ignored(problems)
-    if best is None and job not in _warned_other_jobs:
-        defaulted = not (fallback_dir or os.environ.get(FALLBACK_DIR_ENV, ""))
-        others = _other_jobs(runtime_dir, job, fallback, defaulted)
-        if others:
-            _warned_other_jobs.add(job)
-            logs.log(logging.WARNING,
-                     f"latest_checkpoint: job {job!r} has no checkpoint, but this user has "
-                     f"checkpoints under other job ids: {_describe(others)}; a restart finds its "
-                     "checkpoints only under the job id that saved them (job_id= or "
-                     f"${JOB_ID_ENV}) (logged once per job id)",
-                     errors.StatusCode.NOT_FOUND)
-    return None if best is None else best[1]
-
-
-# ---- checkpoints under other job ids (a typo in the job id) ----------------
-
-_warned_other_jobs: Set[str] = set()
-
-
-def _other_jobs(runtime_dir: str, job_id: str, fallback_dir: str,
-                defaulted: bool) -> Dict[str, List[Tuple[float, str, str]]]:
-    """{other job id: [(time, checkpoint id, where)]}: the complete
-    checkpoints of this uid under job ids other than ``job_id``, in the
-    daemon (its node listing) and in the fallback directory (and, when that
-    is the default ``memoffload-checkpoints/<job>``, in its siblings)."""
-    found: Dict[str, List[Tuple[float, str, str]]] = {}
-    where = f"in the daemon at {runtime_dir_of(runtime_dir)}"
-    for other, when, ckpt_id in _daemon_checkpoints_of_uid(runtime_dir):
-        if other != job_id:
-            found.setdefault(other, []).append((when, ckpt_id, where))
-    dirs = [fallback_dir]
-    if defaulted:
-        parent = os.path.dirname(fallback_dir)
-        try:
-            dirs += sorted(os.path.join(parent, n) for n in os.listdir(parent)
-                           if os.path.join(parent, n) != fallback_dir)
-        except OSError:
-            pass
-    for directory in dirs:
-        try:
-            marked_ones = _marked_checkpoints(directory)
-        except OSError:  # a sibling this user may not read: not theirs
-            continue
-        for ckpt_id, (marked, mtime) in marked_ones.items():
-            if marked != job_id:
-                found.setdefault(marked, []).append((mtime, ckpt_id, f"in {directory}"))
-    return found
-
-
-def _daemon_checkpoints_of_uid(runtime_dir: str) -> List[Tuple[str, float, str]]:
-    """[(job id, commit time, checkpoint id)] of this uid's complete
-    checkpoints in the daemon, any job id; [] when it cannot be asked."""
-    if not hasattr(_C, "node_regions"):
-        return []
-    try:
-        listing = _C.node_regions(runtime_dir, REGION_PREFIX)
-    except errors.Error:
-        return []
-    uid = os.geteuid()
-    out = []
-    for region in listing["regions"]:
-        parts = split_region_name(region["name"])
-        if (region["uid"] == uid and region["committed"] and parts is not None
-                and parts[1] == METADATA_NAME):
-            out.append((region["job_id"], float(region["committed_unix"]), parts[0]))
-    return out
-
-
-def _describe(others: Dict[str, List[Tuple[float, str, str]]]) -> str:
-    """"'run-42' (3 checkpoints, the newest 'step-4' in the daemon at ...)", by job id."""
-    parts = []
-    for other in sorted(others):
-        newest = max(others[other])
-        count = len(others[other])
-        parts.append(f"{other!r} ({count} checkpoint{'s' if count != 1 else ''}, "
-                     f"the newest {newest[1]!r} {newest[2]})")
-    return ", ".join(parts)

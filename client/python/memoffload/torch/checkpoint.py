@@ -60,8 +60,9 @@ from torch.futures import Future
 from .. import errors, logs
 from . import _checkpoint_stage as _stage
 from . import _checkpoint_store as _store
-from . import _trusted_files
-from ._checkpoint_store import latest_checkpoint
+from . import _replication, _trusted_files
+from ._node_safe import Replication, SaveJob
+from ._checkpoint_latest import latest_checkpoint
 
 __all__ = ["MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]
 
@@ -95,6 +96,13 @@ class MemoffloadWriter(StorageWriter):
     constructor; use a new one per save (e.g. ``f"step-{step}"``).
     Needs ``use_collectives=True`` (DCP's default).
 
+    On a job whose ranks use the daemons of several nodes, every node gets
+    the checkpoint's ``.metadata`` after the save, in the background.
+    ``replicas=k`` also keeps a copy of each rank's shard in the daemons of
+    the next k nodes; once every copy committed the checkpoint is node-safe
+    (``wait_replication()``, ``latest_checkpoint(node_safe=True)``). Saves
+    of such a job must include every rank of the default process group.
+
     It is also the ``AsyncStager`` that ``dcp.async_save(state, storage_writer=
     writer, ...)`` uses: the staged copy is written straight into a region that
     becomes the checkpoint (``_checkpoint_stage``), with
@@ -117,10 +125,14 @@ class MemoffloadWriter(StorageWriter):
         ttl_seconds: float = 0,
         sync_files: bool = True,
         rpc_timeout_ms: int = 30000,
+        replicas: int = 0,
     ) -> None:
         super().__init__()
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        self.replicas = replicas
         self.job_id = _store.job_id_of(job_id)
         self.runtime_dir = runtime_dir or ""
         self.fallback_dir = _store.fallback_dir_of(fallback_dir, self.job_id)
@@ -147,6 +159,13 @@ class MemoffloadWriter(StorageWriter):
         # async_save: the staged region of the save to come.
         self._staged: Optional[_stage.Staged] = None
         self.last_staged: Dict[str, int] = {}
+        # Several nodes: the job's link, this save's work across nodes, and
+        # what became of the last save there.
+        self._link: Optional[_replication.Link] = None
+        self._job: Optional[SaveJob] = None
+        self._replicating: Optional[Any] = None
+        self.last_replication: Optional[Replication] = None
+        self._warned_one_node = False
 
     # -- AsyncStager (dcp.async_save) -------------------------------------------
 
@@ -159,6 +178,8 @@ class MemoffloadWriter(StorageWriter):
         become the checkpoint at the save), or, without a daemon, in torch's
         memory (the save then takes its usual path)."""
         self._drop_staged()
+        self.wait_replication()
+        self._link = _replication.multi_node(self.runtime_dir)
         rank = _rank_of(None)
         # Attached at each stage, as the save attaches at each save: the
         # process's store for this job and rank, checked alive (a daemon
@@ -193,10 +214,30 @@ class MemoffloadWriter(StorageWriter):
         """Nothing to wait for: stage() copies before it returns."""
 
     def close(self) -> None:
-        """Aborts a staged region that was never saved. The staging session
-        is the process's RegionStore for this job and rank, which other
-        writers and readers share: it stays open for them."""
+        """Aborts a staged region that was never saved and waits for the
+        last save's replication. The staging session is the process's
+        RegionStore for this job and rank, which other writers and readers
+        share: it stays open for them."""
         self._drop_staged()
+        self.wait_replication()
+
+    def wait_replication(self, timeout: Optional[float] = None) -> Optional[Replication]:
+        """Waits for the last save's work across nodes (the copies of
+        ``.metadata`` and, with ``replicas``, of the shards) and returns what
+        became of it: ``node_safe``, and ``why`` not. None before a save of
+        a job on several nodes (or with ``replicas`` on one)."""
+        pending, self._replicating = self._replicating, None
+        if pending is not None:
+            try:
+                self.last_replication = pending.result(timeout=timeout)
+                self.last_deleted = self.last_replication.deleted
+            except Exception as exc:  # noqa: BLE001 - the link failed (a rank died): said, not raised
+                assert self._job is not None
+                self.last_replication = Replication(self._job.checkpoint_id, False,
+                                                    why=f"the replication failed: {exc}")
+                logs.log(logging.WARNING, f"checkpoint {self._job.checkpoint_id!r} is not on every "
+                         f"node: {self.last_replication.why}", errors.StatusCode.UNAVAILABLE)
+        return self.last_replication
 
     def _drop_staged(self) -> None:
         if self._staged is not None:
@@ -234,6 +275,9 @@ class MemoffloadWriter(StorageWriter):
                 "MemoffloadWriter needs a checkpoint id: dcp.save(..., checkpoint_id='step-100')")
         self._rank = _rank_of(kwargs.get("rank"))
         self._is_coordinator = is_coordinator
+        self.wait_replication()
+        self._job = None
+        self._link = _replication.multi_node(self.runtime_dir)
         self._region_store, self._unreachable_reason = _store.attach(
             self.runtime_dir, self.job_id, self._rank, self.checksums, self.rpc_timeout_ms)
 
@@ -245,6 +289,10 @@ class MemoffloadWriter(StorageWriter):
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
         assert self.checkpoint_id is not None
         modes: List[_RankMode] = [p.storage_data for p in plans]
+        if self._link is not None and len(plans) != self._link.topo.world:
+            raise ValueError(
+                f"a save of a job that spans nodes must include all {self._link.topo.world} ranks "
+                f"of the default process group (this one has {len(plans)})")
         failed = [m for m in modes if not m.daemon]
         if not failed:
             self._before_writing()
@@ -267,6 +315,10 @@ class MemoffloadWriter(StorageWriter):
             if os.path.lexists(path):
                 _trusted_files.check_checkpoint(self.fallback_dir, path)
             _warn_fallback("save", _unreachable(target.runtime_dir, target.reason), path)
+            if self._link is not None or self.replicas > 0:
+                self.last_replication = Replication(
+                    self.checkpoint_id, False,
+                    why=f"saved to the filesystem fallback ({target.reason})")
             self._fs = FileSystemWriter(path, sync_files=self.sync_files)
             self._fs.set_up_storage_writer(self._is_coordinator, rank=self._rank)
             self._fs.fs.mkdir(path)
@@ -280,16 +332,41 @@ class MemoffloadWriter(StorageWriter):
         self.last_mode = DAEMON
         fut: Future[List[WriteResult]] = Future()
         staged, self._staged = self._staged, None
-        if staged is not None:
-            try:
-                fut.set_result(_stage.write(staged, plan.items, planner, target.region,
-                                            lambda region, items: self._write_region(region, items, planner)))
-            except BaseException:
-                staged.writer.abort()
-                raise
-            return fut
-        fut.set_result(self._write_region(target.region, plan.items, planner))
+        try:
+            if staged is not None:
+                try:
+                    results = _stage.write(staged, plan.items, planner, target.region,
+                                           lambda region, items: self._write_region(region, items, planner))
+                except BaseException:
+                    staged.writer.abort()
+                    raise
+            else:
+                results = self._write_region(target.region, plan.items, planner)
+        except BaseException as exc:
+            self._replicate([], f"rank {self._rank}: {type(exc).__name__}: {exc}")
+            raise
+        self._replicate(sorted({wr.storage_data.region for wr in results if wr.storage_data.region}), "")
+        fut.set_result(results)
         return fut
+
+    def _replicate(self, regions: List[str], failure: str) -> None:
+        """After this rank's write: the save's work across nodes, in the
+        background (every rank starts it, failed or not, so that the link's
+        collectives pair up)."""
+        assert self.checkpoint_id is not None
+        if self._link is None:
+            if self.replicas > 0:
+                self.last_replication = Replication(self.checkpoint_id, False,
+                                                    why="the job runs on one node")
+                if not self._warned_one_node:
+                    self._warned_one_node = True
+                    logs.log(logging.WARNING, f"MemoffloadWriter(replicas={self.replicas}): every "
+                             "rank of this job uses one node's daemon, so its checkpoints are not "
+                             "node-safe (logged once)", errors.StatusCode.FAILED_PRECONDITION)
+            return
+        self._job = SaveJob(self._link, self._region_store, self.checkpoint_id, regions, failure,
+                            self._is_coordinator, self.replicas, self.ttl_seconds, self.keep_last)
+        self._replicating = self._link.submit(self._job.run)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         assert self.checkpoint_id is not None
@@ -303,7 +380,16 @@ class MemoffloadWriter(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        self._commit(_store.region_name(self.checkpoint_id, _store.METADATA_NAME), [blob])
+        job = self._job
+        try:
+            self._commit(_store.region_name(self.checkpoint_id, _store.METADATA_NAME), [blob])
+        except BaseException:
+            if job is not None:
+                job.metadata.set_result(None)
+            raise
+        if job is not None:  # the other nodes get it, then retention runs on each
+            job.metadata.set_result(blob)
+            return
         self.last_deleted = _store.retain(self._region_store, self.keep_last, self.checkpoint_id)
 
     # -- regions ----------------------------------------------------------------

@@ -1,0 +1,280 @@
+"""The link between the ranks of a job that spans nodes: which rank is on
+which node, and a gloo process group of its own for the checkpoints' traffic
+between nodes (issue 33, docs/checkpoints.md "Several nodes").
+
+A "node" is a daemon: the host name and the resolved runtime dir of the
+rank's daemon, so that tests give each simulated node its own daemon and
+runtime dir on one machine. Each rank publishes its node in the job's c10d
+store (the default process group's), and reads everyone else's: no
+collective, so it is safe from any thread.
+
+The group is a ``ProcessGroupGloo`` made over a prefix of that store, not a
+``dist.new_group``: it never takes a slot in c10d's group numbering (a group
+made here, from a background thread, would shift every later
+``new_group`` of the trainer), its traffic never races training's
+collectives, and it can listen on an address of its own
+(``$MEMOFFLOAD_REPLICATION_ADDRESS``, or the interface
+``$MEMOFFLOAD_REPLICATION_IFNAME``; else gloo's default, which follows
+``$GLOO_SOCKET_IFNAME``), so that replicas can use another network than
+training's. Every use of the group runs on one worker thread, in the order
+the ranks submitted it: each rank submits the same jobs in the same order
+(the saves' replication and the loads' fetches), as DCP's own steps are.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import pickle
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from . import _checkpoint_store as _store
+
+ADDRESS_ENV = "MEMOFFLOAD_REPLICATION_ADDRESS"
+IFNAME_ENV = "MEMOFFLOAD_REPLICATION_IFNAME"
+TIMEOUT_ENV = "MEMOFFLOAD_REPLICATION_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+# Bytes in flight per stream: what each rank holds at once while sending.
+PIECE_BYTES = 32 << 20
+_PREFIX = "memoffload/link"
+
+
+def timeout_s() -> float:
+    value = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        return float(value) if value else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise ValueError(f"${TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+
+
+def node_key(runtime_dir: str) -> str:
+    return f"{socket.gethostname()}:{os.path.realpath(_store.runtime_dir_of(runtime_dir))}"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Which node (``node_of[rank]``, a node key) each rank of the job is on."""
+
+    rank: int
+    node_of: Tuple[str, ...]
+
+    @property
+    def world(self) -> int:
+        return len(self.node_of)
+
+    @property
+    def nodes(self) -> List[str]:
+        """The nodes, in the order of their lowest rank."""
+        return list(dict.fromkeys(self.node_of))
+
+    def ranks_on(self, node: str) -> List[int]:
+        return [r for r, n in enumerate(self.node_of) if n == node]
+
+    def leader(self, rank: int) -> bool:
+        """The lowest rank of its node: the one that writes what is the node's."""
+        return self.ranks_on(self.node_of[rank])[0] == rank
+
+    def buddies(self, rank: int, replicas: int) -> List[int]:
+        """Where ``rank``'s shard has its replicas: the rank with the same
+        local index on each of the next ``replicas`` nodes (ring order), so
+        that no node holds two copies of a shard. Fewer when there are fewer
+        other nodes."""
+        nodes = self.nodes
+        here = nodes.index(self.node_of[rank])
+        local = self.ranks_on(nodes[here]).index(rank)
+        out = []
+        for shift in range(1, min(replicas, len(nodes) - 1) + 1):
+            there = self.ranks_on(nodes[(here + shift) % len(nodes)])
+            out.append(there[local % len(there)])
+        return out
+
+    def sources(self, rank: int, replicas: int) -> List[int]:
+        """The ranks whose replicas ``rank`` holds."""
+        return [r for r in range(self.world) if rank in self.buddies(r, replicas)]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+_topologies: Dict[str, Topology] = {}
+_lock = threading.Lock()
+
+
+def topology(runtime_dir: str) -> Optional[Topology]:
+    """The job's topology (None outside a job of several ranks). Every rank
+    must ask once (any call of the writer, the reader or latest_checkpoint
+    does): each waits up to the replication timeout for the others'
+    answers."""
+    if not _distributed():
+        return None
+    key = node_key(runtime_dir)
+    with _lock:
+        topo = _topologies.get(key)
+        if topo is not None:
+            return topo
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_PREFIX}/node/{rank}", key)
+        names = [f"{_PREFIX}/node/{r}" for r in range(world)]
+        wait = timeout_s()
+        try:
+            store.wait(names, timedelta(seconds=wait))
+        except Exception as exc:  # noqa: BLE001 - the store's own timeout error, reworded
+            raise errors.DeadlineExceeded(
+                f"rank {rank}: memoffload checkpoints in a job of {world} ranks ask every rank "
+                f"which node it is on, and not every rank answered within {wait:.0f} s ({exc}); "
+                "call the writer, the reader and latest_checkpoint() on every rank") from exc
+        topo = Topology(rank, tuple(store.get(n).decode() for n in names))
+        _topologies[key] = topo
+        return topo
+
+
+# ---- the link ---------------------------------------------------------------
+
+
+class Link:
+    """The job's gloo group for checkpoint traffic between nodes, and the one
+    thread that uses it."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self.rank = topo.rank
+        self._timeout = timedelta(seconds=timeout_s())
+        self._pg: Optional[Any] = None
+        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], concurrent.futures.Future]]]" = (
+            queue.Queue())
+        self._thread = threading.Thread(target=self._run, name="memoffload-replication",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the submitter
+                fut.set_exception(exc)
+
+    def _group(self) -> Any:
+        if self._pg is None:
+            store = dist.PrefixStore(f"{_PREFIX}/pg", dist.distributed_c10d._get_default_store())
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = self._timeout
+            address = os.environ.get(ADDRESS_ENV, "")
+            ifname = os.environ.get(IFNAME_ENV, "")
+            if address:
+                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+            elif ifname:
+                opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
+            else:
+                opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            self._pg = dist.ProcessGroupGloo(store, self.rank, self.topo.world, opts)
+        return self._pg
+
+    # -- on the worker thread only ---------------------------------------------
+
+    def all_gather(self, obj: Any) -> List[Any]:
+        pg = self._group()
+        blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.topo.world)]
+        pg.allgather([sizes], [torch.tensor([blob.numel()], dtype=torch.int64)]).wait()
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: blob.numel()] = blob
+        out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.topo.world)]
+        pg.allgather([out], [padded]).wait()
+        return [pickle.loads(t[: int(s.item())].numpy().tobytes()) for t, s in zip(out, sizes)]
+
+    def broadcast(self, obj: Any, src: int) -> Any:
+        pg = self._group()
+        blob = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        pg.broadcast(size, src).wait()
+        data = (torch.frombuffer(bytearray(blob), dtype=torch.uint8) if self.rank == src
+                else torch.empty(int(size.item()), dtype=torch.uint8))
+        if data.numel():
+            pg.broadcast(data, src).wait()
+        return pickle.loads(data.numpy().tobytes())
+
+    def exchange(self, sends: Dict[int, Iterator[torch.Tensor]],
+                 recvs: Dict[int, Iterator[torch.Tensor]]) -> None:
+        """Streams pieces to and from peers, all streams at once: in each
+        round every stream posts its next piece (a send, or a receive into
+        the buffer its iterator gives; a receive stream's iterator learns
+        that its last buffer is filled when it is asked for the next one),
+        then the round's pieces are waited for. Each side knows how many
+        pieces a stream has, so the rounds always pair up."""
+        pg = self._group()
+        live_sends = dict(sends)
+        live_recvs = dict(recvs)
+        while live_sends or live_recvs:
+            works = []
+            for dst, it in list(live_sends.items()):
+                piece = next(it, None)
+                if piece is None:
+                    del live_sends[dst]
+                    continue
+                works.append(pg.send([piece], dst, 0))
+            for src, it in list(live_recvs.items()):
+                buf = next(it, None)
+                if buf is None:
+                    del live_recvs[src]
+                    continue
+                works.append(pg.recv([buf], src, 0))
+            for work in works:
+                work.wait()
+
+
+_link: Optional[Link] = None
+
+
+def link(topo: Topology) -> Link:
+    """The process's link (made on first use). One per process: its group's
+    name in the store is the same on every rank."""
+    global _link
+    with _lock:
+        if _link is None:
+            _link = Link(topo)
+        elif _link.topo != topo:
+            raise ValueError(
+                "memoffload checkpoints of a job that spans nodes use one runtime dir per process; "
+                f"this process already uses {_link.topo.node_of[_link.rank]!r}, not "
+                f"{topo.node_of[topo.rank]!r}")
+        return _link
+
+
+def multi_node(runtime_dir: str) -> Optional[Link]:
+    """The link when the job spans several nodes, else None."""
+    topo = topology(runtime_dir)
+    if topo is None or len(topo.nodes) < 2:
+        return None
+    return link(topo)
+
+
+def pieces(total: int) -> Iterator[Tuple[int, int]]:
+    """(offset, length) of the pieces of ``total`` bytes."""
+    offset = 0
+    while offset < total:
+        length = min(PIECE_BYTES, total - offset)
+        yield offset, length
+        offset += length

@@ -1,0 +1,238 @@
+"""One rank of a job whose ranks are on two simulated nodes, started by
+test_node_safe.py as ``node_worker.py CONFIG RANK``: 4 ranks of FSDP2 on
+gloo, 2 per node, each node with a daemon and runtime dir of its own and its
+own loopback address for the replicas (``$MEMOFFLOAD_REPLICATION_ADDRESS``).
+
+Phases (``cfg["phase"]``):
+
+- ``train``: trains steps 1..6, saving ``step-2`` and ``step-4`` with
+  ``replicas=1`` (``cfg["replicas"]``); keeps what was saved at step 4 and the final state of this
+  uninterrupted run (``<out>/<phase>-<tag>-rank<r>.pt``); then, with
+  ``cfg["hold"]``, writes ``held-rank<r>`` and waits to be SIGKILLed.
+- ``restore``: new ranks (a node's daemon may be new and empty) load
+  ``latest_checkpoint(node_safe=True)`` (``cfg["node_safe"]``), keep the loaded state, train to
+  step 6 and keep the final state.
+- ``die_mid_save``: saves ``step-2``, then during the save of ``step-4``
+  rank 2 SIGKILLs its node's daemon and itself (the node is lost).
+- ``flip``: saves ``step-2`` through ``stage()`` (the staged tensors are the
+  committed region's bytes), flips a byte of rank 0's shard through them,
+  and loads ``step-2`` back on every rank.
+- ``peer_down``: saves ``step-2``; then waits until the test killed node 1's
+  daemon (its ranks live on), saves ``step-4``, trains on and answers
+  ``latest_checkpoint(node_safe=True)``.
+
+Each rank writes ``<out>/<phase>-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from models import DecoderStack, tokens  # noqa: E402
+
+LAST_STEP = 6
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname} {record.getMessage()}")
+
+
+def _flat(sd: Any, prefix: str = "") -> Dict[str, torch.Tensor]:
+    out: Dict[str, torch.Tensor] = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+    elif isinstance(sd, torch.Tensor):
+        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        out[prefix[:-1]] = local.detach().clone()
+    return out
+
+
+def _model_and_opt():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = DecoderStack(layers=2, dim=64, heads=4)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _step(model, opt, step: int, rank: int) -> None:
+    opt.zero_grad()
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    model(tokens(batch=2, length=16).random_(0, 97, generator=gen)).backward()
+    opt.step()
+
+
+def _state(model, opt, step: int) -> Dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optim": osd, "step": step}
+
+
+def _keep(cfg: Dict[str, Any], tag: str, model, opt, rank: int) -> None:
+    torch.save(_flat(_state(model, opt, 0)), Path(cfg["out"], f"{cfg['phase']}-{tag}-rank{rank}.pt"))
+
+
+def _writer(cfg: Dict[str, Any]):
+    from memoffload.torch.checkpoint import MemoffloadWriter
+
+    return MemoffloadWriter(job_id=cfg["job_id"], runtime_dir=cfg["runtime_dir"],
+                            fallback_dir=cfg["fallback_dir"], replicas=cfg.get("replicas", 1),
+                            keep_last=1)
+
+
+def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(model, opt, step), storage_writer=writer, checkpoint_id=ckpt)
+    rep = writer.wait_replication()
+    result[ckpt] = {"mode": writer.last_mode, "node_safe": rep.node_safe if rep else None,
+                    "why": rep.why if rep else None,
+                    "held": rep.held_for_others if rep else None,
+                    "deleted": writer.last_deleted}
+
+
+def _load(cfg: Dict[str, Any], model, opt, ckpt: str, result: Dict[str, Any]) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from memoffload.torch.checkpoint import MemoffloadReader
+
+    state = _state(model, opt, -1)
+    reader = MemoffloadReader(job_id=cfg["job_id"], runtime_dir=cfg["runtime_dir"],
+                              fallback_dir=cfg["fallback_dir"])
+    dcp.load(state, storage_reader=reader, checkpoint_id=ckpt)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    result["sources"] = reader.last_sources
+    result["load_mode"] = reader.last_mode
+    return int(state["step"])
+
+
+def main(cfg: Dict[str, Any], rank: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=cfg["world"])
+    from memoffload.torch.checkpoint import latest_checkpoint
+
+    records = _Records()
+    logging.getLogger("memoffload").addHandler(records)
+    logging.getLogger("memoffload").setLevel(logging.INFO)
+    phase = cfg["phase"]
+    result: Dict[str, Any] = {"rank": rank}
+    out = Path(cfg["out"], f"{phase}-rank{rank}.json")
+    model, opt = _model_and_opt()
+    try:
+        if phase == "train":
+            writer = _writer(cfg)
+            for step in range(1, LAST_STEP + 1):
+                _step(model, opt, step, rank)
+                if step in (2, 4):
+                    _save(writer, model, opt, step, result, f"step-{step}")
+                if step == 4:
+                    _keep(cfg, "saved", model, opt, rank)
+            _keep(cfg, "final", model, opt, rank)
+        elif phase == "restore":
+            ckpt = latest_checkpoint(cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"],
+                                     node_safe=cfg.get("node_safe", True))
+            result["latest"] = ckpt
+            step = _load(cfg, model, opt, ckpt, result)
+            result["step"] = step
+            _keep(cfg, "loaded", model, opt, rank)
+            for s in range(step + 1, LAST_STEP + 1):
+                _step(model, opt, s, rank)
+            _keep(cfg, "final", model, opt, rank)
+        elif phase == "die_mid_save":
+            writer = _writer(cfg)
+            for step in (1, 2):
+                _step(model, opt, step, rank)
+            _save(writer, model, opt, 2, result, "step-2")
+            _keep(cfg, "saved", model, opt, rank)
+            out.write_text(json.dumps(result))
+            for step in (3, 4):
+                _step(model, opt, step, rank)
+            if rank == 2:
+                def lose_the_node(region: str, written: int) -> None:
+                    os.kill(cfg["node1_daemon_pid"], signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                writer._after_append = lose_the_node
+            try:
+                _save(writer, model, opt, 4, result, "step-4")
+            except BaseException as exc:  # noqa: BLE001 - the other ranks see the node go
+                result["save_failed"] = type(exc).__name__
+        elif phase == "flip":
+            import torch.distributed.checkpoint as dcp
+
+            writer = _writer(cfg)
+            for step in (1, 2):
+                _step(model, opt, step, rank)
+            staged = writer.stage(_state(model, opt, 2))
+            dcp.save(staged, storage_writer=writer, checkpoint_id="step-2")
+            rep = writer.wait_replication()
+            result["node_safe"] = rep.node_safe
+            _keep(cfg, "saved", model, opt, rank)
+            if rank == 0:  # a stray write through a mapping of the committed region
+                victim = next(t for t in _flat_views(staged) if t.numel() > 64)
+                victim.view(-1).view(torch.uint8)[7] ^= 0x40
+            dist.barrier()
+            _step(model, opt, 3, rank)  # other values, so that a load that did nothing shows
+            result["step"] = _load(cfg, model, opt, "step-2", result)
+            _keep(cfg, "loaded", model, opt, rank)
+        elif phase == "peer_down":
+            writer = _writer(cfg)
+            for step in (1, 2):
+                _step(model, opt, step, rank)
+            _save(writer, model, opt, 2, result, "step-2")
+            Path(cfg["out"], f"saved-rank{rank}").write_text("")
+            while not Path(cfg["out"], "go").exists():
+                time.sleep(0.05)
+            for step in (3, 4):
+                _step(model, opt, step, rank)
+            _save(writer, model, opt, 4, result, "step-4")
+            for step in (5, 6):
+                _step(model, opt, step, rank)
+            result["trained_to"] = 6
+            result["latest_node_safe"] = latest_checkpoint(
+                cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"], node_safe=True)
+        else:
+            raise SystemExit(f"unknown phase {phase!r}")
+    finally:
+        result["log"] = records.lines
+        out.write_text(json.dumps(result, default=str))
+    dist.barrier()
+    if cfg.get("hold"):
+        Path(cfg["out"], f"held-rank{rank}").write_text("")
+        while True:  # the test SIGKILLs us
+            time.sleep(1)
+    dist.destroy_process_group()
+
+
+def _flat_views(sd: Any):
+    """The staged tensors themselves (views of the region), not copies."""
+    if isinstance(sd, dict):
+        for v in sd.values():
+            yield from _flat_views(v)
+    elif isinstance(sd, torch.Tensor):
+        yield sd.to_local() if hasattr(sd, "to_local") else sd
+
+
+if __name__ == "__main__":
+    main(json.loads(Path(sys.argv[1]).read_text()), int(sys.argv[2]))

@@ -1,0 +1,274 @@
+"""Checkpoints of a job on two "nodes", and their replicas (issue 33).
+
+Each simulated node is a memoffloadd with its own runtime dir; its 2 ranks
+(of 4, FSDP2 on gloo over lo) use that daemon and send the replicas from a
+loopback address of their own (127.0.0.2 for node 0, 127.0.0.3 for node 1).
+Everything is real: the daemons, their sockets, gloo between the ranks.
+
+- A save with ``replicas=1`` is node-safe; node 1's ranks *and* its daemon
+  are SIGKILLed, node 1 gets a fresh empty daemon, and 4 new ranks load the
+  newest node-safe checkpoint bit for bit (node 1's shards from the
+  replicas on node 0), then train on bit-identical to the run that was not
+  interrupted.
+- A node lost during a save leaves the previous node-safe checkpoint usable.
+- A flipped byte in one copy is DATA_LOSS, and the reader takes the other.
+- A peer whose daemon is down (its ranks live) makes the save say it is not
+  node-safe, and training goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from conftest import Daemon, bit_equal
+
+WORKER = Path(__file__).resolve().parent / "node_worker.py"
+WORLD = 4
+NODE_OF = [0, 0, 1, 1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    """Two nodes' daemons, and the jobs run on them."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.out = base / "out"
+        self.out.mkdir()
+        self.job_id = f"nodes-{uuid.uuid4().hex[:8]}"
+        self.daemons: List[Daemon] = []
+        for node in (0, 1):
+            rt = base / f"node{node}"
+            rt.mkdir(mode=0o700)
+            self.daemons.append(Daemon(rt, "256MiB", "16MiB").start())
+        self.procs: List[subprocess.Popen] = []
+
+    def start(self, phase: str, **extra: Any) -> None:
+        port = _free_port()
+        self.phase = phase
+        self.procs = []
+        for rank in range(WORLD):
+            node = NODE_OF[rank]
+            cfg = {"phase": phase, "world": WORLD, "out": str(self.out), "job_id": self.job_id,
+                   "runtime_dir": self.daemons[node].runtime_dir,
+                   "fallback_dir": str(self.base / f"fallback{node}"), **extra}
+            path = self.out / f"{phase}-cfg{rank}.json"
+            path.write_text(json.dumps(cfg))
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % 2),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                       MEMOFFLOAD_REPLICATION_ADDRESS=f"127.0.0.{2 + node}",
+                       MEMOFFLOAD_REPLICATION_TIMEOUT_S="60")
+            env.pop("MEMOFFLOAD_JOB_ID", None)
+            err = open(self.out / f"{phase}-rank{rank}.stderr", "wb")
+            self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path), str(rank)],
+                                               env=env, stdout=subprocess.DEVNULL, stderr=err))
+
+    def err(self, rank: int) -> str:
+        return (self.out / f"{self.phase}-rank{rank}.stderr").read_text()[-4000:]
+
+    def wait(self, ranks=range(WORLD), timeout: float = 180) -> None:
+        for rank in ranks:
+            try:
+                self.procs[rank].wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                pytest.fail(f"rank {rank} of {self.phase} did not finish: {self.err(rank)}")
+            assert self.procs[rank].returncode == 0, \
+                f"rank {rank} exited {self.procs[rank].returncode}: {self.err(rank)}"
+
+    def wait_for(self, name: str, ranks=range(WORLD), timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        for rank in ranks:
+            path = self.out / f"{name}-rank{rank}"
+            while not path.exists():
+                if self.procs[rank].poll() is not None:
+                    pytest.fail(f"rank {rank} exited {self.procs[rank].returncode}: {self.err(rank)}")
+                if time.monotonic() > deadline:
+                    self.kill()
+                    pytest.fail(f"{path} did not appear: {self.err(rank)}")
+                time.sleep(0.05)
+
+    def kill(self, ranks=range(WORLD)) -> None:
+        for rank in ranks:
+            p = self.procs[rank]
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
+
+    def lose_node(self, node: int) -> None:
+        """SIGKILLs the node's ranks and its daemon, then starts a fresh,
+        empty daemon in its runtime dir."""
+        self.kill([r for r in range(WORLD) if NODE_OF[r] == node])
+        self.daemons[node].kill()
+        self.daemons[node].start()
+
+    def result(self, rank: int, phase: str = "") -> Dict[str, Any]:
+        return json.loads((self.out / f"{phase or self.phase}-rank{rank}.json").read_text())
+
+    def state(self, phase: str, tag: str, rank: int) -> Dict[str, torch.Tensor]:
+        return torch.load(self.out / f"{phase}-{tag}-rank{rank}.pt", weights_only=False)
+
+    def regions(self, node: int) -> List[str]:
+        from memoffload.torch import _checkpoint_store as store
+
+        s, _ = store.attach(self.daemons[node].runtime_dir, self.job_id, -1, True)
+        names = [r["name"] for r in s.list("dcp/")]
+        store.forget(s)
+        return names
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for d in self.daemons:
+            d.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):
+    c = Cluster(tmp_path)
+    yield c
+    c.stop()
+
+
+def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: str) -> None:
+    assert sorted(a) == sorted(b), what
+    different = [k for k in a if not bit_equal(a[k], b[k])]
+    assert not different, f"{what}: {different[:5]}"
+
+
+def test_a_lost_node_restores_from_the_replicas_bit_for_bit_and_trains_on(cluster):
+    cluster.start("train", hold=True)
+    cluster.wait_for("held")
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        for ckpt in ("step-2", "step-4"):
+            assert r[ckpt]["mode"] == "daemon", r
+            assert r[ckpt]["node_safe"] is True, r[ckpt]["why"]
+        assert r["step-4"]["held"], r  # each rank holds its buddy's shard
+        assert r["step-4"]["deleted"] == (["step-2"] if rank in (0, 2) else []), r
+    assert any("is node-safe" in line for line in cluster.result(0)["log"])
+    # Each node holds every piece: its own shards, the other node's, .metadata.
+    for node in (0, 1):
+        names = cluster.regions(node)
+        assert {f"dcp/step-4/__{r}_0.distcp" for r in range(WORLD)} <= set(names), names
+        assert {"dcp/step-4/.metadata", "dcp/step-4/.node-safe"} <= set(names), names
+    cluster.lose_node(1)
+    cluster.kill()  # the job restarts as a whole
+    assert cluster.regions(1) == []
+
+    cluster.start("restore")
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["latest"] == "step-4" and r["step"] == 4 and r["load_mode"] == "daemon", r
+        assert_same(cluster.state("restore", "loaded", rank), cluster.state("train", "saved", rank),
+                    f"rank {rank} loaded")
+        assert_same(cluster.state("restore", "final", rank), cluster.state("train", "final", rank),
+                    f"rank {rank} trained on")
+        replica = [where for where in r["sources"].values() if where != "local daemon"]
+        assert bool(replica) == (NODE_OF[rank] == 1), r["sources"]
+        if replica:
+            assert all("node0" in where for where in replica), replica
+
+
+def test_without_replicas_each_node_finds_every_piece_after_a_restart(cluster):
+    """Before issue 33 only the coordinator's node got .metadata: node 1's
+    ranks could not load, and no rank could read a piece DCP had stored once
+    in another node's region (a replicated item, deduplicated)."""
+    cluster.start("train", replicas=0)
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["step-4"]["mode"] == "daemon" and r["step-4"]["node_safe"] is False, r
+        assert r["step-4"]["why"] == "", r
+    for node in (0, 1):
+        names = set(cluster.regions(node))
+        assert "dcp/step-4/.metadata" in names and "dcp/step-4/.layout" in names, names
+        assert "dcp/step-4/.node-safe" not in names, names
+        assert "dcp/step-2/.metadata" not in names, names  # keep_last=1 on each node
+    cluster.start("restore", node_safe=False)
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["latest"] == "step-4" and r["step"] == 4, r
+        assert_same(cluster.state("restore", "loaded", rank), cluster.state("train", "saved", rank),
+                    f"rank {rank} loaded")
+        assert_same(cluster.state("restore", "final", rank), cluster.state("train", "final", rank),
+                    f"rank {rank} trained on")
+    # Node 1 lost without replicas: no rank may start from step-4 (its shards are gone).
+    cluster.lose_node(1)
+    cluster.start("restore", node_safe=False)
+    for rank in range(WORLD):
+        cluster.procs[rank].wait(timeout=180)
+    assert all(cluster.result(rank)["latest"] is None for rank in range(WORLD))
+
+
+def test_a_node_lost_during_a_save_leaves_the_previous_node_safe_checkpoint(cluster):
+    cluster.start("die_mid_save", node1_daemon_pid=cluster.daemons[1].proc.pid)
+    deadline = time.monotonic() + 180
+    while cluster.procs[2].poll() is None:  # rank 2 kills its daemon and itself mid-write
+        assert time.monotonic() < deadline, cluster.err(2)
+        time.sleep(0.05)
+    assert cluster.procs[2].returncode == -signal.SIGKILL, cluster.err(2)
+    r = cluster.result(0)
+    assert r["step-2"]["node_safe"] is True, r
+    cluster.kill()
+    cluster.daemons[1].proc.wait()
+    cluster.daemons[1].start()
+
+    cluster.start("restore")
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["latest"] == "step-2" and r["step"] == 2, r
+        assert_same(cluster.state("restore", "loaded", rank),
+                    cluster.state("die_mid_save", "saved", rank), f"rank {rank} loaded")
+
+
+def test_a_flipped_byte_is_data_loss_and_the_reader_takes_the_other_copy(cluster):
+    cluster.start("flip")
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["node_safe"] is True and r["step"] == 2, r
+        assert_same(cluster.state("flip", "loaded", rank), cluster.state("flip", "saved", rank),
+                    f"rank {rank} loaded")
+    r0 = cluster.result(0)
+    assert r0["sources"]["dcp/step-2/__0_0.distcp"].startswith("the daemon of rank 2"), r0["sources"]
+    assert any("is damaged" in line and "DATA_LOSS" in line.upper() for line in r0["log"]), r0["log"]
+    for rank in (1, 2, 3):
+        assert set(cluster.result(rank)["sources"].values()) == {"local daemon"}
+
+
+def test_a_peer_daemon_down_makes_the_save_not_node_safe_and_training_goes_on(cluster):
+    cluster.start("peer_down")
+    cluster.wait_for("saved")
+    cluster.daemons[1].kill()  # node 1's ranks live on
+    (cluster.out / "go").write_text("")
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["step-2"]["node_safe"] is True, r
+        assert r["step-4"]["node_safe"] is False and r["step-4"]["mode"] == "filesystem", r
+        assert "filesystem" in r["step-4"]["why"], r
+        assert r["trained_to"] == 6
+        assert r["latest_node_safe"] == "step-2", r
