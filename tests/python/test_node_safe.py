@@ -48,13 +48,15 @@ def _free_port() -> int:
 class Cluster:
     """Two nodes' daemons, and the jobs run on them."""
 
-    def __init__(self, base: Path) -> None:
+    def __init__(self, base: Path, node_of: List[int] = NODE_OF) -> None:
         self.base = base
+        self.node_of = node_of
+        self.world = len(node_of)
         self.out = base / "out"
         self.out.mkdir()
         self.job_id = f"nodes-{uuid.uuid4().hex[:8]}"
         self.daemons: List[Daemon] = []
-        for node in (0, 1):
+        for node in sorted(set(node_of)):
             rt = base / f"node{node}"
             rt.mkdir(mode=0o700)
             self.daemons.append(Daemon(rt, "256MiB", "16MiB").start())
@@ -64,14 +66,15 @@ class Cluster:
         port = _free_port()
         self.phase = phase
         self.procs = []
-        for rank in range(WORLD):
-            node = NODE_OF[rank]
-            cfg = {"phase": phase, "world": WORLD, "out": str(self.out), "job_id": self.job_id,
+        for rank in range(self.world):
+            node = self.node_of[rank]
+            cfg = {"phase": phase, "world": self.world, "out": str(self.out), "job_id": self.job_id,
                    "runtime_dir": self.daemons[node].runtime_dir,
                    "fallback_dir": str(self.base / f"fallback{node}"), **extra}
             path = self.out / f"{phase}-cfg{rank}.json"
             path.write_text(json.dumps(cfg))
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank % 2),
+            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world),
+                       LOCAL_RANK=str(self.node_of[:rank].count(node)),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                        MEMOFFLOAD_REPLICATION_ADDRESS=f"127.0.0.{2 + node}",
                        MEMOFFLOAD_REPLICATION_TIMEOUT_S="60")
@@ -83,8 +86,8 @@ class Cluster:
     def err(self, rank: int) -> str:
         return (self.out / f"{self.phase}-rank{rank}.stderr").read_text()[-4000:]
 
-    def wait(self, ranks=range(WORLD), timeout: float = 180) -> None:
-        for rank in ranks:
+    def wait(self, ranks=None, timeout: float = 180) -> None:
+        for rank in range(self.world) if ranks is None else ranks:
             try:
                 self.procs[rank].wait(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -93,9 +96,9 @@ class Cluster:
             assert self.procs[rank].returncode == 0, \
                 f"rank {rank} exited {self.procs[rank].returncode}: {self.err(rank)}"
 
-    def wait_for(self, name: str, ranks=range(WORLD), timeout: float = 180) -> None:
+    def wait_for(self, name: str, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
-        for rank in ranks:
+        for rank in range(self.world):
             path = self.out / f"{name}-rank{rank}"
             while not path.exists():
                 if self.procs[rank].poll() is not None:
@@ -105,8 +108,8 @@ class Cluster:
                     pytest.fail(f"{path} did not appear: {self.err(rank)}")
                 time.sleep(0.05)
 
-    def kill(self, ranks=range(WORLD)) -> None:
-        for rank in ranks:
+    def kill(self, ranks=None) -> None:
+        for rank in range(self.world) if ranks is None else ranks:
             p = self.procs[rank]
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
@@ -115,7 +118,7 @@ class Cluster:
     def lose_node(self, node: int) -> None:
         """SIGKILLs the node's ranks and its daemon, then starts a fresh,
         empty daemon in its runtime dir."""
-        self.kill([r for r in range(WORLD) if NODE_OF[r] == node])
+        self.kill([r for r in range(self.world) if self.node_of[r] == node])
         self.daemons[node].kill()
         self.daemons[node].start()
 
@@ -158,7 +161,7 @@ def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: st
 def test_a_lost_node_restores_from_the_replicas_bit_for_bit_and_trains_on(cluster):
     cluster.start("train", hold=True)
     cluster.wait_for("held")
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         for ckpt in ("step-2", "step-4"):
             assert r[ckpt]["mode"] == "daemon", r
@@ -177,7 +180,7 @@ def test_a_lost_node_restores_from_the_replicas_bit_for_bit_and_trains_on(cluste
 
     cluster.start("restore")
     cluster.wait()
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["latest"] == "step-4" and r["step"] == 4 and r["load_mode"] == "daemon", r
         assert_same(cluster.state("restore", "loaded", rank), cluster.state("train", "saved", rank),
@@ -196,7 +199,7 @@ def test_without_replicas_each_node_finds_every_piece_after_a_restart(cluster):
     in another node's region (a replicated item, deduplicated)."""
     cluster.start("train", replicas=0)
     cluster.wait()
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["step-4"]["mode"] == "daemon" and r["step-4"]["node_safe"] is False, r
         assert r["step-4"]["why"] == "", r
@@ -207,7 +210,7 @@ def test_without_replicas_each_node_finds_every_piece_after_a_restart(cluster):
         assert "dcp/step-2/.metadata" not in names, names  # keep_last=1 on each node
     cluster.start("restore", node_safe=False)
     cluster.wait()
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["latest"] == "step-4" and r["step"] == 4, r
         assert_same(cluster.state("restore", "loaded", rank), cluster.state("train", "saved", rank),
@@ -237,7 +240,7 @@ def test_a_node_lost_during_a_save_leaves_the_previous_node_safe_checkpoint(clus
 
     cluster.start("restore")
     cluster.wait()
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["latest"] == "step-2" and r["step"] == 2, r
         assert_same(cluster.state("restore", "loaded", rank),
@@ -247,7 +250,7 @@ def test_a_node_lost_during_a_save_leaves_the_previous_node_safe_checkpoint(clus
 def test_a_flipped_byte_is_data_loss_and_the_reader_takes_the_other_copy(cluster):
     cluster.start("flip")
     cluster.wait()
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["node_safe"] is True and r["step"] == 2, r
         assert_same(cluster.state("flip", "loaded", rank), cluster.state("flip", "saved", rank),
@@ -265,10 +268,38 @@ def test_a_peer_daemon_down_makes_the_save_not_node_safe_and_training_goes_on(cl
     cluster.daemons[1].kill()  # node 1's ranks live on
     (cluster.out / "go").write_text("")
     cluster.wait()
-    for rank in range(WORLD):
+    for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["step-2"]["node_safe"] is True, r
         assert r["step-4"]["node_safe"] is False and r["step-4"]["mode"] == "filesystem", r
         assert "filesystem" in r["step-4"]["why"], r
         assert r["trained_to"] == 6
         assert r["latest_node_safe"] == "step-2", r
+
+
+def test_three_nodes_a_lost_middle_node_restores_from_the_next_one(tmp_path):
+    """3 nodes of 1 rank: rank r's replica is on node r+1 (ring), so no node
+    holds both copies of a shard; node 1 lost, its shard comes from node 2."""
+    cluster = Cluster(tmp_path, node_of=[0, 1, 2])
+    try:
+        cluster.start("train")
+        cluster.wait()
+        for rank in range(3):
+            r = cluster.result(rank)
+            assert r["step-4"]["node_safe"] is True, r
+            assert r["step-4"]["held"] == [f"dcp/step-4/__{(rank - 1) % 3}_0.distcp"], r
+        for node in range(3):
+            names = set(cluster.regions(node))
+            own = {f"dcp/step-4/__{node}_0.distcp", f"dcp/step-4/__{(node - 1) % 3}_0.distcp"}
+            assert {n for n in names if n.endswith(".distcp")} == own, names
+        cluster.lose_node(1)
+        cluster.start("restore")
+        cluster.wait()
+        for rank in range(3):
+            r = cluster.result(rank)
+            assert r["latest"] == "step-4", r
+            assert_same(cluster.state("restore", "loaded", rank), cluster.state("train", "saved", rank),
+                        f"rank {rank} loaded")
+        assert cluster.result(1)["sources"]["dcp/step-4/__1_0.distcp"].startswith("the daemon of rank 2")
+    finally:
+        cluster.stop()

@@ -206,7 +206,11 @@ def newest_loadable(link: Link, summary: Dict[str, Any], node_safe: bool) -> Opt
     each on some node (without a .layout, one every rank's node has whole);
     with ``node_safe``, only those some node marked node-safe. In the
     fallback dirs, one every rank sees. The same answer on every rank."""
-    everyone = link.submit(lambda: link.all_gather(summary)).result()
+    return choose(link.submit(lambda: link.all_gather(summary)).result(), node_safe)
+
+
+def choose(everyone: List[Dict[str, Any]], node_safe: bool) -> Optional[str]:
+    """:func:`newest_loadable`'s rule over every rank's :func:`local_summary`."""
     best: Optional[Tuple[float, str]] = None
     ids = {c for s in everyone for c in s["daemon"]}
     for ckpt in ids:
