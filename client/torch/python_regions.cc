@@ -223,7 +223,9 @@ void BindRegions(py::module_& m) {
            "Lets go of the session; it ends once no writer or reader made by it is alive.")
       .def_property_readonly("closed", &RegionStore::closed)
       .def_property_readonly("session_id",
-                             [](const RegionStore& s) { return Take(s.session_id()); });
+                             [](const RegionStore& s) { return Take(s.session_id()); })
+      .def_property_readonly("instance_id",
+                             [](const RegionStore& s) { return Take(s.instance_id()); });
 }
 
 }  // namespace memoffload::torch::python

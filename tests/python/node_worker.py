@@ -5,8 +5,8 @@ own loopback address for the replicas (``$MEMOFFLOAD_REPLICATION_ADDRESS``).
 
 Phases (``cfg["phase"]``):
 
-- ``train``: trains steps 1..6, saving ``step-2`` and ``step-4`` with
-  ``replicas=1`` (``cfg["replicas"]``); keeps what was saved at step 4 and the final state of this
+- ``train``: trains steps 1..6, saving ``step-2`` (``dcp.save``) and
+  ``step-4`` (``dcp.async_save``) with ``replicas=1`` (``cfg["replicas"]``); keeps what was saved at step 4 and the final state of this
   uninterrupted run (``<out>/<phase>-<tag>-rank<r>.pt``); then, with
   ``cfg["hold"]``, writes ``held-rank<r>`` and waits to be SIGKILLed.
 - ``restore``: new ranks (a node's daemon may be new and empty) load
@@ -101,10 +101,16 @@ def _writer(cfg: Dict[str, Any]):
                             keep_last=1)
 
 
-def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str) -> None:
+def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str, group=None) -> None:
+    """A save, then its replication waited for; with ``group``, dcp.async_save
+    on it (the writer stages, DCP's thread saves)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(model, opt, step), storage_writer=writer, checkpoint_id=ckpt)
+    if group is None:
+        dcp.save(_state(model, opt, step), storage_writer=writer, checkpoint_id=ckpt)
+    else:
+        dcp.async_save(_state(model, opt, step), storage_writer=writer, checkpoint_id=ckpt,
+                       process_group=group).result()
     rep = writer.wait_replication()
     result[ckpt] = {"mode": writer.last_mode, "node_safe": rep.node_safe if rep else None,
                     "why": rep.why if rep else None,
@@ -143,10 +149,11 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
     try:
         if phase == "train":
             writer = _writer(cfg)
+            group = dist.new_group(backend="gloo")
             for step in range(1, LAST_STEP + 1):
                 _step(model, opt, step, rank)
-                if step in (2, 4):
-                    _save(writer, model, opt, step, result, f"step-{step}")
+                if step in (2, 4):  # step 4 through dcp.async_save
+                    _save(writer, model, opt, step, result, f"step-{step}", group if step == 4 else None)
                 if step == 4:
                     _keep(cfg, "saved", model, opt, rank)
             _keep(cfg, "final", model, opt, rank)

@@ -274,4 +274,9 @@ Result<uint64_t> RegionStore::session_id() const {
   return client_->session_id();
 }
 
+Result<uint64_t> RegionStore::instance_id() const {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckLive());
+  return client_->instance_id();
+}
+
 }  // namespace memoffload::client

@@ -46,7 +46,7 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     fallback = fallback_dir_of(fallback_dir, job)
     files = filesystem_checkpoints(fallback, job, problems)
     _trusted_files.warn_ignored(problems)
-    link = _replication.multi_node(runtime_dir)
+    link = _replication.multi_node(runtime_dir, store)
     if link is not None:
         found = _node_load.newest_loadable(link, _node_load.local_summary(store, files), node_safe)
     else:

@@ -87,9 +87,9 @@ class MemoffloadReader(StorageReader):
             raise ValueError("MemoffloadReader needs a checkpoint id: dcp.load(..., checkpoint_id=...) "
                              "(latest_checkpoint() names the newest)")
         runtime_dir = _store.runtime_dir_of(self.runtime_dir)
-        self._link = _replication.multi_node(self.runtime_dir)
         store, reason = _store.attach(self.runtime_dir, self.job_id, _rank_of(None), True,
                                       self.rpc_timeout_ms)
+        self._link = _replication.multi_node(self.runtime_dir, store)
         blob: Optional[bytes] = None
         if store is not None:
             name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)

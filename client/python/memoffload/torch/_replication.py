@@ -2,9 +2,11 @@
 which node, and a gloo process group of its own for the checkpoints' traffic
 between nodes (issue 33, docs/checkpoints.md "Several nodes").
 
-A "node" is a daemon: the host name and the resolved runtime dir of the
-rank's daemon, so that tests give each simulated node its own daemon and
-runtime dir on one machine. Each rank publishes its node in the job's c10d
+A "node" is a daemon: ranks whose sessions are on the same daemon instance
+are on the same node, whatever their host names (pods of one machine) or
+paths, and tests give each simulated node a daemon of its own on one
+machine. A rank without a daemon is a node of its own (its host name and
+runtime dir); it holds nothing. Each rank publishes its node in the job's c10d
 store (the default process group's), and reads everyone else's: no
 collective, so it is safe from any thread.
 
@@ -56,8 +58,15 @@ def timeout_s() -> float:
         raise ValueError(f"${TIMEOUT_ENV}={value!r} is not a number of seconds") from None
 
 
-def node_key(runtime_dir: str) -> str:
-    return f"{socket.gethostname()}:{os.path.realpath(_store.runtime_dir_of(runtime_dir))}"
+def node_key(runtime_dir: str, store: Optional[Any]) -> str:
+    """The daemon instance of ``store``'s session, or, without one, the
+    host name and runtime dir."""
+    if store is not None:
+        try:
+            return f"memoffloadd instance {store.instance_id:016x}"
+        except errors.Error:
+            pass  # the daemon went away: no node to share
+    return f"no daemon at {socket.gethostname()}:{os.path.realpath(_store.runtime_dir_of(runtime_dir))}"
 
 
 @dataclass(frozen=True)
@@ -106,25 +115,25 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-_topologies: Dict[str, Topology] = {}
+# Once per process: the job's ranks stay where they are.
+_topology: Optional[Topology] = None
 _lock = threading.Lock()
 
 
-def topology(runtime_dir: str) -> Optional[Topology]:
+def topology(runtime_dir: str, region_store: Optional[Any]) -> Optional[Topology]:
     """The job's topology (None outside a job of several ranks). Every rank
     must ask once (any call of the writer, the reader or latest_checkpoint
     does): each waits up to the replication timeout for the others'
     answers."""
+    global _topology
     if not _distributed():
         return None
-    key = node_key(runtime_dir)
     with _lock:
-        topo = _topologies.get(key)
-        if topo is not None:
-            return topo
+        if _topology is not None:
+            return _topology
         rank, world = dist.get_rank(), dist.get_world_size()
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"{_PREFIX}/node/{rank}", key)
+        store.set(f"{_PREFIX}/node/{rank}", node_key(runtime_dir, region_store))
         names = [f"{_PREFIX}/node/{r}" for r in range(world)]
         wait = timeout_s()
         try:
@@ -134,9 +143,8 @@ def topology(runtime_dir: str) -> Optional[Topology]:
                 f"rank {rank}: memoffload checkpoints in a job of {world} ranks ask every rank "
                 f"which node it is on, and not every rank answered within {wait:.0f} s ({exc}); "
                 "call the writer, the reader and latest_checkpoint() on every rank") from exc
-        topo = Topology(rank, tuple(store.get(n).decode() for n in names))
-        _topologies[key] = topo
-        return topo
+        _topology = Topology(rank, tuple(store.get(n).decode() for n in names))
+        return _topology
 
 
 # ---- the link ---------------------------------------------------------------
@@ -263,9 +271,10 @@ def link(topo: Topology) -> Link:
         return _link
 
 
-def multi_node(runtime_dir: str) -> Optional[Link]:
-    """The link when the job spans several nodes, else None."""
-    topo = topology(runtime_dir)
+def multi_node(runtime_dir: str, store: Optional[Any]) -> Optional[Link]:
+    """The link when the job spans several nodes, else None. ``store``: this
+    rank's RegionStore (None without a daemon), which names its node."""
+    topo = topology(runtime_dir, store)
     if topo is None or len(topo.nodes) < 2:
         return None
     return link(topo)

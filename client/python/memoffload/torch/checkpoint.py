@@ -179,13 +179,13 @@ class MemoffloadWriter(StorageWriter):
         memory (the save then takes its usual path)."""
         self._drop_staged()
         self.wait_replication()
-        self._link = _replication.multi_node(self.runtime_dir)
         rank = _rank_of(None)
         # Attached at each stage, as the save attaches at each save: the
         # process's store for this job and rank, checked alive (a daemon
         # restart, or another writer's close(), leaves a dead one).
         store, reason = _store.attach(
             self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
+        self._link = _replication.multi_node(self.runtime_dir, store)
         if store is None:
             return self._stage_in_torch(
                 state_dict,
@@ -277,9 +277,9 @@ class MemoffloadWriter(StorageWriter):
         self._is_coordinator = is_coordinator
         self.wait_replication()
         self._job = None
-        self._link = _replication.multi_node(self.runtime_dir)
         self._region_store, self._unreachable_reason = _store.attach(
             self.runtime_dir, self.job_id, self._rank, self.checksums, self.rpc_timeout_ms)
+        self._link = _replication.multi_node(self.runtime_dir, self._region_store)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         mode = _RankMode(self._rank, self._region_store is not None, self._unreachable_reason,

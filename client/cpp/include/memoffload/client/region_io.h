@@ -158,6 +158,9 @@ class RegionStore {
   void Close() { client_.reset(); }
   bool closed() const { return client_ == nullptr; }
   Result<uint64_t> session_id() const;
+  // The daemon instance the session is on (random per daemon start): which
+  // node's daemon this is, for checkpoints that span nodes.
+  Result<uint64_t> instance_id() const;
 
  private:
   RegionStore(std::shared_ptr<Client> client, bool checksums)
