@@ -13,7 +13,9 @@ Phases (``cfg["phase"]``):
   ``latest_checkpoint(node_safe=True)`` (``cfg["node_safe"]``), keep the loaded state, train to
   step 6 and keep the final state.
 - ``die_mid_save``: saves ``step-2``, then during the save of ``step-4``
-  rank 2 SIGKILLs its node's daemon and itself (the node is lost).
+  rank ``cfg["killer"]`` SIGKILLs ``cfg["daemon_pid"]`` (its node's daemon:
+  the node is lost) and itself, or, without one, only itself 2 s later.
+  ``restore`` with ``cfg["resave"]`` saves ``step-4`` again.
 - ``flip``: saves ``step-2`` through ``stage()`` (the staged tensors are the
   committed region's bytes), flips a byte of rank 0's shard through them,
   and loads ``step-2`` back on every rank.
@@ -166,6 +168,10 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             _keep(cfg, "loaded", model, opt, rank)
             for s in range(step + 1, LAST_STEP + 1):
                 _step(model, opt, s, rank)
+                if s == 4 and cfg.get("resave"):  # the id of the save that died
+                    writer = _writer(cfg)
+                    _save(writer, model, opt, s, result, "step-4")
+                    result["collected"] = writer.last_collected
             _keep(cfg, "final", model, opt, rank)
         elif phase == "die_mid_save":
             writer = _writer(cfg)
@@ -176,9 +182,12 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             out.write_text(json.dumps(result))
             for step in (3, 4):
                 _step(model, opt, step, rank)
-            if rank == 2:
+            if rank == cfg.get("killer", 2):
                 def lose_the_node(region: str, written: int) -> None:
-                    os.kill(cfg["node1_daemon_pid"], signal.SIGKILL)
+                    if cfg.get("daemon_pid"):
+                        os.kill(cfg["daemon_pid"], signal.SIGKILL)
+                    else:  # only this rank dies: the others commit their shards meanwhile
+                        time.sleep(2)
                     os.kill(os.getpid(), signal.SIGKILL)
                 writer._after_append = lose_the_node
             try:

@@ -226,7 +226,7 @@ def test_without_replicas_each_node_finds_every_piece_after_a_restart(cluster):
 
 
 def test_a_node_lost_during_a_save_leaves_the_previous_node_safe_checkpoint(cluster):
-    cluster.start("die_mid_save", node1_daemon_pid=cluster.daemons[1].proc.pid)
+    cluster.start("die_mid_save", daemon_pid=cluster.daemons[1].proc.pid)
     deadline = time.monotonic() + 180
     while cluster.procs[2].poll() is None:  # rank 2 kills its daemon and itself mid-write
         assert time.monotonic() < deadline, cluster.err(2)
@@ -243,6 +243,31 @@ def test_a_node_lost_during_a_save_leaves_the_previous_node_safe_checkpoint(clus
     for rank in range(cluster.world):
         r = cluster.result(rank)
         assert r["latest"] == "step-2" and r["step"] == 2, r
+        assert_same(cluster.state("restore", "loaded", rank),
+                    cluster.state("die_mid_save", "saved", rank), f"rank {rank} loaded")
+
+
+def test_a_save_that_died_leaves_pieces_on_other_nodes_and_its_id_saves_again(cluster):
+    """Rank 0 dies in the save of step-4 after the others committed their
+    shards: node 1 (not the coordinator's) keeps regions of a checkpoint
+    without .metadata. The restarted job loads step-2, and its save of
+    step-4 collects them on each node first (before issue 33's fix, only the
+    coordinator's node was collected: node 1's region names were taken)."""
+    cluster.start("die_mid_save", killer=0)
+    deadline = time.monotonic() + 180
+    while cluster.procs[0].poll() is None:
+        assert time.monotonic() < deadline, cluster.err(0)
+        time.sleep(0.05)
+    cluster.kill()
+    assert "dcp/step-4/__2_0.distcp" in cluster.regions(1)
+    assert "dcp/step-4/.metadata" not in cluster.regions(1)
+    cluster.start("restore", resave=True)
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["latest"] == "step-2", r
+        assert r["step-4"]["mode"] == "daemon" and r["step-4"]["node_safe"] is True, r
+        assert r["collected"] == (["step-4"] if rank in (0, 2) else []), r
         assert_same(cluster.state("restore", "loaded", rank),
                     cluster.state("die_mid_save", "saved", rank), f"rank {rank} loaded")
 

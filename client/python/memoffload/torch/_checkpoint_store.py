@@ -228,6 +228,18 @@ def delete_checkpoint(store: Any, info: StoredCheckpoint) -> None:
             pass  # deleted by someone else meanwhile
 
 
+def collect_dead(store: Any, found: Optional[Dict[str, "StoredCheckpoint"]] = None) -> List[str]:
+    """Deletes what saves that died left (regions without a .metadata: never
+    loadable); returns their ids. Only between saves: a save in flight has
+    no .metadata yet either."""
+    if found is None:
+        found = stored_checkpoints(store)
+    dead = [c for c in found.values() if not c.complete]
+    for info in dead:
+        delete_checkpoint(store, info)
+    return [c.checkpoint_id for c in dead]
+
+
 def retain(store: Any, keep_last: Optional[int], current_id: str) -> List[str]:
     """After ``current_id`` committed: deletes complete checkpoints older than
     the newest ``keep_last`` (never the newest node-safe one) and incomplete

@@ -32,7 +32,7 @@ import torch
 
 from .. import errors, logs
 from . import _checkpoint_store as _store
-from ._replication import Link, Topology, pieces
+from ._replication import NO_DAEMON, Link, Topology, pieces
 
 LAYOUT_NAME = ".layout"
 
@@ -150,6 +150,11 @@ class SaveJob:
         coordinator = next((r for r, t in enumerate(told) if t["coordinator"]), 0)
         result = Replication(self.checkpoint_id, False, nodes=len(topo.nodes))
         why: List[str] = list(failures)
+        homeless = [r for r, key in enumerate(topo.node_of) if key.startswith(NO_DAEMON)]
+        if homeless and self.replicas > 0:
+            # Its node is unknown: a copy sent "elsewhere" might land beside it.
+            why.append(f"rank {homeless[0]} had no daemon when the job learned its nodes; "
+                       "restart the job to have node-safe checkpoints")
         if not failures and self.replicas > 0:
             why += self._replicate(topo, told, result)
         blob: Optional[bytes] = None

@@ -48,6 +48,7 @@ DEFAULT_TIMEOUT_S = 600.0
 # Bytes in flight per stream: what each rank holds at once while sending.
 PIECE_BYTES = 32 << 20
 _PREFIX = "memoffload/link"
+NO_DAEMON = "no daemon at "
 
 
 def timeout_s() -> float:
@@ -66,7 +67,7 @@ def node_key(runtime_dir: str, store: Optional[Any]) -> str:
             return f"memoffloadd instance {store.instance_id:016x}"
         except errors.Error:
             pass  # the daemon went away: no node to share
-    return f"no daemon at {socket.gethostname()}:{os.path.realpath(_store.runtime_dir_of(runtime_dir))}"
+    return f"{NO_DAEMON}{socket.gethostname()}:{os.path.realpath(_store.runtime_dir_of(runtime_dir))}"
 
 
 @dataclass(frozen=True)

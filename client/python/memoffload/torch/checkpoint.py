@@ -282,6 +282,11 @@ class MemoffloadWriter(StorageWriter):
         self._link = _replication.multi_node(self.runtime_dir, self._region_store)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self._link is not None and self._region_store is not None and self._link.topo.leader(
+                self._link.rank):
+            # Every node's lowest rank, before any rank writes (the plans
+            # are gathered first): what dead saves left on this node.
+            self.last_collected = _store.collect_dead(self._region_store)
         mode = _RankMode(self._rank, self._region_store is not None, self._unreachable_reason,
                          _store.runtime_dir_of(self.runtime_dir))
         return dataclasses.replace(plan, storage_data=mode)
@@ -407,10 +412,7 @@ class MemoffloadWriter(StorageWriter):
             raise errors.AlreadyExists(
                 f"checkpoint {self.checkpoint_id!r} of job {self.job_id!r} already exists in the daemon; "
                 "save under a new checkpoint id (e.g. f'step-{step}')")
-        dead = [c for c in found.values() if not c.complete]
-        for info in dead:
-            _store.delete_checkpoint(self._region_store, info)
-        self.last_collected = [c.checkpoint_id for c in dead]
+        self.last_collected += _store.collect_dead(self._region_store, found)
 
     def _write_region(self, region: str, items: List[WriteItem], planner: SavePlanner) -> List[WriteResult]:
         """Resolves every item, then writes them all into one region."""
