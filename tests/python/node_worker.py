@@ -6,7 +6,8 @@ own loopback address for the replicas (``$MEMOFFLOAD_REPLICATION_ADDRESS``).
 Phases (``cfg["phase"]``):
 
 - ``train``: trains steps 1..6, saving ``step-2`` (``dcp.save``) and
-  ``step-4`` (``dcp.async_save``) with ``replicas=1`` (``cfg["replicas"]``); keeps what was saved at step 4 and the final state of this
+  ``step-4`` (``dcp.async_save``) with ``replicas=1`` (``cfg["replicas"]``);
+  keeps what was saved at step 4 and the final state of this
   uninterrupted run (``<out>/<phase>-<tag>-rank<r>.pt``); then, with
   ``cfg["hold"]``, writes ``held-rank<r>`` and waits to be SIGKILLed.
 - ``restore``: new ranks (a node's daemon may be new and empty) load

@@ -196,10 +196,10 @@ class MemoffloadReader(StorageReader):
         readers, self.last_sources = _node_load.fetch(
             self._link, self._region_store, self.checkpoint_id, needed, self.verify)
         local = sum(1 for where in self.last_sources.values() if where == _node_load.LOCAL)
-        logs.log(logging.INFO, f"checkpoint {self.checkpoint_id!r}: {local} region(s) from this node's daemon, {len(self.last_sources) - local} "
-                 "from other nodes" + "".join(f"; {name} from {where}" for name, where in
-                                              sorted(self.last_sources.items())
-                                              if where != _node_load.LOCAL),
+        remote = "".join(f"; {name} from {where}" for name, where in sorted(self.last_sources.items())
+                         if where != _node_load.LOCAL)
+        logs.log(logging.INFO, f"checkpoint {self.checkpoint_id!r}: {local} region(s) from this node's "
+                 f"daemon, {len(self.last_sources) - local} from other nodes{remote}",
                  errors.StatusCode.OK)
         return readers
 
