@@ -20,6 +20,9 @@ Phases (``cfg["phase"]``):
 - ``flip``: saves ``step-2`` through ``stage()`` (the staged tensors are the
   committed region's bytes), flips a byte of rank 0's shard through them,
   and loads ``step-2`` back on every rank.
+- ``bad_device``: a save where one rank's replication address is not its
+  host's (the test sets it): every rank's save must say so, and training
+  goes on.
 - ``peer_down``: saves ``step-2``; then waits until the test killed node 1's
   daemon (its ranks live on), saves ``step-4``, trains on and answers
   ``latest_checkpoint(node_safe=True)``.
@@ -229,6 +232,14 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             result["trained_to"] = 6
             result["latest_node_safe"] = latest_checkpoint(
                 cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"], node_safe=True)
+        elif phase == "bad_device":
+            _step(model, opt, 1, rank)
+            try:
+                _save(_writer(cfg), model, opt, 1, result, "step-1")
+            except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException(BaseException)
+                result["error"] = f"{type(exc).__name__}: {exc}"
+            _step(model, opt, 2, rank)
+            result["trained_to"] = 2
         else:
             raise SystemExit(f"unknown phase {phase!r}")
     finally:

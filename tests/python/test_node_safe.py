@@ -62,7 +62,7 @@ class Cluster:
             self.daemons.append(Daemon(rt, "256MiB", "16MiB").start())
         self.procs: List[subprocess.Popen] = []
 
-    def start(self, phase: str, **extra: Any) -> None:
+    def start(self, phase: str, env_of: Dict[int, Dict[str, str]] = {}, **extra: Any) -> None:
         port = _free_port()
         self.phase = phase
         self.procs = []
@@ -79,6 +79,7 @@ class Cluster:
                        MEMOFFLOAD_REPLICATION_ADDRESS=f"127.0.0.{2 + node}",
                        MEMOFFLOAD_REPLICATION_TIMEOUT_S="60")
             env.pop("MEMOFFLOAD_JOB_ID", None)
+            env.update(env_of.get(rank, {}))
             err = open(self.out / f"{phase}-rank{rank}.stderr", "wb")
             self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path), str(rank)],
                                                env=env, stdout=subprocess.DEVNULL, stderr=err))
@@ -328,3 +329,15 @@ def test_three_nodes_a_lost_middle_node_restores_from_the_next_one(tmp_path):
         assert cluster.result(1)["sources"]["dcp/step-4/__1_0.distcp"].startswith("the daemon of rank 2")
     finally:
         cluster.stop()
+
+
+def test_a_rank_whose_replication_address_is_not_its_own_fails_every_save_clearly(cluster):
+    """Not a 10-minute gloo rendezvous timeout on the other ranks: each
+    rank's device is tried when the job learns its nodes."""
+    cluster.start("bad_device", env_of={3: {"MEMOFFLOAD_REPLICATION_ADDRESS": "192.0.2.1"}})
+    cluster.wait(timeout=120)
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["trained_to"] == 2, r
+        assert "rank 3: $MEMOFFLOAD_REPLICATION_ADDRESS='192.0.2.1'" in r["error"], r["error"]
+        assert "FailedPrecondition" in r["error"] or "FAILED_PRECONDITION" in r["error"], r["error"]

@@ -26,6 +26,7 @@ the ranks submitted it: each rank submits the same jobs in the same order
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import pickle
 import queue
@@ -76,6 +77,8 @@ class Topology:
 
     rank: int
     node_of: Tuple[str, ...]
+    # Per rank: why its replication device cannot be made ("" when it can).
+    problems: Tuple[str, ...] = ()
 
     @property
     def world(self) -> int:
@@ -134,7 +137,8 @@ def topology(runtime_dir: str, region_store: Optional[Any]) -> Optional[Topology
             return _topology
         rank, world = dist.get_rank(), dist.get_world_size()
         store = dist.distributed_c10d._get_default_store()
-        store.set(f"{_PREFIX}/node/{rank}", node_key(runtime_dir, region_store))
+        store.set(f"{_PREFIX}/node/{rank}",
+                  json.dumps([node_key(runtime_dir, region_store), _device_problem()]))
         names = [f"{_PREFIX}/node/{r}" for r in range(world)]
         wait = timeout_s()
         try:
@@ -144,7 +148,8 @@ def topology(runtime_dir: str, region_store: Optional[Any]) -> Optional[Topology
                 f"rank {rank}: memoffload checkpoints in a job of {world} ranks ask every rank "
                 f"which node it is on, and not every rank answered within {wait:.0f} s ({exc}); "
                 "call the writer, the reader and latest_checkpoint() on every rank") from exc
-        _topology = Topology(rank, tuple(store.get(n).decode() for n in names))
+        told = [json.loads(store.get(n).decode()) for n in names]
+        _topology = Topology(rank, tuple(t[0] for t in told), tuple(t[1] for t in told))
         return _topology
 
 
@@ -189,14 +194,7 @@ class Link:
             store = dist.PrefixStore(f"{_PREFIX}/pg", dist.distributed_c10d._get_default_store())
             opts = dist.ProcessGroupGloo._Options()
             opts._timeout = self._timeout
-            address = os.environ.get(ADDRESS_ENV, "")
-            ifname = os.environ.get(IFNAME_ENV, "")
-            if address:
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
-            elif ifname:
-                opts._devices = [dist.ProcessGroupGloo.create_device(interface=ifname)]
-            else:
-                opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+            opts._devices = [_device()]
             self._pg = dist.ProcessGroupGloo(store, self.rank, self.topo.world, opts)
         return self._pg
 
@@ -254,6 +252,30 @@ class Link:
                 work.wait()
 
 
+def _device() -> Any:
+    """The gloo device replicas use: ``$MEMOFFLOAD_REPLICATION_ADDRESS``,
+    else ``$MEMOFFLOAD_REPLICATION_IFNAME``, else gloo's default."""
+    address = os.environ.get(ADDRESS_ENV, "")
+    ifname = os.environ.get(IFNAME_ENV, "")
+    if address:
+        return dist.ProcessGroupGloo.create_device(hostname=address)
+    if ifname:
+        return dist.ProcessGroupGloo.create_device(interface=ifname)
+    return dist.ProcessGroupGloo.create_default_device()
+
+
+def _device_problem() -> str:
+    """Why this rank cannot make its replication device, or ""."""
+    try:
+        _device()
+    except Exception as exc:  # noqa: BLE001 - gloo's own error, named to every rank
+        where = (f"${ADDRESS_ENV}={os.environ.get(ADDRESS_ENV, '')!r}" if os.environ.get(ADDRESS_ENV)
+                 else f"${IFNAME_ENV}={os.environ.get(IFNAME_ENV, '')!r}" if os.environ.get(IFNAME_ENV)
+                 else "gloo's default device ($GLOO_SOCKET_IFNAME or the host name)")
+        return f"{where}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+    return ""
+
+
 _link: Optional[Link] = None
 
 
@@ -278,6 +300,13 @@ def multi_node(runtime_dir: str, store: Optional[Any]) -> Optional[Link]:
     topo = topology(runtime_dir, store)
     if topo is None or len(topo.nodes) < 2:
         return None
+    bad = [(r, p) for r, p in enumerate(topo.problems) if p]
+    if bad:
+        raise errors.FailedPrecondition(
+            "memoffload checkpoints of a job on several nodes need a gloo device on every rank "
+            "for the traffic between nodes; " + "; ".join(f"rank {r}: {p}" for r, p in bad[:4]) +
+            f" (set ${ADDRESS_ENV} to an address of the rank's host, or ${IFNAME_ENV} to an "
+            "interface)")
     return link(topo)
 
 
