@@ -20,6 +20,8 @@ Phases (``cfg["phase"]``):
 - ``flip``: saves ``step-2`` through ``stage()`` (the staged tensors are the
   committed region's bytes), flips a byte of rank 0's shard through them,
   and loads ``step-2`` back on every rank.
+- ``exit_early``: saves ``step-1`` and exits at once, its replication
+  slowed down: the exit waits for it.
 - ``bad_device``: a save where one rank's replication address is not its
   host's (the test sets it): every rank's save must say so, and training
   goes on.
@@ -232,6 +234,14 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             result["trained_to"] = 6
             result["latest_node_safe"] = latest_checkpoint(
                 cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"], node_safe=True)
+        elif phase == "exit_early":
+            from memoffload.torch._node_safe import SaveJob
+
+            SaveJob._before_replicas = lambda: time.sleep(1.5)  # still replicating at exit
+            import torch.distributed.checkpoint as dcp
+
+            _step(model, opt, 1, rank)
+            dcp.save(_state(model, opt, 1), storage_writer=_writer(cfg), checkpoint_id="step-1")
         elif phase == "bad_device":
             _step(model, opt, 1, rank)
             try:

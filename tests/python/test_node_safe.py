@@ -341,3 +341,11 @@ def test_a_rank_whose_replication_address_is_not_its_own_fails_every_save_clearl
         assert r["trained_to"] == 2, r
         assert "rank 3: $MEMOFFLOAD_REPLICATION_ADDRESS='192.0.2.1'" in r["error"], r["error"]
         assert "FailedPrecondition" in r["error"] or "FAILED_PRECONDITION" in r["error"], r["error"]
+
+
+def test_a_trainer_that_exits_right_after_its_save_leaves_it_node_safe(cluster):
+    cluster.start("exit_early")
+    cluster.wait(timeout=120)
+    for node in (0, 1):
+        names = set(cluster.regions(node))
+        assert {"dcp/step-1/.metadata", "dcp/step-1/.node-safe"} <= names, (node, names)

@@ -120,6 +120,9 @@ class _Incoming:
 class SaveJob:
     """One save's work across nodes, run on the link's worker."""
 
+    # Test hook: called on the worker before the replicas are sent.
+    _before_replicas: Optional[Any] = None
+
     def __init__(self, link: Link, store: Any, checkpoint_id: str, regions: List[str],
                  failure: str, is_coordinator: bool, replicas: int, ttl: float,
                  keep_last: Optional[int]) -> None:
@@ -156,6 +159,8 @@ class SaveJob:
             why.append(f"rank {homeless[0]} had no daemon when the job learned its nodes; "
                        "restart the job to have node-safe checkpoints")
         if not failures and self.replicas > 0:
+            if SaveJob._before_replicas is not None:
+                SaveJob._before_replicas()
             why += self._replicate(topo, told, result)
         blob: Optional[bytes] = None
         if self.is_coordinator and not failures:

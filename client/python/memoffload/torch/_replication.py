@@ -25,8 +25,10 @@ the ranks submitted it: each rank submits the same jobs in the same order
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import json
+import logging
 import os
 import pickle
 import queue
@@ -39,13 +41,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import errors
+from .. import errors, logs
 from . import _checkpoint_store as _store
 
 ADDRESS_ENV = "MEMOFFLOAD_REPLICATION_ADDRESS"
 IFNAME_ENV = "MEMOFFLOAD_REPLICATION_IFNAME"
 TIMEOUT_ENV = "MEMOFFLOAD_REPLICATION_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+# At most this long, at exit, for the last save's replication.
+EXIT_WAIT_S = 120.0
 # Bytes in flight per stream: what each rank holds at once while sending.
 PIECE_BYTES = 32 << 20
 _PREFIX = "memoffload/link"
@@ -165,14 +169,34 @@ class Link:
         self.rank = topo.rank
         self._timeout = timedelta(seconds=timeout_s())
         self._pg: Optional[Any] = None
+        self._count_lock = threading.Lock()
+        self._pending = 0  # jobs submitted and not done
         self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], concurrent.futures.Future]]]" = (
             queue.Queue())
         self._thread = threading.Thread(target=self._run, name="memoffload-replication",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self._finish_at_exit)
+
+    def _finish_at_exit(self) -> None:
+        """A trainer that exits right after its last save: the save's
+        replication finishes first (else that checkpoint would not be
+        node-safe, and the peers' half of it would wait for this rank)."""
+        if self._pending == 0:
+            return
+        wait = min(self._timeout.total_seconds(), EXIT_WAIT_S)
+        logs.log(logging.INFO, f"waiting up to {wait:.0f} s at exit for a checkpoint's "
+                 "replication to other nodes to finish", errors.StatusCode.OK)
+        try:
+            self.submit(lambda: None).result(timeout=wait)
+        except concurrent.futures.TimeoutError:
+            logs.log(logging.WARNING, f"exiting with a checkpoint's replication unfinished after "
+                     f"{wait:.0f} s: it is not node-safe", errors.StatusCode.DEADLINE_EXCEEDED)
 
     def submit(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._count_lock:
+            self._pending += 1
         self._jobs.put((fn, fut))
         return fut
 
@@ -188,6 +212,9 @@ class Link:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 - handed to the submitter
                 fut.set_exception(exc)
+            finally:
+                with self._count_lock:
+                    self._pending -= 1
 
     def _group(self) -> Any:
         if self._pg is None:
