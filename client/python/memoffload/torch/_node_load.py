@@ -127,11 +127,9 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
                 buffers[name] = torch.empty(size, dtype=torch.uint8)
                 wanted.setdefault(src, []).append((name, size))
 
-        def take(name: str, offset: int, piece: torch.Tensor) -> None:
-            buffers[name][offset: offset + piece.numel()].copy_(piece)
-
         link.exchange({d: iter(s) for d, s in streams.items()},
-                      {s: iter(_Incoming(regions, take)) for s, regions in wanted.items()})
+                      {s: iter(_Incoming(regions, into=buffers.__getitem__))
+                       for s, regions in wanted.items()})
         failed = link.all_gather({name for dst, s in streams.items() if s.failure
                                   for name, _ in s.regions})
         for r, name, src in plan:

@@ -32,7 +32,7 @@ import torch
 
 from .. import errors, logs
 from . import _checkpoint_store as _store
-from ._replication import NO_DAEMON, Link, Topology, pieces
+from ._replication import NO_DAEMON, PIECE_BYTES, Link, Topology, pieces
 
 LAYOUT_NAME = ".layout"
 
@@ -69,7 +69,8 @@ def _why(exc: BaseException) -> str:
 
 class _Outgoing:
     """One stream of this rank's regions to one peer: pieces read from the
-    local daemon (checksums verified as read), zeros after a failure."""
+    local daemon (checksums verified as read), zeros after a failure. One
+    buffer per stream: a piece is sent before the next is read."""
 
     def __init__(self, store: Any, regions: List[Tuple[str, int]]) -> None:
         self.store, self.regions = store, regions
@@ -84,8 +85,10 @@ class _Outgoing:
             except errors.Error as exc:
                 self.failure = self.failure or f"reading {name}: {_why(exc)}"
             for offset, length in pieces(size):
-                buf = torch.zeros(length, dtype=torch.uint8)
-                if reader is not None and not self.failure:
+                buf = _buffer(self, length)
+                if reader is None or self.failure:
+                    buf.zero_()
+                else:
                     try:
                         reader.read_into(offset, buf)
                     except errors.Error as exc:
@@ -103,18 +106,31 @@ class _Outgoing:
 
 
 class _Incoming:
-    """One stream of a peer's regions into buffers: each piece is handed to
-    ``take(name, offset, piece)`` once received."""
+    """One stream of a peer's regions: each piece is received into
+    ``into(name)[offset:]`` when given, else into the stream's one buffer
+    and handed to ``take(name, offset, piece)``."""
 
-    def __init__(self, regions: List[Tuple[str, int]], take: Any) -> None:
-        self.regions, self.take = regions, take
+    def __init__(self, regions: List[Tuple[str, int]], take: Any = None, into: Any = None) -> None:
+        self.regions, self.take, self.into = regions, take, into
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         for name, size in self.regions:
             for offset, length in pieces(size):
-                buf = torch.empty(length, dtype=torch.uint8)
+                if self.into is not None:
+                    yield self.into(name)[offset: offset + length]
+                    continue
+                buf = _buffer(self, length)
                 yield buf
                 self.take(name, offset, buf)
+
+
+def _buffer(stream: Any, length: int) -> torch.Tensor:
+    """The stream's piece buffer (made once: a fresh one per piece would
+    fault in its pages every time), ``length`` bytes of it."""
+    buf = getattr(stream, "_buf", None)
+    if buf is None:
+        buf = stream._buf = torch.empty(PIECE_BYTES, dtype=torch.uint8)
+    return buf[:length]
 
 
 class SaveJob:
