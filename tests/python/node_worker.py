@@ -151,6 +151,10 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
     logging.getLogger("memoffload").addHandler(records)
     logging.getLogger("memoffload").setLevel(logging.INFO)
     phase = cfg["phase"]
+    if cfg.get("piece_bytes"):  # many pieces per region: every round of the streams
+        from memoffload.torch import _replication
+
+        _replication.PIECE_BYTES = cfg["piece_bytes"]
     result: Dict[str, Any] = {"rank": rank}
     out = Path(cfg["out"], f"{phase}-rank{rank}.json")
     model, opt = _model_and_opt()

@@ -160,7 +160,7 @@ def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: st
 
 
 def test_a_lost_node_restores_from_the_replicas_bit_for_bit_and_trains_on(cluster):
-    cluster.start("train", hold=True)
+    cluster.start("train", hold=True, piece_bytes=3000)  # many rounds per stream
     cluster.wait_for("held")
     for rank in range(cluster.world):
         r = cluster.result(rank)
@@ -179,7 +179,7 @@ def test_a_lost_node_restores_from_the_replicas_bit_for_bit_and_trains_on(cluste
     cluster.kill()  # the job restarts as a whole
     assert cluster.regions(1) == []
 
-    cluster.start("restore")
+    cluster.start("restore", piece_bytes=3000)
     cluster.wait()
     for rank in range(cluster.world):
         r = cluster.result(rank)

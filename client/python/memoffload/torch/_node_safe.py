@@ -32,7 +32,8 @@ import torch
 
 from .. import errors, logs
 from . import _checkpoint_store as _store
-from ._replication import NO_DAEMON, PIECE_BYTES, Link, Topology, pieces
+from . import _replication
+from ._replication import NO_DAEMON, Link, Topology, pieces
 
 LAYOUT_NAME = ".layout"
 
@@ -69,8 +70,8 @@ def _why(exc: BaseException) -> str:
 
 class _Outgoing:
     """One stream of this rank's regions to one peer: pieces read from the
-    local daemon (checksums verified as read), zeros after a failure. One
-    buffer per stream: a piece is sent before the next is read."""
+    local daemon (checksums verified as read), zeros after a failure. Two
+    buffers per stream: the next piece is read while one travels."""
 
     def __init__(self, store: Any, regions: List[Tuple[str, int]]) -> None:
         self.store, self.regions = store, regions
@@ -78,6 +79,7 @@ class _Outgoing:
         self.sent = 0
 
     def __iter__(self) -> Iterator[torch.Tensor]:
+        count = 0
         for name, size in self.regions:
             reader = None
             try:
@@ -85,7 +87,8 @@ class _Outgoing:
             except errors.Error as exc:
                 self.failure = self.failure or f"reading {name}: {_why(exc)}"
             for offset, length in pieces(size):
-                buf = _buffer(self, length)
+                buf = _buffer(self, count, length)
+                count += 1
                 if reader is None or self.failure:
                     buf.zero_()
                 else:
@@ -106,31 +109,39 @@ class _Outgoing:
 
 
 class _Incoming:
-    """One stream of a peer's regions: each piece is received into
-    ``into(name)[offset:]`` when given, else into the stream's one buffer
-    and handed to ``take(name, offset, piece)``."""
+    """One stream of a peer's regions, as (buffer, what to do once it is
+    filled): each piece is received into ``into(name)[offset:]`` when given,
+    else into one of the stream's two buffers and then handed to
+    ``take(name, offset, piece)``."""
 
     def __init__(self, regions: List[Tuple[str, int]], take: Any = None, into: Any = None) -> None:
         self.regions, self.take, self.into = regions, take, into
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[Tuple[torch.Tensor, Any]]:
+        count = 0
         for name, size in self.regions:
             for offset, length in pieces(size):
                 if self.into is not None:
-                    yield self.into(name)[offset: offset + length]
+                    yield self.into(name)[offset: offset + length], _nothing
                     continue
-                buf = _buffer(self, length)
-                yield buf
-                self.take(name, offset, buf)
+                buf = _buffer(self, count, length)
+                count += 1
+                yield buf, (lambda n=name, o=offset, b=buf: self.take(n, o, b))
 
 
-def _buffer(stream: Any, length: int) -> torch.Tensor:
-    """The stream's piece buffer (made once: a fresh one per piece would
-    fault in its pages every time), ``length`` bytes of it."""
-    buf = getattr(stream, "_buf", None)
-    if buf is None:
-        buf = stream._buf = torch.empty(PIECE_BYTES, dtype=torch.uint8)
-    return buf[:length]
+def _nothing() -> None:
+    pass
+
+
+def _buffer(stream: Any, count: int, length: int) -> torch.Tensor:
+    """``length`` bytes of the stream's buffer for its ``count``-th piece:
+    two, alternating (made once: a fresh one per piece would fault in its
+    pages every time)."""
+    bufs = getattr(stream, "_bufs", None)
+    if bufs is None:
+        bufs = stream._bufs = [torch.empty(_replication.PIECE_BYTES, dtype=torch.uint8)
+                              for _ in range(2)]
+    return bufs[count % 2][:length]
 
 
 class SaveJob:

@@ -251,32 +251,42 @@ class Link:
         return pickle.loads(data.numpy().tobytes())
 
     def exchange(self, sends: Dict[int, Iterator[torch.Tensor]],
-                 recvs: Dict[int, Iterator[torch.Tensor]]) -> None:
-        """Streams pieces to and from peers, all streams at once: in each
-        round every stream posts its next piece (a send, or a receive into
-        the buffer its iterator gives; a receive stream's iterator learns
-        that its last buffer is filled when it is asked for the next one),
-        then the round's pieces are waited for. Each side knows how many
+                 recvs: Dict[int, Iterator[Tuple[torch.Tensor, Callable[[], None]]]]) -> None:
+        """Streams pieces to and from peers, all streams at once, in rounds:
+        every stream posts its next piece (a send; or a receive into the
+        buffer its iterator gives, with what to do once it is filled); while
+        they travel, the previous round's received pieces are handed on and
+        the next pieces to send are read (so streams alternate two
+        buffers); then the round is waited for. Each side knows how many
         pieces a stream has, so the rounds always pair up."""
         pg = self._group()
-        live_sends = dict(sends)
+        ahead = {dst: next(it, None) for dst, it in sends.items()}
         live_recvs = dict(recvs)
-        while live_sends or live_recvs:
+        landed: List[Callable[[], None]] = []
+        while True:
             works = []
-            for dst, it in list(live_sends.items()):
-                piece = next(it, None)
+            for dst, piece in list(ahead.items()):
                 if piece is None:
-                    del live_sends[dst]
+                    del ahead[dst]
                     continue
                 works.append(pg.send([piece], dst, 0))
+            arriving: List[Callable[[], None]] = []
             for src, it in list(live_recvs.items()):
-                buf = next(it, None)
-                if buf is None:
+                item = next(it, None)
+                if item is None:
                     del live_recvs[src]
                     continue
-                works.append(pg.recv([buf], src, 0))
+                works.append(pg.recv([item[0]], src, 0))
+                arriving.append(item[1])
+            for done in landed:
+                done()
+            if not works:
+                return
+            for dst in ahead:
+                ahead[dst] = next(sends[dst], None)
             for work in works:
                 work.wait()
+            landed = arriving
 
 
 def _device() -> Any:
