@@ -4,13 +4,13 @@ After each rank has committed its shard into its own node's daemon, every
 rank's replication job (on the link's worker thread, :mod:`._replication`):
 
 1. tells every rank what it wrote (and whether it could);
-2. with ``replicas=k``, streams its shard to the rank with the same local
-   index on each of the next k nodes, which commits it into its own daemon
-   under the same region name, and receives the shards it keeps for others;
-3. receives the coordinator's ``.metadata`` (committed there by DCP's
+2. receives the coordinator's ``.metadata`` (committed there by DCP's
    ``finish``), and the lowest rank of every other node commits it, so that
    each node can find every piece; every node also gets ``.layout`` (the
    data regions the checkpoint has);
+3. with ``replicas=k``, streams its shard to the rank with the same local
+   index on each of the next k nodes, which commits it into its own daemon
+   under the same region name, and receives the shards it keeps for others;
 4. when every shard, ``.metadata`` and ``.layout`` have their copies, the
    lowest rank of each node commits ``.node-safe``; then retention runs on
    each node (``keep_last``, never the newest node-safe checkpoint).
@@ -185,10 +185,8 @@ class SaveJob:
             # Its node is unknown: a copy sent "elsewhere" might land beside it.
             why.append(f"rank {homeless[0]} had no daemon when the job learned its nodes; "
                        "restart the job to have node-safe checkpoints")
-        if not failures and self.replicas > 0:
-            if SaveJob._before_replicas is not None:
-                SaveJob._before_replicas()
-            why += self._replicate(topo, told, result)
+        # The save's end first (the coordinator's finish), so that the
+        # replicas' traffic starts once dcp.save has returned.
         blob: Optional[bytes] = None
         if self.is_coordinator and not failures:
             try:
@@ -203,6 +201,10 @@ class SaveJob:
             mine = self._commit_node_records(topo, told, blob, coordinator)
         ends = self.link.all_gather(mine)
         why += [w for w in ends if w]
+        if blob is not None and self.replicas > 0:
+            if SaveJob._before_replicas is not None:
+                SaveJob._before_replicas()
+            why += self._replicate(topo, told, result)
         if self.replicas > 0 and len(topo.nodes) > 1 and not why:
             result.node_safe = True
             if topo.leader(me):
