@@ -20,6 +20,11 @@ Phases (``cfg["phase"]``):
 - ``flip``: saves ``step-2`` through ``stage()`` (the staged tensors are the
   committed region's bytes), flips a byte of rank 0's shard through them,
   and loads ``step-2`` back on every rank.
+- ``writer_per_save``: a new writer for each of ``step-1`` and ``step-2``,
+  saved one right after the other (with ``cfg["slow_records"]``, each
+  save's .metadata reaches the other node that much later).
+- ``wait_timeout``: ``wait_replication(timeout=0.01)`` expires, then the
+  next save.
 - ``exit_early``: saves ``step-1`` and exits at once, its replication
   slowed down: the exit waits for it.
 - ``bad_device``: a save where one rank's replication address is not its
@@ -106,12 +111,13 @@ def _writer(cfg: Dict[str, Any]):
 
     return MemoffloadWriter(job_id=cfg["job_id"], runtime_dir=cfg["runtime_dir"],
                             fallback_dir=cfg["fallback_dir"], replicas=cfg.get("replicas", 1),
-                            keep_last=1)
+                            keep_last=cfg.get("keep_last", 1))
 
 
-def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str, group=None) -> None:
-    """A save, then its replication waited for; with ``group``, dcp.async_save
-    on it (the writer stages, DCP's thread saves)."""
+def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str, group=None,
+          wait: bool = True) -> None:
+    """A save, then (``wait``) its replication waited for; with ``group``,
+    dcp.async_save on it (the writer stages, DCP's thread saves)."""
     import torch.distributed.checkpoint as dcp
 
     if group is None:
@@ -119,6 +125,8 @@ def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str, grou
     else:
         dcp.async_save(_state(model, opt, step), storage_writer=writer, checkpoint_id=ckpt,
                        process_group=group).result()
+    if not wait:
+        return
     rep = writer.wait_replication()
     result[ckpt] = {"mode": writer.last_mode, "node_safe": rep.node_safe if rep else None,
                     "why": rep.why if rep else None,
@@ -151,6 +159,18 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
     logging.getLogger("memoffload").addHandler(records)
     logging.getLogger("memoffload").setLevel(logging.INFO)
     phase = cfg["phase"]
+    if cfg.get("slow_records"):
+        # A slow link (or a busy worker thread): a save's node records (its
+        # .metadata on the other nodes) land a while after dcp.save returned.
+        from memoffload.torch._node_safe import SaveJob
+
+        commit = SaveJob._commit_node_records
+
+        def slow(self, *args, **kwargs):
+            time.sleep(cfg["slow_records"])
+            return commit(self, *args, **kwargs)
+
+        SaveJob._commit_node_records = slow
     if cfg.get("piece_bytes"):  # many pieces per region: every round of the streams
         from memoffload.torch import _replication
 
@@ -238,6 +258,22 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             result["trained_to"] = 6
             result["latest_node_safe"] = latest_checkpoint(
                 cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"], node_safe=True)
+        elif phase == "writer_per_save":  # README's pattern, saves close together
+            for step in (1, 2):
+                _step(model, opt, step, rank)
+                _save(_writer(cfg), model, opt, step, result, f"step-{step}", wait=False)
+                _keep(cfg, f"saved{step}", model, opt, rank)
+        elif phase == "wait_timeout":
+            writer = _writer(cfg)
+            _step(model, opt, 1, rank)
+            _save(writer, model, opt, 1, result, "step-1", wait=False)
+            _keep(cfg, "saved1", model, opt, rank)
+            try:
+                writer.wait_replication(timeout=0.01)
+            except TimeoutError:
+                result["timed_out"] = True
+            _step(model, opt, 2, rank)
+            _save(writer, model, opt, 2, result, "step-2")
         elif phase == "exit_early":
             from memoffload.torch._node_safe import SaveJob
 

@@ -349,3 +349,36 @@ def test_a_trainer_that_exits_right_after_its_save_leaves_it_node_safe(cluster):
     for node in (0, 1):
         names = set(cluster.regions(node))
         assert {"dcp/step-1/.metadata", "dcp/step-1/.node-safe"} <= names, (node, names)
+
+
+def _both_nodes_hold(cluster: Cluster, ckpt: str) -> None:
+    for node in (0, 1):
+        names = set(cluster.regions(node))
+        shards = {f"dcp/{ckpt}/__{r}_0.distcp" for r in range(WORLD)} | {f"dcp/{ckpt}/.metadata"}
+        assert shards <= names, (node, sorted(names))
+
+
+def test_a_writer_per_save_waits_for_the_previous_saves_replication(cluster):
+    """The next save used to wait only for its own writer's replication: with
+    a writer per save it collected the previous save's regions on node 1 as
+    a dead save's (its .metadata was not there yet)."""
+    cluster.start("writer_per_save", slow_records=1.0, keep_last=2)
+    cluster.wait()
+    cluster.start("restore", node_safe=True)
+    cluster.wait()
+    _both_nodes_hold(cluster, "step-1")
+    _both_nodes_hold(cluster, "step-2")
+    for rank in range(WORLD):
+        assert cluster.result(rank)["latest"] == "step-2"
+        assert_same(cluster.state("restore", "loaded", rank),
+                    cluster.state("writer_per_save", "saved2", rank), f"rank {rank}")
+
+
+def test_wait_replication_that_times_out_raises_and_the_next_save_waits(cluster):
+    cluster.start("wait_timeout", slow_records=1.0, keep_last=2)
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["timed_out"] is True and r["step-2"]["node_safe"] is True, r
+    _both_nodes_hold(cluster, "step-1")
+    _both_nodes_hold(cluster, "step-2")

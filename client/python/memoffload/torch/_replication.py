@@ -193,6 +193,13 @@ class Link:
             logs.log(logging.WARNING, f"exiting with a checkpoint's replication unfinished after "
                      f"{wait:.0f} s: it is not node-safe", errors.StatusCode.DEADLINE_EXCEEDED)
 
+    def drain(self) -> None:
+        """Waits until every job this rank submitted so far has run: the
+        replication of a save made through another writer of this process
+        (one writer per save), whose .metadata may not be on this node yet
+        and whose retention is still to run."""
+        self.submit(lambda: None).result()
+
     def submit(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._count_lock:

@@ -33,6 +33,7 @@ They do not survive a restart of the daemon (docs/checkpoints.md).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import io
 import logging
@@ -186,6 +187,8 @@ class MemoffloadWriter(StorageWriter):
         store, reason = _store.attach(
             self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
         self._link = _replication.multi_node(self.runtime_dir, store)
+        if self._link is not None:
+            self._link.drain()  # another writer's save still replicating
         if store is None:
             return self._stage_in_torch(
                 state_dict,
@@ -225,12 +228,17 @@ class MemoffloadWriter(StorageWriter):
         """Waits for the last save's work across nodes (the copies of
         ``.metadata`` and, with ``replicas``, of the shards) and returns what
         became of it: ``node_safe``, and ``why`` not. None before a save of
-        a job on several nodes (or with ``replicas`` on one)."""
+        a job on several nodes (or with ``replicas`` on one). With
+        ``timeout``, raises ``TimeoutError`` while it still runs (ask again
+        later; the next save waits for it)."""
         pending, self._replicating = self._replicating, None
         if pending is not None:
             try:
                 self.last_replication = pending.result(timeout=timeout)
                 self.last_deleted = self.last_replication.deleted
+            except concurrent.futures.TimeoutError:
+                self._replicating = pending  # still running: the next save waits for it
+                raise
             except Exception as exc:  # noqa: BLE001 - the link failed (a rank died): said, not raised
                 assert self._job is not None
                 self.last_replication = Replication(self._job.checkpoint_id, False,
@@ -280,6 +288,12 @@ class MemoffloadWriter(StorageWriter):
         self._region_store, self._unreachable_reason = _store.attach(
             self.runtime_dir, self.job_id, self._rank, self.checksums, self.rpc_timeout_ms)
         self._link = _replication.multi_node(self.runtime_dir, self._region_store)
+        if self._link is not None:
+            # Another writer's save may still be replicating (a writer per
+            # save): until it is done, its regions on this node may have no
+            # .metadata (the dead saves prepare_local_plan collects) and its
+            # retention is still to run.
+            self._link.drain()
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self._link is not None and self._region_store is not None and self._link.topo.leader(
