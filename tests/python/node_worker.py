@@ -25,6 +25,8 @@ Phases (``cfg["phase"]``):
   save's .metadata reaches the other node that much later).
 - ``wait_timeout``: ``wait_replication(timeout=0.01)`` expires, then the
   next save.
+- ``latest_on_rank_0``: after a save, rank 0 alone calls
+  ``latest_checkpoint``; then every rank saves again and trains on.
 - ``exit_early``: saves ``step-1`` and exits at once, its replication
   slowed down: the exit waits for it.
 - ``bad_device``: a save where one rank's replication address is not its
@@ -274,6 +276,23 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
                 result["timed_out"] = True
             _step(model, opt, 2, rank)
             _save(writer, model, opt, 2, result, "step-2")
+        elif phase == "latest_on_rank_0":
+            writer = _writer(cfg)
+            _step(model, opt, 2, rank)
+            _save(writer, model, opt, 2, result, "step-2")
+            if rank == 0:  # a misuse: "log the newest checkpoint" on one rank of a multi-node job
+                t = time.monotonic()
+                try:
+                    latest_checkpoint(cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"])
+                except Exception as exc:  # noqa: BLE001 - recorded for the test
+                    result["alone"] = f"{type(exc).__name__}: {exc}"
+                result["alone_s"] = time.monotonic() - t
+            _step(model, opt, 4, rank)
+            t = time.monotonic()
+            _save(writer, model, opt, 4, result, "step-4")
+            result["save_s"] = time.monotonic() - t
+            _step(model, opt, 5, rank)
+            result["trained_to"] = 5
         elif phase == "exit_early":
             from memoffload.torch._node_safe import SaveJob
 

@@ -75,9 +75,10 @@ class Cluster:
             path.write_text(json.dumps(cfg))
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(self.world),
                        LOCAL_RANK=str(self.node_of[:rank].count(node)),
+                       LOCAL_WORLD_SIZE=str(self.node_of.count(node)),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                        MEMOFFLOAD_REPLICATION_ADDRESS=f"127.0.0.{2 + node}",
-                       MEMOFFLOAD_REPLICATION_TIMEOUT_S="60")
+                       MEMOFFLOAD_REPLICATION_TIMEOUT_S=str(extra.get("timeout_s", 60)))
             env.pop("MEMOFFLOAD_JOB_ID", None)
             env.update(env_of.get(rank, {}))
             err = open(self.out / f"{phase}-rank{rank}.stderr", "wb")
@@ -382,3 +383,20 @@ def test_wait_replication_that_times_out_raises_and_the_next_save_waits(cluster)
         assert r["timed_out"] is True and r["step-2"]["node_safe"] is True, r
     _both_nodes_hold(cluster, "step-1")
     _both_nodes_hold(cluster, "step-2")
+
+
+def test_latest_checkpoint_on_one_rank_of_a_multi_node_job_fails_clearly_and_training_goes_on(cluster):
+    """It is a collective there. Rank 0 alone waits the replication timeout
+    and gets DEADLINE_EXCEEDED naming the rule; the ranks' next save says
+    they are out of step (not node-safe) at once, instead of pairing
+    different calls on the link or waiting for a gloo timeout."""
+    cluster.start("latest_on_rank_0", timeout_s=5)
+    cluster.wait(timeout=120)
+    r0 = cluster.result(0)
+    assert r0["alone"].startswith("DeadlineExceeded") and "on every rank" in r0["alone"], r0
+    assert r0["alone_s"] < 30, r0
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["step-2"]["node_safe"] is True, r
+        assert r["step-4"]["node_safe"] is False and "out of step" in r["step-4"]["why"], r
+        assert r["save_s"] < 30 and r["trained_to"] == 5, r

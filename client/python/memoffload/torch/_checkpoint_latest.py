@@ -34,9 +34,10 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     fallback directory when that one is newer), or None. ``node_safe``: only
     checkpoints whose every piece has a copy on another node
     (``MemoffloadWriter(replicas=1)``). In a job whose ranks are on several
-    nodes it is a collective (call it on every rank): the answer is the
-    newest checkpoint every rank can load, from its own node or another, the
-    same on every rank. Fallback checkpoints another user could have written
+    nodes (more ranks than ``$LOCAL_WORLD_SIZE``, which torchrun sets; when
+    it is not set, the ranks' daemons tell) it is a collective (call it on
+    every rank): the answer is the newest checkpoint every rank can load,
+    from its own node or another, the same on every rank. Fallback checkpoints another user could have written
     are ignored, with one warning. When the job has none but this user has
     checkpoints under other job ids (a typo in ``job_id``?), one warning
     names them (once per job id and process)."""
@@ -46,7 +47,7 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     fallback = fallback_dir_of(fallback_dir, job)
     files = filesystem_checkpoints(fallback, job, problems)
     _trusted_files.warn_ignored(problems)
-    link = _replication.multi_node(runtime_dir, store)
+    link = _replication.multi_node(runtime_dir, store) if _replication.several_nodes() else None
     if link is not None:
         found = _node_load.newest_loadable(link, _node_load.local_summary(store, files), node_safe)
     else:

@@ -51,7 +51,7 @@ def metadata(link: Link, local: Optional[bytes]) -> Optional[bytes]:
         if all(has) or not any(has):
             return local
         return link.broadcast(local, has.index(True))
-    return link.submit(job).result()
+    return link.submit(job, "a load's metadata").result()
 
 
 def fetch(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str],
@@ -59,7 +59,8 @@ def fetch(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str
     """Readers for ``needed`` regions and where each came from. A region
     missing or damaged (DataLoss) in this node's daemon is streamed from a
     rank whose node holds it; NotFound names what no node had intact."""
-    return link.submit(lambda: _fetch(link, store, checkpoint_id, needed, verify)).result()
+    return link.submit(lambda: _fetch(link, store, checkpoint_id, needed, verify),
+                       f"the load of {checkpoint_id!r}").result()
 
 
 def _closed_on_error(readers: Dict[str, Any]) -> None:
@@ -204,7 +205,8 @@ def newest_loadable(link: Link, summary: Dict[str, Any], node_safe: bool) -> Opt
     each on some node (without a .layout, one every rank's node has whole);
     with ``node_safe``, only those some node marked node-safe. In the
     fallback dirs, one every rank sees. The same answer on every rank."""
-    return choose(link.submit(lambda: link.all_gather(summary)).result(), node_safe)
+    return choose(link.submit(lambda: link.all_gather(summary), "latest_checkpoint").result(),
+                  node_safe)
 
 
 def choose(everyone: List[Dict[str, Any]], node_safe: bool) -> Optional[str]:

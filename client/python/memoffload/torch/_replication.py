@@ -48,6 +48,9 @@ ADDRESS_ENV = "MEMOFFLOAD_REPLICATION_ADDRESS"
 IFNAME_ENV = "MEMOFFLOAD_REPLICATION_IFNAME"
 TIMEOUT_ENV = "MEMOFFLOAD_REPLICATION_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+IN_STEP = ("call latest_checkpoint, the saves and the loads of a job on several nodes on every "
+           "rank, in the same order; this process's checkpoints are no longer replicated "
+           "(restart the job)")
 # At most this long, at exit, for the last save's replication.
 EXIT_WAIT_S = 120.0
 # Bytes in flight per stream: what each rank holds at once while sending.
@@ -169,10 +172,11 @@ class Link:
         self.rank = topo.rank
         self._timeout = timedelta(seconds=timeout_s())
         self._pg: Optional[Any] = None
+        self._calls = 0  # collective jobs so far (_agree)
+        self._broken = ""  # why the group is out of step, once it is
         self._count_lock = threading.Lock()
         self._pending = 0  # jobs submitted and not done
-        self._jobs: "queue.Queue[Optional[Tuple[Callable[[], Any], concurrent.futures.Future]]]" = (
-            queue.Queue())
+        self._jobs: "queue.Queue[Any]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="memoffload-replication",
                                         daemon=True)
         self._thread.start()
@@ -200,11 +204,14 @@ class Link:
         and whose retention is still to run."""
         self.submit(lambda: None).result()
 
-    def submit(self, fn: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
+    def submit(self, fn: Callable[[], Any], call: str = "") -> "concurrent.futures.Future[Any]":
+        """Runs ``fn`` on the worker, after every job submitted before it.
+        ``call`` names a job that uses the group (a collective: every rank
+        submits the same ones, in the same order); "" a local one."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._count_lock:
             self._pending += 1
-        self._jobs.put((fn, fut))
+        self._jobs.put((fn, fut, call))
         return fut
 
     def _run(self) -> None:
@@ -212,16 +219,64 @@ class Link:
             item = self._jobs.get()
             if item is None:
                 return
-            fn, fut = item
+            fn, fut, call = item
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
-                fut.set_result(fn())
+                if call:
+                    self._agree(call)
+                try:
+                    fut.set_result(fn())
+                except errors.Error:
+                    raise  # the daemon's answer: the jobs handle those between collectives
+                except BaseException as exc:
+                    if call:  # a collective failed half-way: the ranks are out of step
+                        self._broken = f"{call} failed: {type(exc).__name__}: {exc}"
+                    raise
             except BaseException as exc:  # noqa: BLE001 - handed to the submitter
                 fut.set_exception(exc)
             finally:
                 with self._count_lock:
                     self._pending -= 1
+
+    def _agree(self, call: str) -> None:
+        """Before a collective job: every rank says, through the job's c10d
+        store, which call it is making as its ``_calls``-th; a rank whose
+        link broke says so. A rank that is not making the same call (say
+        ``latest_checkpoint`` on rank 0 alone) gets a clear error, and the
+        group itself is left in step, untouched."""
+        self._calls += 1
+        store = dist.distributed_c10d._get_default_store()
+        mine = f"broken: {self._broken}" if self._broken else call
+        store.set(f"{_PREFIX}/call/{self._calls}/{self.rank}", mine)
+        if self._broken:  # said, for the ranks that wait on it; nothing to wait for here
+            raise errors.Unavailable(f"the link between this job's nodes is out of step "
+                                     f"({self._broken}): {IN_STEP}")
+        names = [f"{_PREFIX}/call/{self._calls}/{r}" for r in range(self.topo.world)]
+        wait = self._timeout.total_seconds()
+        try:
+            store.wait(names, self._timeout)
+        except Exception as exc:  # noqa: BLE001 - the store's timeout, reworded
+            self._broken = f"{call} was made by this rank alone"
+            raise errors.DeadlineExceeded(
+                f"rank {self.rank}: {call} is a collective across the job's nodes, and not every "
+                f"rank made it within {wait:.0f} s; {IN_STEP}") from exc
+        said = [store.get(n).decode() for n in names]
+        if self._calls > 1:  # every rank has read the previous call's keys
+            store.delete_key(f"{_PREFIX}/call/{self._calls - 1}/{self.rank}")
+        broken = [(r, w) for r, w in enumerate(said) if w.startswith("broken: ")]
+        if broken:
+            r, w = broken[0]
+            self._broken = self._broken or f"rank {r}: {w[len('broken: '):]}"
+            raise errors.Unavailable(
+                f"the link between this job's nodes is out of step ({self._broken}): checkpoints "
+                "of this process are not replicated, and loads that need another node fail; "
+                "restart the job")
+        if any(w != call for w in said):
+            others = "; ".join(f"rank {r}: {w}" for r, w in enumerate(said) if w != call)
+            self._broken = f"rank {self.rank}'s call {self._calls} was {call}, but {others}"
+            raise errors.FailedPrecondition(
+                f"the ranks are out of step across the job's nodes ({self._broken}): {IN_STEP}")
 
     def _group(self) -> Any:
         if self._pg is None:
@@ -336,6 +391,17 @@ def link(topo: Topology) -> Link:
                 f"this process already uses {_link.topo.node_of[_link.rank]!r}, not "
                 f"{topo.node_of[topo.rank]!r}")
         return _link
+
+
+def several_nodes() -> bool:
+    """Whether the job may span nodes, without asking the other ranks: it
+    has several ranks, and more than ``$LOCAL_WORLD_SIZE`` (torchrun's) when
+    that is set. ``latest_checkpoint`` is a collective only then, so that a
+    single-node job may still call it on one rank."""
+    if not _distributed():
+        return False
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return not local.isdigit() or dist.get_world_size() > int(local)
 
 
 def multi_node(runtime_dir: str, store: Optional[Any]) -> Optional[Link]:
