@@ -25,6 +25,9 @@ Phases (``cfg["phase"]``):
   save's .metadata reaches the other node that much later).
 - ``wait_timeout``: ``wait_replication(timeout=0.01)`` expires, then the
   next save.
+- ``in_transit``: ``step-1`` with rank 2's pieces "changed on the way" (its
+  CRC-32s off), then a good ``step-2`` whose load on rank 0 finds its own
+  copy damaged and every other copy arriving damaged.
 - ``latest_on_rank_0``: after a save, rank 0 alone calls
   ``latest_checkpoint``; then every rank saves again and trains on.
 - ``exit_early``: saves ``step-1`` and exits at once, its replication
@@ -276,6 +279,30 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
                 result["timed_out"] = True
             _step(model, opt, 2, rank)
             _save(writer, model, opt, 2, result, "step-2")
+        elif phase == "in_transit":
+            import torch.distributed.checkpoint as dcp
+
+            from memoffload.torch import _node_safe
+
+            crc = _node_safe._crc
+            writer = _writer(cfg)
+            _step(model, opt, 1, rank)
+            if rank == 2:  # every piece rank 2 sends or receives "changes on the way"
+                _node_safe._crc = lambda buf, _n=[0]: crc(buf) ^ (_n.append(0) or len(_n) % 2)
+            _save(writer, model, opt, 1, result, "step-1")
+            _node_safe._crc = crc
+            _step(model, opt, 2, rank)
+            staged = writer.stage(_state(model, opt, 2))
+            dcp.save(staged, storage_writer=writer, checkpoint_id="step-2")
+            result["step-2"] = {"node_safe": writer.wait_replication().node_safe}
+            if rank == 0:  # its own copy damaged, and every other copy arrives damaged
+                next(t for t in _flat_views(staged) if t.numel() > 64).view(-1).view(torch.uint8)[7] ^= 0x40
+                _node_safe._crc = lambda buf, _n=[0]: crc(buf) ^ (_n.append(0) or 1)
+            dist.barrier()
+            try:
+                _load(cfg, model, opt, "step-2", result)
+            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException
+                result["load_error"] = f"{type(exc).__name__}: {exc}"
         elif phase == "latest_on_rank_0":
             writer = _writer(cfg)
             _step(model, opt, 2, rank)

@@ -400,3 +400,21 @@ def test_latest_checkpoint_on_one_rank_of_a_multi_node_job_fails_clearly_and_tra
         assert r["step-2"]["node_safe"] is True, r
         assert r["step-4"]["node_safe"] is False and "out of step" in r["step-4"]["why"], r
         assert r["save_s"] < 30 and r["trained_to"] == 5, r
+
+
+def test_bytes_changed_between_nodes_are_caught_end_to_end(cluster):
+    """A replica whose pieces' CRC-32 differ from what was read on the
+    sender is not committed (not node-safe); a load whose every copy of a
+    region is damaged fails with DATA_LOSS naming each copy tried, after a
+    WARNING per copy."""
+    cluster.start("in_transit")
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert r["step-1"]["node_safe"] is False and "arrived damaged" in r["step-1"]["why"], r
+        assert r["step-2"]["node_safe"] is True, r
+        assert "load_error" in r, r
+    r0 = cluster.result(0)
+    assert "DataLoss" in r0["load_error"] or "DATA_LOSS" in r0["load_error"], r0["load_error"]
+    assert "damaged:" in r0["load_error"] and "from rank 2" in r0["load_error"], r0["load_error"]
+    assert sum("could not be used" in line for line in r0["log"]) == 2, r0["log"]

@@ -37,15 +37,20 @@ def test_replicas_go_to_the_same_local_rank_of_the_next_nodes_never_twice_on_one
     assert _topo(0, [0, 0]).buddies(0, 1) == []  # one node: nowhere to put a replica
 
 
-def test_a_missing_region_is_served_by_a_holder_not_yet_tried_spreading_the_load():
+def test_a_missing_region_is_served_by_another_nodes_holder_not_yet_tried_spreading_the_load():
+    nodes = ("n0", "n0", "n1", "n1")
     asks = [{"missing": [], "have": {"a": 1, "b": 1}},
             {"missing": [], "have": {"a": 1, "b": 1}},
             {"missing": ["a", "b"], "have": {}},
             {"missing": ["a", "c"], "have": {}}]
-    plan = _assign(asks, set())
+    plan = _assign(asks, set(), nodes)
     assert plan == [(2, "a", 0), (2, "b", 1), (3, "a", 0)]  # "c": nobody has it
-    assert _assign(asks, {(0, "a"), (1, "b")}) == [(2, "a", 1), (2, "b", 0), (3, "a", 1)]
-    assert _assign(asks, {(0, "a"), (1, "a"), (0, "b"), (1, "b")}) == []
+    assert _assign(asks, {(0, "a"), (1, "b")}, nodes) == [(2, "a", 1), (2, "b", 0), (3, "a", 1)]
+    assert _assign(asks, {(0, "a"), (1, "a"), (0, "b"), (1, "b")}, nodes) == []
+    # Rank 0 found its node's copy of "x" damaged: rank 1, beside it, has the same copy.
+    damaged = [{"missing": ["x"], "have": {}}, {"missing": [], "have": {"x": 1}},
+               {"missing": [], "have": {"x": 1}}, {"missing": [], "have": {"x": 1}}]
+    assert _assign(damaged, set(), nodes) == [(0, "x", 2)]
 
 
 def _entry(files, committed=None, node_safe=False, layout=None):

@@ -110,9 +110,10 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
         except errors.Error:
             have = {}
     tried: Set[Tuple[int, str]] = set()
+    lost: List[str] = []  # copies tried that could not be used, and why
     for _ in range(ROUNDS):
         asks = link.all_gather({"missing": missing, "have": have})
-        plan = _assign(asks, tried)
+        plan = _assign(asks, tried, topo.node_of)
         if not plan:
             break
         served = [(r, name, src) for r, name, src in plan if src == me]
@@ -128,36 +129,50 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
                 buffers[name] = torch.empty(size, dtype=torch.uint8)
                 wanted.setdefault(src, []).append((name, size))
 
+        incoming = {s: _Incoming(regions, into=buffers.__getitem__) for s, regions in wanted.items()}
         link.exchange({d: iter(s) for d, s in streams.items()},
-                      {s: iter(_Incoming(regions, into=buffers.__getitem__))
-                       for s, regions in wanted.items()})
-        failed = link.all_gather({name for dst, s in streams.items() if s.failure
-                                  for name, _ in s.regions})
+                      {s: iter(i) for s, i in incoming.items()})
+        told = link.all_gather({"failed": {name: s.failure for s in streams.values() if s.failure
+                                           for name, _ in s.regions},
+                                "crcs": {dst: s.crcs for dst, s in streams.items()}})
+        damaged = {(src, name) for src, i in incoming.items()
+                   for name in i.damaged(told[src]["crcs"].get(me, {}))}
         for r, name, src in plan:
-            if name in failed[src]:
-                tried.add((src, name))
-                continue
             tried.add((src, name))
+            why = told[src]["failed"].get(name, "")
+            if r == me and (why or (src, name) in damaged):
+                why = why or "its pieces' CRC-32 differ from what was sent"
+                lost.append(f"{name} from rank {src}: {why}")
+                logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r}: the copy of {name} on "
+                         f"rank {src}'s node could not be used ({why}); trying another",
+                         errors.StatusCode.DATA_LOSS)
+            if why or (src, name) in damaged:
+                continue
             if r == me:
                 readers[name] = BytesReader(name, buffers[name])
                 sources[name] = f"the daemon of rank {src}'s node ({topo.node_of[src]})"
                 missing.remove(name)
     if missing:
-        raise errors.NotFound(
-            f"checkpoint {checkpoint_id!r}: no node of the job holds an intact copy of "
-            f"{', '.join(sorted(missing))} (looked in this node's daemon and every rank's)")
+        what = (f"checkpoint {checkpoint_id!r}: no node of the job holds an intact copy of "
+                f"{', '.join(sorted(missing))} (looked in this node's daemon and every rank's")
+        if bad or lost:
+            raise errors.DataLoss(what + "; damaged: " + "; ".join(sorted(bad) + lost) + ")")
+        raise errors.NotFound(what + ")")
     return readers, sources
 
 
-def _assign(asks: List[Dict[str, Any]], tried: Set[Tuple[int, str]]) -> List[Tuple[int, str, int]]:
+def _assign(asks: List[Dict[str, Any]], tried: Set[Tuple[int, str]],
+            node_of: Tuple[str, ...]) -> List[Tuple[int, str, int]]:
     """(requester, region, server) for every missing region that some rank
-    not yet tried holds, spreading the serving over holders; the same on
-    every rank."""
+    of another node, not yet tried, holds (a rank of the requester's node
+    has the copy the requester found missing or damaged), spreading the
+    serving over holders; the same on every rank."""
     load: Dict[int, int] = {}
     plan = []
     for r, ask in enumerate(asks):
         for name in ask["missing"]:
-            holders = [s for s, a in enumerate(asks) if name in a["have"] and (s, name) not in tried]
+            holders = [s for s, a in enumerate(asks) if name in a["have"] and (s, name) not in tried
+                       and node_of[s] != node_of[r]]
             if not holders:
                 continue
             src = min(holders, key=lambda s: (load.get(s, 0), s))

@@ -25,6 +25,7 @@ import concurrent.futures
 import json
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -77,6 +78,7 @@ class _Outgoing:
         self.store, self.regions = store, regions
         self.failure = ""
         self.sent = 0
+        self.crcs: Dict[str, List[int]] = {}  # per region, each piece's CRC-32 as sent
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         count = 0
@@ -98,6 +100,7 @@ class _Outgoing:
                         self.failure = f"reading {name}: {_why(exc)}"
                         buf.zero_()
                 self.sent += length
+                self.crcs.setdefault(name, []).append(_crc(buf))
                 yield buf
             if reader is not None:
                 try:
@@ -116,21 +119,34 @@ class _Incoming:
 
     def __init__(self, regions: List[Tuple[str, int]], take: Any = None, into: Any = None) -> None:
         self.regions, self.take, self.into = regions, take, into
+        self.crcs: Dict[str, List[int]] = {}  # per region, each piece's CRC-32 as received
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, Any]]:
         count = 0
         for name, size in self.regions:
             for offset, length in pieces(size):
                 if self.into is not None:
-                    yield self.into(name)[offset: offset + length], _nothing
-                    continue
-                buf = _buffer(self, count, length)
-                count += 1
-                yield buf, (lambda n=name, o=offset, b=buf: self.take(n, o, b))
+                    buf = self.into(name)[offset: offset + length]
+                else:
+                    buf = _buffer(self, count, length)
+                    count += 1
+                yield buf, (lambda n=name, o=offset, b=buf: self._landed(n, o, b))
+
+    def _landed(self, name: str, offset: int, buf: torch.Tensor) -> None:
+        self.crcs.setdefault(name, []).append(_crc(buf))
+        if self.take is not None:
+            self.take(name, offset, buf)
+
+    def damaged(self, sent: Dict[str, List[int]]) -> List[str]:
+        """The regions whose pieces did not arrive as they were sent."""
+        return [name for name, _ in self.regions if self.crcs.get(name) != sent.get(name)]
 
 
-def _nothing() -> None:
-    pass
+def _crc(buf: torch.Tensor) -> int:
+    """CRC-32 of a piece, compared end to end: what a rank read from its
+    daemon against what its peer received, before the peer commits or uses
+    it (the daemon's own CRC32C covers each copy at rest)."""
+    return zlib.crc32(memoryview(buf.numpy()))
 
 
 def _buffer(stream: Any, count: int, length: int) -> torch.Tensor:
@@ -253,8 +269,13 @@ class SaveJob:
         self.link.exchange({d: iter(o) for d, o in outgoing.items()},
                            {s: iter(i) for s, i in incoming.items()})
         result.bytes_sent = sum(o.sent for o in outgoing.values())
-        sent = self.link.all_gather([o.failure for o in outgoing.values() if o.failure])
-        broken = {src for src in sources if sent[src]}
+        sent = self.link.all_gather({"failures": [o.failure for o in outgoing.values() if o.failure],
+                                     "crcs": {dst: o.crcs for dst, o in outgoing.items()}})
+        broken = {src for src in sources if sent[src]["failures"]}
+        for src in sources:
+            for name in incoming[src].damaged(sent[src]["crcs"].get(me, {})):
+                problems.append(f"rank {me}: the replica of {name} arrived damaged (its pieces' "
+                                "CRC-32 differ from what was sent)")
         for name, writer in writers.items():
             try:
                 if problems or any(n == name for src in broken for n, _ in told[src]["regions"]):
@@ -265,7 +286,8 @@ class SaveJob:
             except errors.Error as exc:
                 problems.append(f"rank {me}: the replica of {name}: {_why(exc)}")
         ends = self.link.all_gather(problems)
-        return [f"rank {r}: {f}" for r, fs in enumerate(sent) for f in fs] + [p for e in ends for p in e]
+        return ([f"rank {r}: {f}" for r, s in enumerate(sent) for f in s["failures"]] +
+                [p for e in ends for p in e])
 
     def _commit_node_records(self, topo: Topology, told: List[Dict[str, Any]], blob: bytes,
                              coordinator: int) -> str:
