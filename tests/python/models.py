@@ -59,3 +59,30 @@ def transformer_encoder(layers: int = 3, dim: int = 64) -> nn.TransformerEncoder
 
 def tokens(batch: int = 4, length: int = 32, vocab: int = 97) -> torch.Tensor:
     return torch.randint(0, vocab, (batch, length))
+
+
+def fsdp_decoder_and_adamw():
+    """A 2-layer DecoderStack sharded with FSDP2 (``fully_shard`` per layer
+    and at the root; needs an initialized process group), and AdamW over it.
+    The same initial weights on every call (seed 0)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = DecoderStack(layers=2, dim=64, heads=4)
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def local_copies(sd, prefix: str = ""):
+    """{dotted key: a copy of the tensor, a DTensor's local shard} of a nested
+    state dict, for bit-for-bit comparisons."""
+    out = {}
+    if isinstance(sd, dict):
+        for k, v in sd.items():
+            out.update(local_copies(v, f"{prefix}{k}."))
+    elif isinstance(sd, torch.Tensor):
+        local = sd.to_local() if hasattr(sd, "to_local") else sd
+        out[prefix[:-1]] = local.detach().clone()
+    return out

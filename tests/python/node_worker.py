@@ -57,7 +57,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import DecoderStack, tokens  # noqa: E402
+from models import fsdp_decoder_and_adamw as _model_and_opt  # noqa: E402
+from models import local_copies as _flat  # noqa: E402
+from models import tokens  # noqa: E402
 
 LAST_STEP = 6
 
@@ -69,28 +71,6 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(f"{record.levelname} {record.getMessage()}")
-
-
-def _flat(sd: Any, prefix: str = "") -> Dict[str, torch.Tensor]:
-    out: Dict[str, torch.Tensor] = {}
-    if isinstance(sd, dict):
-        for k, v in sd.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-    elif isinstance(sd, torch.Tensor):
-        local = sd.to_local() if hasattr(sd, "to_local") else sd
-        out[prefix[:-1]] = local.detach().clone()
-    return out
-
-
-def _model_and_opt():
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = DecoderStack(layers=2, dim=64, heads=4)
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
 def _step(model, opt, step: int, rank: int) -> None:
