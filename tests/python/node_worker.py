@@ -28,6 +28,8 @@ Phases (``cfg["phase"]``):
 - ``in_transit``: ``step-1`` with rank 2's pieces "changed on the way" (its
   CRC-32s off), then a good ``step-2`` whose load on rank 0 finds its own
   copy damaged and every other copy arriving damaged.
+- ``write_refused``: rank 2's daemon refuses its shard of ``step-1``
+  once; ``step-2`` is saved after it.
 - ``latest_on_rank_0``: after a save, rank 0 alone calls
   ``latest_checkpoint``; then every rank saves again and trains on.
 - ``exit_early``: saves ``step-1`` and exits at once, its replication
@@ -55,6 +57,8 @@ from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
+
+from memoffload import errors
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import fsdp_decoder_and_adamw as _model_and_opt  # noqa: E402
@@ -283,6 +287,21 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
                 _load(cfg, model, opt, "step-2", result)
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException
                 result["load_error"] = f"{type(exc).__name__}: {exc}"
+        elif phase == "write_refused":
+            writer = _writer(cfg)
+            _step(model, opt, 1, rank)
+            if rank == 2:  # its daemon refuses its shard once (a region limit, say)
+                def refuse(region: str, written: int) -> None:
+                    writer._after_append = None
+                    raise errors.ResourceExhausted("refused once by the test")
+                writer._after_append = refuse
+            try:
+                _save(writer, model, opt, 1, result, "step-1")
+            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException
+                result["step-1"] = {"error": f"{type(exc).__name__}: {exc}",
+                                    "why": writer.wait_replication().why}
+            _step(model, opt, 2, rank)
+            _save(writer, model, opt, 2, result, "step-2")
         elif phase == "latest_on_rank_0":
             writer = _writer(cfg)
             _step(model, opt, 2, rank)

@@ -418,3 +418,16 @@ def test_bytes_changed_between_nodes_are_caught_end_to_end(cluster):
     assert "DataLoss" in r0["load_error"] or "DATA_LOSS" in r0["load_error"], r0["load_error"]
     assert "damaged:" in r0["load_error"] and "from rank 2" in r0["load_error"], r0["load_error"]
     assert sum("could not be used" in line for line in r0["log"]) == 2, r0["log"]
+
+
+def test_a_save_one_rank_could_not_write_fails_and_the_next_one_is_node_safe(cluster):
+    """The failed save's background work used to commit a .metadata of None
+    on the other node (a TypeError), which left the link out of step: every
+    later save of the process was not node-safe."""
+    cluster.start("write_refused")
+    cluster.wait()
+    for rank in range(WORLD):
+        r = cluster.result(rank)
+        assert "error" in r["step-1"] and "rank 2" in r["step-1"]["why"], r
+        assert "refused once by the test" in r["step-1"]["why"], r
+        assert r["step-2"]["node_safe"] is True, r

@@ -211,8 +211,9 @@ class SaveJob:
                 blob = None
         blob = self.link.broadcast(blob, coordinator)
         mine = ""
-        if blob is None and not failures:  # (a rank's failure is said already)
-            mine = "the save did not commit its .metadata"
+        if blob is None:
+            if not failures:  # (a rank's failure is said already)
+                mine = "the save did not commit its .metadata"
         elif topo.leader(me):
             mine = self._commit_node_records(topo, told, blob, coordinator)
         ends = self.link.all_gather(mine)
