@@ -123,6 +123,15 @@ def _save(writer, model, opt, step: int, result: Dict[str, Any], ckpt: str, grou
                     "deleted": writer.last_deleted}
 
 
+def _trained_and_saved(cfg: Dict[str, Any], model, opt, rank: int, result: Dict[str, Any]):
+    """Steps 1 and 2, then ``step-2`` saved: the writer."""
+    writer = _writer(cfg)
+    for step in (1, 2):
+        _step(model, opt, step, rank)
+    _save(writer, model, opt, 2, result, "step-2")
+    return writer
+
+
 def _load(cfg: Dict[str, Any], model, opt, ckpt: str, result: Dict[str, Any]) -> int:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
@@ -193,10 +202,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
                     result["collected"] = writer.last_collected
             _keep(cfg, "final", model, opt, rank)
         elif phase == "die_mid_save":
-            writer = _writer(cfg)
-            for step in (1, 2):
-                _step(model, opt, step, rank)
-            _save(writer, model, opt, 2, result, "step-2")
+            writer = _trained_and_saved(cfg, model, opt, rank, result)
             _keep(cfg, "saved", model, opt, rank)
             out.write_text(json.dumps(result))
             for step in (3, 4):
@@ -232,10 +238,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             result["step"] = _load(cfg, model, opt, "step-2", result)
             _keep(cfg, "loaded", model, opt, rank)
         elif phase == "peer_down":
-            writer = _writer(cfg)
-            for step in (1, 2):
-                _step(model, opt, step, rank)
-            _save(writer, model, opt, 2, result, "step-2")
+            writer = _trained_and_saved(cfg, model, opt, rank, result)
             Path(cfg["out"], f"saved-rank{rank}").write_text("")
             while not Path(cfg["out"], "go").exists():
                 time.sleep(0.05)

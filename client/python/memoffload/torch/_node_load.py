@@ -83,7 +83,7 @@ def _fetch(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[st
 
 def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str],
                 verify: bool, readers: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, str]]:
-    me, topo = link.rank, link.topo
+    topo = link.topo
     sources: Dict[str, str] = {}
     missing: List[str] = []
     bad: Set[str] = set()
@@ -116,42 +116,17 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
         plan = _assign(asks, tried, topo.node_of)
         if not plan:
             break
-        served = [(r, name, src) for r, name, src in plan if src == me]
-        outgoing = {}
-        for r, name, _src in served:
-            outgoing.setdefault(r, []).append((name, have[name]))
-        streams = {dst: _Outgoing(store, regions) for dst, regions in outgoing.items()}
-        buffers: Dict[str, torch.Tensor] = {}
-        wanted: Dict[int, List[Tuple[str, int]]] = {}
-        for r, name, src in plan:
-            if r == me:
-                size = asks[src]["have"][name]
-                buffers[name] = torch.empty(size, dtype=torch.uint8)
-                wanted.setdefault(src, []).append((name, size))
-
-        incoming = {s: _Incoming(regions, into=buffers.__getitem__) for s, regions in wanted.items()}
-        link.exchange({d: iter(s) for d, s in streams.items()},
-                      {s: iter(i) for s, i in incoming.items()})
-        told = link.all_gather({"failed": {name: s.failure for s in streams.values() if s.failure
-                                           for name, _ in s.regions},
-                                "crcs": {dst: s.crcs for dst, s in streams.items()}})
-        damaged = {(src, name) for src, i in incoming.items()
-                   for name in i.damaged(told[src]["crcs"].get(me, {}))}
-        for r, name, src in plan:
-            tried.add((src, name))
-            why = told[src]["failed"].get(name, "")
-            if r == me and (why or (src, name) in damaged):
-                why = why or "its pieces' CRC-32 differ from what was sent"
-                lost.append(f"{name} from rank {src}: {why}")
-                logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r}: the copy of {name} on "
-                         f"rank {src}'s node could not be used ({why}); trying another",
-                         errors.StatusCode.DATA_LOSS)
-            if why or (src, name) in damaged:
-                continue
-            if r == me:
-                readers[name] = BytesReader(name, buffers[name])
-                sources[name] = f"the daemon of rank {src}'s node ({topo.node_of[src]})"
-                missing.remove(name)
+        tried |= {(src, name) for _, name, src in plan}
+        fetched, unusable = _round(link, store, plan, asks)
+        for name, src, why in unusable:
+            lost.append(f"{name} from rank {src}: {why}")
+            logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r}: the copy of {name} on rank "
+                     f"{src}'s node could not be used ({why}); trying another",
+                     errors.StatusCode.DATA_LOSS)
+        for name, (src, data) in fetched.items():
+            readers[name] = BytesReader(name, data)
+            sources[name] = f"the daemon of rank {src}'s node ({topo.node_of[src]})"
+            missing.remove(name)
     if missing:
         what = (f"checkpoint {checkpoint_id!r}: no node of the job holds an intact copy of "
                 f"{', '.join(sorted(missing))} (looked in this node's daemon and every rank's")
@@ -159,6 +134,45 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
             raise errors.DataLoss(what + "; damaged: " + "; ".join(sorted(bad) + lost) + ")")
         raise errors.NotFound(what + ")")
     return readers, sources
+
+
+def _round(link: Link, store: Optional[Any], plan: List[Tuple[int, str, int]],
+           asks: List[Dict[str, Any]]) -> Tuple[Dict[str, Tuple[int, torch.Tensor]],
+                                                 List[Tuple[str, int, str]]]:
+    """One round of a fetch: every rank serves what ``plan`` asks of it and
+    receives what it asked for. Returns, for this rank, {region: (server,
+    bytes)} of the copies that arrived intact, and (region, server, why)
+    of those that did not."""
+    me = link.rank
+    outgoing: Dict[int, List[Tuple[str, int]]] = {}
+    wanted: Dict[int, List[Tuple[str, int]]] = {}
+    buffers: Dict[str, torch.Tensor] = {}
+    for r, name, src in plan:
+        if src == me:
+            outgoing.setdefault(r, []).append((name, asks[me]["have"][name]))
+        if r == me:
+            size = asks[src]["have"][name]
+            buffers[name] = torch.empty(size, dtype=torch.uint8)
+            wanted.setdefault(src, []).append((name, size))
+    streams = {dst: _Outgoing(store, regions) for dst, regions in outgoing.items()}
+    incoming = {src: _Incoming(regions, into=buffers.__getitem__) for src, regions in wanted.items()}
+    link.exchange({d: iter(s) for d, s in streams.items()}, {s: iter(i) for s, i in incoming.items()})
+    told = link.all_gather({"failed": {name: s.failure for s in streams.values() if s.failure
+                                       for name, _ in s.regions},
+                            "crcs": {dst: s.crcs for dst, s in streams.items()}})
+    fetched: Dict[str, Tuple[int, torch.Tensor]] = {}
+    unusable: List[Tuple[str, int, str]] = []
+    for src, stream in incoming.items():
+        damaged = stream.damaged(told[src]["crcs"].get(me, {}))
+        for name, _ in stream.regions:
+            why = told[src]["failed"].get(name, "")
+            if not why and name in damaged:
+                why = "its pieces' CRC-32 differ from what was sent"
+            if why:
+                unusable.append((name, src, why))
+            else:
+                fetched[name] = (src, buffers[name])
+    return fetched, unusable
 
 
 def _assign(asks: List[Dict[str, Any]], tried: Set[Tuple[int, str]],

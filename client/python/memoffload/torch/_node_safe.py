@@ -250,6 +250,8 @@ class SaveJob:
         me = topo.rank
         outgoing = {dst: _Outgoing(self.store, told[me]["regions"])
                     for dst in topo.buddies(me, self.replicas)}
+        sources = topo.sources(me, self.replicas)
+        sizes = {n: size for src in sources for n, size in told[src]["regions"]}
         writers: Dict[str, Any] = {}
         problems: List[str] = []
 
@@ -259,13 +261,11 @@ class SaveJob:
             try:
                 writer = writers.get(name)
                 if writer is None:
-                    size = next(s for src in sources for n, s in told[src]["regions"] if n == name)
-                    writer = writers[name] = self.store.create(name, size, self.ttl)
+                    writer = writers[name] = self.store.create(name, sizes[name], self.ttl)
                 writer.append(piece)
             except errors.Error as exc:
                 problems.append(f"rank {me}: the replica of {name}: {_why(exc)}")
 
-        sources = topo.sources(me, self.replicas)
         incoming = {src: _Incoming(told[src]["regions"], take) for src in sources}
         self.link.exchange({d: iter(o) for d, o in outgoing.items()},
                            {s: iter(i) for s, i in incoming.items()})

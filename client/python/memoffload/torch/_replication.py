@@ -128,6 +128,7 @@ def _distributed() -> bool:
 
 # Once per process: the job's ranks stay where they are.
 _topology: Optional[Topology] = None
+_topology_dir = ""
 _lock = threading.Lock()
 
 
@@ -136,11 +137,16 @@ def topology(runtime_dir: str, region_store: Optional[Any]) -> Optional[Topology
     must ask once (any call of the writer, the reader or latest_checkpoint
     does): each waits up to the replication timeout for the others'
     answers."""
-    global _topology
+    global _topology, _topology_dir
     if not _distributed():
         return None
+    where = os.path.realpath(_store.runtime_dir_of(runtime_dir))
     with _lock:
         if _topology is not None:
+            if where != _topology_dir:
+                raise ValueError(
+                    "memoffload checkpoints of a job that spans nodes use one runtime dir per "
+                    f"process; this process already uses {_topology_dir}, not {where}")
             return _topology
         rank, world = dist.get_rank(), dist.get_world_size()
         store = dist.distributed_c10d._get_default_store()
@@ -157,6 +163,7 @@ def topology(runtime_dir: str, region_store: Optional[Any]) -> Optional[Topology
                 "call the writer, the reader and latest_checkpoint() on every rank") from exc
         told = [json.loads(store.get(n).decode()) for n in names]
         _topology = Topology(rank, tuple(t[0] for t in told), tuple(t[1] for t in told))
+        _topology_dir = where
         return _topology
 
 
@@ -216,10 +223,7 @@ class Link:
 
     def _run(self) -> None:
         while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            fn, fut, call = item
+            fn, fut, call = self._jobs.get()
             if not fut.set_running_or_notify_cancel():
                 continue
             try:
@@ -250,8 +254,7 @@ class Link:
         mine = f"broken: {self._broken}" if self._broken else call
         store.set(f"{_PREFIX}/call/{self._calls}/{self.rank}", mine)
         if self._broken:  # said, for the ranks that wait on it; nothing to wait for here
-            raise errors.Unavailable(f"the link between this job's nodes is out of step "
-                                     f"({self._broken}): {IN_STEP}")
+            raise self._out_of_step()
         names = [f"{_PREFIX}/call/{self._calls}/{r}" for r in range(self.topo.world)]
         wait = self._timeout.total_seconds()
         try:
@@ -267,16 +270,17 @@ class Link:
         broken = [(r, w) for r, w in enumerate(said) if w.startswith("broken: ")]
         if broken:
             r, w = broken[0]
-            self._broken = self._broken or f"rank {r}: {w[len('broken: '):]}"
-            raise errors.Unavailable(
-                f"the link between this job's nodes is out of step ({self._broken}): checkpoints "
-                "of this process are not replicated, and loads that need another node fail; "
-                "restart the job")
+            self._broken = f"rank {r}: {w[len('broken: '):]}"
+            raise self._out_of_step()
         if any(w != call for w in said):
             others = "; ".join(f"rank {r}: {w}" for r, w in enumerate(said) if w != call)
             self._broken = f"rank {self.rank}'s call {self._calls} was {call}, but {others}"
             raise errors.FailedPrecondition(
                 f"the ranks are out of step across the job's nodes ({self._broken}): {IN_STEP}")
+
+    def _out_of_step(self) -> errors.Error:
+        return errors.Unavailable(f"the link between this job's nodes is out of step "
+                                  f"({self._broken}): {IN_STEP}")
 
     def _group(self) -> Any:
         if self._pg is None:
@@ -351,15 +355,21 @@ class Link:
             landed = arriving
 
 
+def _device_setting() -> Tuple[str, Dict[str, str]]:
+    """Which setting names the gloo device replicas use, and its arguments:
+    ``$MEMOFFLOAD_REPLICATION_ADDRESS``, else ``$MEMOFFLOAD_REPLICATION_IFNAME``,
+    else gloo's default."""
+    for env, arg in ((ADDRESS_ENV, "hostname"), (IFNAME_ENV, "interface")):
+        value = os.environ.get(env, "")
+        if value:
+            return f"${env}={value!r}", {arg: value}
+    return "gloo's default device ($GLOO_SOCKET_IFNAME or the host name)", {}
+
+
 def _device() -> Any:
-    """The gloo device replicas use: ``$MEMOFFLOAD_REPLICATION_ADDRESS``,
-    else ``$MEMOFFLOAD_REPLICATION_IFNAME``, else gloo's default."""
-    address = os.environ.get(ADDRESS_ENV, "")
-    ifname = os.environ.get(IFNAME_ENV, "")
-    if address:
-        return dist.ProcessGroupGloo.create_device(hostname=address)
-    if ifname:
-        return dist.ProcessGroupGloo.create_device(interface=ifname)
+    _, args = _device_setting()
+    if args:
+        return dist.ProcessGroupGloo.create_device(**args)
     return dist.ProcessGroupGloo.create_default_device()
 
 
@@ -368,10 +378,8 @@ def _device_problem() -> str:
     try:
         _device()
     except Exception as exc:  # noqa: BLE001 - gloo's own error, named to every rank
-        where = (f"${ADDRESS_ENV}={os.environ.get(ADDRESS_ENV, '')!r}" if os.environ.get(ADDRESS_ENV)
-                 else f"${IFNAME_ENV}={os.environ.get(IFNAME_ENV, '')!r}" if os.environ.get(IFNAME_ENV)
-                 else "gloo's default device ($GLOO_SOCKET_IFNAME or the host name)")
-        return f"{where}: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}"
+        first = str(exc).strip().splitlines()
+        return f"{_device_setting()[0]}: {first[0] if first else type(exc).__name__}"
     return ""
 
 
@@ -379,17 +387,12 @@ _link: Optional[Link] = None
 
 
 def link(topo: Topology) -> Link:
-    """The process's link (made on first use). One per process: its group's
-    name in the store is the same on every rank."""
+    """The process's link (made on first use; one topology per process, so
+    one link: its group's name in the store is the same on every rank)."""
     global _link
     with _lock:
         if _link is None:
             _link = Link(topo)
-        elif _link.topo != topo:
-            raise ValueError(
-                "memoffload checkpoints of a job that spans nodes use one runtime dir per process; "
-                f"this process already uses {_link.topo.node_of[_link.rank]!r}, not "
-                f"{topo.node_of[topo.rank]!r}")
         return _link
 
 

@@ -184,11 +184,7 @@ class MemoffloadWriter(StorageWriter):
         # Attached at each stage, as the save attaches at each save: the
         # process's store for this job and rank, checked alive (a daemon
         # restart, or another writer's close(), leaves a dead one).
-        store, reason = _store.attach(
-            self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
-        self._link = _replication.multi_node(self.runtime_dir, store)
-        if self._link is not None:
-            self._link.drain()  # another writer's save still replicating
+        store, reason = self._attach(rank)
         if store is None:
             return self._stage_in_torch(
                 state_dict,
@@ -285,15 +281,21 @@ class MemoffloadWriter(StorageWriter):
         self._is_coordinator = is_coordinator
         self.wait_replication()
         self._job = None
-        self._region_store, self._unreachable_reason = _store.attach(
-            self.runtime_dir, self.job_id, self._rank, self.checksums, self.rpc_timeout_ms)
-        self._link = _replication.multi_node(self.runtime_dir, self._region_store)
+        self._region_store, self._unreachable_reason = self._attach(self._rank)
+
+    def _attach(self, rank: int) -> Tuple[Optional[Any], str]:
+        """The process's store for this job and rank (attach()), and the
+        job's link when it spans nodes, once every save the process started
+        before is done across nodes: another writer's save (a writer per
+        save) may still be replicating, and until then its regions on this
+        node may have no .metadata (the dead saves prepare_local_plan
+        collects) and its retention is still to run."""
+        store, reason = _store.attach(
+            self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
+        self._link = _replication.multi_node(self.runtime_dir, store)
         if self._link is not None:
-            # Another writer's save may still be replicating (a writer per
-            # save): until it is done, its regions on this node may have no
-            # .metadata (the dead saves prepare_local_plan collects) and its
-            # retention is still to run.
             self._link.drain()
+        return store, reason
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self._link is not None and self._region_store is not None and self._link.topo.leader(
