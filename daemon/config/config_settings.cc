@@ -348,8 +348,10 @@ const std::vector<Setting>& Settings() {
                  "arena bytes one job's checkpoint regions may hold (0: only regions.max_bytes)",
                  [](DaemonConfig* c) { return &c->policy.region_job_max_bytes; }),
       U64Setting("regions", "uid_max_bytes", Kind::kSize,
-                 "arena bytes the checkpoint regions of one uid may hold, over all its job ids "
-                 "(default half of regions.max_bytes; 0: only regions.max_bytes)",
+                 "arena bytes the checkpoint regions of one uid may hold, over all its job ids, "
+                 "and, with tenants, the whole chunks they may keep from other tenants (a uid's "
+                 "first region may always pin its chunks; default half of regions.max_bytes; 0: "
+                 "only regions.max_bytes)",
                  [](DaemonConfig* c) { return &c->policy.region_uid_max_bytes; }),
       U64Setting("regions", "ttl", Kind::kDuration,
                  "a committed region is deleted this long after its commit; a request may ask "

@@ -208,18 +208,33 @@ Status QuotaPolicy::CheckRegionBytes(const RegionUsage& u, const std::string& na
   return Status::Ok();
 }
 
-Status QuotaPolicy::CheckRegionChunks(const std::string& name, const std::string& tenant,
-                                      uint64_t pinned_chunk_bytes,
+Status QuotaPolicy::CheckRegionChunks(const std::string& name, const std::string& tenant, uid_t uid,
+                                      uint64_t pinned_chunk_bytes, uint64_t uid_chunk_bytes,
                                       uint64_t more_chunk_bytes) const {
-  if (more_chunk_bytes == 0 || pinned_chunk_bytes + more_chunk_bytes <= policy_.region_max_bytes) {
-    return Status::Ok();
+  if (more_chunk_bytes == 0) return Status::Ok();
+  if (pinned_chunk_bytes + more_chunk_bytes > policy_.region_max_bytes) {
+    return ResourceExhausted(
+        "region " + name + " would pin " + FormatSize(more_chunk_bytes) +
+        " more of the arena's chunks to tenant " + tenant + ": regions would keep " +
+        FormatSize(pinned_chunk_bytes + more_chunk_bytes) + " of chunks from other tenants, over " +
+        FormatSize(policy_.region_max_bytes) +
+        " (regions.max_bytes; a chunk holding a region stays its tenant's)");
   }
-  return ResourceExhausted(
-      "region " + name + " would pin " + FormatSize(more_chunk_bytes) +
-      " more of the arena's chunks to tenant " + tenant + ": regions would keep " +
-      FormatSize(pinned_chunk_bytes + more_chunk_bytes) + " of chunks from other tenants, over " +
-      FormatSize(policy_.region_max_bytes) +
-      " (regions.max_bytes; a chunk holding a region stays its tenant's)");
+  const uint64_t uid_limit = policy_.region_uid_max_bytes;
+  // A uid that pins no chunk yet may pin its first region's, whatever their
+  // size (regions.uid_max_bytes bounds its bytes): so a chunk larger than
+  // the uid's share still lets every uid keep a checkpoint.
+  if (uid_limit != 0 && uid_chunk_bytes != 0 && uid_chunk_bytes + more_chunk_bytes > uid_limit) {
+    return ResourceExhausted(
+        "region " + name + " would pin " + FormatSize(more_chunk_bytes) +
+        " more of the arena's chunks to tenant " + tenant + ": uid " + std::to_string(uid) +
+        "'s regions would keep " + FormatSize(uid_chunk_bytes + more_chunk_bytes) +
+        " of chunks from other tenants, over its " + FormatSize(uid_limit) +
+        " (regions.uid_max_bytes, counted in whole chunks with tenants; by default half of "
+        "regions.max_bytes). Delete old checkpoints of this uid, or put small "
+        "regions of one uid in one job (tenant = uid shares chunks between its jobs)");
+  }
+  return Status::Ok();
 }
 
 Status QuotaPolicy::CheckUidRegionCount(uid_t uid, uint64_t held_count) const {

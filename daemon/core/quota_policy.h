@@ -157,10 +157,15 @@ class QuotaPolicy {
   // whether it can never fit.
   Status CheckRegionBytes(const RegionUsage& usage, const std::string& name, uint64_t bytes) const;
   // With tenants: RESOURCE_EXHAUSTED when region `name` would pin
-  // `more_chunk_bytes` more of the arena's chunks to `tenant` while regions
-  // pin `pinned_chunk_bytes`, past regions.max_bytes.
-  Status CheckRegionChunks(const std::string& name, const std::string& tenant,
-                           uint64_t pinned_chunk_bytes, uint64_t more_chunk_bytes) const;
+  // `more_chunk_bytes` more of the arena's chunks to `tenant` (of `uid`)
+  // while regions pin `pinned_chunk_bytes` in all, `uid_chunk_bytes` of them
+  // for `uid`'s regions: past regions.max_bytes (the node), or past
+  // regions.uid_max_bytes (the uid, once it pins any: a uid that pins small
+  // regions in many chunks leaves the rest to others, and every uid may pin
+  // its first region's chunks). The message names the limit.
+  Status CheckRegionChunks(const std::string& name, const std::string& tenant, uid_t uid,
+                           uint64_t pinned_chunk_bytes, uint64_t uid_chunk_bytes,
+                           uint64_t more_chunk_bytes) const;
   // The one capacity check of a placement: whether `bytes` fit the usable
   // arena now, and leave keep_free_bytes free.
   ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,

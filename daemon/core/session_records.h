@@ -72,10 +72,14 @@ struct JobRegions {
   std::map<std::string, Region> by_name;
 };
 // What each uid's regions hold, over all its job ids (a uid names as many
-// jobs as it likes): regions.uid_max_bytes and max_per_uid bound it.
+// jobs as it likes): regions.uid_max_bytes and max_per_uid bound it. With
+// tenants, chunk_bytes is what its regions keep from other tenants: the
+// bytes of the chunks that hold any of its regions (a tenant is of one uid,
+// so a chunk's regions are all of one uid).
 struct UidRegions {
   uint64_t held_bytes = 0;
   uint64_t count = 0;
+  uint64_t chunk_bytes = 0;
 };
 
 }  // namespace memoffload::daemon::session_records

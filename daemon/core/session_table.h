@@ -267,8 +267,8 @@ class SessionTable {
   SessionSnapshot SnapshotOf(uint64_t id, const Session& session, Clock::time_point now) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts the extents (delta +1) or uncounts them (-1) in the chunks they
-  // pin; with tenants only.
-  void CountRegionChunks(const std::vector<Extent>& extents, int delta)
+  // pin, for the node and for `uid` (their region's); with tenants only.
+  void CountRegionChunks(uid_t uid, const std::vector<Extent>& extents, int delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The bytes of the chunks `extents` would newly pin.
   uint64_t NewRegionChunkBytes(const std::vector<Extent>& extents) const
@@ -453,12 +453,14 @@ class SessionTable {
   // What the session's job, its uid and the node hold in regions, for quota_.
   RegionUsage RegionUsageOf(const Session& session, const JobRegions& job) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Adds the deltas to the uid's tally; forgets a uid left with no region.
+  // Adds the deltas to the uid's tally; forgets a uid left with no region
+  // (its regions' chunks are uncounted first).
   void CountUidRegions(uid_t uid, int64_t bytes_delta, int count_delta)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Region extents in each chunk (sized on first use; with tenants only)
   // and the bytes of the chunks with any: what regions keep from other
-  // tenants, which regions.max_bytes bounds.
+  // tenants, which regions.max_bytes bounds (and, per uid,
+  // UidRegions::chunk_bytes, which regions.uid_max_bytes bounds).
   std::vector<uint32_t> region_extents_in_chunk_ ABSL_GUARDED_BY(mu_);
   uint64_t region_chunk_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 

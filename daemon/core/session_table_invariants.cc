@@ -118,16 +118,27 @@ Status SessionTable::CheckRegionRecords(uint64_t* region_held) const {
 Status SessionTable::CheckRegionChunks() const {
   std::vector<uint32_t> in_chunk(arena_->chunk_count(), 0);
   uint64_t chunk_bytes = 0;
+  std::unordered_map<uid_t, uint64_t> uid_chunk_bytes;
   for (const auto& [key, job] : regions_) {
     for (const auto& [name, r] : job.by_name) {
       for (const Extent& e : r.extents) {
-        if (in_chunk[e.chunk]++ == 0) chunk_bytes += arena_->chunk(e.chunk).size_bytes();
+        if (in_chunk[e.chunk]++ == 0) {
+          chunk_bytes += arena_->chunk(e.chunk).size_bytes();
+          uid_chunk_bytes[r.uid] += arena_->chunk(e.chunk).size_bytes();
+        }
       }
     }
   }
   if (chunk_bytes != region_chunk_bytes_ ||
       (!region_extents_in_chunk_.empty() && in_chunk != region_extents_in_chunk_)) {
     return Internal("the chunks regions pin disagree with the regions");
+  }
+  for (const auto& [uid, u] : uid_regions_) {
+    auto it = uid_chunk_bytes.find(uid);
+    if (u.chunk_bytes != (it == uid_chunk_bytes.end() ? 0 : it->second)) {
+      return Internal("the chunks uid " + std::to_string(uid) +
+                      "'s regions pin disagree with its regions");
+    }
   }
   return Status::Ok();
 }

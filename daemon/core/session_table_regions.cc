@@ -33,13 +33,21 @@ double UnixNow() {
 
 }  // namespace
 
-void SessionTable::CountRegionChunks(const std::vector<Extent>& extents, int delta) {
+void SessionTable::CountRegionChunks(uid_t uid, const std::vector<Extent>& extents, int delta) {
   if (tenant_chunks_.mode() == TenantMode::kNone) return;  // nothing is pinned
   if (region_extents_in_chunk_.empty()) region_extents_in_chunk_.assign(arena_->chunk_count(), 0);
+  uint64_t& uid_bytes = uid_regions_[uid].chunk_bytes;
   for (const Extent& e : extents) {
     uint32_t& n = region_extents_in_chunk_[e.chunk];
-    if (delta > 0 && n++ == 0) region_chunk_bytes_ += arena_->chunk(e.chunk).size_bytes();
-    if (delta < 0 && --n == 0) region_chunk_bytes_ -= arena_->chunk(e.chunk).size_bytes();
+    const uint64_t size = arena_->chunk(e.chunk).size_bytes();
+    if (delta > 0 && n++ == 0) {
+      region_chunk_bytes_ += size;
+      uid_bytes += size;
+    }
+    if (delta < 0 && --n == 0) {
+      region_chunk_bytes_ -= size;
+      uid_bytes -= size;
+    }
   }
 }
 
@@ -84,7 +92,7 @@ void SessionTable::CountUidRegions(uid_t uid, int64_t bytes_delta, int count_del
   UidRegions& u = uid_regions_[uid];
   u.held_bytes = static_cast<uint64_t>(static_cast<int64_t>(u.held_bytes) + bytes_delta);
   u.count = static_cast<uint64_t>(static_cast<int64_t>(u.count) + count_delta);
-  if (u.count == 0) uid_regions_.erase(uid);
+  if (u.count == 0 && u.chunk_bytes == 0) uid_regions_.erase(uid);
 }
 
 Result<SessionTable::JobRegions*> SessionTable::RegionsOf(const Session& session) {
@@ -173,14 +181,16 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
   std::vector<Extent> extents;
   MEMOFFLOAD_RETURN_IF_ERROR(Place(s, rounded, /*single_extent=*/false, 0, &extents, &reject));
   // With tenants, a region keeps its whole chunk from every other tenant for
-  // as long as it lives, so the node cap counts the chunks regions pin.
-  if (Status pins = quota_.CheckRegionChunks(name, s.tenant, region_chunk_bytes_,
+  // as long as it lives, so the node's and the uid's caps count the chunks
+  // regions pin.
+  if (Status pins = quota_.CheckRegionChunks(name, s.tenant, s.peer.uid, region_chunk_bytes_,
+                                             UidRegionsOf(s.peer.uid).chunk_bytes,
                                              NewRegionChunkBytes(extents));
       !pins.ok()) {
     FreeExtents(extents);
     return pins;
   }
-  CountRegionChunks(extents, +1);
+  CountRegionChunks(s.peer.uid, extents, +1);
   Region r;
   r.name = name;
   r.uid = s.peer.uid;
@@ -245,8 +255,8 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
   uint64_t kept_bytes = 0;
   for (const Extent& e : *kept) kept_bytes += e.length;
   const uint64_t returned = r.held_bytes - kept_bytes;
-  CountRegionChunks(r.extents, -1);
-  CountRegionChunks(*kept, +1);
+  CountRegionChunks(r.uid, r.extents, -1);
+  CountRegionChunks(r.uid, *kept, +1);
   own->job->held_bytes -= returned;
   CountUidRegions(r.uid, -static_cast<int64_t>(returned), 0);
   region_bytes_ -= returned;
@@ -324,7 +334,7 @@ uint64_t SessionTable::DropRegion(JobRegions* job, std::map<std::string, Region>
   r.deleted = true;
   if (!r.readers.empty()) return 0;
   const uint64_t freed = r.held_bytes;
-  CountRegionChunks(r.extents, -1);
+  CountRegionChunks(r.uid, r.extents, -1);
   FreeExtents(r.extents);
   job->held_bytes -= freed;
   CountUidRegions(r.uid, -static_cast<int64_t>(freed), -1);

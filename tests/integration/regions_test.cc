@@ -271,6 +271,50 @@ TEST(Regions, PerUidLimitsAreOnByDefaultSoOneUidCannotTakeEveryRegionSlot) {
   EXPECT_EQ(out, "OK\n");
 }
 
+// Issue 38: regions.uid_max_bytes counted bytes, while a region keeps its
+// whole chunk from other tenants. One uid that committed four 4 KiB regions,
+// each alone in a chunk (one job id each, tenant = job), then went away,
+// held the node's whole region-chunk budget (128 MiB) until the TTL: every
+// other uid's CreateRegion was RESOURCE_EXHAUSTED. The chunks a uid's
+// regions pin now count toward its share too, and the refusal names it.
+TEST(Regions, OneUidsTinyRegionsInChunksOfTheirOwnLeaveRoomForAnotherUid) {
+  std::string error;
+  // 256 MiB in 32 MiB chunks: regions pin at most 128 MiB (4 chunks), a uid
+  // by default half of that (2 chunks).
+  DaemonProcess::Options options = TwoTenantOptions("256MiB", "32MiB");
+  options.extra_args.push_back("--tenant=job");
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  std::vector<Status> tiny;
+  for (int i = 0; i < 4; ++i) {
+    auto job = Attach(*daemon, "tiny-" + std::to_string(i));
+    ASSERT_NE(job, nullptr);
+    auto r = job->CreateRegion("ckpt", 4096);
+    tiny.push_back(r.ok() ? job->CommitRegion("ckpt", 4096).status() : r.status());
+  }  // their sessions end; the committed regions stay, each in its chunk
+  EXPECT_TRUE(tiny[0].ok()) << tiny[0].ToString();
+  EXPECT_TRUE(tiny[1].ok()) << tiny[1].ToString();
+  for (int i = 2; i < 4; ++i) {
+    EXPECT_EQ(tiny[i].code(), StatusCode::kResourceExhausted) << i << ": " << tiny[i].ToString();
+    EXPECT_NE(tiny[i].message().find("uid 0's regions would keep 96.00 MiB of chunks"),
+              std::string::npos)
+        << tiny[i].message();
+    EXPECT_NE(tiny[i].message().find("(regions.uid_max_bytes,"), std::string::npos)
+        << tiny[i].message();
+  }
+  // Another uid's checkpoint (two chunks' worth, in two jobs) still fits.
+  for (const char* job : {"a", "b"}) {
+    std::string out;
+    EXPECT_EQ(RunCapture({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          BinDir() + "/region_worker", "write", daemon->runtime_dir(), job, "ckpt",
+                          std::to_string(24 * kMiB), "commit"},
+                         &out),
+              0)
+        << job << ": " << out;
+    EXPECT_EQ(out, "OK\n") << job;
+  }
+}
+
 TEST(Regions, MemoffloadctlListsAndDeletesRegionsAndTheMetricsShowThem) {
   std::string error;
   DaemonProcess::Options options;
