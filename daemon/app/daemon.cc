@@ -218,10 +218,11 @@ class Daemon {
     // connection to the server.
     builder.RegisterService(service_.get());
     // A call whose reply the peer never takes (its HTTP/2 window at 0) is
-    // held until the peer goes. On the synchronous pool (the region calls,
-    // health, reflection) each such call holds a thread: bound the pool
-    // (past it a call is refused, RESOURCE_EXHAUSTED) and the calls one
-    // connection may have open at once.
+    // held until the peer goes. Our service's methods and health are
+    // callbacks (no thread per call); on the synchronous pool, now only
+    // reflection's, each such call holds a thread: bound the pool (past it
+    // a call is refused, RESOURCE_EXHAUSTED) and the calls one connection
+    // may have open at once.
     grpc::ResourceQuota sync_threads("memoffloadd-sync");
     sync_threads.SetMaxThreads(kMaxSyncThreads);
     builder.SetResourceQuota(sync_threads);

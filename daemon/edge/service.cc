@@ -13,14 +13,13 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Finishes a callback call at once with `status`, on the thread that read it.
+}  // namespace
+
 grpc::ServerUnaryReactor* Answered(grpc::CallbackServerContext* ctx, const grpc::Status& status) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
   reactor->Finish(status);
   return reactor;
 }
-
-}  // namespace
 
 Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session) {
   if (!has_session || creds.session_id() == 0) {

@@ -3,8 +3,9 @@
 // Validates every request's shape, delegates to SessionTable, maps Status to
 // gRPC status codes and records metrics. Holds no state of its own beyond
 // what GetStatus reports; thread-safe (gRPC calls it from its pool).
-// Reserve uses gRPC's callback API, so a waiting reserve holds no thread: it
-// is answered by whoever frees the space, or by the table's deadline thread.
+// Every method uses gRPC's callback API; a waiting reserve holds no thread:
+// it is answered by whoever frees the space, or by the table's deadline
+// thread.
 #ifndef MEMOFFLOAD_DAEMON_SERVICE_H_
 #define MEMOFFLOAD_DAEMON_SERVICE_H_
 
@@ -31,13 +32,21 @@ struct ServiceInfo {
   uint64_t instance_id = 0;     // random per start
 };
 
-// The gRPC methods of the request path (Reserve, Commit, Prefetch,
-// Release) and the admin calls (GetStatus, ListSessions, GetConfig, Drain)
-// use the callback API: a request is answered on the thread that read it,
-// with no hand-off to a thread pool, and a call whose reply the peer does
-// not take (an HTTP/2 window kept at 0) holds no thread. The checkpoint
-// region calls, which may take long, stay on the synchronous pool, whose
-// threads the daemon bounds (daemon.cc).
+// Every method of the service uses the callback API: a request is answered
+// on the thread that read it, with no hand-off to a thread pool, and a call
+// whose reply the peer does not take (an HTTP/2 window kept at 0) holds no
+// thread. That includes the checkpoint region calls: each is a table update
+// of microseconds (the bytes move through shared memory, never over gRPC),
+// and on the synchronous pool one uid's stalled calls took every thread
+// from everyone's checkpoints (issue 38). Only gRPC's reflection service is
+// left on the synchronous pool, whose threads the daemon bounds (daemon.cc).
+template <typename Base>
+using RegionCallbacks = memoffload::v1::Offload::WithCallbackMethod_CreateRegion<
+    memoffload::v1::Offload::WithCallbackMethod_CommitRegion<
+        memoffload::v1::Offload::WithCallbackMethod_OpenRegion<
+            memoffload::v1::Offload::WithCallbackMethod_CloseRegion<
+                memoffload::v1::Offload::WithCallbackMethod_DeleteRegion<
+                    memoffload::v1::Offload::WithCallbackMethod_ListRegions<Base>>>>>>;
 using OffloadServiceBase = memoffload::v1::Offload::WithCallbackMethod_Reserve<
     memoffload::v1::Offload::WithCallbackMethod_Commit<
         memoffload::v1::Offload::WithCallbackMethod_Prefetch<
@@ -46,7 +55,7 @@ using OffloadServiceBase = memoffload::v1::Offload::WithCallbackMethod_Reserve<
                     memoffload::v1::Offload::WithCallbackMethod_ListSessions<
                         memoffload::v1::Offload::WithCallbackMethod_GetConfig<
                             memoffload::v1::Offload::WithCallbackMethod_Drain<
-                                memoffload::v1::Offload::Service>>>>>>>>;
+                                RegionCallbacks<memoffload::v1::Offload::Service>>>>>>>>>;
 
 class OffloadService final : public OffloadServiceBase {
  public:
@@ -110,8 +119,26 @@ class OffloadService final : public OffloadServiceBase {
                          v1::GetConfigResponse* resp) override;
   grpc::Status Drain(grpc::ServerContext* ctx, const v1::DrainRequest* req,
                      v1::DrainResponse* resp) override;
-  // Checkpoint regions (service_regions.cc), on the synchronous pool: a
-  // checkpoint makes a few calls per rank, each moving up to gigabytes.
+  // Checkpoint regions (service_regions.cc): callbacks answered at once
+  // with the synchronous versions, which tests and fuzzers call directly.
+  grpc::ServerUnaryReactor* CreateRegion(grpc::CallbackServerContext* ctx,
+                                         const v1::CreateRegionRequest* req,
+                                         v1::CreateRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* CommitRegion(grpc::CallbackServerContext* ctx,
+                                         const v1::CommitRegionRequest* req,
+                                         v1::CommitRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* OpenRegion(grpc::CallbackServerContext* ctx,
+                                       const v1::OpenRegionRequest* req,
+                                       v1::OpenRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* CloseRegion(grpc::CallbackServerContext* ctx,
+                                        const v1::CloseRegionRequest* req,
+                                        v1::CloseRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* DeleteRegion(grpc::CallbackServerContext* ctx,
+                                         const v1::DeleteRegionRequest* req,
+                                         v1::DeleteRegionResponse* resp) override;
+  grpc::ServerUnaryReactor* ListRegions(grpc::CallbackServerContext* ctx,
+                                        const v1::ListRegionsRequest* req,
+                                        v1::ListRegionsResponse* resp) override;
   grpc::Status CreateRegion(grpc::ServerContext* ctx, const v1::CreateRegionRequest* req,
                             v1::CreateRegionResponse* resp) override;
   grpc::Status CommitRegion(grpc::ServerContext* ctx, const v1::CommitRegionRequest* req,
@@ -154,6 +181,8 @@ class OffloadService final : public OffloadServiceBase {
 
 // Maps our status to gRPC's (same numeric codes).
 grpc::Status ToGrpc(const Status& status);
+// Finishes a callback call at once with `status`, on the thread that read it.
+grpc::ServerUnaryReactor* Answered(grpc::CallbackServerContext* ctx, const grpc::Status& status);
 // A request's session credentials are present (INVALID_ARGUMENT,
 // UNAUTHENTICATED otherwise); the table checks them.
 Status CheckCredentials(const v1::SessionCredentials& creds, bool has_session);

@@ -1,5 +1,6 @@
 // OffloadService's checkpoint-region methods: request shape checks, then
-// SessionTable (session_table_regions.cc) decides.
+// SessionTable (session_table_regions.cc) decides. gRPC calls the callback
+// versions, which answer at once with the synchronous ones (service.h).
 #include <cmath>
 
 #include "edge/service.h"
@@ -35,6 +36,42 @@ void FillInfo(const RegionSnapshot& r, v1::RegionInfo* out) {
 }
 
 }  // namespace
+
+grpc::ServerUnaryReactor* OffloadService::CreateRegion(grpc::CallbackServerContext* ctx,
+                                                       const v1::CreateRegionRequest* req,
+                                                       v1::CreateRegionResponse* resp) {
+  return Answered(ctx, CreateRegion(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+}
+
+grpc::ServerUnaryReactor* OffloadService::CommitRegion(grpc::CallbackServerContext* ctx,
+                                                       const v1::CommitRegionRequest* req,
+                                                       v1::CommitRegionResponse* resp) {
+  return Answered(ctx, CommitRegion(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+}
+
+grpc::ServerUnaryReactor* OffloadService::OpenRegion(grpc::CallbackServerContext* ctx,
+                                                     const v1::OpenRegionRequest* req,
+                                                     v1::OpenRegionResponse* resp) {
+  return Answered(ctx, OpenRegion(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+}
+
+grpc::ServerUnaryReactor* OffloadService::CloseRegion(grpc::CallbackServerContext* ctx,
+                                                      const v1::CloseRegionRequest* req,
+                                                      v1::CloseRegionResponse* resp) {
+  return Answered(ctx, CloseRegion(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+}
+
+grpc::ServerUnaryReactor* OffloadService::DeleteRegion(grpc::CallbackServerContext* ctx,
+                                                       const v1::DeleteRegionRequest* req,
+                                                       v1::DeleteRegionResponse* resp) {
+  return Answered(ctx, DeleteRegion(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+}
+
+grpc::ServerUnaryReactor* OffloadService::ListRegions(grpc::CallbackServerContext* ctx,
+                                                      const v1::ListRegionsRequest* req,
+                                                      v1::ListRegionsResponse* resp) {
+  return Answered(ctx, ListRegions(static_cast<grpc::ServerContext*>(nullptr), req, resp));
+}
 
 grpc::Status OffloadService::CreateRegion(grpc::ServerContext*, const v1::CreateRegionRequest* req,
                                           v1::CreateRegionResponse* resp) {
