@@ -4,15 +4,23 @@
 // planted in a dir the victim trusts: the victim's client refuses both with
 // PERMISSION_DENIED, and still attaches to daemons it may trust (its own,
 // root's, or a uid it names in MEMOFFLOAD_DAEMON_UID).
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "daemon_process.h"
+#include "memoffload/client/admin.h"
+#include "memoffload/v1/memoffload.pb.h"
 
 namespace memoffload::testing {
 namespace {
@@ -207,6 +215,182 @@ TEST(DaemonTrust, OwnDaemonAndANamedDaemonUidAreTrusted) {
   EXPECT_EQ(VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + service + "/run",
                             "MEMOFFLOAD_DAEMON_UID=" + Str(kAttacker)}),
             "OK\n");
+}
+
+// Issue 38: the runtime dir was checked by where it resolved to, then
+// reached by the path as given. So a symlink `rt` in a dir another uid owns
+// passed when it pointed at a real daemon's dir, and flipping it between
+// the check and the connect (gRPC also reconnects by the path later) sent a
+// session's id and bearer token to the attacker's socket.
+//
+// uid kAttacker owns <scratch>/attacker. A link rt there that leads to the
+// victim's real runtime dir is refused, naming the attacker's dir. Then an
+// attacker process serves both sockets in <scratch>/attacker/fake and flips
+// rt between that and the real dir about every millisecond while the victim
+// attaches through rt 20 times: every attach is refused, and not one byte
+// reaches the attacker's sockets.
+class FlippingAttacker {
+ public:
+  FlippingAttacker(const std::string& dir, const std::string& real) {
+    int pipe_fds[2];
+    if (pipe(pipe_fds) != 0) return;
+    pid_ = fork();
+    if (pid_ != 0) {
+      close(pipe_fds[1]);
+      heard_fd_ = pipe_fds[0];
+      return;
+    }
+    close(pipe_fds[0]);
+    if (setgroups(0, nullptr) != 0 || setgid(kAttacker) != 0 || setuid(kAttacker) != 0) _exit(2);
+    const std::string fake = dir + "/fake";
+    mkdir(fake.c_str(), 0755);
+    std::vector<pollfd> fds;
+    for (const char* name : {"/broker.sock", "/memoffload.sock"}) {
+      const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+      sockaddr_un addr{};
+      addr.sun_family = AF_UNIX;
+      const std::string path = fake + name;
+      std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+      if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || listen(fd, 64) != 0) {
+        _exit(3);
+      }
+      chmod(path.c_str(), 0666);
+      fds.push_back({fd, POLLIN, 0});
+    }
+    const size_t listeners = fds.size();
+    for (uint64_t flip = 0;; ++flip) {
+      const std::string tmp = dir + "/rt.tmp";
+      unlink(tmp.c_str());
+      if (symlink((flip % 2 == 0 ? real : fake).c_str(), tmp.c_str()) == 0) {
+        rename(tmp.c_str(), (dir + "/rt").c_str());
+      }
+      if (poll(fds.data(), fds.size(), 1) <= 0) continue;  // a flip about every ms
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if ((fds[i].revents & POLLIN) == 0) continue;
+        if (i < listeners) {
+          const int conn = accept4(fds[i].fd, nullptr, nullptr, SOCK_NONBLOCK);
+          if (conn >= 0) fds.push_back({conn, POLLIN, 0});
+          continue;
+        }
+        char buf[4096];
+        const ssize_t n = read(fds[i].fd, buf, sizeof(buf));
+        if (n > 0 && write(pipe_fds[1], buf, static_cast<size_t>(n)) < 0) _exit(4);
+      }
+    }
+  }
+  ~FlippingAttacker() { Stop(); }
+  // Stops the attacker; returns what its sockets were sent.
+  std::string Stop() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      WaitFor(pid_, 5000);
+      pid_ = -1;
+    }
+    std::string heard;
+    if (heard_fd_ >= 0) {
+      heard = ReadUntilClosed(heard_fd_, 2000);
+      close(heard_fd_);
+      heard_fd_ = -1;
+    }
+    return heard;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int heard_fd_ = -1;
+};
+
+TEST(DaemonTrust, ASymlinkedRuntimeDirInAnotherUidsDirIsRefusedAndAFlipNeverReachesIt) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to act as two other uids";
+  Scratch scratch;
+  const std::string victim_dir = scratch.Dir("victim", kVictim, 0755);
+  const std::string real = victim_dir + "/run";
+  DaemonAs victim(kVictim, {"--runtime-dir=" + real}, victim_dir + "/daemon.log");
+  ASSERT_TRUE(WaitForSocket(real + "/memoffload.sock"));
+  ASSERT_EQ(VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + real}), "OK\n");
+  const std::string theirs = scratch.Dir("attacker", kAttacker, 0755);
+  // A link that leads to the real daemon, but that its owner can change.
+  const std::string rt = theirs + "/rt";
+  ASSERT_EQ(symlink(real.c_str(), rt.c_str()), 0);
+  ASSERT_EQ(lchown(rt.c_str(), kAttacker, kAttacker), 0);
+  const std::string steady = VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + rt});
+  EXPECT_EQ(steady.rfind("ERR PERMISSION_DENIED ", 0), 0u) << steady;
+  EXPECT_NE(steady.find("directory " + theirs + " on its way belongs to uid " + Str(kAttacker)),
+            std::string::npos)
+      << steady;
+  ASSERT_EQ(unlink(rt.c_str()), 0);
+  FlippingAttacker attacker(theirs, real);
+  for (int i = 0; i < 20; ++i) {
+    const std::string out = VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + theirs + "/rt"});
+    EXPECT_EQ(out.rfind("ERR PERMISSION_DENIED ", 0), 0u) << i << ": " << out;
+    EXPECT_NE(out.find("directory " + theirs + " on its way belongs to uid " + Str(kAttacker)),
+              std::string::npos)
+        << out;
+  }
+  const std::string heard = attacker.Stop();
+  EXPECT_EQ(heard.size(), 0u) << "the attacker's sockets were sent " << heard.size() << " bytes";
+}
+
+// Symlinks that only root, the user or the named daemon uid can change are
+// followed, and the sockets are reached by where they lead: a link in the
+// victim's own dir attaches. A link another uid made in a sticky dir (as in
+// /tmp) is that uid's to replace, so it is refused, naming the link.
+TEST(DaemonTrust, SymlinksOnlyTrustedUsersCanChangeAreFollowed) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to act as two other uids";
+  Scratch scratch;
+  const std::string victim_dir = scratch.Dir("victim", kVictim, 0700);
+  const std::string real = victim_dir + "/run";
+  DaemonAs victim(kVictim, {"--runtime-dir=" + real}, scratch.path() + "/daemon.log");
+  ASSERT_TRUE(WaitForSocket(real + "/memoffload.sock"));
+  const std::string own_link = victim_dir + "/current";
+  ASSERT_EQ(symlink("run", own_link.c_str()), 0);
+  ASSERT_EQ(lchown(own_link.c_str(), kVictim, kVictim), 0);
+  EXPECT_EQ(VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + own_link}), "OK\n");
+  const std::string sticky = scratch.Dir("shared", 0, 01777);
+  const std::string their_link = sticky + "/memoffload";
+  ASSERT_EQ(symlink(real.c_str(), their_link.c_str()), 0);
+  ASSERT_EQ(lchown(their_link.c_str(), kAttacker, kAttacker), 0);
+  const std::string out = VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + their_link});
+  EXPECT_EQ(out.rfind("ERR PERMISSION_DENIED ", 0), 0u) << out;
+  EXPECT_NE(
+      out.find("symlink " + their_link + " in " + sticky + " belongs to uid " + Str(kAttacker)),
+      std::string::npos)
+      << out;
+  ASSERT_EQ(lchown(their_link.c_str(), kVictim, kVictim), 0);  // the victim's own link there
+  EXPECT_EQ(VictimAttaches({"MEMOFFLOAD_RUNTIME_DIR=" + their_link}), "OK\n");
+}
+
+// gRPC dialled the socket's path again whenever its connection broke. Now
+// every connection is made by the client over the runtime dir verified
+// again: after a restart under a parent another uid can now write, the admin
+// client refuses to reconnect, and reconnects once the parent is fixed.
+TEST(DaemonTrust, EveryReconnectVerifiesTheRuntimeDirAgain) {
+  std::string error;
+  auto first = DaemonProcess::Start({}, &error);
+  ASSERT_NE(first, nullptr) << error;
+  const std::string dir = first->runtime_dir();
+  const std::string parent = first->scratch_dir();
+  auto admin = client::AdminClient::Connect(dir, 5000);
+  ASSERT_TRUE(admin.ok()) << admin.status().ToString();
+  auto before = (*admin)->GetStatus();
+  ASSERT_TRUE(before.ok()) << before.status().ToString();
+  first->Stop(SIGKILL, 5000);
+  DaemonProcess::Options again;
+  again.runtime_dir = dir;
+  auto second = DaemonProcess::Start(again, &error);
+  ASSERT_NE(second, nullptr) << error;
+  struct stat st;
+  ASSERT_EQ(stat(parent.c_str(), &st), 0);
+  ASSERT_EQ(chmod(parent.c_str(), 0777), 0);
+  auto refused = (*admin)->GetStatus();
+  chmod(parent.c_str(), st.st_mode & 07777);
+  EXPECT_EQ(refused.status().code(), StatusCode::kPermissionDenied) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("directory " + parent + " on its way has mode 0777"),
+            std::string::npos)
+      << refused.status().message();
+  auto after = (*admin)->GetStatus();
+  ASSERT_TRUE(after.ok()) << after.status().ToString();
+  EXPECT_NE(after->instance_id(), before->instance_id());
 }
 
 }  // namespace

@@ -1,7 +1,9 @@
 #include "memoffload/client/admin.h"
 
-#include <fstream>
+#include <fcntl.h>
+#include <unistd.h>
 
+#include "daemon_channel.h"
 #include "grpc_util.h"
 #include "memoffload/client/daemon_status.h"
 #include "memoffload/client/daemon_trust.h"
@@ -12,10 +14,21 @@ namespace memoffload::client {
 
 class AdminClient::Impl {
  public:
-  std::string runtime_dir;
-  std::string socket_path;
+  std::string runtime_dir;  // as discovered
   int timeout_ms = 5000;
-  std::unique_ptr<v1::Offload::Stub> stub;
+  std::unique_ptr<DaemonChannel> channel;
+
+  // One unary call with the admin deadline; gRPC's status as ours.
+  template <typename Request, typename Response>
+  Status Call(grpc::Status (v1::Offload::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                        Response*),
+              const Request& req, Response* resp) {
+    Result<std::shared_ptr<v1::Offload::Stub>> stub = channel->Stub();
+    if (!stub.ok()) return stub.status();
+    grpc::ClientContext ctx;
+    SetDeadline(&ctx, timeout_ms);
+    return FromGrpc(((**stub).*method)(&ctx, req, resp), channel->socket_path());
+  }
 };
 
 AdminClient::AdminClient(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -27,47 +40,48 @@ Result<std::unique_ptr<AdminClient>> AdminClient::Connect(const std::string& run
   Result<TrustedRuntimeDir> dir = DiscoverTrustedRuntimeDir(runtime_dir, kGrpcSocketName);
   if (!dir.ok()) return dir.status();
   impl->runtime_dir = dir->path;
-  impl->socket_path = GrpcSocketPath(impl->runtime_dir);
   impl->timeout_ms = timeout_ms;
-  impl->stub = v1::Offload::NewStub(MakeChannel(impl->socket_path));
+  Result<std::unique_ptr<DaemonChannel>> channel = DaemonChannel::Open(*dir);
+  if (!channel.ok()) return channel.status();
+  impl->channel = std::move(channel).value();
   return std::unique_ptr<AdminClient>(new AdminClient(std::move(impl)));
 }
 
 Result<v1::GetStatusResponse> AdminClient::GetStatus() {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->timeout_ms);
   v1::GetStatusResponse resp;
-  Status st =
-      FromGrpc(impl_->stub->GetStatus(&ctx, v1::GetStatusRequest(), &resp), impl_->socket_path);
+  Status st = impl_->Call(&v1::Offload::Stub::GetStatus, v1::GetStatusRequest(), &resp);
   if (!st.ok()) return st;
   return resp;
 }
 
 Result<v1::ListSessionsResponse> AdminClient::ListSessions() {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->timeout_ms);
   v1::ListSessionsResponse resp;
-  Status st = FromGrpc(impl_->stub->ListSessions(&ctx, v1::ListSessionsRequest(), &resp),
-                       impl_->socket_path);
+  Status st = impl_->Call(&v1::Offload::Stub::ListSessions, v1::ListSessionsRequest(), &resp);
   if (!st.ok()) return st;
   return resp;
 }
 
 Result<v1::GetConfigResponse> AdminClient::GetConfig() {
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->timeout_ms);
   v1::GetConfigResponse resp;
-  Status st =
-      FromGrpc(impl_->stub->GetConfig(&ctx, v1::GetConfigRequest(), &resp), impl_->socket_path);
+  Status st = impl_->Call(&v1::Offload::Stub::GetConfig, v1::GetConfigRequest(), &resp);
   if (!st.ok()) return st;
   return resp;
 }
 
 Result<std::string> AdminClient::ReadAdminToken() {
-  const std::string token_path = impl_->runtime_dir + "/admin.token";
-  std::ifstream in(token_path);
+  // Read from the dir as verified, by its resolved path, never through a
+  // symlink in it.
+  const std::string token_path = impl_->channel->dir().resolved + "/admin.token";
   std::string token;
-  if (!in || !std::getline(in, token)) {
+  const int fd = open(token_path.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd >= 0) {
+    char buf[256];
+    const ssize_t n = read(fd, buf, sizeof(buf));
+    close(fd);
+    if (n > 0) token.assign(buf, static_cast<size_t>(n));
+    token = token.substr(0, token.find('\n'));
+  }
+  if (token.empty()) {
     // A clean stop deletes the token: tell "not running" from "not allowed".
     Result<v1::GetStatusResponse> probe = GetStatus();
     if (!probe.ok() && (probe.status().code() == StatusCode::kUnavailable ||
@@ -87,10 +101,8 @@ Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
   v1::DrainRequest req;
   req.set_admin_token(*token);
   req.set_drain(drain);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->timeout_ms);
   v1::DrainResponse resp;
-  Status st = FromGrpc(impl_->stub->Drain(&ctx, req, &resp), impl_->socket_path);
+  Status st = impl_->Call(&v1::Offload::Stub::Drain, req, &resp);
   if (!st.ok()) return st;
   return resp;
 }
@@ -98,10 +110,8 @@ Result<v1::DrainResponse> AdminClient::Drain(bool drain) {
 Result<v1::ListRegionsResponse> AdminClient::ListRegions(const std::string& prefix) {
   v1::ListRegionsRequest req;
   req.set_prefix(prefix);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->timeout_ms);
   v1::ListRegionsResponse resp;
-  Status st = FromGrpc(impl_->stub->ListRegions(&ctx, req, &resp), impl_->socket_path);
+  Status st = impl_->Call(&v1::Offload::Stub::ListRegions, req, &resp);
   if (!st.ok()) return st;
   return resp;
 }
@@ -115,15 +125,13 @@ Result<v1::DeleteRegionResponse> AdminClient::DeleteRegion(uint32_t uid, const s
   req.set_uid(uid);
   req.set_job_id(job_id);
   req.set_name(name);
-  grpc::ClientContext ctx;
-  SetDeadline(&ctx, impl_->timeout_ms);
   v1::DeleteRegionResponse resp;
-  Status st = FromGrpc(impl_->stub->DeleteRegion(&ctx, req, &resp), impl_->socket_path);
+  Status st = impl_->Call(&v1::Offload::Stub::DeleteRegion, req, &resp);
   if (!st.ok()) return st;
   return resp;
 }
 
-const std::string& AdminClient::socket_path() const { return impl_->socket_path; }
+const std::string& AdminClient::socket_path() const { return impl_->channel->socket_path(); }
 
 }  // namespace memoffload::client
 

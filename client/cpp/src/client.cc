@@ -28,25 +28,6 @@
 namespace memoffload::client {
 namespace {
 
-Result<int> ConnectUnix(const std::string& path) {
-  sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return InvalidArgument("socket path " + path + " is too long");
-  }
-  int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus("socket", errno);
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    const int err = errno;
-    close(fd);
-    return Unavailable("cannot reach memoffloadd at " + path + ": " + std::strerror(err) +
-                       " (is the daemon running? set MEMOFFLOAD_RUNTIME_DIR to its "
-                       "runtime dir)");
-  }
-  return fd;
-}
-
 std::string Hex16(uint64_t value) {
   char text[17];
   std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
@@ -104,11 +85,9 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   if (!dir.ok()) return dir.status();
   impl->runtime_dir = dir->path;
   impl->rpc_timeout_ms = options.rpc_timeout_ms;
-  const std::string broker_path = BrokerSocketPath(impl->runtime_dir);
-  Result<int> fd = ConnectUnix(broker_path);
+  Result<int> fd = ConnectVerified(*dir, kBrokerSocketName);
   if (!fd.ok()) return fd.status();
   impl->lifeline_fd = *fd;
-  MEMOFFLOAD_RETURN_IF_ERROR(VerifyPeer(*dir, impl->lifeline_fd, broker_path));
 
   Hello hello;
   hello.job_id = options.job_id;
@@ -164,10 +143,11 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
     }
     MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, batch->generations, &fds));
   }
-  // The gRPC socket of the verified dir, never a path the broker names.
-  MEMOFFLOAD_RETURN_IF_ERROR(VerifySocket(*dir, kGrpcSocketName));
-  impl->grpc_socket = GrpcSocketPath(impl->runtime_dir);
-  impl->stub = v1::Offload::NewStub(MakeChannel(impl->grpc_socket));
+  // The gRPC socket of the verified dir, never a path the broker names,
+  // reached as the broker was (DaemonChannel).
+  Result<std::unique_ptr<DaemonChannel>> channel = DaemonChannel::Open(*dir);
+  if (!channel.ok()) return channel.status();
+  impl->channel = std::move(channel).value();
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 

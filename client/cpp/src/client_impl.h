@@ -19,6 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "daemon_channel.h"
 #include "grpc_util.h"
 #include "memoffload/client/client.h"
 #include "memoffload/common/crc32c.h"
@@ -64,8 +65,7 @@ class Client::Impl {
   std::thread populator ABSL_GUARDED_BY(populator_mu);
   std::atomic<bool> stop_populating{false};  // the Client is going away
 
-  std::string runtime_dir;
-  std::string grpc_socket;
+  std::string runtime_dir;  // as discovered (what messages name)
   // After attach, frames on it are sent and received only while map_mu is
   // held (one exchange at a time); polled anywhere.
   int lifeline_fd = -1;
@@ -109,9 +109,11 @@ class Client::Impl {
                                                         Response*),
               Request* req, Response* resp, int timeout_ms = 0) {
     FillCredentials(req->mutable_session(), reply.session_id, reply.session_token);
+    Result<std::shared_ptr<v1::Offload::Stub>> stub = channel->Stub();
+    if (!stub.ok()) return stub.status();
     grpc::ClientContext ctx;
     SetDeadline(&ctx, timeout_ms > 0 ? timeout_ms : rpc_timeout_ms);
-    return FromGrpc((stub.get()->*method)(&ctx, *req, resp), grpc_socket);
+    return FromGrpc(((**stub).*method)(&ctx, *req, resp), channel->socket_path());
   }
   // A failed call of a session that is gone is UNAVAILABLE, whatever the
   // daemon answered (a restarted daemon says NOT_FOUND or UNAUTHENTICATED for
@@ -133,8 +135,11 @@ class Client::Impl {
     v1::GetStatusResponse resp;
     grpc::ClientContext ctx;
     SetDeadline(&ctx, std::min(rpc_timeout_ms, 2000));
-    const grpc::Status st = stub->GetStatus(&ctx, req, &resp);
-    if (!st.ok() || resp.instance_id() != reply.instance_id) instance_gone = true;
+    Result<std::shared_ptr<v1::Offload::Stub>> stub = channel->Stub();
+    if (!stub.ok() || !(*stub)->GetStatus(&ctx, req, &resp).ok() ||
+        resp.instance_id() != reply.instance_id) {
+      instance_gone = true;
+    }
     return instance_gone.load();
   }
 
@@ -197,7 +202,7 @@ class Client::Impl {
     return n;
   }
   AttachReply reply;  // immutable after attach
-  std::unique_ptr<v1::Offload::Stub> stub;
+  std::unique_ptr<DaemonChannel> channel;
 
   // Chunk mappings. A chunk is mapped when this session is first handed its
   // fd; the base address is published once and never changes, so Locate

@@ -3,6 +3,7 @@
 #include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 namespace memoffload::client {
 namespace {
@@ -55,34 +57,99 @@ std::string UidHint(uint32_t uid) {
          "=" + std::to_string(uid) + ")";
 }
 
-// Every directory above `resolved` (an absolute path without symlinks).
-Status VerifyAncestors(const std::string& shown, const std::string& resolved, uint32_t named) {
+// Whether a directory owned by `st.st_uid` with `st.st_mode` is one that
+// only root, the user or the named uid can change: "" if so, else why not.
+std::string DirProblem(const struct stat& st, uint32_t named) {
   const uid_t me = geteuid();
-  std::string ancestor = resolved;
-  while (true) {
-    const size_t slash = ancestor.find_last_of('/');
-    if (slash == std::string::npos || ancestor == "/") break;
-    ancestor = slash == 0 ? "/" : ancestor.substr(0, slash);
-    struct stat st;
-    if (lstat(ancestor.c_str(), &st) != 0) return ErrnoStatus("stat " + ancestor, errno);
-    if (st.st_uid != 0 && st.st_uid != me && st.st_uid != named) {
-      return PermissionDenied(
-          Refused("directory " + ancestor + " above the runtime dir " + shown + " belongs to " +
-                  Uid(st.st_uid) + ", who could replace the runtime dir" + UidHint(st.st_uid) +
-                  "; use a runtime dir whose parents belong to root or to you (set " +
-                  kRuntimeDirEnv + ")"));
+  if (st.st_uid != 0 && st.st_uid != me && st.st_uid != named) {
+    return "belongs to " + Uid(st.st_uid) + ", who could replace what is below it" +
+           UidHint(st.st_uid);
+  }
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
+    return "has mode " + Octal(st.st_mode) + ": its group or others could replace what is below it";
+  }
+  return "";
+}
+
+// Resolves `shown` (made absolute against the working directory) one
+// component at a time, as the kernel would, and checks each directory it
+// passes through and each symlink it follows: every directory is root's,
+// the user's or the named uid's and not writable by group or others unless
+// sticky (/tmp), and every symlink is root's, the user's or the named uid's
+// (a symlink in a sticky dir belongs to whoever made it). So nobody else can
+// change where the path leads, from the first component to the last. The
+// last component's own rules are VerifyRuntimeDir's. Returns the path with
+// no symlink, "." or "..": what the client connects by.
+Result<std::string> ResolveTrusted(const std::string& shown, uint32_t named) {
+  std::string pending = shown;
+  if (pending.empty() || pending[0] != '/') {
+    char cwd[PATH_MAX];
+    if (getcwd(cwd, sizeof(cwd)) == nullptr) return ErrnoStatus("getcwd", errno);
+    pending = std::string(cwd) + "/" + pending;
+  }
+  const uid_t me = geteuid();
+  std::vector<std::string> parts;  // the resolved path so far, checked
+  auto joined = [&parts] {
+    std::string out;
+    for (const std::string& p : parts) out += "/" + p;
+    return out.empty() ? std::string("/") : out;
+  };
+  auto refuse = [&](const std::string& why) {
+    return PermissionDenied(Refused("runtime dir " + shown + ": " + why + "; use a runtime dir " +
+                                    "reached only through directories of root's or yours (set " +
+                                    kRuntimeDirEnv + ")"));
+  };
+  struct stat root;
+  if (lstat("/", &root) != 0) return ErrnoStatus("stat /", errno);
+  if (std::string why = DirProblem(root, named); !why.empty()) return refuse("directory / " + why);
+  int links = 0;
+  size_t at = 0;
+  while (at < pending.size()) {
+    const size_t slash = pending.find('/', at);
+    const size_t stop = slash == std::string::npos ? pending.size() : slash;
+    const std::string name = pending.substr(at, stop - at);
+    at = stop + 1;
+    if (name.empty() || name == ".") continue;
+    if (name == "..") {
+      if (!parts.empty()) parts.pop_back();
+      continue;
     }
-    const bool sticky = (st.st_mode & S_ISVTX) != 0;
-    if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && !sticky) {
-      return PermissionDenied(Refused("directory " + ancestor + " above the runtime dir " + shown +
-                                      " has mode " + Octal(st.st_mode) +
-                                      ": its group or others could replace the runtime dir; "
-                                      "chmod go-w " +
-                                      ancestor + " or move the runtime dir (set " + kRuntimeDirEnv +
-                                      ")"));
+    const std::string parent = joined();
+    parts.push_back(name);
+    const std::string here = joined();
+    struct stat st;
+    if (lstat(here.c_str(), &st) != 0) {
+      const int err = errno;
+      return Unavailable("runtime dir " + shown + ": " + here + ": " + std::strerror(err));
+    }
+    if (S_ISLNK(st.st_mode)) {
+      if (++links > 40) return refuse("too many symlinks");
+      if (st.st_uid != 0 && st.st_uid != me && st.st_uid != named) {
+        return refuse("symlink " + here + " in " + parent + " belongs to " + Uid(st.st_uid) +
+                      UidHint(st.st_uid));
+      }
+      char target[PATH_MAX];
+      const ssize_t n = readlink(here.c_str(), target, sizeof(target) - 1);
+      if (n < 0) return ErrnoStatus("readlink " + here, errno);
+      target[n] = '\0';
+      parts.pop_back();
+      if (target[0] == '/') parts.clear();
+      pending = std::string(target) + "/" + pending.substr(std::min(at, pending.size()));
+      at = 0;
+      continue;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+      if (at >= pending.size()) return here;  // the last: VerifyRuntimeDir says what it is
+      return Unavailable("runtime dir " + shown + ": " + here + " is not a directory");
+    }
+    const bool last = pending.find_first_not_of("/.", at) == std::string::npos &&
+                      pending.find("..", at) == std::string::npos;
+    if (last) continue;  // the runtime dir itself: VerifyRuntimeDir's rules
+    if (std::string why = DirProblem(st, named); !why.empty()) {
+      return refuse("directory " + here + " on its way " + why);
     }
   }
-  return Status::Ok();
+  return joined();
 }
 
 }  // namespace
@@ -91,19 +158,17 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
   Result<uint32_t> named = NamedDaemonUid();
   if (!named.ok()) return named.status();
   const std::string& shown = choice.path;
-  char resolved[PATH_MAX];
-  if (realpath(shown.c_str(), resolved) == nullptr) {
-    const int err = errno;
-    return Unavailable("runtime dir " + shown + ": " + std::strerror(err));
-  }
+  Result<std::string> walked = ResolveTrusted(shown, *named);
+  if (!walked.ok()) return walked.status();
+  const std::string& resolved = *walked;
   struct stat st;
-  if (lstat(resolved, &st) != 0) return ErrnoStatus("stat " + std::string(resolved), errno);
+  if (lstat(resolved.c_str(), &st) != 0) return ErrnoStatus("stat " + resolved, errno);
   if (!S_ISDIR(st.st_mode)) {
     return Unavailable("runtime dir " + shown + " is not a directory");
   }
   const uid_t me = geteuid();
-  const std::string where = std::string("runtime dir ") + shown +
-                            (shown == resolved ? "" : std::string(" (") + resolved + ")");
+  const std::string where =
+      std::string("runtime dir ") + shown + (shown == resolved ? "" : " (" + resolved + ")");
   if (choice.source == RuntimeDirSource::kPerUser) {
     if (st.st_uid != me) {
       return PermissionDenied(
@@ -120,8 +185,7 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
   } else {
     // /run/memoffload, however it was named, can only have been made by root:
     // its owner (root or the unit's user) is the daemon's.
-    const bool system =
-        choice.source == RuntimeDirSource::kSystem || std::string(resolved) == kSystemRuntimeDir;
+    const bool system = choice.source == RuntimeDirSource::kSystem || resolved == kSystemRuntimeDir;
     if (!system && st.st_uid != 0 && st.st_uid != me && st.st_uid != *named) {
       return PermissionDenied(Refused(where + " belongs to " + Uid(st.st_uid) +
                                       ", neither root nor you (" + Uid(me) + ")" +
@@ -134,9 +198,10 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
                                       shown + ")"));
     }
   }
-  MEMOFFLOAD_RETURN_IF_ERROR(VerifyAncestors(shown, resolved, *named));
   TrustedRuntimeDir dir;
+  dir.choice = choice;
   dir.path = shown;
+  dir.resolved = resolved;
   dir.owner_uid = st.st_uid;
   dir.uids = {0, static_cast<uint32_t>(me), static_cast<uint32_t>(st.st_uid)};
   if (*named != kNoUid) dir.uids.push_back(*named);
@@ -144,7 +209,7 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
 }
 
 Status VerifySocket(const TrustedRuntimeDir& dir, const std::string& name) {
-  const std::string path = dir.path + "/" + name;
+  const std::string path = dir.resolved + "/" + name;
   struct stat st;
   if (lstat(path.c_str(), &st) != 0) {
     const int err = errno;
@@ -177,6 +242,31 @@ Status VerifyPeer(const TrustedRuntimeDir& dir, int fd, const std::string& path)
                 ") nor the runtime dir's owner (" + Uid(dir.owner_uid) + ")" + UidHint(uid)));
   }
   return Status::Ok();
+}
+
+Result<int> ConnectVerified(const TrustedRuntimeDir& dir, const std::string& name) {
+  MEMOFFLOAD_RETURN_IF_ERROR(VerifySocket(dir, name));
+  const std::string path = dir.resolved + "/" + name;
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return InvalidArgument("socket path " + path + " is too long (at most " +
+                           std::to_string(sizeof(addr.sun_path) - 1) + " bytes)");
+  }
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return ErrnoStatus("socket", errno);
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    const int err = errno;
+    close(fd);
+    return Unavailable("cannot reach memoffloadd at unix:" + path + ": " + std::strerror(err) +
+                       " (is the daemon running? set " + kRuntimeDirEnv + " to its runtime dir)");
+  }
+  if (Status peer = VerifyPeer(dir, fd, path); !peer.ok()) {
+    close(fd);
+    return peer;
+  }
+  return fd;
 }
 
 Result<TrustedRuntimeDir> DiscoverTrustedRuntimeDir(const std::string& explicit_dir,

@@ -4,11 +4,8 @@
 
 namespace memoffload::client {
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path) {
+grpc::ChannelArguments DaemonChannelArguments() {
   grpc::ChannelArguments args;
-  // Reconnect quickly after a daemon restart; the default backoff grows to 2 min.
-  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   // No gRPC retry filter: it keeps every call's messages so that it could
   // replay them; without it a call's p50 under load is 6-9% lower
   // (docs/reliability.md).
@@ -16,7 +13,7 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path) {
   // before it reaches the daemon is UNAVAILABLE, which the client already
   // handles (attach again after a restart).
   args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
-  return grpc::CreateCustomChannel("unix:" + socket_path, grpc::InsecureChannelCredentials(), args);
+  return args;
 }
 
 Status FromGrpc(const grpc::Status& status, const std::string& socket_path) {

@@ -12,8 +12,8 @@
 
 namespace memoffload::client {
 
-// A channel to the daemon's gRPC Unix socket.
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& socket_path);
+// The arguments of every channel to the daemon (DaemonChannel).
+grpc::ChannelArguments DaemonChannelArguments();
 
 // Converts a gRPC status; UNAVAILABLE gets the socket path added so the user
 // sees where the client looked.

@@ -26,7 +26,9 @@ inline constexpr const char kDaemonUidEnv[] = "MEMOFFLOAD_DAEMON_UID";
 
 // A runtime dir that passed VerifyRuntimeDir.
 struct TrustedRuntimeDir {
+  RuntimeDirChoice choice;     // how it was found (to verify it again)
   std::string path;            // as discovered (what messages name)
+  std::string resolved;        // without symlinks: what sockets are reached by
   uint32_t owner_uid = 0;      // the dir's owner
   std::vector<uint32_t> uids;  // who may own its sockets and answer on them
 };
@@ -37,13 +39,24 @@ struct TrustedRuntimeDir {
 //    only root can make): any owner, not writable by group or others;
 //  - kExplicit: owned by root, the user or the named daemon uid, not writable
 //    by group or others.
-// Every directory above (symlinks resolved) is owned by root, the user or the
-// named daemon uid and not writable by group or others unless sticky (/tmp).
-// The trusted uids are root, the user, the dir's owner and the named uid.
+// The path is resolved one component at a time, and every directory it
+// passes through on the way (those above a symlink included, not only those
+// above where it leads) is owned by root, the user or the named daemon uid
+// and not writable by group or others unless sticky (/tmp); every symlink on
+// the way is owned by one of those. So nobody else can change where the path
+// leads, and sockets are reached by the resolved path (`resolved`), never by
+// the path as given. The trusted uids are root, the user, the dir's owner
+// and the named uid.
 Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice);
 
-// `dir`/`name` is a socket (not a symlink) owned by one of `dir.uids`.
+// `dir.resolved`/`name` is a socket (not a symlink) owned by one of
+// `dir.uids`.
 Status VerifySocket(const TrustedRuntimeDir& dir, const std::string& name);
+
+// A connected socket (SOCK_CLOEXEC) to `dir.resolved`/`name` after
+// VerifySocket, whose peer passed VerifyPeer: the only way the client
+// reaches its daemon, for the broker and for every gRPC (re)connection.
+Result<int> ConnectVerified(const TrustedRuntimeDir& dir, const std::string& name);
 
 // The peer of connected Unix socket `fd` (reached at `path`) runs as one of
 // `dir.uids`.
