@@ -190,6 +190,120 @@ def test_fallback_save_refuses_a_dir_of_another_uid_and_makes_its_own_0700(share
     assert latest_checkpoint(job_id="victim") == "s1"
 
 
+FLIPPER = """
+import os, sys, time
+link, targets = sys.argv[1], sys.argv[2:]
+for i in range(10 ** 9):
+    tmp = link + ".tmp"
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(targets[i % len(targets)], tmp)
+    os.rename(tmp, link)
+    time.sleep(0.0005)
+"""
+
+
+def test_a_fallback_dir_reached_through_another_uids_dir_is_refused_and_a_flip_never_loads(
+        shared_dir, tmp_path, monkeypatch, caplog):
+    """Issue 38: the fallback dir was checked by where it resolved to, then
+    DCP opened the path as given. ``<shared>/att/link/job``, where the
+    attacker owns ``att`` and ``link`` leads to the victim's own checkpoints,
+    passed; flipping ``link`` to the attacker's files between the check and
+    DCP's open ran their pickle in 5 of 300 loads. Now the path is refused
+    while it passes through the attacker's dir, whether the link leads to the
+    victim's files or flips, and the planted pickle never runs."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter, latest_checkpoint
+
+    monkeypatch.setenv("MEMOFFLOAD_RUNTIME_DIR", os.path.join(shared_dir, "no-daemon"))
+    real = str(tmp_path / "real")
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(4)}, storage_writer=MemoffloadWriter(job_id="job", fallback_dir=f"{real}/job"),
+                 checkpoint_id="step-1", no_dist=True)
+    att = os.path.join(shared_dir, "att")
+    subprocess.run(as_attacker("mkdir", "-m", "0755", att), check=True)
+    proof = str(tmp_path / "unpickled")
+    plant_checkpoint(os.path.join(att, "evil", "job"), "step-1", "job", proof)
+    link = os.path.join(att, "link")
+    subprocess.run(as_attacker("ln", "-s", real, link), check=True)
+    through = os.path.join(link, "job")
+    why = f"directory {att} on the way to {through} belongs to uid {ATTACKER}"
+
+    def load() -> None:
+        reader = MemoffloadReader(job_id="job", fallback_dir=through)
+        reader.reset(checkpoint_id="step-1")
+        reader.read_metadata()
+
+    # The link leads to the victim's own, complete checkpoint: still refused.
+    with pytest.raises(memoffload.PermissionDenied, match=why):
+        load()
+    with pytest.raises(CheckpointException) as refused, pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(4)}, storage_writer=MemoffloadWriter(job_id="job", fallback_dir=through),
+                 checkpoint_id="step-2", no_dist=True)
+    assert isinstance(refused.value.failures[0][0], memoffload.PermissionDenied), refused.value
+    assert sorted(os.listdir(f"{real}/job")) == ["step-1"]
+    with caplog.at_level(logging.WARNING, logger="memoffload"):
+        assert latest_checkpoint(job_id="job", fallback_dir=through) is None
+    assert any(why in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+    # The attacker flips the link between the victim's dir and its own.
+    flipper = subprocess.Popen(as_attacker("/usr/bin/python3", "-c", FLIPPER, link, real,
+                                           os.path.join(att, "evil")))
+    try:
+        outcomes = {}
+        for _ in range(300):
+            try:
+                load()
+                outcome = "loaded"
+            except memoffload.PermissionDenied:
+                outcome = "refused"
+            except (FileNotFoundError, NotADirectoryError):
+                outcome = "not found"  # between the attacker's unlink and rename
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    finally:
+        flipper.kill()
+        flipper.wait()
+    assert not os.path.exists(proof), f"the attacker's .metadata was unpickled ({outcomes})"
+    assert set(outcomes) <= {"refused", "not found"} and outcomes.get("refused", 0) > 0, outcomes
+    # The victim's own path still loads what it saved.
+    state = {"w": torch.zeros(4)}
+    with pytest.warns(UserWarning):
+        dcp.load(state, storage_reader=MemoffloadReader(job_id="job", fallback_dir=f"{real}/job"),
+                 checkpoint_id="step-1", no_dist=True)
+    assert torch.equal(state["w"], torch.ones(4))
+
+
+def test_a_symlink_only_the_user_or_root_can_change_is_followed(shared_dir, tmp_path, monkeypatch):
+    """A fallback dir reached through the user's own symlink (scratch space
+    linked from home, say) saves and loads; every file it reads and writes is
+    opened below the verified dir's descriptor."""
+    import torch.distributed.checkpoint as dcp
+    from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter, latest_checkpoint
+
+    monkeypatch.setenv("MEMOFFLOAD_RUNTIME_DIR", os.path.join(shared_dir, "no-daemon"))
+    (tmp_path / "scratch").mkdir(mode=0o700)
+    os.symlink(tmp_path / "scratch", tmp_path / "link")
+    through = str(tmp_path / "link" / "job")
+    for step in (1, 2, 3):
+        with pytest.warns(UserWarning):
+            dcp.save({"w": torch.full((4,), float(step))},
+                     storage_writer=MemoffloadWriter(job_id="job", fallback_dir=through, keep_last=2),
+                     checkpoint_id=f"step-{step}", no_dist=True)
+    assert sorted(os.listdir(tmp_path / "scratch" / "job")) == ["step-2", "step-3"]
+    assert latest_checkpoint(job_id="job", fallback_dir=through) == "step-3"
+    state = {"w": torch.zeros(4)}
+    with pytest.warns(UserWarning):
+        dcp.load(state, storage_reader=MemoffloadReader(job_id="job", fallback_dir=through),
+                 checkpoint_id="step-3", no_dist=True)
+    assert torch.equal(state["w"], torch.full((4,), 3.0))
+    # A symlink planted inside a checkpoint dir is refused, never followed.
+    os.symlink("/etc/passwd", tmp_path / "scratch" / "job" / "step-3" / "extra")
+    with pytest.raises(memoffload.PermissionDenied, match="is a symlink"):
+        reader = MemoffloadReader(job_id="job", fallback_dir=through)
+        reader.reset(checkpoint_id="step-3")
+        reader.read_metadata()
+
+
 def test_runtime_dir_of_follows_the_discovery_order(monkeypatch):
     from memoffload.torch import _checkpoint_store as store
 

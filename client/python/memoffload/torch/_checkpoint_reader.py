@@ -118,12 +118,23 @@ class MemoffloadReader(StorageReader):
             self.last_mode = DAEMON
             return self._stamped(pickle.loads(blob))
         path = os.path.join(self.fallback_dir, self.checkpoint_id)
-        if not os.path.exists(os.path.join(path, _store.METADATA_NAME)):
+        # Every file is opened through the fallback dir's verified
+        # descriptor and checked before a byte is unpickled (_trusted_files).
+        try:
+            fs = _trusted_files.TrustedFileSystem(_trusted_files.trusted_fallback_dir(self.fallback_dir))
+            found = fs.exists(os.path.join(path, _store.METADATA_NAME))
+        except (FileNotFoundError, NotADirectoryError):
+            found = False
+        if not found:
             raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {path} "
                                     f"has no {_store.METADATA_NAME}")
-        _trusted_files.check_checkpoint(self.fallback_dir, path)  # before a byte is unpickled
+        try:
+            os.close(fs.root.open_checkpoint(self.checkpoint_id, check_files=True))
+        except _trusted_files.Untrusted as exc:
+            raise _trusted_files.refused(exc) from None
         _warn_fallback("load", why, path)
         self._fs = FileSystemReader(path)
+        self._fs.fs = fs
         self.last_mode = FILESYSTEM
         return self._stamped(self._fs.read_metadata())
 

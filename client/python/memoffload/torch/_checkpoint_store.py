@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import stat
 import threading
 from dataclasses import dataclass, field
@@ -267,45 +266,65 @@ def retain(store: Any, keep_last: Optional[int], current_id: str) -> List[str]:
 # ---- the filesystem fallback -----------------------------------------------
 
 
-def write_marker(path: str, job_id: str) -> None:
+def write_marker(fs: "_trusted_files.TrustedFileSystem", path: str, job_id: str) -> None:
+    """The job's marker in checkpoint dir ``path``, written through ``fs``
+    (a temporary file, then a rename)."""
     tmp = os.path.join(path, f"{MARKER_NAME}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        f.write(job_id + "\n")
-    os.replace(tmp, os.path.join(path, MARKER_NAME))
+    with fs.create_stream(tmp, "wb") as f:
+        f.write((job_id + "\n").encode())
+    fs.rename(tmp, os.path.join(path, MARKER_NAME))
 
 
 def _marked_checkpoints(fallback_dir: str, problems: Optional[List[str]] = None
                         ) -> Dict[str, Tuple[str, float]]:
     """{checkpoint id: (the job its marker names, .metadata mtime)} of the
-    complete checkpoints this module wrote under ``fallback_dir``. What
-    another user could have written is left out, and why is added to
-    ``problems``."""
+    complete checkpoints this module wrote under ``fallback_dir``, read
+    through its trusted descriptor (:mod:`._trusted_files`). What another
+    user could have written is left out, and why is added to ``problems``."""
     found: Dict[str, Tuple[str, float]] = {}
     try:
-        names = os.listdir(fallback_dir)
+        root = _trusted_files.open_fallback_dir(fallback_dir)
     except (FileNotFoundError, NotADirectoryError):
         return found
-    problem = _trusted_files.fallback_dir_problem(fallback_dir)
-    if problem is not None:
+    except _trusted_files.Untrusted as exc:
         if problems is not None:
-            problems.append(problem)
+            problems.append(str(exc))
         return found
-    for name in names:
-        path = os.path.join(fallback_dir, name)
-        try:
-            if not stat.S_ISDIR(os.lstat(path).st_mode):
+    with root:
+        for name in os.listdir(root.fd):
+            try:
+                if not stat.S_ISDIR(os.stat(name, dir_fd=root.fd, follow_symlinks=False).st_mode):
+                    continue
+                try:
+                    ckpt_fd = root.open_checkpoint(name, check_files=True)
+                except _trusted_files.Untrusted as exc:
+                    if problems is not None and _lexists(root.fd, name, METADATA_NAME):
+                        problems.append(str(exc))
+                    continue
+                try:
+                    metadata_mtime = os.stat(METADATA_NAME, dir_fd=ckpt_fd,
+                                             follow_symlinks=False).st_mtime
+                finally:
+                    os.close(ckpt_fd)
+                marked = root.read(name, MARKER_NAME).decode(errors="replace").strip()
+                found[name] = (marked, metadata_mtime)
+            except (FileNotFoundError, NotADirectoryError, _trusted_files.Untrusted):
                 continue
-            problem = _trusted_files.checkpoint_problem(path)
-            if problem is not None:
-                if problems is not None and os.path.lexists(os.path.join(path, METADATA_NAME)):
-                    problems.append(problem)
-                continue
-            with open(os.path.join(path, MARKER_NAME)) as f:
-                marked = f.read().strip()
-            found[name] = (marked, os.stat(os.path.join(path, METADATA_NAME)).st_mtime)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
     return found
+
+
+def _lexists(dir_fd: int, ckpt: str, name: str) -> bool:
+    try:
+        fd = os.open(ckpt, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def filesystem_checkpoints(fallback_dir: str, job_id: str,
@@ -327,8 +346,10 @@ def retain_filesystem(fallback_dir: str, job_id: str, keep_last: Optional[int], 
         return []
     newest = sorted(found, key=lambda c: (found[c], c), reverse=True)
     doomed = [c for c in newest[keep_last:] if c != current_id]
-    for ckpt_id in doomed:
-        path = os.path.join(fallback_dir, ckpt_id)
-        os.remove(os.path.join(path, METADATA_NAME))  # incomplete from here on
-        shutil.rmtree(path)
+    if doomed:
+        with _trusted_files.trusted_fallback_dir(fallback_dir) as root:
+            fs = _trusted_files.TrustedFileSystem(root)
+            for ckpt_id in doomed:
+                fs.rm_file(os.path.join(fallback_dir, ckpt_id, METADATA_NAME))  # incomplete now
+                root.remove_checkpoint(ckpt_id)
     return doomed

@@ -332,19 +332,26 @@ class MemoffloadWriter(StorageWriter):
         if isinstance(target, _FallbackPlan):
             self.last_mode = FILESYSTEM
             path = os.path.join(self.fallback_dir, self.checkpoint_id)
-            _trusted_files.ensure_fallback_dir(self.fallback_dir)
-            if os.path.lexists(path):
-                _trusted_files.check_checkpoint(self.fallback_dir, path)
+            # Every file is opened through the fallback dir's verified
+            # descriptor (_trusted_files), never by path.
+            fs = _trusted_files.TrustedFileSystem(
+                _trusted_files.trusted_fallback_dir(self.fallback_dir, create=True))
+            if fs.exists(path):
+                try:
+                    os.close(fs.root.open_checkpoint(self.checkpoint_id, check_files=True))
+                except _trusted_files.Untrusted as exc:
+                    raise _trusted_files.refused(exc) from None
             _warn_fallback("save", _unreachable(target.runtime_dir, target.reason), path)
             if self._link is not None or self.replicas > 0:
                 self.last_replication = Replication(
                     self.checkpoint_id, False,
                     why=f"saved to the filesystem fallback ({target.reason})")
             self._fs = FileSystemWriter(path, sync_files=self.sync_files)
+            self._fs.fs = fs
             self._fs.set_up_storage_writer(self._is_coordinator, rank=self._rank)
-            self._fs.fs.mkdir(path)
+            fs.mkdir(path)
             if self._is_coordinator:
-                _store.write_marker(path, self.job_id)
+                _store.write_marker(fs, path, self.job_id)
             fs_fut = self._fs.write_data(dataclasses.replace(plan, storage_data=target.prefix), planner)
             self._drop_staged()  # written from the staged tensors; the region is not needed
             return fs_fut
