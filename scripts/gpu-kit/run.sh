@@ -55,18 +55,51 @@ scratch=$(mktemp -d /tmp/memoffload-kit.XXXXXX)
 
 say() { echo "run.sh: $*" | tee -a "$LOGS/run.log" >&2; }
 
-# Every memoffloadd of this kit still running (the bench's, and any a test
-# left behind) is stopped at exit, then the logs are packed.
+# The processes of this kit: this uid's (of /proc/PID, which the process's
+# effective uid owns) whose executable is a file in $KIT/bin (compared as a
+# string, not a pattern). Never another user's, whatever its command line.
+kit_pids() {
+  local proc exe
+  for proc in /proc/[0-9]*; do
+    [[ -O $proc ]] || continue
+    exe=$(readlink "$proc/exe" 2>/dev/null) || continue
+    [[ ${exe% (deleted)} == "$KIT/bin/"* ]] && echo "${proc#/proc/}"
+  done
+}
+
+# The bench raises vm.nr_hugepages and writes the value before it to this
+# file first; whoever finds the file puts that value back: the bench when it
+# is done, finish() on every exit of this script (a step that timed out
+# included), and the next run at its start (this one was killed itself).
+HUGEPAGES_SAVED=$WORK/nr_hugepages.before
+restore_hugepages() {
+  [[ -f $HUGEPAGES_SAVED ]] || return 0
+  local before
+  before=$(cat "$HUGEPAGES_SAVED")
+  if [[ $(cat /proc/sys/vm/nr_hugepages 2>/dev/null) != "$before" ]]; then
+    if echo "$before" 2>/dev/null >/proc/sys/vm/nr_hugepages; then
+      say "vm.nr_hugepages restored to $before"
+    else
+      say "could not restore vm.nr_hugepages to $before"
+    fi
+  fi
+  rm -f "$HUGEPAGES_SAVED"
+}
+
+# Every process of this kit still running (the bench's daemon, and any a
+# test left behind) is stopped at exit, vm.nr_hugepages is put back, then
+# the logs are packed.
 finish() {
   [[ -f $scratch/daemon.pid ]] && kill "$(cat "$scratch/daemon.pid")" 2>/dev/null
-  for pid in $(pgrep -f "^$KIT/bin/" 2>/dev/null); do
+  for pid in $(kit_pids); do
     kill "$pid" 2>/dev/null
   done
   sleep 1
-  for pid in $(pgrep -f "^$KIT/bin/" 2>/dev/null); do
+  for pid in $(kit_pids); do
     say "killing leftover $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null)"
     kill -9 "$pid" 2>/dev/null
   done
+  restore_hugepages
   cp -f "$scratch"/*.log "$LOGS/" 2>/dev/null
   rm -rf "$scratch"
   "$PY" "$KIT/summarize.py" "$RESULTS" "$(($(date +%s) - started))" "${failed[*]:-}" \
@@ -75,6 +108,7 @@ finish() {
   cat "$OUT/summary.txt"
 }
 trap finish EXIT
+restore_hugepages  # left behind by a run that was killed
 
 record() {  # record STEP STATUS SECONDS [DETAIL]
   "$PY" -c 'import json, sys
@@ -242,6 +276,7 @@ bench() {
   local before
   before=$(cat /proc/sys/vm/nr_hugepages 2>/dev/null || echo 0)
   if ((${#mode[@]} == 0)) && ((before < pages)); then
+    echo "$before" >"$HUGEPAGES_SAVED"
     echo "$pages" 2>/dev/null >/proc/sys/vm/nr_hugepages ||
       echo "could not reserve $pages hugepages (the runs below fall back to 4 KiB pages)"
   fi
@@ -250,14 +285,12 @@ bench() {
     tee -a "$RESULTS" || rc=1
   "$KIT/bin/memoffload-bench" attach --json --hugepages --arena-size "$arena" --attach-samples 50 |
     tee -a "$RESULTS" || rc=1
-  if [[ $(cat /proc/sys/vm/nr_hugepages 2>/dev/null) != "$before" ]]; then
-    echo "$before" 2>/dev/null >/proc/sys/vm/nr_hugepages
-  fi
+  restore_hugepages
   return $rc
 }
 
-export KIT PY WORK LOGS RESULTS OUT scratch
-export -f check start_daemon tests bench
+export KIT PY WORK LOGS RESULTS OUT scratch HUGEPAGES_SAVED
+export -f check start_daemon tests bench say restore_hugepages
 cd "$KIT" || exit 2
 run_step check 120 check
 if ((${#failed[@]} == 0)); then

@@ -247,3 +247,56 @@ def test_a_gpu_that_torch_cannot_use_fails_the_check(kit, tmp_path):
     check = _steps(_results(out))["check"]
     assert check["status"] == "failed" and "cannot use it" in check["detail"], check
     assert "build" not in _steps(_results(out))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid and set vm.nr_hugepages")
+def test_the_kit_stops_only_its_own_processes_and_puts_nr_hugepages_back(kit, tmp_path):
+    """Issue 38: at exit run.sh stopped `pgrep -f "^$KIT/bin/"`: a pattern over
+    command lines, which as root matched every uid's processes, and it put
+    vm.nr_hugepages back only when its bench step ran to the end. Now it
+    stops this uid's processes whose executable is in $KIT/bin, and a raised
+    nr_hugepages left behind (the file its bench writes first) is restored by
+    the next run. The run here stops at its check (a GPU torch cannot use)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3, 580.159.04'\n")
+    (fake / "nvidia-smi").chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    # Another uid's process that only names itself after the kit's daemon.
+    theirs = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               "bash", "-c", f'exec -a "{kit}/bin/memoffloadd" sleep 300'])
+    # A daemon of the kit this uid left running.
+    ours = subprocess.Popen([str(kit / "bin" / "memoffloadd"), f"--runtime-dir={rt}",
+                             "--arena-size=16MiB", "--chunk-size=8MiB", "--metrics-address=none",
+                             "--prefault-threads=1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    hugepages = Path("/proc/sys/vm/nr_hugepages")
+    before = hugepages.read_text().strip()
+    try:
+        deadline = time.monotonic() + 30
+        while not (rt / "memoffload.sock").exists():
+            assert ours.poll() is None and time.monotonic() < deadline, "the kit's daemon did not start"
+            time.sleep(0.05)
+        # What a bench step killed by its time limit leaves behind.
+        (work / "nr_hugepages.before").write_text(before + "\n")
+        hugepages.write_text(str(int(before) + 1))
+        out = tmp_path / "out"
+        env = dict(os.environ, PATH=f"{fake}:{os.environ['PATH']}",
+                   MEMOFFLOAD_KIT_PYTHON=sys.executable, MEMOFFLOAD_KIT_WORK=str(work))
+        result = subprocess.run([str(kit / "run.sh"), str(out), "--only", "build"], env=env,
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode != 0, result.stdout + result.stderr
+        assert hugepages.read_text().strip() == before
+        assert not (work / "nr_hugepages.before").exists()
+        assert f"vm.nr_hugepages restored to {before}" in result.stderr, result.stderr[-2000:]
+        assert ours.wait(timeout=30) is not None, "the kit's own daemon was left running"
+        assert theirs.poll() is None, "another uid's process was killed"
+    finally:
+        hugepages.write_text(before)
+        for proc in (theirs, ours):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
