@@ -27,7 +27,9 @@ class AdminClient::Impl {
     if (!stub.ok()) return stub.status();
     grpc::ClientContext ctx;
     SetDeadline(&ctx, timeout_ms);
-    return FromGrpc(((**stub).*method)(&ctx, req, resp), channel->socket_path());
+    const grpc::Status st = ((**stub).*method)(&ctx, req, resp);
+    if (TransportFailed(st)) channel->Failed(*stub);
+    return FromGrpc(st, channel->socket_path());
   }
 };
 

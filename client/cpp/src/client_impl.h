@@ -113,7 +113,9 @@ class Client::Impl {
     if (!stub.ok()) return stub.status();
     grpc::ClientContext ctx;
     SetDeadline(&ctx, timeout_ms > 0 ? timeout_ms : rpc_timeout_ms);
-    return FromGrpc(((**stub).*method)(&ctx, *req, resp), channel->socket_path());
+    const grpc::Status st = ((**stub).*method)(&ctx, *req, resp);
+    if (TransportFailed(st)) channel->Failed(*stub);
+    return FromGrpc(st, channel->socket_path());
   }
   // A failed call of a session that is gone is UNAVAILABLE, whatever the
   // daemon answered (a restarted daemon says NOT_FOUND or UNAUTHENTICATED for
@@ -131,15 +133,21 @@ class Client::Impl {
   std::atomic<bool> instance_gone{false};
   bool InstanceGone() {
     if (instance_gone.load()) return true;
-    v1::GetStatusRequest req;
+    // Asked twice at most: a connection gRPC gave up on is made again
+    // (verified) before "nobody answers" is concluded.
+    bool answered = false;
     v1::GetStatusResponse resp;
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx, std::min(rpc_timeout_ms, 2000));
-    Result<std::shared_ptr<v1::Offload::Stub>> stub = channel->Stub();
-    if (!stub.ok() || !(*stub)->GetStatus(&ctx, req, &resp).ok() ||
-        resp.instance_id() != reply.instance_id) {
-      instance_gone = true;
+    for (int attempt = 0; attempt < 2 && !answered; ++attempt) {
+      grpc::ClientContext ctx;
+      SetDeadline(&ctx, std::min(rpc_timeout_ms, 2000));
+      Result<std::shared_ptr<v1::Offload::Stub>> stub = channel->Stub();
+      if (!stub.ok()) break;
+      const grpc::Status st = (*stub)->GetStatus(&ctx, v1::GetStatusRequest(), &resp);
+      answered = st.ok();
+      if (!TransportFailed(st)) break;
+      channel->Failed(*stub);
     }
+    if (!answered || resp.instance_id() != reply.instance_id) instance_gone = true;
     return instance_gone.load();
   }
 

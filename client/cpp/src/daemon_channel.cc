@@ -45,6 +45,7 @@ Status DaemonChannel::Connect(bool reverify) {
   }
   if (watch_fd_ >= 0) close(watch_fd_);
   watch_fd_ = watch;
+  failed_ = false;
   // gRPC owns *fd from here (it closes it with the channel's transport).
   stub_ = v1::Offload::NewStub(
       grpc::CreateCustomInsecureChannelFromFd("localhost", *fd, DaemonChannelArguments()));
@@ -58,8 +59,13 @@ bool DaemonChannel::Broken() const {
 
 Result<std::shared_ptr<v1::Offload::Stub>> DaemonChannel::Stub() {
   absl::MutexLock lock(&mu_);
-  if (Broken()) MEMOFFLOAD_RETURN_IF_ERROR(Connect(/*reverify=*/true));
+  if (failed_ || Broken()) MEMOFFLOAD_RETURN_IF_ERROR(Connect(/*reverify=*/true));
   return stub_;
+}
+
+void DaemonChannel::Failed(const std::shared_ptr<v1::Offload::Stub>& stub) {
+  absl::MutexLock lock(&mu_);
+  if (stub == stub_) failed_ = true;
 }
 
 }  // namespace memoffload::client

@@ -38,6 +38,11 @@ class DaemonChannel {
   // caller after another thread replaced it.
   Result<std::shared_ptr<v1::Offload::Stub>> Stub() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Tells that a call on `stub` failed in gRPC's transport (UNAVAILABLE not
+  // from the daemon): the next Stub() reconnects even if the socket still
+  // looks open (gRPC may have given up on it on its own).
+  void Failed(const std::shared_ptr<v1::Offload::Stub>& stub) ABSL_LOCKS_EXCLUDED(mu_);
+
   // The gRPC socket's resolved path, for messages (FromGrpc).
   const std::string& socket_path() const { return socket_path_; }
   // The runtime dir as last verified.
@@ -57,6 +62,7 @@ class DaemonChannel {
   // A duplicate of the socket gRPC owns, only polled: it tells a connection
   // the peer closed (or gRPC shut down) before a call is made on it.
   int watch_fd_ ABSL_GUARDED_BY(mu_) = -1;
+  bool failed_ ABSL_GUARDED_BY(mu_) = false;  // Failed() on the current stub
 };
 
 }  // namespace memoffload::client

@@ -16,6 +16,11 @@ grpc::ChannelArguments DaemonChannelArguments() {
   return args;
 }
 
+bool TransportFailed(const grpc::Status& status) {
+  return status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+         status.error_details() != kDaemonStatusDetails;
+}
+
 Status FromGrpc(const grpc::Status& status, const std::string& socket_path) {
   if (status.ok()) return Status::Ok();
   std::string message = status.error_message();

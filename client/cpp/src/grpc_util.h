@@ -15,6 +15,10 @@ namespace memoffload::client {
 // The arguments of every channel to the daemon (DaemonChannel).
 grpc::ChannelArguments DaemonChannelArguments();
 
+// Whether a failed call's status is gRPC's own UNAVAILABLE (its transport
+// failed), not one the daemon returned.
+bool TransportFailed(const grpc::Status& status);
+
 // Converts a gRPC status; UNAVAILABLE gets the socket path added so the user
 // sees where the client looked.
 Status FromGrpc(const grpc::Status& status, const std::string& socket_path);
