@@ -61,7 +61,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import memoffload.torch as mot
-from memoffload.torch import _checkpoint_store
+from memoffload.torch.checkpoint import store as _checkpoint_store
 from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
 
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}

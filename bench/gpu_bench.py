@@ -205,7 +205,7 @@ def bench_checkpoint(dev: Device, runtime_dir: str, nbytes: int, tensors: int, r
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import store
     from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
 
     gen = torch.Generator().manual_seed(7)

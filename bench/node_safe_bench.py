@@ -130,7 +130,7 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-    from memoffload.torch import _replication
+    from memoffload.torch.checkpoint.nodes import link as _replication
     from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
 
     rank, node = args.rank, NODE_OF[args.rank]

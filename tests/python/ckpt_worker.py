@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from memoffload.torch import _checkpoint_store as store
+from memoffload.torch.checkpoint import store
 from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter, latest_checkpoint
 
 SAVE_STEPS = (2, 3, 4)

@@ -160,7 +160,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
     if cfg.get("slow_records"):
         # A slow link (or a busy worker thread): a save's node records (its
         # .metadata on the other nodes) land a while after dcp.save returned.
-        from memoffload.torch._node_safe import SaveJob
+        from memoffload.torch.checkpoint.nodes.save import SaveJob
 
         commit = SaveJob._commit_node_records
 
@@ -170,7 +170,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
 
         SaveJob._commit_node_records = slow
     if cfg.get("piece_bytes"):  # many pieces per region: every round of the streams
-        from memoffload.torch import _replication
+        from memoffload.torch.checkpoint.nodes import link as _replication
 
         _replication.PIECE_BYTES = cfg["piece_bytes"]
     result: Dict[str, Any] = {"rank": rank}
@@ -269,7 +269,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
         elif phase == "in_transit":
             import torch.distributed.checkpoint as dcp
 
-            from memoffload.torch import _node_safe
+            from memoffload.torch.checkpoint.nodes import save as _node_safe
 
             crc = _node_safe._crc
             writer = _writer(cfg)
@@ -323,7 +323,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             _step(model, opt, 5, rank)
             result["trained_to"] = 5
         elif phase == "exit_early":
-            from memoffload.torch._node_safe import SaveJob
+            from memoffload.torch.checkpoint.nodes.save import SaveJob
 
             SaveJob._before_replicas = lambda: time.sleep(1.5)  # still replicating at exit
             import torch.distributed.checkpoint as dcp

@@ -100,7 +100,7 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
     """``kind``: "fsdp2" or "cpu", with "_keep_grads" when the trainer keeps
     its gradients between steps (zero_grad(set_to_none=False))."""
     import memoffload.torch as mot
-    from memoffload.torch import _state
+    from memoffload.torch.state import placement as _state
 
     set_to_none = not kind.endswith("_keep_grads")
     kind = kind.replace("_keep_grads", "")

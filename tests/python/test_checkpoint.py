@@ -119,7 +119,7 @@ def region_daemon(daemon):
     and this process's region sessions end, before the daemon stops (its
     SIGTERM drain waits for the memory they hold)."""
     yield daemon
-    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import store
 
     for job in JOBS:
         s, _ = store.attach(daemon.runtime_dir, job, -1, True)
@@ -170,7 +170,7 @@ def save_full_model(cfg: Dict[str, Any]) -> str:
 
 
 def regions_of(cfg: Dict[str, Any]) -> Dict[str, Any]:
-    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import store
 
     s, reason = store.attach(cfg["runtime_dir"], cfg["job_id"], -1, True)
     assert s is not None, reason
@@ -347,7 +347,7 @@ def test_checkpoints_do_not_survive_a_daemon_restart_and_the_writer_reattaches(o
     (docs/checkpoints.md says so), latest_checkpoint() says None, and the
     same writer's next save attaches a new session and lands in the daemon."""
     import torch.distributed.checkpoint as dcp
-    from memoffload.torch import _checkpoint_store
+    from memoffload.torch.checkpoint import store as _checkpoint_store
     from memoffload.torch.checkpoint import MemoffloadWriter, latest_checkpoint
 
     job = f"restart-{uuid.uuid4().hex[:8]}"

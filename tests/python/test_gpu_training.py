@@ -201,7 +201,7 @@ def test_dcp_checkpoint_of_device_tensors_round_trips_like_the_file_system(daemo
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import store
     from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
 
     gen = torch.Generator().manual_seed(11)

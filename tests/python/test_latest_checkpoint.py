@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memoffload import StatusCode
-from memoffload.torch import _checkpoint_store as store
+from memoffload.torch.checkpoint import store
 from memoffload.torch.checkpoint import MemoffloadWriter, latest_checkpoint
 
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import memoffload.torch as mot
 from memoffload import logs
-from memoffload.torch import _checkpoint_store as store
+from memoffload.torch.checkpoint import store
 
 INSTANCE_LINE = "on memoffloadd instance"
 

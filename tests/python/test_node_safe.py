@@ -131,7 +131,7 @@ class Cluster:
         return torch.load(self.out / f"{phase}-{tag}-rank{rank}.pt", weights_only=False)
 
     def regions(self, node: int) -> List[str]:
-        from memoffload.torch import _checkpoint_store as store
+        from memoffload.torch.checkpoint import store
 
         s, _ = store.attach(self.daemons[node].runtime_dir, self.job_id, -1, True)
         names = [r["name"] for r in s.list("dcp/")]

@@ -12,9 +12,9 @@ import uuid
 import pytest
 import torch
 
-from memoffload.torch import _checkpoint_store as store
-from memoffload.torch._node_load import _assign, choose
-from memoffload.torch._replication import Topology
+from memoffload.torch.checkpoint import store
+from memoffload.torch.checkpoint.nodes.load import _assign, choose
+from memoffload.torch.checkpoint.nodes.link import Topology
 
 
 def _topo(rank, nodes):

@@ -305,7 +305,7 @@ def test_a_symlink_only_the_user_or_root_can_change_is_followed(shared_dir, tmp_
 
 
 def test_runtime_dir_of_follows_the_discovery_order(monkeypatch):
-    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import store
 
     if os.path.exists("/run/memoffload/broker.sock"):
         pytest.skip("a system daemon here takes discovery first")
@@ -322,7 +322,7 @@ def test_runtime_dir_of_follows_the_discovery_order(monkeypatch):
 def test_libmemoffload_discovers_the_dir_runtime_dir_of_names(monkeypatch, tmp_path):
     """The same order in C++ and Python: with no daemon anywhere, the
     native client's error names the socket of the dir Python names."""
-    from memoffload.torch import _checkpoint_store as store
+    from memoffload.torch.checkpoint import store
 
     if os.path.exists("/run/memoffload/broker.sock"):
         pytest.skip("a system daemon here takes discovery first")

@@ -1,7 +1,7 @@
 """Hugging Face ``Trainer`` integration: ``from memoffload.hf import
 MemoffloadCallback`` (also ``memoffload.torch.MemoffloadCallback``). The
-callback lives in ``memoffload.torch._hf``; see its docstring."""
+callback lives in ``memoffload.torch.activations.hf``; see its docstring."""
 
-from .torch._hf import LOGGED_KEYS, MemoffloadCallback
+from .torch.activations.hf import LOGGED_KEYS, MemoffloadCallback
 
 __all__ = ["MemoffloadCallback", "LOGGED_KEYS"]

@@ -21,14 +21,15 @@ arena space is returned when its last handle is gone. So ``retain_graph=True``
 keeps the data in the arena for a second backward, and a graph dropped without
 backward releases everything it reserved.
 
-The package's modules, each imported by this one and none importing it:
-``_native`` (loads ``_C``), ``_offloaders`` (one session per runtime dir and
-job id), ``_hooks`` (the saved-tensor hooks), ``_handle`` (OffloadHandle),
-``_layers`` (offload_layers), ``_activations`` (offload_activations),
-``_counters`` (the shapes of ``stats()``), ``_selection``, ``_param_skip``,
-``_activation_checkpoint``, ``_state`` (place_state: FSDP2's offloaded shards
-and optimizer state in the arena); ``_hf`` (the Hugging Face callback, loaded on
-first use) and ``checkpoint`` (checkpoint storage, imported by its users).
+The package by concern, each part with a docstring saying what lives there
+and what it may import (scripts/check_layers.py checks the arrows):
+``_native`` (loads ``_C``) and ``_settings`` (job id, rank variables), which
+every part may use; ``activations/`` (offload_layers, offload_activations,
+their handles, hooks and counters; the Hugging Face callback, loaded on first
+use); ``state/`` (place_state: FSDP2's offloaded shards and optimizer state in
+the arena); ``checkpoint/`` (DCP storage into the daemon, with ``nodes/`` for
+jobs on several nodes; imported by its users). None imports another, and
+none imports this module.
 """
 
 from __future__ import annotations
@@ -37,16 +38,16 @@ from typing import Any
 
 from .. import errors, logs  # noqa: F401 - part of this module's names
 from ._native import _C  # noqa: F401 - checks torch and loads the native part first
-from ._activation_checkpoint import OWN_HOOK_ATTR, checkpointed, foreign_hooks_active, in_backward  # noqa: F401
-from ._activations import offload_activations
-from ._counters import GroupStats, HandleStats, OffloadStats, _Counters  # noqa: F401
-from ._handle import OffloadHandle
-from ._hooks import _make_pack, _unpack  # noqa: F401 - used by tests and benchmarks
-from ._layers import DEFAULT_MIN_TENSOR_BYTES, find_layer_stack, offload_layers  # noqa: F401
-from ._offloaders import DEFAULT_JOB_ID, daemon_status, forget_offloader, get_offloader  # noqa: F401
-from ._param_skip import _ParamSkip  # noqa: F401
-from ._selection import LayerSelection  # noqa: F401
-from ._state import TESTED_TORCH, StatePlacement, place_state  # noqa: F401
+from .activations.checkpointing import OWN_HOOK_ATTR, checkpointed, foreign_hooks_active, in_backward  # noqa: F401
+from .activations.functional import offload_activations
+from .activations.counters import GroupStats, HandleStats, OffloadStats, _Counters  # noqa: F401
+from .activations.handle import OffloadHandle
+from .activations.hooks import _make_pack, _unpack  # noqa: F401 - used by tests and benchmarks
+from .activations.layers import DEFAULT_MIN_TENSOR_BYTES, find_layer_stack, offload_layers  # noqa: F401
+from .activations.offloaders import DEFAULT_JOB_ID, daemon_status, forget_offloader, get_offloader  # noqa: F401
+from .activations.param_skip import _ParamSkip  # noqa: F401
+from .activations.selection import LayerSelection  # noqa: F401
+from .state.placement import TESTED_TORCH, StatePlacement, place_state  # noqa: F401
 
 __all__ = [
     # MemoffloadCallback is provided lazily (module __getattr__ below) and is
@@ -67,11 +68,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # The Hugging Face callback lives in ._hf (re-exported by memoffload.hf)
+    # The Hugging Face callback lives in .activations.hf (re-exported by memoffload.hf)
     # and is loaded on first use, so that importing memoffload.torch never
     # imports transformers.
     if name == "MemoffloadCallback":
-        from ._hf import MemoffloadCallback
+        from .activations.hf import MemoffloadCallback
 
         return MemoffloadCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -20,8 +20,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _C, errors, logs
-from . import _trusted_files
+from ... import _C, errors, logs
+from . import trusted_files as _trusted_files
 
 REGION_PREFIX = "dcp/"
 METADATA_NAME = ".metadata"
@@ -109,7 +109,7 @@ def _is_socket(path: str) -> bool:
 def fallback_dir_of(fallback_dir: Optional[str], job_id: str) -> str:
     """``fallback_dir``, else ``$MEMOFFLOAD_CHECKPOINT_DIR``, else
     ``./memoffload-checkpoints/<job id>`` (absolute). Created 0700 and
-    checked before use (:mod:`._trusted_files`)."""
+    checked before use (:mod:`.trusted_files`)."""
     value = fallback_dir or os.environ.get(FALLBACK_DIR_ENV, "")
     if not value:
         value = os.path.join("memoffload-checkpoints", job_id)
@@ -192,7 +192,7 @@ class StoredCheckpoint:
     committed_unix: float = 0.0
     regions: List[str] = field(default_factory=list)
     size_bytes: int = 0
-    node_safe: bool = False  # its .node-safe region is here (_node_safe)
+    node_safe: bool = False  # its .node-safe region is here (nodes.save)
 
 
 def stored_checkpoints(store: Any) -> Dict[str, StoredCheckpoint]:

@@ -3,33 +3,16 @@ of memoffloadd) per runtime dir and job id, made on first use."""
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from .. import errors, logs
-from ._native import _C
+from ... import logs
+from .._native import _C
+from .._settings import DEFAULT_JOB_ID, _env_int, _job_id_of  # noqa: F401 - DEFAULT_JOB_ID re-exported
 
 # The process's offloaders (one session each), by (runtime dir, job id).
 _offloaders: Dict[Tuple[str, str], "_C.GroupOffloader"] = {}
 _offloaders_lock = threading.Lock()
-
-DEFAULT_JOB_ID = "torch"
-
-
-def _env_int(name: str) -> int:
-    try:
-        return int(os.environ.get(name, "-1"))
-    except ValueError:
-        return -1
-
-
-def _job_id_of(job_id: Optional[str]) -> str:
-    """``job_id``, else ``$MEMOFFLOAD_JOB_ID``, else ``"torch"``."""
-    if job_id is not None and (not isinstance(job_id, str) or not job_id):
-        raise errors.InvalidArgument(f"job_id must be a non-empty string or None, not {job_id!r}")
-    return job_id or os.environ.get("MEMOFFLOAD_JOB_ID") or DEFAULT_JOB_ID
-
 
 def get_offloader(runtime_dir: Optional[str] = None, job_id: Optional[str] = None) -> "_C.GroupOffloader":
     """The process's offloader (one session) for ``runtime_dir`` and ``job_id``.

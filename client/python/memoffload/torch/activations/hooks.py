@@ -9,9 +9,9 @@ from typing import Any, Callable
 
 import torch
 
-from ._counters import _Counters
-from ._native import _C
-from ._param_skip import _ParamSkip
+from .counters import _Counters
+from .._native import _C
+from .param_skip import _ParamSkip
 
 # Group keys, unique in the process (every handle and block draws from it).
 _keys = itertools.count(1)

@@ -13,10 +13,10 @@ from typing import Any, Dict, Optional, Sequence
 
 from torch import nn
 
-from ..errors import InvalidArgument
-from ..step_log import LOGGED_KEYS, StepLog
-from ._handle import OffloadHandle
-from ._layers import find_layer_stack, offload_layers
+from ...errors import InvalidArgument
+from ...step_log import LOGGED_KEYS, StepLog
+from .handle import OffloadHandle
+from .layers import find_layer_stack, offload_layers
 
 try:  # Subclass the real TrainerCallback when transformers is installed.
     from transformers import TrainerCallback as _CallbackBase  # type: ignore

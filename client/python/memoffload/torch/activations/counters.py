@@ -7,8 +7,8 @@ import enum
 import typing
 from typing import Any, Dict, Optional, TypedDict
 
-from ..errors import StatusCode
-from ._native import _C
+from ...errors import StatusCode
+from .._native import _C
 
 
 class GroupStats(TypedDict):

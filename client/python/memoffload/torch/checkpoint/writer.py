@@ -1,35 +1,5 @@
-"""torch.distributed.checkpoint (DCP) into the node daemon's arena.
-
-::
-
-    import torch.distributed.checkpoint as dcp
-    from memoffload.torch.checkpoint import MemoffloadWriter, MemoffloadReader, latest_checkpoint
-
-    writer = MemoffloadWriter(job_id="run-42", fallback_dir="/ckpt/run-42", keep_last=2)
-    dcp.save(state, storage_writer=writer, checkpoint_id=f"step-{step}")
-    ...
-    ckpt = latest_checkpoint(job_id="run-42", fallback_dir="/ckpt/run-42")   # after a restart
-    dcp.load(state, storage_reader=MemoffloadReader(job_id="run-42", fallback_dir="/ckpt/run-42"),
-             checkpoint_id=ckpt)
-
-Each rank writes its items into one region, ``dcp/<id>/__<rank>_0.distcp``:
-raw tensor bytes and the bytes of DCP's BYTE_IO items, back to back. The
-coordinator then commits ``dcp/<id>/.metadata`` (the pickled DCP Metadata
-whose storage_data names region, offset and length of every item), last: a
-checkpoint is complete iff that region exists, so a save killed half-way never
-reads as complete. Only after that commit are older checkpoints deleted
-(``keep_last``).
-
-When some rank cannot reach a daemon, every rank writes a normal DCP
-filesystem checkpoint into ``<fallback_dir>/<id>`` instead (the decision is
-made once, by the coordinator, from every rank's local plan), and each rank
-logs one warning naming the runtime dir, the reason and the path. The reader
-takes the daemon's copy when there is one, else the fallback directory's.
-
-Regions are owned by (uid, job id): a restarted job finds its checkpoints
-only with the same explicit job id (``job_id=`` or ``$MEMOFFLOAD_JOB_ID``).
-They do not survive a restart of the daemon (docs/checkpoints.md).
-"""
+"""MemoffloadWriter: DCP's StorageWriter into the node daemon's regions (the
+package docstring says how a checkpoint is laid out)."""
 
 from __future__ import annotations
 
@@ -58,16 +28,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import errors, logs
-from . import _checkpoint_stage as _stage
-from . import _checkpoint_store as _store
-from . import _replication, _trusted_files
-from ._node_safe import Replication, SaveJob
-from ._checkpoint_latest import latest_checkpoint
+from ... import errors, logs
+from . import stage as _stage
+from . import store as _store
+from .nodes import link as _link
+from . import trusted_files as _trusted_files
+from .nodes.save import Replication, SaveJob
 
-__all__ = ["MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]
-
-from ._checkpoint_items import (  # noqa: F401 - _RegionItem: the name .metadata pickles
+from .items import (
     DAEMON,
     FILESYSTEM,
     _FallbackPlan,
@@ -78,7 +46,8 @@ from ._checkpoint_items import (  # noqa: F401 - _RegionItem: the name .metadata
     _unreachable,
     _warn_fallback,
 )
-from ._checkpoint_reader import MemoffloadReader
+
+__all__ = ["MemoffloadWriter"]
 
 class MemoffloadWriter(StorageWriter):
     """A DCP StorageWriter into the node daemon's regions, with a visible
@@ -106,7 +75,7 @@ class MemoffloadWriter(StorageWriter):
 
     It is also the ``AsyncStager`` that ``dcp.async_save(state, storage_writer=
     writer, ...)`` uses: the staged copy is written straight into a region that
-    becomes the checkpoint (``_checkpoint_stage``), with
+    becomes the checkpoint (``stage``), with
     ``AsyncCheckpointerType.THREAD`` (the default) only. ``close()`` after the
     last save.
     """
@@ -162,7 +131,7 @@ class MemoffloadWriter(StorageWriter):
         self.last_staged: Dict[str, int] = {}
         # Several nodes: the job's link, this save's work across nodes, and
         # what became of the last save there.
-        self._link: Optional[_replication.Link] = None
+        self._link: Optional[_link.Link] = None
         self._job: Optional[SaveJob] = None
         self._replicating: Optional[Any] = None
         self.last_replication: Optional[Replication] = None
@@ -292,7 +261,7 @@ class MemoffloadWriter(StorageWriter):
         collects) and its retention is still to run."""
         store, reason = _store.attach(
             self.runtime_dir, self.job_id, rank, self.checksums, self.rpc_timeout_ms)
-        self._link = _replication.multi_node(self.runtime_dir, store)
+        self._link = _link.multi_node(self.runtime_dir, store)
         if self._link is not None:
             self._link.drain()
         return store, reason

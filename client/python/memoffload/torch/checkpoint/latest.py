@@ -1,6 +1,6 @@
 """``latest_checkpoint``: the newest complete checkpoint of a job, in the
 daemon or the fallback directory; across the nodes of a job that spans
-several (a collective there: :mod:`._node_load`); and the warning about
+several (a collective there: :mod:`.nodes.load`); and the warning about
 checkpoints under other job ids (a typo in the job id)."""
 
 from __future__ import annotations
@@ -9,9 +9,11 @@ import logging
 import os
 from typing import Dict, List, Optional, Set, Tuple
 
-from .. import _C, errors, logs
-from . import _node_load, _replication, _trusted_files
-from ._checkpoint_store import (
+from ... import _C, errors, logs
+from .nodes import link as _link
+from .nodes import load as _node_load
+from . import trusted_files as _trusted_files
+from .store import (
     FALLBACK_DIR_ENV,
     JOB_ID_ENV,
     METADATA_NAME,
@@ -47,7 +49,7 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     fallback = fallback_dir_of(fallback_dir, job)
     files = filesystem_checkpoints(fallback, job, problems)
     _trusted_files.warn_ignored(problems)
-    link = _replication.multi_node(runtime_dir, store) if _replication.several_nodes() else None
+    link = _link.multi_node(runtime_dir, store) if _link.several_nodes() else None
     if link is not None:
         found = _node_load.newest_loadable(link, _node_load.local_summary(store, files), node_safe)
     else:

@@ -13,13 +13,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from .. import errors, logs
-from . import _module_names
-from ._activation_checkpoint import checkpointed, foreign_hooks_active, in_backward
-from ._counters import GroupStats, HandleStats, OffloadStats, _Counters, _delta, _zero_stats
-from ._hooks import _keys, _make_pack, _unpack
-from ._native import _C
-from ._param_skip import _ParamSkip
+from ... import errors, logs
+from . import module_names as _module_names
+from .checkpointing import checkpointed, foreign_hooks_active, in_backward
+from .counters import GroupStats, HandleStats, OffloadStats, _Counters, _delta, _zero_stats
+from .hooks import _keys, _make_pack, _unpack
+from .._native import _C
+from .param_skip import _ParamSkip
 
 # Slots name recurring groups (a layer of one handle) so that the native side
 # can reserve a group's space before its forward with last step's size.

@@ -7,9 +7,9 @@ from typing import Optional, Sequence
 
 from torch import nn
 
-from ._handle import OffloadHandle
-from ._offloaders import _job_id_of, get_offloader
-from ._selection import LayerSelection, _selected
+from .handle import OffloadHandle
+from .offloaders import _job_id_of, get_offloader
+from .selection import LayerSelection, _selected
 
 # Saved tensors below this size stay in place: each cost ~20 us of fixed
 # bookkeeping before the native hooks, more than its copy below ~16 KiB; the

@@ -19,10 +19,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import errors, logs
-from . import _checkpoint_store as _store
-from . import _node_load, _replication, _trusted_files
-from ._checkpoint_items import DAEMON, FILESYSTEM, _rank_of, _RegionItem, _unreachable, _warn_fallback
+from ... import errors, logs
+from . import store as _store
+from .nodes import link as _link
+from .nodes import load as _node_load
+from . import trusted_files as _trusted_files
+from .items import DAEMON, FILESYSTEM, _rank_of, _RegionItem, _unreachable, _warn_fallback
 
 __all__ = ["MemoffloadReader"]
 
@@ -64,7 +66,7 @@ class MemoffloadReader(StorageReader):
         self.last_mode = ""
         self._region_store: Optional[Any] = None
         self._fs: Optional[FileSystemReader] = None
-        self._link: Optional[_replication.Link] = None
+        self._link: Optional[_link.Link] = None
         self.last_sources: Dict[str, str] = {}
 
     def reset(self, checkpoint_id: Any = None) -> None:
@@ -89,7 +91,7 @@ class MemoffloadReader(StorageReader):
         runtime_dir = _store.runtime_dir_of(self.runtime_dir)
         store, reason = _store.attach(self.runtime_dir, self.job_id, _rank_of(None), True,
                                       self.rpc_timeout_ms)
-        self._link = _replication.multi_node(self.runtime_dir, store)
+        self._link = _link.multi_node(self.runtime_dir, store)
         blob: Optional[bytes] = None
         if store is not None:
             name = _store.region_name(self.checkpoint_id, _store.METADATA_NAME)

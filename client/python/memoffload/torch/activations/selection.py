@@ -7,7 +7,7 @@ from typing import Callable, Iterable, Optional, Sequence, Set, Union
 
 from torch import nn
 
-from .. import errors
+from ... import errors
 
 LayerSelection = Union[Callable[[int, nn.Module], bool], Iterable[Union[int, nn.Module]]]
 

@@ -122,7 +122,7 @@ def _place(staged: Staged, t: torch.Tensor) -> torch.Tensor:
     n = _nbytes(t)
     if t.device.type == "meta" or n == 0:
         return t.detach().clone() if t.device.type != "meta" else t
-    from .. import errors
+    from ... import errors
 
     try:
         offset, raw = staged.writer.place(n, ALIGN)
@@ -154,7 +154,7 @@ def write(staged: Staged, items: List[Any], planner: Any, final_region: str,
     from torch.distributed.checkpoint.planner import WriteItemType
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from ._checkpoint_items import _RegionItem
+    from .items import _RegionItem
 
     results: List[Any] = []
     rest: List[Any] = []

@@ -1,6 +1,6 @@
 """Loading a checkpoint of a job that spans nodes (issue 33): each region
 from the local daemon when it is there and intact, else from a rank whose
-node holds a copy, streamed over the link (:mod:`._replication`); and the
+node holds a copy, streamed over the link (:mod:`.link`); and the
 newest checkpoint every rank can load. Every function here is a collective
 of the job's link: every rank calls it at the same point, as DCP's load
 steps are."""
@@ -13,10 +13,10 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
-from .. import errors, logs
-from . import _checkpoint_store as _store
-from ._node_safe import LAYOUT_NAME, LOCAL, _Incoming, _Outgoing
-from ._replication import Link
+from .... import errors, logs
+from .. import store as _store
+from .save import LAYOUT_NAME, LOCAL, _Incoming, _Outgoing
+from .link import Link
 
 ROUNDS = 3  # holders tried per region, at most
 

@@ -1,7 +1,7 @@
 """Checkpoints of a job that spans nodes, and their replicas (issue 33).
 
 After each rank has committed its shard into its own node's daemon, every
-rank's replication job (on the link's worker thread, :mod:`._replication`):
+rank's replication job (on the link's worker thread, :mod:`.link`):
 
 1. tells every rank what it wrote (and whether it could);
 2. receives the coordinator's ``.metadata`` (committed there by DCP's
@@ -31,10 +31,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import errors, logs
-from . import _checkpoint_store as _store
-from . import _replication
-from ._replication import NO_DAEMON, Link, Topology, pieces
+from .... import errors, logs
+from .. import store as _store
+from . import link as _link
+from .link import NO_DAEMON, Link, Topology, pieces
 
 LAYOUT_NAME = ".layout"
 
@@ -155,7 +155,7 @@ def _buffer(stream: Any, count: int, length: int) -> torch.Tensor:
     pages every time)."""
     bufs = getattr(stream, "_bufs", None)
     if bufs is None:
-        bufs = stream._bufs = [torch.empty(_replication.PIECE_BYTES, dtype=torch.uint8)
+        bufs = stream._bufs = [torch.empty(_link.PIECE_BYTES, dtype=torch.uint8)
                               for _ in range(2)]
     return bufs[count % 2][:length]
 

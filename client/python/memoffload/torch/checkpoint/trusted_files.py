@@ -39,7 +39,7 @@ from typing import Iterable, Iterator, Optional, Set, Tuple
 
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-from .. import errors, logs
+from ... import errors, logs
 
 _warned: Set[str] = set()
 _warned_lock = threading.Lock()

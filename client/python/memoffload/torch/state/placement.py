@@ -46,9 +46,9 @@ from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 
-from .. import errors, logs
-from ._native import _C
-from ._offloaders import _env_int, _job_id_of
+from ... import errors, logs
+from .._native import _C
+from .._settings import _env_int, _job_id_of
 
 __all__ = ["place_state", "StatePlacement", "TESTED_TORCH"]
 

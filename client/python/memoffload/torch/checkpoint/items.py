@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import _StoragePrefix
 
-from .. import errors, logs
+from ... import errors, logs
 
 DAEMON = "daemon"
 FILESYSTEM = "filesystem"

@@ -8,12 +8,12 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 from torch import nn
 
-from .. import logs
-from ._counters import OffloadStats, _Counters, _zero_stats
-from ._hooks import _keys, _make_pack, _unpack
-from ._native import _C
-from ._offloaders import _job_id_of, get_offloader
-from ._param_skip import _ParamSkip
+from ... import logs
+from .counters import OffloadStats, _Counters, _zero_stats
+from .hooks import _keys, _make_pack, _unpack
+from .._native import _C
+from .offloaders import _job_id_of, get_offloader
+from .param_skip import _ParamSkip
 
 _ACTIVATIONS_SLOT = 0
 

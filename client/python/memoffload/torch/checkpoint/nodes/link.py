@@ -41,8 +41,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import errors, logs
-from . import _checkpoint_store as _store
+from .... import errors, logs
+from .. import store as _store
 
 ADDRESS_ENV = "MEMOFFLOAD_REPLICATION_ADDRESS"
 IFNAME_ENV = "MEMOFFLOAD_REPLICATION_IFNAME"
