@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Checks that every #include in production code points down the layers.
+"""Checks that every #include and every Python import of production code
+points down the layers.
 
 Each folder of production code is a layer; LAYERS says which layers it may
 include. An include that resolves into a layer not on that list is a wrong
@@ -7,9 +8,15 @@ arrow: the script names the file, the line and the arrow, and exits 1.
 CMake's target links follow the same direction (a library links only the
 layers below it), so a wrong include is also what would need a wrong link.
 
+The Python package (client/python/memoffload) is checked the same way:
+PY_LAYERS names its parts (a package, or one module) and which parts each
+may import; every import, relative or absolute, at any depth of a module
+(inside functions too), is resolved to the part it lands in.
+
 usage: tools/check_layers.py [--root DIR] [--print-graph]
 """
 import argparse
+import ast
 import pathlib
 import re
 import sys
@@ -87,15 +94,116 @@ def check(root):
     return wrong, graph
 
 
+# The Python package's parts (paths under client/python, without ".py"; the
+# longest that matches a module is its part) -> the parts it may import.
+_PY_TOP = ["memoffload"]  # errors, logs, step_log, the package itself: torch-free
+_PY_BASE = ["memoffload/torch/_native", "memoffload/torch/_settings"] + _PY_TOP
+_PY_CKPT_CORE = ["memoffload/torch/checkpoint/trusted_files", "memoffload/torch/checkpoint/store",
+                 "memoffload/torch/checkpoint/items"]
+PY_LAYERS = {
+    "memoffload": [],
+    "memoffload/hf": ["memoffload/torch/activations"] + _PY_TOP,
+    "memoffload/lightning": ["memoffload/torch"] + _PY_TOP,
+    "memoffload/torch": ["memoffload/torch/activations", "memoffload/torch/state",
+                         "memoffload/torch/checkpoint"] + _PY_BASE,
+    "memoffload/torch/_native": _PY_TOP,
+    "memoffload/torch/_settings": _PY_TOP,
+    "memoffload/torch/activations": _PY_BASE,
+    "memoffload/torch/state": _PY_BASE,
+    "memoffload/torch/checkpoint/trusted_files": _PY_TOP,
+    "memoffload/torch/checkpoint/store": ["memoffload/torch/checkpoint/trusted_files"] + _PY_BASE,
+    "memoffload/torch/checkpoint/items": _PY_BASE,
+    "memoffload/torch/checkpoint/stage": ["memoffload/torch/checkpoint/items"] + _PY_BASE,
+    "memoffload/torch/checkpoint/nodes": _PY_CKPT_CORE + _PY_BASE,
+    "memoffload/torch/checkpoint": ["memoffload/torch/checkpoint/nodes",
+                                    "memoffload/torch/checkpoint/stage"] + _PY_CKPT_CORE + _PY_BASE,
+}
+PY_ROOT = "client/python"
+
+
+def py_part_of(dotted):
+    rel = dotted.replace(".", "/")
+    for part in sorted(PY_LAYERS, key=len, reverse=True):
+        if rel == part or rel.startswith(part + "/"):
+            return part
+    return None
+
+
+def py_module_of(path, base):
+    rel = path.relative_to(base).with_suffix("").as_posix()
+    parts = rel.split("/")
+    is_package = parts[-1] == "__init__"
+    if is_package:
+        parts = parts[:-1]
+    return ".".join(parts), is_package
+
+
+def py_targets(node, module, is_package, exists):
+    """The dotted modules an import statement of `module` lands in."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    package = module if is_package else module.rpartition(".")[0]
+    if node.level:
+        parts = package.split(".")
+        if node.level - 1 > len(parts) - 1:
+            return []
+        base = ".".join(parts[:len(parts) - (node.level - 1)])
+        base = f"{base}.{node.module}" if node.module else base
+    else:
+        base = node.module or ""
+    # `from X import name`: the module X.name when there is one, else X.
+    return [f"{base}.{a.name}" if exists(f"{base}.{a.name}") else base for a in node.names]
+
+
+def check_python(root):
+    wrong = []
+    graph = {}
+    base = root / PY_ROOT
+    if not (base / "memoffload").is_dir():
+        return wrong, graph
+
+    def exists(dotted):
+        rel = base / dotted.replace(".", "/")
+        return rel.with_suffix(".py").is_file() or (rel / "__init__.py").is_file()
+
+    for path in sorted((base / "memoffload").rglob("*.py")):
+        module, is_package = py_module_of(path, base)
+        part = py_part_of(module)
+        rel = path.relative_to(root).as_posix()
+        try:
+            tree = ast.parse(path.read_text(), filename=rel)
+        except SyntaxError as e:
+            wrong.append(f"{rel}:{e.lineno}: cannot parse: {e.msg}")
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in py_targets(node, module, is_package, exists):
+                if not target.startswith("memoffload"):
+                    continue
+                to = py_part_of(target)
+                if to is None or to == part:
+                    continue
+                graph.setdefault(part, set()).add(to)
+                if to not in PY_LAYERS[part]:
+                    wrong.append(f"{rel}:{node.lineno}: {part} -> {to} ({target}) is not allowed; "
+                                 f"{part} may import {', '.join(PY_LAYERS[part]) or 'nothing of ours'}")
+    return wrong, graph
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", default=pathlib.Path(__file__).resolve().parent.parent, type=pathlib.Path)
     ap.add_argument("--print-graph", action="store_true")
     args = ap.parse_args()
     wrong, graph = check(args.root)
+    py_wrong, py_graph = check_python(args.root)
+    wrong += py_wrong
     if args.print_graph:
         for layer in LAYERS:
             print(f"{layer} -> {', '.join(sorted(graph.get(layer, ()))) or '-'}")
+        for part in PY_LAYERS:
+            print(f"{part} -> {', '.join(sorted(py_graph.get(part, ()))) or '-'}")
     for w in wrong:
         print(w, file=sys.stderr)
     if wrong:
