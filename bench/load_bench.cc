@@ -31,7 +31,7 @@
 // --warm claims the chunks for the bench's tenant first, so that every
 // client maps and populates them at attach (untimed). Both phases report
 // the CPU per call of the clients (their copies apart) and of the server,
-// and each pair the ratio of the two (docs/reliability.md, "Where the gap
+// and each pair the ratio of the two (docs/history/request_path.md, "Where the gap
 // comes from").
 //
 // --baseline also measures the plain gRPC floor in the same run: a trivial
@@ -46,7 +46,7 @@
 // size is still checked), so that both sides run only their calls: the
 // request path next to the trivial one. With 256 clients on 2 cores the
 // copies' CPU and cache misses, not the calls, set the plain-floor ratio
-// (docs/reliability.md, "Where the gap comes from").
+// (docs/history/request_path.md, "Where the gap comes from").
 #include <fcntl.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>

@@ -33,7 +33,7 @@ struct LoadOptions {
   // maps and populates them at attach (untimed), as in a trainer that ran
   // for a while. Without it, each client fills its page tables on first
   // use, inside the timed window. (It lowers the clients' CPU per call at
-  // 256 clients but not the p99 ratio: docs/reliability.md.)
+  // 256 clients but not the p99 ratio: docs/history/request_path.md.)
   bool warm = false;
   // The floor's clients do the load worker's copies between their calls
   // (grpc_floor.h).
@@ -41,7 +41,7 @@ struct LoadOptions {
   // The load's clients copy nothing: Reserve, Commit, Prefetch and Release
   // with the same sizes, but no write into the arena, read back or verify.
   // What is left is the request path alone, which the plain floor
-  // measures the trivial counterpart of (docs/reliability.md).
+  // measures the trivial counterpart of (docs/request_path.md).
   bool no_copies = false;
 };
 

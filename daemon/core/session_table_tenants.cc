@@ -46,7 +46,7 @@ void SessionTable::WarnIfSharedWithoutUidLimits(uid_t uid) {
   warned_shared_uids_ = true;
   MO_LOG_WARN(
       "uid %u opened a session while uid %u has sessions, and %s 0 (no limit): one uid can %s. "
-      "On a node shared by several uids set them (docs/reliability.md, 'Local peers'); "
+      "On a node shared by several uids set them (docs/security.md, 'Local peers'); "
       "logged once",
       static_cast<unsigned>(uid), static_cast<unsigned>(other), off.c_str(),
       bytes_off && chunks_off ? "hold the whole arena and keep every chunk from the others"

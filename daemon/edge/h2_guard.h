@@ -1,6 +1,6 @@
 // H2Guard: the HTTP/2 rules one gRPC connection must keep, checked on the
 // bytes a client sends before gRPC sees them (gRPC 1.51, Debian 12's, has no
-// defence of its own against these; see docs/reliability.md, "The gRPC
+// defence of its own against these; see docs/request_path.md, "The gRPC
 // edge"). A model part: no socket, no thread, no clock of its own; the edge
 // relay (edge_relay.h) feeds it bytes and the time.
 //

@@ -24,7 +24,7 @@ ARENA_BYTES = 64 * 1024 * 1024
 # The image's user (deploy/docker/Dockerfile: USER 10001:10001).
 IMAGE_UID = 10001
 # A host trainer trusts a daemon of another uid in a runtime dir other than
-# /run/memoffload only when it is named (docs/reliability.md).
+# /run/memoffload only when it is named (docs/security.md).
 TRAINER_ENV = dict(os.environ, MEMOFFLOAD_DAEMON_UID=str(IMAGE_UID))
 
 

@@ -1,4 +1,4 @@
-"""The Trainer and Lightning recipes of docs/torch.md run verbatim: the exact
+"""The Trainer and Lightning recipes of docs/torch_frameworks.md run verbatim: the exact
 text of the first python block under each heading, against a real daemon
 named by MEMOFFLOAD_RUNTIME_DIR (as a user's environment would), with the
 `model` / `train_dataset` and `module` / `loader` the recipes call "yours"
@@ -20,8 +20,8 @@ from memoffload.step_log import LOGGED_KEYS
 
 
 def recipe(heading: str) -> str:
-    text = (REPO / "docs" / "torch.md").read_text()
-    assert f"\n{heading}\n" in text, f"docs/torch.md has no heading {heading!r}"
+    text = (REPO / "docs" / "torch_frameworks.md").read_text()
+    assert f"\n{heading}\n" in text, f"docs/torch_frameworks.md has no heading {heading!r}"
     section = text[text.index(f"\n{heading}\n"):]
     match = re.search(r"```python\n(.*?)```", section, re.S)
     assert match, f"no python block under {heading!r}"
@@ -43,7 +43,7 @@ def user_env(daemon, monkeypatch, tmp_path) -> Iterator[None]:
 def run(code: str, namespace: Dict) -> str:
     out = io.StringIO()
     with redirect_stdout(out):
-        exec(compile(code, "docs/torch.md", "exec"), namespace)
+        exec(compile(code, "docs/torch_frameworks.md", "exec"), namespace)
     return out.getvalue()
 
 
@@ -51,7 +51,7 @@ def test_hugging_face_recipe_runs_verbatim(daemon, user_env):
     from test_hf import RandomTokens, tiny_llama
 
     namespace = {"__name__": "__recipe__", "model": tiny_llama(), "train_dataset": RandomTokens()}
-    printed = run(recipe("### Hugging Face Trainer"), namespace)
+    printed = run(recipe("## Hugging Face Trainer"), namespace)
     callback, trainer = namespace["callback"], namespace["trainer"]
     entries = [h for h in trainer.state.log_history if LOGGED_KEYS[0] in h]
     assert len(entries) == 3 + 1  # each step, and the train summary log
@@ -71,7 +71,7 @@ def test_lightning_recipe_runs_verbatim(daemon, user_env, tmp_path):
     # Batches of 128: each saved activation (32 KiB) is above the default
     # min_tensor_bytes, which the recipe keeps.
     namespace = {"__name__": "__recipe__", "module": Stack(), "loader": batches(128)}
-    printed = run(recipe("### Lightning"), namespace)
+    printed = run(recipe("## Lightning"), namespace)
     callback = namespace["callback"]
     # What a user reads: the CSV the recipe's logger wrote, one row per step.
     with open(tmp_path / "logs" / "lightning_logs" / "version_0" / "metrics.csv") as f:

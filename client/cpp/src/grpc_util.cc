@@ -8,7 +8,7 @@ grpc::ChannelArguments DaemonChannelArguments() {
   grpc::ChannelArguments args;
   // No gRPC retry filter: it keeps every call's messages so that it could
   // replay them; without it a call's p50 under load is 6-9% lower
-  // (docs/reliability.md).
+  // (docs/history/request_path.md).
   // Nothing is lost: no call has a retry policy, and a call that fails
   // before it reaches the daemon is UNAVAILABLE, which the client already
   // handles (attach again after a restart).

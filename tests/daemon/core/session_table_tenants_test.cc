@@ -356,7 +356,7 @@ TEST_F(TenantChunks, NoneModeSharesEveryChunkAndNeverReplacesBacking) {
   EXPECT_TRUE(ChunkIs(0, 0xAA));  // one trusted tenant: same backing
 }
 
-// The holder rule (docs/reliability.md, "Tenant isolation"): an empty chunk
+// The holder rule (docs/security.md, "Tenant isolation"): an empty chunk
 // does not return to the common pool while a live session of its tenant has
 // it mapped (its fd cannot be revoked); it does once those sessions end.
 TEST_F(TenantChunks, TenantsComingAndGoingReusePoolNumbers) {

@@ -25,7 +25,7 @@ std::string DefaultRuntimeDir();
 std::string DefaultRuntimeDirForUid(uint32_t uid);
 
 // How a client's runtime dir was found; the trust rules differ (see
-// memoffload/client/daemon_trust.h and docs/reliability.md).
+// memoffload/client/daemon_trust.h and docs/security.md).
 enum class RuntimeDirSource {
   kExplicit,  // the caller's argument or $MEMOFFLOAD_RUNTIME_DIR
   kSystem,    // /run/memoffload, whose broker socket exists

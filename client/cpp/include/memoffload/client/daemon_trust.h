@@ -1,5 +1,5 @@
 // The client's check of its daemon, done before it sends a byte of data
-// (docs/reliability.md, "Which daemon a trainer trusts").
+// (docs/security.md, "Which daemon a trainer trusts").
 //
 // VerifyRuntimeDir checks a discovered runtime dir and every directory above
 // it; VerifySocket the sockets in it; VerifyPeer the process that answers on
