@@ -7,7 +7,7 @@
 #   /usr/lib/systemd/system/memoffloadd.service
 #   /usr/lib/sysusers.d/memoffload.conf
 #   /etc/memoffload/memoffloadd.toml            (only if absent: never clobbered)
-#   /usr/share/doc/memoffload/examples/memoffloadd.toml, .../deploy.md
+#   /usr/share/doc/memoffload/examples/memoffloadd.toml, .../deploy.md, .../running.md
 #   /usr/share/memoffload/grafana/...
 # The unit's /usr/sbin and /etc paths are rewritten for other prefixes (the
 # config dir follows GNUInstallDirs: /usr/local -> /usr/local/etc, /opt/X ->
@@ -43,7 +43,8 @@ install(FILES "${_memoffload_root}/deploy/systemd/memoffload.sysusers.conf"
 # there yet, so that reinstalling never overwrites an operator's settings.
 set(_memoffload_example "${_memoffload_root}/deploy/systemd/memoffloadd.toml")
 install(FILES "${_memoffload_example}" DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples)
-install(FILES "${_memoffload_root}/docs/deploy.md" DESTINATION ${CMAKE_INSTALL_DOCDIR})
+install(FILES "${_memoffload_root}/docs/deploy.md" "${_memoffload_root}/docs/running.md"
+        DESTINATION ${CMAKE_INSTALL_DOCDIR})
 install(CODE "
   set(_dest \"\$ENV{DESTDIR}${CMAKE_INSTALL_FULL_SYSCONFDIR}/memoffload/memoffloadd.toml\")
   if(EXISTS \"\${_dest}\")

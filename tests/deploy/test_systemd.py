@@ -225,6 +225,7 @@ def test_install_rules_lay_out_files_for_prefix_usr(tmp_path):
                  "etc/memoffload/memoffloadd.toml",
                  "usr/share/doc/memoffload/examples/memoffloadd.toml",
                  "usr/share/doc/memoffload/deploy.md",
+                 "usr/share/doc/memoffload/running.md",
                  "usr/share/memoffload/grafana"):
         assert (dest / path).exists(), path
     # With prefix /usr the installed unit is the reviewed file, byte for byte.
@@ -253,7 +254,8 @@ def test_editing_the_unit_reconfigures_before_the_next_install(tmp_path):
     for part in ("cmake", "deploy/systemd", "grafana"):
         shutil.copytree(dc.REPO / part, root / part)
     (root / "docs").mkdir()
-    shutil.copy(dc.DEPLOY_DOC, root / "docs" / "deploy.md")
+    for doc in ("deploy.md", "running.md"):
+        shutil.copy(dc.REPO / "docs" / doc, root / "docs" / doc)
     dest = _install_tree(tmp_path, "/usr", "edit", root)
     unit = root / "deploy/systemd/memoffloadd.service"
     unit.write_text(unit.read_text() + "# edited after configure\n")
