@@ -39,17 +39,21 @@ class LogRateLimiter {
   std::atomic<unsigned long> suppressed_{0};
 };
 
-#define MO_LOG_WARN_LIMITED(...)                                                     \
-  do {                                                                               \
-    static ::memoffload::daemon::LogRateLimiter mo_log_limiter;                      \
-    unsigned long mo_log_suppressed = 0;                                             \
-    if (mo_log_limiter.Allow(&mo_log_suppressed)) {                                  \
-      if (mo_log_suppressed != 0) {                                                  \
-        MO_LOG_WARN("(%lu lines like the next were suppressed)", mo_log_suppressed); \
-      }                                                                              \
-      MO_LOG_WARN(__VA_ARGS__);                                                      \
-    }                                                                                \
+#define MO_LOG_LIMITED(level, ...)                                                    \
+  do {                                                                                \
+    static ::memoffload::daemon::LogRateLimiter mo_log_limiter;                       \
+    unsigned long mo_log_suppressed = 0;                                              \
+    if (mo_log_limiter.Allow(&mo_log_suppressed)) {                                   \
+      if (mo_log_suppressed != 0) {                                                   \
+        ::memoffload::daemon::Log(level, "(%lu lines like the next were suppressed)", \
+                                  mo_log_suppressed);                                 \
+      }                                                                               \
+      ::memoffload::daemon::Log(level, __VA_ARGS__);                                  \
+    }                                                                                 \
   } while (0)
+#define MO_LOG_WARN_LIMITED(...) \
+  MO_LOG_LIMITED(::memoffload::daemon::LogLevel::kWarning, __VA_ARGS__)
+#define MO_LOG_INFO_LIMITED(...) MO_LOG_LIMITED(::memoffload::daemon::LogLevel::kInfo, __VA_ARGS__)
 
 }  // namespace memoffload::daemon
 

@@ -93,11 +93,7 @@ void Broker::OnClosed(uint64_t connection_id, uid_t uid, bool release_slot) {
 }
 
 void Broker::Linger(Socket socket, const PeerCredentials& peer) {
-  MO_LOG_WARN_LIMITED(
-      "broker: pid %d uid %u left replies unread on a closed connection; its connection slot "
-      "stays taken until it reads or closes them (their chunk fds count against the daemon)",
-      peer.pid, peer.uid);
-  lingering_.push_back({std::move(socket), peer.uid});
+  lingering_.push_back({std::move(socket), peer});
   if (lingering_.size() == 1) ScheduleLingerSweep();
 }
 
@@ -107,12 +103,20 @@ void Broker::ScheduleLingerSweep() {
     if (ec) return;
     for (auto it = lingering_.begin(); it != lingering_.end();) {
       if (UnreadBytes(it->socket.native_handle()) > 0) {
+        if (!it->told) {
+          it->told = true;
+          MO_LOG_WARN_LIMITED(
+              "broker: pid %d uid %u has not read what the daemon sent before its connection "
+              "ended; its connection slot stays taken until it reads or closes it (chunk fds in "
+              "it count against the daemon)",
+              it->peer.pid, it->peer.uid);
+        }
         ++it;
         continue;
       }
       error_code ignored;
       it->socket.close(ignored);
-      limits_.Release(it->uid);
+      limits_.Release(it->peer.uid);
       it = lingering_.erase(it);
     }
     if (!lingering_.empty()) ScheduleLingerSweep();
@@ -131,7 +135,7 @@ void Broker::CloseAll() {
   for (Lingering& l : lingering_) {
     error_code ignored;
     l.socket.close(ignored);
-    limits_.Release(l.uid);
+    limits_.Release(l.peer.uid);
   }
   lingering_.clear();
   auto connections = std::move(connections_);

@@ -96,7 +96,9 @@ class Broker {
   void OnClosed(uint64_t connection_id, uid_t uid, bool release_slot = true);
   // Keeps `socket` (its connection closed, its peer still holding unread
   // replies) and its uid's connection slot until the peer has read or
-  // closed them.
+  // closed them. An ordinary client reads what it was sent at once (a
+  // refusal while draining, say): only a peer that still has not after a
+  // sweep is logged (a WARN, rate-limited), once.
   void Linger(Socket socket, const PeerCredentials& peer);
   void ScheduleLingerSweep();
 
@@ -114,7 +116,8 @@ class Broker {
   std::unordered_map<uint64_t, std::shared_ptr<Connection>> connections_;
   struct Lingering {
     Socket socket;
-    uid_t uid;
+    PeerCredentials peer;
+    bool told = false;  // logged already
   };
   std::vector<Lingering> lingering_;
   boost::asio::steady_timer linger_timer_;

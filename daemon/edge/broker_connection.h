@@ -349,8 +349,14 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   void Refuse(const std::string& reason, const Status& status) {
     broker_->metrics_->AttachRefused(reason);
-    MO_LOG_WARN_LIMITED("attach refused (pid %d uid %u): %s", peer_.pid, peer_.uid,
-                        status.ToString().c_str());
+    if (reason == "draining") {
+      // Expected while draining: trainers try again until a daemon takes them.
+      MO_LOG_INFO_LIMITED("attach of pid %d uid %u refused while draining: %s", peer_.pid,
+                          peer_.uid, status.message().c_str());
+    } else {
+      MO_LOG_WARN_LIMITED("attach refused (pid %d uid %u): %s", peer_.pid, peer_.uid,
+                          status.ToString().c_str());
+    }
     AttachReply reply;
     reply.code = status.code();
     reply.message = status.message();

@@ -142,6 +142,17 @@ TEST(HoardedFds, AClosedConnectionWithUnreadRepliesKeepsItsSlotUntilThePeerLetsG
   auto third = client::Client::Attach(attach);
   ASSERT_FALSE(third.ok()) << "the hoarder's slot was given back while it held unread replies";
   EXPECT_EQ(third.status().code(), StatusCode::kResourceExhausted) << third.status().ToString();
+  // Told once, after a sweep (an ordinary client would have read by then).
+  const auto told_by = Clock::now() + std::chrono::seconds(5);
+  const std::string told = "has not read what the daemon sent before its connection ended";
+  while (Clock::now() < told_by && daemon->Log().find(told) == std::string::npos) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // more sweeps
+  const std::string log = daemon->Log();
+  const size_t first = log.find(told);
+  EXPECT_NE(first, std::string::npos) << log;
+  EXPECT_EQ(log.find(told, first + 1), std::string::npos) << "told more than once:\n" << log;
 
   close(hoarder);  // its unread replies go with it
   const auto deadline = Clock::now() + std::chrono::seconds(10);

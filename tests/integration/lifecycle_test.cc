@@ -181,6 +181,46 @@ TEST(Lifecycle, SigtermDrainDeadlineWithGroupsHeldStillExitsZero) {
       << daemon->Log();
 }
 
+// Issue 39: while draining, every attach of an ordinary trainer trying
+// again was a WARN ("attach refused"), and one that had not yet read its
+// refusal when the daemon closed the connection a second one ("left replies
+// unread ... connection slot stays taken"), as if it were hostile. Now a
+// refusal while draining is INFO, and only a peer that still has not read
+// what it was sent a sweep later is a WARN.
+TEST(Lifecycle, OrdinaryAttachesRefusedWhileDrainingAreNoWarnings) {
+  std::string error;
+  DaemonProcess::Options opts;
+  opts.drain_timeout = "3s";
+  auto daemon = DaemonProcess::Start(opts, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  client::AttachOptions options;
+  options.runtime_dir = daemon->runtime_dir();
+  auto held = client::Client::Attach(options);
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE((*held)->Reserve(1, 1 << 20).ok());  // keeps the daemon draining
+  kill(daemon->pid(), SIGTERM);
+  const auto until = Clock::now() + std::chrono::seconds(2);
+  while (daemon->Log().find("draining") == std::string::npos && Clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  for (int i = 0; i < 12; ++i) {
+    auto refused = client::Client::Attach(options);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable) << refused.status().ToString();
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // past two linger sweeps
+  const std::string log = daemon->Log();
+  EXPECT_NE(
+      log.find("INFO attach of pid " + std::to_string(getpid()) + " uid 0 refused while draining"),
+      std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("WARN attach refused"), std::string::npos) << log;
+  EXPECT_EQ(log.find("has not read what the daemon sent"), std::string::npos) << log;
+  EXPECT_EQ(log.find("left replies unread"), std::string::npos) << log;
+  held->reset();
+  EXPECT_NE(daemon->Wait(10000), -1) << daemon->Log();
+}
+
 TEST(Lifecycle, SocketsAreMode0660AndOwnedByTheSocketGroup) {
   // "daemon" (gid 1 on Debian) is a group root may hand the sockets to.
   const group* daemon_group = getgrnam("daemon");
