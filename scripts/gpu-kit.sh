@@ -73,6 +73,8 @@ cp client/torch/*.cc client/torch/*.h "$stage/src/torch/"
 cp client/torch/src/*.cc client/torch/src/*.h "$stage/src/torch/src/"
 cp -r client/python/memoffload "$stage/python/"
 cp -r tests/python "$stage/tests/"
+mkdir -p "$stage/docs"
+cp docs/torch_frameworks.md "$stage/docs/"  # the recipes the gpu tests run verbatim
 cp bench/gpu_bench.py bench/torch_bench.py bench/async_save_bench.py "$stage/bench/"
 cp scripts/gpu-kit/run.sh scripts/gpu-kit/build_c.py scripts/gpu-kit/summarize.py "$stage/"
 find "$stage" \( -name __pycache__ -o -name '_C*.so' -o -name '*.pyc' \) -prune -exec rm -rf {} +

@@ -132,6 +132,15 @@ def _serve(tmp: Path, arena: str, chunk: str) -> Iterator[Daemon]:
     d.stop()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_log_limits():
+    """Each test sees the first line of each rate-limited cause (logs.log_limited)."""
+    from memoffload import logs
+
+    logs._limited.clear()
+    yield
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     """A 256 MiB daemon shared by the tests of one module."""

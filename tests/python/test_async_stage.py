@@ -186,6 +186,15 @@ def test_a_region_limit_at_staging_is_said_and_the_save_fails_clearly(tmp_path, 
         staging = [r.getMessage() for r in caplog.records
                    if "staging into the daemon failed" in r.getMessage()]
         assert len(staging) == 1 and "regions.job_max_bytes" in staging[0], staging
+        # Issue 39: the same cause at every later save is not said again.
+        for step in (2, 3):
+            fut = dcp.async_save({"model": _model().state_dict()}, storage_writer=writer,
+                                 checkpoint_id=f"step-{step}")
+            with pytest.raises(BaseException):
+                fut.result()
+        writer.close()
+        staging = [r for r in caplog.records if "staging into the daemon failed" in r.getMessage()]
+        assert len(staging) == 1, [r.getMessage() for r in staging]
         assert latest_checkpoint(job_id="limited", runtime_dir=d.runtime_dir) is None
         assert d.status()["used_bytes"] == 0
         assert isinstance(memoffload.ResourceExhausted("x"), memoffload.Error)

@@ -1,8 +1,11 @@
-"""The Trainer and Lightning recipes of docs/torch_frameworks.md run verbatim: the exact
-text of the first python block under each heading, against a real daemon
-named by MEMOFFLOAD_RUNTIME_DIR (as a user's environment would), with the
-`model` / `train_dataset` and `module` / `loader` the recipes call "yours"
-from test_hf.py and test_lightning.py."""
+"""The Trainer, Lightning and FSDP2 ``place_state`` recipes of
+docs/torch_frameworks.md run verbatim: the exact text of the first python
+block under each heading, against a real daemon named by
+MEMOFFLOAD_RUNTIME_DIR (as a user's environment would), with the `model` /
+`train_dataset` and `module` / `loader` the first two call "yours" from
+test_hf.py and test_lightning.py. The place_state recipe is a whole program:
+it runs in a process of its own, on the CPU here and on a GPU in the GPU kit
+(the `gpu` case)."""
 
 from __future__ import annotations
 
@@ -85,3 +88,42 @@ def test_lightning_recipe_runs_verbatim(daemon, user_env, tmp_path):
     off = mot.get_offloader(None, "lightning-run")
     del namespace, callback
     assert_arena_empty(daemon, off)
+
+
+PLACE_STATE = "## Model and optimizer state in the arena (`place_state`)"
+
+
+def _run_place_state_recipe(daemon, tmp_path) -> dict:
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    program = tmp_path / "recipe.py"
+    program.write_text(recipe(PLACE_STATE))
+    env = dict(os.environ, MEMOFFLOAD_RUNTIME_DIR=daemon.runtime_dir)
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(program)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    stats = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    return stats
+
+
+def test_the_fsdp2_place_state_recipe_runs_verbatim_on_the_cpu(daemon, tmp_path):
+    """Issue 39: the recipe wrote CPUOffloadPolicy() (pin_memory=True), with
+    which fully_shard fails on a machine without a GPU."""
+    stats = _run_place_state_recipe(daemon, tmp_path)
+    assert stats["tensors"] >= 8 and stats["bytes"] > 4 * 512 * 512 * 4, stats  # the 4 weights' shards
+    assert stats["session_id"] is not None and stats["refused"] == 0, stats
+
+
+@pytest.mark.gpu
+def test_the_fsdp2_place_state_recipe_runs_verbatim_on_a_gpu(daemon, tmp_path):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    stats = _run_place_state_recipe(daemon, tmp_path)
+    assert stats["tensors"] >= 8 and stats["unpinned_bytes"] == 0, stats

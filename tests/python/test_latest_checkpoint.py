@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memoffload import StatusCode
-from memoffload.torch.checkpoint import store
+from memoffload.torch.checkpoint import latest, store
 from memoffload.torch.checkpoint import MemoffloadWriter, latest_checkpoint
 
 
@@ -36,7 +36,7 @@ def _other_job_warnings(caplog) -> List[logging.LogRecord]:
 
 @pytest.fixture
 def clean_warned(monkeypatch):
-    monkeypatch.setattr(store, "_warned_other_jobs", set(), raising=False)
+    monkeypatch.setattr(latest, "_warned_other_jobs", set())
     monkeypatch.delenv("MEMOFFLOAD_JOB_ID", raising=False)
     monkeypatch.delenv("MEMOFFLOAD_CHECKPOINT_DIR", raising=False)
 
@@ -61,6 +61,7 @@ def test_a_job_id_with_nothing_names_the_users_other_job_ids_once(own_daemon, tm
         text = told[0].getMessage()
         assert told[0].levelno == logging.WARNING and told[0].code == StatusCode.NOT_FOUND
         assert "job 'run-4' has no checkpoint" in text, text
+        assert "did you mean 'run-42'" in text, text
         assert "'run-42' (2 checkpoints, the newest 'step-4' in the daemon at " \
                f"{own_daemon.runtime_dir})" in text, text
         assert f"'run-7' (1 checkpoint, the newest 'step-2' in {fallback})" in text, text
@@ -85,3 +86,31 @@ def test_the_default_fallback_dirs_of_other_job_ids_are_named(tmp_path, monkeypa
     assert len(told) == 1, [r.getMessage() for r in caplog.records]
     where = Path(tmp_path, "memoffload-checkpoints", "bert-base")
     assert f"'bert-base' (1 checkpoint, the newest 'step-1' in {where})" in told[0].getMessage()
+
+
+def test_a_new_jobs_first_latest_checkpoint_is_no_warning(tmp_path, monkeypatch, caplog, clean_warned):
+    """Issue 39: the first start of a new job, by a user with checkpoints of
+    other jobs, warned as if its job id were mistyped. A job id unlike every
+    other one is told at INFO; one that looks mistyped still warns."""
+    monkeypatch.chdir(tmp_path)
+    nobody = str(tmp_path / "nobody")
+    assert _save("step-9", job_id="llama-sft", runtime_dir=nobody) == "filesystem"
+    caplog.set_level(logging.INFO, logger="memoffload")
+    caplog.clear()  # the save's own fallback warning
+    assert latest_checkpoint(job_id="bert-pretrain", runtime_dir=nobody) is None
+    told = _other_job_warnings(caplog)
+    assert [r.levelno for r in told] == [logging.INFO], [r.getMessage() for r in caplog.records]
+    assert "job 'bert-pretrain' has no checkpoint yet (a new job?)" in told[0].getMessage()
+    assert not [r for r in caplog.records if r.name == "memoffload" and r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    assert latest_checkpoint(job_id="Llama_SFT", runtime_dir=nobody) is None
+    told = _other_job_warnings(caplog)
+    assert [r.levelno for r in told] == [logging.WARNING], [r.getMessage() for r in caplog.records]
+    assert "did you mean 'llama-sft'?" in told[0].getMessage()
+
+
+def test_similar_job_ids_are_typos_not_new_jobs():
+    assert latest.similar_job_ids("run-4", ["run-42", "bert"]) == ["run-42"]
+    assert latest.similar_job_ids("bert_base", ["bert-base", "run-7"]) == ["bert-base"]
+    assert latest.similar_job_ids("gpt-neox-20b", ["llama-sft", "run-7"]) == []

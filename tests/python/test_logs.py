@@ -91,3 +91,51 @@ def test_the_process_group_rank_labels_a_line(no_rank_env, caplog):
     (record,) = [r for r in caplog.records if r.name == "memoffload"]
     assert record.getMessage() == "rank 0: something"
     assert record.rank == 0
+
+
+def test_a_save_without_a_daemon_warns_once_per_cause_then_counts_the_repeats(
+        tmp_path, monkeypatch, caplog):
+    """Issue 39: with no daemon every save of a job logged its fallback
+    warning (~400 characters), so a job without a daemon filled its log. Now
+    one WARNING per cause per process every few minutes; the next one says
+    how many it held back."""
+    import time
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from memoffload.torch.checkpoint import MemoffloadWriter
+
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    nobody = str(tmp_path / "nobody")
+
+    def save(step: int) -> None:
+        writer = MemoffloadWriter(job_id="no-daemon", runtime_dir=nobody,
+                                  fallback_dir=str(tmp_path / "ckpt"), keep_last=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({"w": torch.ones(4)}, storage_writer=writer, checkpoint_id=f"step-{step}",
+                     no_dist=True)
+        assert writer.last_mode == "filesystem"
+
+    def told():
+        return [r for r in caplog.records if "falls back to the filesystem" in r.getMessage()]
+
+    for step in range(1, 5):
+        save(step)
+    assert len(told()) == 1, [r.getMessage() for r in caplog.records]
+    assert told()[0].code == logs.StatusCode.UNAVAILABLE
+    monkeypatch.setattr(logs, "REPEAT_SECONDS", 0.2)
+    time.sleep(0.25)
+    save(5)
+    assert len(told()) == 2, [r.getMessage() for r in caplog.records]
+    assert "(3 more like this held back" in told()[1].getMessage(), told()[1].getMessage()
+    assert "step-5" in told()[1].getMessage()
+
+
+def test_log_limited_keeps_causes_apart(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="memoffload")
+    for _ in range(3):
+        logs.log_limited("a", logging.WARNING, "cause a")
+        logs.log_limited("b", logging.INFO, "cause b")
+    assert [r.getMessage() for r in caplog.records] == ["cause a", "cause b"]

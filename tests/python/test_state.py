@@ -186,6 +186,37 @@ def test_a_quota_refusal_is_said_once_and_training_goes_on(small_quota_daemon, c
         _train_cpu({"runtime_dir": d.runtime_dir, "min_bytes": 4096, "strict": True}, steps=1)
 
 
+def test_it_says_what_it_placed_and_what_it_left_and_why(daemon, caplog):
+    """Issue 39: place_state(model, opt) on a model that is not FSDP2 with
+    CPUOffloadPolicy placed nothing of the model and said nothing. One INFO
+    line at the start and one after the optimizer's first step (which makes
+    its state) say what is in the arena and what stays in torch's memory,
+    and why; later steps say nothing more."""
+    caplog.set_level(logging.INFO, logger="memoffload")
+    torch.manual_seed(0)
+    model = DecoderStack(layers=1, dim=128, heads=4)
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    placement = mot.place_state(model, opt, runtime_dir=daemon.runtime_dir, job_id="told",
+                                min_bytes=4096)
+    for _ in range(3):
+        opt.zero_grad()
+        model(tokens(batch=2, length=16)).backward()
+        opt.step()
+    told = [r for r in caplog.records if r.getMessage().startswith("place_state ")]
+    assert [r.levelno for r in told] == [logging.INFO, logging.INFO], [r.getMessage() for r in told]
+    start, after = (r.getMessage() for r in told)
+    assert start.startswith("place_state at the start: 0 tensors (0.0 MiB) in the arena (session "), start
+    n = len(list(model.parameters()))
+    assert f"model not FSDP2 with CPUOffloadPolicy: {n} ({params * 4 / 2**20:.1f} MiB)" in start, start
+    placed = placement.stats()["tensors"]
+    assert placed > 0
+    assert after.startswith(f"place_state after the optimizer's first step: {placed} tensors"), after
+    assert "under min_bytes:" in after, after  # AdamW's step scalars
+    s = placement.stats()
+    assert s["left_reasons"]["model not FSDP2 with CPUOffloadPolicy"] == n, s
+
+
 def test_without_a_daemon_it_says_so_and_strict_raises(tmp_path, caplog):
     caplog.set_level(logging.WARNING, logger="memoffload")
     missing = tmp_path / "none"

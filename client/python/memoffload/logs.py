@@ -22,7 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any, Optional
+import threading
+import time
+from typing import Any, Dict, Optional, Tuple
 
 from .errors import StatusCode
 
@@ -76,6 +78,32 @@ def log(level: int, message: str, code: "StatusCode | int" = StatusCode.OK,
     lr = local_rank()
     logger.log(level, "%s%s", prefix(r, lr), message,
                extra={"rank": r, "local_rank": lr, "code": StatusCode(int(code))})
+
+
+# A cause logged by log_limited at most once per this many seconds.
+REPEAT_SECONDS = 300.0
+_limited: Dict[str, Tuple[float, int]] = {}  # cause -> (when last logged, repeats held back)
+_limited_lock = threading.Lock()
+
+
+def log_limited(cause: str, level: int, message: str,
+                code: "StatusCode | int" = StatusCode.OK) -> bool:
+    """:func:`log`, at most once per ``cause`` per :data:`REPEAT_SECONDS` in
+    this process: for what repeats at every step or save (no daemon, a full
+    arena). The record after a quiet spell says how many it held back.
+    Returns whether it logged."""
+    now = time.monotonic()
+    with _limited_lock:
+        last, held = _limited.get(cause, (None, 0))
+        if last is not None and now - last < REPEAT_SECONDS:
+            _limited[cause] = (last, held + 1)
+            return False
+        _limited[cause] = (now, 0)
+    if held:
+        message += (f" ({held} more like this held back since {now - last:.0f} s ago; "
+                    f"logged at most every {REPEAT_SECONDS:.0f} s)")
+    log(level, message, code)
+    return True
 
 
 def forward(native: Any) -> None:

@@ -69,10 +69,12 @@ def _rank_of(rank: Optional[int]) -> int:
 
 
 def _warn_fallback(what: str, why: str, path: str) -> None:
-    # The "memoffload" logger; with no handler configured Python's last-resort
-    # handler prints WARNING records on stderr.
-    logs.log(logging.WARNING, f"checkpoint {what} falls back to the filesystem: {why}; using {path}",
-             errors.StatusCode.UNAVAILABLE)
+    # The "memoffload" logger (with no handler configured Python's last-resort
+    # handler prints WARNING records on stderr): once per cause every few
+    # minutes, not at every save of a job that runs without a daemon.
+    logs.log_limited(f"checkpoint {what} falls back: {why}", logging.WARNING,
+                     f"checkpoint {what} falls back to the filesystem: {why}; using {path}",
+                     errors.StatusCode.UNAVAILABLE)
 
 
 def _unreachable(runtime_dir: str, reason: str) -> str:

@@ -5,9 +5,11 @@ checkpoints under other job ids (a typo in the job id)."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
-from typing import Dict, List, Optional, Set, Tuple
+import re
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 from ... import _C, errors, logs
 from .nodes import link as _link
@@ -41,8 +43,9 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     every rank): the answer is the newest checkpoint every rank can load,
     from its own node or another, the same on every rank. Fallback checkpoints another user could have written
     are ignored, with one warning. When the job has none but this user has
-    checkpoints under other job ids (a typo in ``job_id``?), one warning
-    names them (once per job id and process)."""
+    checkpoints under other job ids, one line names them (once per job id and
+    process): a WARNING when one of them looks like ``job_id`` mistyped, else
+    INFO (a new job's first start is no mistake)."""
     job = job_id_of(job_id)
     store, _ = attach(runtime_dir, job, -1, True)
     problems: List[str] = []
@@ -59,13 +62,33 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
         others = _other_jobs(runtime_dir, job, fallback, defaulted)
         if others:
             _warned_other_jobs.add(job)
-            logs.log(logging.WARNING,
-                     f"latest_checkpoint: job {job!r} has no checkpoint, but this user has "
-                     f"checkpoints under other job ids: {_describe(others)}; a restart finds its "
-                     "checkpoints only under the job id that saved them (job_id= or "
-                     f"${JOB_ID_ENV}) (logged once per job id)",
-                     errors.StatusCode.NOT_FOUND)
+            close = similar_job_ids(job, others)
+            if close:  # a typo in a restart's job id: its checkpoints would be missed
+                logs.log(logging.WARNING,
+                         f"latest_checkpoint: job {job!r} has no checkpoint, but this user has "
+                         f"checkpoints under other job ids: {_describe(others)}; did you mean "
+                         f"{' or '.join(repr(c) for c in close)}? A restart finds its checkpoints "
+                         f"only under the job id that saved them (job_id= or ${JOB_ID_ENV}) "
+                         "(logged once per job id)",
+                         errors.StatusCode.NOT_FOUND)
+            else:  # most likely the first start of a new job
+                logs.log(logging.INFO,
+                         f"latest_checkpoint: job {job!r} has no checkpoint yet (a new job?); "
+                         f"this user's checkpoints are under other job ids: {_describe(others)} "
+                         "(logged once per job id)",
+                         errors.StatusCode.NOT_FOUND)
     return found
+
+
+def similar_job_ids(job_id: str, others: Iterable[str]) -> List[str]:
+    """The job ids of ``others`` that look like ``job_id`` mistyped: the same
+    but for case, '-', '_' and '.', or close by difflib's ratio (0.75)."""
+    def plain(text: str) -> str:
+        return re.sub(r"[-_.]", "", text.lower())
+    names = sorted(others)
+    same = [o for o in names if plain(o) == plain(job_id)]
+    close = difflib.get_close_matches(job_id, names, n=3, cutoff=0.75)
+    return same + [c for c in close if c not in same]
 
 
 def _newest_here(store: Optional[object], files: Dict[str, float], node_safe: bool) -> Optional[str]:

@@ -172,9 +172,12 @@ class MemoffloadWriter(StorageWriter):
 
     def _stage_in_torch(self, state_dict: Dict[str, Any], why: str,
                         code: errors.StatusCode) -> Dict[str, Any]:
-        """The staged copy in torch's memory, after a warning saying why."""
-        logs.log(logging.WARNING, f"{why}; the staged copy is in torch's memory and the save "
-                 "takes its usual path", code)
+        """The staged copy in torch's memory, after a warning saying why (once
+        per cause every few minutes: a full arena stays full for many saves)."""
+        logs.log_limited(f"staged in torch's memory: {self.runtime_dir} "
+                         f"{errors.StatusCode(int(code)).name}",
+                         logging.WARNING, f"{why}; the staged copy is in torch's memory and the "
+                         "save takes its usual path", code)
         self.last_staged = {}
         return _stage._walk(state_dict, lambda t: t.detach().to("cpu", copy=True))
 

@@ -117,6 +117,7 @@ class StatePlacement:
         # (by its parameter's id) before it is placed.
         self._gradients = True
         self._grad_seen: Dict[int, "weakref.ref[torch.Tensor]"] = {}
+        self._reported_step = False
         try:
             self._store = _C.HostStateStore(
                 runtime_dir=runtime_dir, job_id=job_id, rank=_env_int("RANK"),
@@ -184,6 +185,9 @@ class StatePlacement:
     def _place_fsdp(self, model: torch.nn.Module) -> int:
         params = list(_fsdp_params(model))
         if not params:
+            # Only FSDP2's CPU-offloaded shards are the model's to place.
+            for p in model.parameters():
+                self._leave("model not FSDP2 with CPUOffloadPolicy", p.numel() * p.element_size())
             return 0
         if _torch_minor() not in TESTED_TORCH:
             raise errors.FailedPrecondition(
@@ -198,7 +202,8 @@ class StatePlacement:
                     f"this torch's FSDPParam lacks {', '.join(missing)}: place_state cannot place "
                     f"FSDP2's shards here")
             if not fp.offload_to_cpu:
-                self._leave("FSDP2 without CPUOffloadPolicy", 0)
+                local = fp.sharded_param._local_tensor
+                self._leave("model not FSDP2 with CPUOffloadPolicy", local.numel() * local.element_size())
                 continue
             data = fp._sharded_param_data
             if not self._placeable(data):
@@ -337,9 +342,26 @@ class StatePlacement:
             placement = this()
             if placement is not None:
                 placement.place_optimizer_state(opt)
+                if not placement._reported_step and opt.state:
+                    # The optimizer makes its state at its first step.
+                    placement._reported_step = True
+                    placement._report("after the optimizer's first step")
 
         self._hooks.append(optimizer.register_step_post_hook(after_step))
         self.place_optimizer_state(optimizer)
+
+    def _report(self, when: str) -> None:
+        """One INFO line: what is in the arena, what stays in torch's memory
+        and why."""
+        st = self.stats()
+        where = (f"in the arena (session {st['session_id']})" if st["session_id"] is not None
+                 else "in the arena (no daemon)")
+        left = "; ".join(f"{reason}: {count} ({_mib(nbytes)})"
+                         for reason, (count, nbytes) in sorted(self._left.items()))
+        logs.log(logging.INFO,
+                 f"place_state {when}: {st['tensors']} tensors ({_mib(st['bytes'])}) {where}; "
+                 + (f"{st['left']} left in torch's memory ({_mib(st['left_bytes'])}): {left}"
+                    if st["left"] else "nothing left in torch's memory"))
 
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t``'s storage (a DTensor's local tensor's) is in the arena,
@@ -385,9 +407,16 @@ def place_state(
     optimizer is made, before training. Keep the returned placement while you
     want new optimizer state placed; the memory stays with the tensors.
 
-    ``job_id``/``runtime_dir`` as for :func:`memoffload.torch.offload`.
+    ``job_id``/``runtime_dir`` as for :func:`memoffload.torch.offload_layers`.
     ``strict=True`` raises the daemon's error (``memoffload.Unavailable``,
     ``ResourceExhausted``, ...) instead of leaving a tensor in torch's memory.
+    ``min_bytes``: smaller tensors stay in torch's memory.
+
+    It says at INFO, on the "memoffload" logger, what it placed and what it
+    left in torch's memory and why (a model that is not FSDP2 with
+    ``CPUOffloadPolicy``, tensors under ``min_bytes``, gradients made anew at
+    each step, ...): once now, and once after the optimizer's first step,
+    which makes the optimizer's state. ``stats()`` counts the same.
     """
     if min_bytes < 0:
         raise errors.InvalidArgument(f"min_bytes must be >= 0, not {min_bytes}")
@@ -397,4 +426,9 @@ def place_state(
     if optimizer is not None:
         placement._watch(optimizer)
     logs.forward(_C)
+    placement._report("at the start")
     return placement
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB"
