@@ -120,7 +120,9 @@ Result<std::string> ResolveTrusted(const std::string& shown, uint32_t named) {
     struct stat st;
     if (lstat(here.c_str(), &st) != 0) {
       const int err = errno;
-      return Unavailable("runtime dir " + shown + ": " + here + ": " + std::strerror(err));
+      // Name the component that is missing only when it is not the dir itself.
+      return Unavailable("runtime dir " + shown + ": " + (here == shown ? "" : here + ": ") +
+                         std::strerror(err));
     }
     if (S_ISLNK(st.st_mode)) {
       if (++links > 40) return refuse("too many symlinks");
