@@ -298,7 +298,7 @@ def _marked_checkpoints(fallback_dir: str, problems: Optional[List[str]] = None
                 try:
                     ckpt_fd = root.open_checkpoint(name, check_files=True)
                 except _trusted_files.Untrusted as exc:
-                    if problems is not None and _lexists(root.fd, name, METADATA_NAME):
+                    if problems is not None and root.contains(name, METADATA_NAME):
                         problems.append(str(exc))
                     continue
                 try:
@@ -311,20 +311,6 @@ def _marked_checkpoints(fallback_dir: str, problems: Optional[List[str]] = None
             except (FileNotFoundError, NotADirectoryError, _trusted_files.Untrusted):
                 continue
     return found
-
-
-def _lexists(dir_fd: int, ckpt: str, name: str) -> bool:
-    try:
-        fd = os.open(ckpt, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        os.stat(name, dir_fd=fd, follow_symlinks=False)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
 
 
 def filesystem_checkpoints(fallback_dir: str, job_id: str,

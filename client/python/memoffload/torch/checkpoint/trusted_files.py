@@ -192,8 +192,9 @@ class TrustedDir:
         if write:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
                          0o600, dir_fd=ckpt_fd)
-        else:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ckpt_fd)
+        else:  # O_NONBLOCK: a FIFO planted there would block the open (regular files ignore it)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK,
+                         dir_fd=ckpt_fd)
         try:
             st = os.fstat(fd)
             problem = _owner_problem(where, st, "checkpoint file")
@@ -205,6 +206,22 @@ class TrustedDir:
         except BaseException:
             os.close(fd)
             raise
+
+    def contains(self, ckpt: str, name: str) -> bool:
+        """Whether checkpoint dir ``ckpt`` (not checked) has an entry
+        ``name``, never following a symlink."""
+        _one_component(ckpt)
+        try:
+            fd = os.open(ckpt, _DIR, dir_fd=self.fd)
+        except OSError:
+            return False
+        try:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def read(self, ckpt: str, name: str) -> bytes:
         """The contents of ``<ckpt>/<name>``, opened as :meth:`open_file` does."""
@@ -344,20 +361,13 @@ class TrustedFileSystem(FileSystemBase):
 
     def exists(self, path: "str | os.PathLike") -> bool:
         ckpt, name = self._parts(path)
-        try:
-            if name is None:
+        if name is None:
+            try:
                 os.stat(ckpt, dir_fd=self.root.fd, follow_symlinks=False)
                 return True
-            ckpt_fd = self._checkpoint(ckpt)
-        except FileNotFoundError:
-            return False
-        try:
-            os.stat(name, dir_fd=ckpt_fd, follow_symlinks=False)
-            return True
-        except FileNotFoundError:
-            return False
-        finally:
-            os.close(ckpt_fd)
+            except FileNotFoundError:
+                return False
+        return self.root.contains(ckpt, name)
 
     def rm_file(self, path: "str | os.PathLike") -> None:
         ckpt, name = self._file(path)
