@@ -1,5 +1,7 @@
 #include "core/quota_policy.h"
 
+#include <algorithm>
+
 #include "memoffload/common/units.h"
 
 namespace memoffload::daemon {
@@ -210,7 +212,8 @@ Status QuotaPolicy::CheckRegionBytes(const RegionUsage& u, const std::string& na
 
 Status QuotaPolicy::CheckRegionChunks(const std::string& name, const std::string& tenant, uid_t uid,
                                       uint64_t pinned_chunk_bytes, uint64_t uid_chunk_bytes,
-                                      uint64_t more_chunk_bytes) const {
+                                      uint64_t more_chunk_bytes,
+                                      uint64_t first_region_chunk_bytes) const {
   if (more_chunk_bytes == 0) return Status::Ok();
   if (pinned_chunk_bytes + more_chunk_bytes > policy_.region_max_bytes) {
     return ResourceExhausted(
@@ -221,10 +224,9 @@ Status QuotaPolicy::CheckRegionChunks(const std::string& name, const std::string
         " (regions.max_bytes; a chunk holding a region stays its tenant's)");
   }
   const uint64_t uid_limit = policy_.region_uid_max_bytes;
-  // A uid that pins no chunk yet may pin its first region's, whatever their
-  // size (regions.uid_max_bytes bounds its bytes): so a chunk larger than
-  // the uid's share still lets every uid keep a checkpoint.
-  if (uid_limit != 0 && uid_chunk_bytes != 0 && uid_chunk_bytes + more_chunk_bytes > uid_limit) {
+  const uint64_t allowed =
+      uid_chunk_bytes == 0 ? std::max(uid_limit, first_region_chunk_bytes) : uid_limit;
+  if (uid_limit != 0 && uid_chunk_bytes + more_chunk_bytes > allowed) {
     return ResourceExhausted(
         "region " + name + " would pin " + FormatSize(more_chunk_bytes) +
         " more of the arena's chunks to tenant " + tenant + ": uid " + std::to_string(uid) +

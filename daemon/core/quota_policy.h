@@ -160,12 +160,15 @@ class QuotaPolicy {
   // `more_chunk_bytes` more of the arena's chunks to `tenant` (of `uid`)
   // while regions pin `pinned_chunk_bytes` in all, `uid_chunk_bytes` of them
   // for `uid`'s regions: past regions.max_bytes (the node), or past
-  // regions.uid_max_bytes (the uid, once it pins any: a uid that pins small
-  // regions in many chunks leaves the rest to others, and every uid may pin
-  // its first region's chunks). The message names the limit.
+  // regions.uid_max_bytes (the uid: a uid that pins small regions in many
+  // chunks leaves the rest to others). A uid that pins none yet may pin up
+  // to `first_region_chunk_bytes` (what its first region needs at best:
+  // its whole chunks and one it may straddle), so a chunk larger than the
+  // uid's share still lets every uid keep a checkpoint, but a small region
+  // scattered over many chunks does not. The message names the limit.
   Status CheckRegionChunks(const std::string& name, const std::string& tenant, uid_t uid,
                            uint64_t pinned_chunk_bytes, uint64_t uid_chunk_bytes,
-                           uint64_t more_chunk_bytes) const;
+                           uint64_t more_chunk_bytes, uint64_t first_region_chunk_bytes) const;
   // The one capacity check of a placement: whether `bytes` fit the usable
   // arena now, and leave keep_free_bytes free.
   ArenaRoom Room(uint64_t capacity_bytes, uint64_t used_bytes, uint64_t bytes,

@@ -183,9 +183,11 @@ Result<ReserveResult> SessionTable::CreateRegion(uint64_t session_id, const std:
   // With tenants, a region keeps its whole chunk from every other tenant for
   // as long as it lives, so the node's and the uid's caps count the chunks
   // regions pin.
-  if (Status pins = quota_.CheckRegionChunks(name, s.tenant, s.peer.uid, region_chunk_bytes_,
-                                             UidRegionsOf(s.peer.uid).chunk_bytes,
-                                             NewRegionChunkBytes(extents));
+  const uint64_t chunk = arena_->chunk_size_bytes();
+  const uint64_t first_region_chunk_bytes = ((rounded + chunk - 1) / chunk + 1) * chunk;
+  if (Status pins = quota_.CheckRegionChunks(
+          name, s.tenant, s.peer.uid, region_chunk_bytes_, UidRegionsOf(s.peer.uid).chunk_bytes,
+          NewRegionChunkBytes(extents), first_region_chunk_bytes);
       !pins.ok()) {
     FreeExtents(extents);
     return pins;

@@ -315,6 +315,45 @@ TEST(Regions, OneUidsTinyRegionsInChunksOfTheirOwnLeaveRoomForAnotherUid) {
   }
 }
 
+// Issue 38's review: a uid's first region was exempt from the per-uid chunk
+// cap whatever it pinned. A uid that left a 4 KiB hole in each of four
+// chunks (reserves of a chunk less a page) and then created a 16 KiB region
+// had it scattered over all four: the node's whole region-chunk budget,
+// kept after it released the reserves. The first region may now pin only
+// what its size needs at best (its chunks and one it straddles).
+TEST(Regions, AFirstRegionScatteredOverManyChunksIsBoundedByTheUidsShare) {
+  std::string error;
+  auto daemon = DaemonProcess::Start(TwoTenantOptions("256MiB", "32MiB"), &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto holder = Attach(*daemon, "frag");
+  ASSERT_NE(holder, nullptr);
+  client::ReserveOptions whole;
+  whole.single_extent = true;
+  for (uint64_t g = 1; g <= 4; ++g) {
+    auto r = holder->Reserve(g, 32 * kMiB - 4096, whole);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  auto scattered = holder->CreateRegion("ckpt", 4 * 4096);
+  EXPECT_EQ(scattered.status().code(), StatusCode::kResourceExhausted)
+      << scattered.status().ToString();
+  EXPECT_NE(scattered.status().message().find("(regions.uid_max_bytes,"), std::string::npos)
+      << scattered.status().message();
+  for (uint64_t g = 1; g <= 4; ++g) ASSERT_TRUE(holder->Release(g).ok());
+  // With the reserves gone the same region fits in one chunk.
+  ASSERT_TRUE(holder->CreateRegion("ckpt", 4 * 4096).ok());
+  ASSERT_TRUE(holder->CommitRegion("ckpt", 4 * 4096).ok());
+  holder.reset();
+  for (const char* job : {"a", "b"}) {  // another uid keeps its share
+    std::string out;
+    EXPECT_EQ(RunCapture({"/usr/bin/setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          BinDir() + "/region_worker", "write", daemon->runtime_dir(), job, "ckpt",
+                          std::to_string(24 * kMiB), "commit"},
+                         &out),
+              0)
+        << job << ": " << out;
+  }
+}
+
 TEST(Regions, MemoffloadctlListsAndDeletesRegionsAndTheMetricsShowThem) {
   std::string error;
   DaemonProcess::Options options;

@@ -253,9 +253,11 @@ TEST(QuotaPolicyTest, RegionBytesRefuseTheJobThenTheUidThenTheNodeUpToTheLimit) 
 
 TEST(QuotaPolicyTest, ChunksRegionsPinAreBoundedByTheNodeRegionLimit) {
   const QuotaPolicy quota(RegionLimits());
-  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:1000", 1000, 64 * kMiB, 0, 0).ok());  // no more
-  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:1000", 1000, 60 * kMiB, 0, 4 * kMiB).ok());
-  const Status st = quota.CheckRegionChunks("r", "uid:1000", 1000, 60 * kMiB, 0, 4 * kMiB + 1);
+  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:1000", 1000, 64 * kMiB, 0, 0, 0).ok());  // no more
+  EXPECT_TRUE(
+      quota.CheckRegionChunks("r", "uid:1000", 1000, 60 * kMiB, 0, 4 * kMiB, 8 * kMiB).ok());
+  const Status st =
+      quota.CheckRegionChunks("r", "uid:1000", 1000, 60 * kMiB, 0, 4 * kMiB + 1, 8 * kMiB);
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
   EXPECT_TRUE(Names(st, "more of the arena's chunks to tenant uid:1000")) << st.message();
   EXPECT_TRUE(Names(st, "(regions.max_bytes;")) << st.message();
@@ -266,22 +268,33 @@ TEST(QuotaPolicyTest, ChunksRegionsPinAreBoundedByTheNodeRegionLimit) {
 // uid's regions pin too, once it pins any (its first region always may).
 TEST(QuotaPolicyTest, ChunksOneUidsRegionsPinAreBoundedByItsShare) {
   const QuotaPolicy quota(RegionLimits());  // uid: 32 MiB of the node's 64
-  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:1000", 1000, 28 * kMiB, 28 * kMiB, 4 * kMiB).ok());
-  Status st = quota.CheckRegionChunks("r", "job:1000:b", 1000, 28 * kMiB, 28 * kMiB, 8 * kMiB);
+  EXPECT_TRUE(
+      quota.CheckRegionChunks("r", "uid:1000", 1000, 28 * kMiB, 28 * kMiB, 4 * kMiB, 8 * kMiB)
+          .ok());
+  Status st =
+      quota.CheckRegionChunks("r", "job:1000:b", 1000, 28 * kMiB, 28 * kMiB, 8 * kMiB, 8 * kMiB);
   EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
   EXPECT_TRUE(Names(st, "uid 1000's regions would keep 36.00 MiB")) << st.message();
   EXPECT_TRUE(Names(st, "(regions.uid_max_bytes,")) << st.message();
-  // Another uid's first region, larger than a uid's share, may pin its chunk.
-  EXPECT_TRUE(quota.CheckRegionChunks("r", "uid:2000", 2000, 28 * kMiB, 0, 36 * kMiB).ok());
+  // Another uid's first region, larger than a uid's share, may pin the
+  // chunks it needs at best (here 36 MiB of 40)...
+  EXPECT_TRUE(
+      quota.CheckRegionChunks("r", "uid:2000", 2000, 28 * kMiB, 0, 36 * kMiB, 40 * kMiB).ok());
+  // ... but a small first region scattered over many chunks may not pin
+  // more than the share (issue 38's review: 16 KiB pinned every chunk).
+  st = quota.CheckRegionChunks("r", "uid:2000", 2000, 0, 0, 36 * kMiB, 8 * kMiB);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE(Names(st, "(regions.uid_max_bytes,")) << st.message();
   // The node's cap is named first when both are crossed.
-  st = quota.CheckRegionChunks("r", "uid:1000", 1000, 60 * kMiB, 32 * kMiB, 8 * kMiB);
+  st = quota.CheckRegionChunks("r", "uid:1000", 1000, 60 * kMiB, 32 * kMiB, 8 * kMiB, 8 * kMiB);
   EXPECT_TRUE(Names(st, "(regions.max_bytes;")) << st.message();
   // 0: only the node's cap.
   Policy no_uid = RegionLimits();
   no_uid.region_uid_max_bytes = 0;
-  EXPECT_TRUE(QuotaPolicy(no_uid)
-                  .CheckRegionChunks("r", "uid:1000", 1000, 56 * kMiB, 56 * kMiB, 8 * kMiB)
-                  .ok());
+  EXPECT_TRUE(
+      QuotaPolicy(no_uid)
+          .CheckRegionChunks("r", "uid:1000", 1000, 56 * kMiB, 56 * kMiB, 8 * kMiB, 8 * kMiB)
+          .ok());
 }
 
 // Check against a model written from the rules in quota_policy.h, over
