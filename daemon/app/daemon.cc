@@ -43,7 +43,7 @@ namespace {
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
-// Threads of gRPC's synchronous pool (region calls, health, reflection).
+// Threads of gRPC's synchronous pool (only reflection's: every other method is a callback).
 constexpr int kMaxSyncThreads = 64;
 // Calls one gRPC connection may have open at once (a rank may have a
 // thousand waiting Reserves; a stalled call costs memory, not a thread).

@@ -4,6 +4,8 @@
 // planted in a dir the victim trusts: the victim's client refuses both with
 // PERMISSION_DENIED, and still attaches to daemons it may trust (its own,
 // root's, or a uid it names in MEMOFFLOAD_DAEMON_UID).
+#include "memoffload/client/daemon_trust.h"
+
 #include <grp.h>
 #include <gtest/gtest.h>
 #include <poll.h>
@@ -15,11 +17,13 @@
 
 #include <cstring>
 #include <filesystem>
+#include <future>
 #include <string>
 #include <vector>
 
 #include "daemon_process.h"
 #include "memoffload/client/admin.h"
+#include "memoffload/client/client.h"
 #include "memoffload/v1/memoffload.pb.h"
 
 namespace memoffload::testing {
@@ -318,6 +322,10 @@ TEST(DaemonTrust, ASymlinkedRuntimeDirInAnotherUidsDirIsRefusedAndAFlipNeverReac
   EXPECT_NE(steady.find("directory " + theirs + " on its way belongs to uid " + Str(kAttacker)),
             std::string::npos)
       << steady;
+  // The hint to trust that uid says it is only for a uid that runs the daemon.
+  EXPECT_NE(steady.find("only if uid " + Str(kAttacker) + " runs your daemon, and you trust it"),
+            std::string::npos)
+      << steady;
   ASSERT_EQ(unlink(rt.c_str()), 0);
   FlippingAttacker attacker(theirs, real);
   for (int i = 0; i < 20; ++i) {
@@ -391,6 +399,90 @@ TEST(DaemonTrust, EveryReconnectVerifiesTheRuntimeDirAgain) {
   auto after = (*admin)->GetStatus();
   ASSERT_TRUE(after.ok()) << after.status().ToString();
   EXPECT_NE(after->instance_id(), before->instance_id());
+}
+
+// Issue 38's review. The connect had no deadline: a daemon that is stopped
+// (SIGSTOP) with its listen queue full hung every call of the client, with
+// its lock held, for ever. Here the "daemon" is a socket of this test that
+// never accepts, with a queue of one, filled first.
+TEST(DaemonTrust, ADaemonThatAcceptsNothingIsUnavailableWithinTheDeadline) {
+  Scratch scratch;
+  const std::string run = scratch.Dir("run", 0, 0755);
+  const std::string sock = run + "/memoffload.sock";
+  const int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, sock.c_str(), sizeof(addr.sun_path) - 1);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 0), 0);
+  std::vector<int> queued;
+  for (int i = 0; i < 16; ++i) {
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      break;
+    }
+    queued.push_back(fd);
+  }
+  ASSERT_FALSE(queued.empty());
+  auto outcome = std::async(std::launch::async, [&] {
+    const auto start = std::chrono::steady_clock::now();
+    auto admin = client::AdminClient::Connect(run, 1000);
+    return std::make_pair(admin.ok() ? Status::Ok() : admin.status(),
+                          std::chrono::steady_clock::now() - start);
+  });
+  ASSERT_EQ(outcome.wait_for(std::chrono::seconds(10)), std::future_status::ready)
+      << "the client waited on a daemon that accepts nothing";
+  const auto [status, took] = outcome.get();
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+  EXPECT_NE(status.message().find("did not accept a connection within"), std::string::npos)
+      << status.message();
+  EXPECT_LT(took, std::chrono::seconds(5));
+  for (int fd : queued) close(fd);
+  close(listener);
+}
+
+// A runtime dir whose resolved path is longer than a socket address holds
+// (108 bytes) is reached through a descriptor of the dir; before, the
+// resolved path was refused as too long although a short link to it worked.
+TEST(DaemonTrust, ARuntimeDirWithALongResolvedPathIsReachedByALink) {
+  Scratch scratch;
+  const std::string deep = scratch.Dir(std::string(120, 'd'), 0, 0755);
+  const std::string link = scratch.path() + "/s";
+  ASSERT_EQ(symlink(deep.c_str(), link.c_str()), 0);
+  std::string error;
+  DaemonProcess::Options options;
+  options.runtime_dir = link + "/run";
+  auto daemon = DaemonProcess::Start(options, &error);
+  ASSERT_NE(daemon, nullptr) << error;
+  auto admin = client::AdminClient::Connect(link + "/run", 5000);
+  ASSERT_TRUE(admin.ok()) << admin.status().ToString();
+  auto status = (*admin)->GetStatus();
+  ASSERT_TRUE(status.ok()) << status.status().ToString();
+  client::AttachOptions attach;
+  attach.runtime_dir = link + "/run";
+  auto c = client::Client::Attach(attach);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_TRUE((*c)->Reserve(1, 4096).ok());
+}
+
+// /run/memoffload can only be made by root, so its owner (root or the
+// unit's user) is trusted whoever it is. A /run/memoffload that is a
+// symlink to a dir another uid owns is that dir: the rules of an explicit
+// dir apply, not "any owner".
+TEST(DaemonTrust, TheSystemDirsAnyOwnerRuleIsForTheRealDirOnly) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to act as another uid";
+  Scratch scratch;
+  const std::string theirs = scratch.Dir("theirs", kAttacker, 0755);
+  const std::string link = scratch.path() + "/memoffload";
+  ASSERT_EQ(symlink(theirs.c_str(), link.c_str()), 0);
+  RuntimeDirChoice choice{link, RuntimeDirSource::kSystem};
+  Result<client::TrustedRuntimeDir> dir = client::VerifyRuntimeDir(choice);
+  ASSERT_FALSE(dir.ok());
+  EXPECT_EQ(dir.status().code(), StatusCode::kPermissionDenied) << dir.status().ToString();
+  EXPECT_NE(dir.status().message().find("belongs to uid " + Str(kAttacker)), std::string::npos)
+      << dir.status().message();
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ class DaemonChannel {
   // looks open (gRPC may have given up on it on its own).
   void Failed(const std::shared_ptr<v1::Offload::Stub>& stub) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The gRPC socket's resolved path, for messages (FromGrpc).
+  // The gRPC socket's resolved path, for messages (FromGrpc); the first
+  // connection's (a reconnect may resolve another, named in its errors).
   const std::string& socket_path() const { return socket_path_; }
   // The runtime dir as last verified.
   TrustedRuntimeDir dir() const ABSL_LOCKS_EXCLUDED(mu_);

@@ -1,5 +1,6 @@
 #include "memoffload/client/daemon_trust.h"
 
+#include <fcntl.h>
 #include <pwd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -52,9 +54,11 @@ std::string Refused(const std::string& what) {
   return "refusing the memoffload daemon: " + what + "; nothing was sent to it";
 }
 
+// Trusting a uid lets it replace the daemon: the hint says so, so that
+// nobody names a stranger's uid to make a refusal go away.
 std::string UidHint(uint32_t uid) {
-  return " (if uid " + std::to_string(uid) + " runs your daemon, name it with " + kDaemonUidEnv +
-         "=" + std::to_string(uid) + ")";
+  return " (only if uid " + std::to_string(uid) +
+         " runs your daemon, and you trust it: " + kDaemonUidEnv + "=" + std::to_string(uid) + ")";
 }
 
 // Whether a directory owned by `st.st_uid` with `st.st_mode` is one that
@@ -128,7 +132,7 @@ Result<std::string> ResolveTrusted(const std::string& shown, uint32_t named) {
       if (++links > 40) return refuse("too many symlinks");
       if (st.st_uid != 0 && st.st_uid != me && st.st_uid != named) {
         return refuse("symlink " + here + " in " + parent + " belongs to " + Uid(st.st_uid) +
-                      UidHint(st.st_uid));
+                      ", who could change where it leads" + UidHint(st.st_uid));
       }
       char target[PATH_MAX];
       const ssize_t n = readlink(here.c_str(), target, sizeof(target) - 1);
@@ -187,7 +191,9 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
   } else {
     // /run/memoffload, however it was named, can only have been made by root:
     // its owner (root or the unit's user) is the daemon's.
-    const bool system = choice.source == RuntimeDirSource::kSystem || resolved == kSystemRuntimeDir;
+    // Not by how it was found: /run/memoffload made a symlink to a dir of
+    // someone else's is that dir, under the explicit rules.
+    const bool system = resolved == kSystemRuntimeDir;
     if (!system && st.st_uid != 0 && st.st_uid != me && st.st_uid != *named) {
       return PermissionDenied(Refused(where + " belongs to " + Uid(st.st_uid) +
                                       ", neither root nor you (" + Uid(me) + ")" +
@@ -202,6 +208,11 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice) {
   }
   TrustedRuntimeDir dir;
   dir.choice = choice;
+  if (!shown.empty() && shown[0] != '/') {
+    // Verified again later from the same place, whatever the cwd is then.
+    char cwd[PATH_MAX];
+    if (getcwd(cwd, sizeof(cwd)) != nullptr) dir.choice.path = std::string(cwd) + "/" + shown;
+  }
   dir.path = shown;
   dir.resolved = resolved;
   dir.owner_uid = st.st_uid;
@@ -246,23 +257,62 @@ Status VerifyPeer(const TrustedRuntimeDir& dir, int fd, const std::string& path)
   return Status::Ok();
 }
 
-Result<int> ConnectVerified(const TrustedRuntimeDir& dir, const std::string& name) {
+Result<int> ConnectVerified(const TrustedRuntimeDir& dir, const std::string& name, int timeout_ms) {
   MEMOFFLOAD_RETURN_IF_ERROR(VerifySocket(dir, name));
   const std::string path = dir.resolved + "/" + name;
   sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) {
-    return InvalidArgument("socket path " + path + " is too long (at most " +
-                           std::to_string(sizeof(addr.sun_path) - 1) + " bytes)");
-  }
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return ErrnoStatus("socket", errno);
   addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+  // A resolved path longer than sun_path is reached through a descriptor of
+  // its dir (/proc/self/fd/N/NAME), opened without following a symlink.
+  int dir_fd = -1;
+  std::string target = path;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    dir_fd = open(dir.resolved.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (dir_fd < 0) return ErrnoStatus("open " + dir.resolved, errno);
+    target = "/proc/self/fd/" + std::to_string(dir_fd) + "/" + name;
+    if (target.size() >= sizeof(addr.sun_path)) {
+      close(dir_fd);
+      return InvalidArgument("socket name " + name + " is too long");
+    }
+  }
+  std::memcpy(addr.sun_path, target.c_str(), target.size() + 1);
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) {
     const int err = errno;
+    if (dir_fd >= 0) close(dir_fd);
+    return ErrnoStatus("socket", err);
+  }
+  // Non-blocking: a daemon that is stopped or overloaded (its listen queue
+  // full: EAGAIN) is tried again until the deadline, never waited on for
+  // ever with the client's lock held.
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(timeout_ms, 1));
+  int err = 0;
+  int backoff_us = 1000;
+  while (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    err = errno;
+    if (err == EINTR) continue;
+    if (err != EAGAIN || std::chrono::steady_clock::now() >= deadline) break;
+    usleep(static_cast<useconds_t>(backoff_us));
+    backoff_us = std::min(backoff_us * 2, 50000);
+    err = 0;
+  }
+  if (dir_fd >= 0) close(dir_fd);
+  if (err != 0) {
     close(fd);
+    if (err == EAGAIN) {
+      return Unavailable("memoffloadd at unix:" + path + " did not accept a connection within " +
+                         std::to_string(timeout_ms) +
+                         " ms (its queue is full: is it stopped or overloaded?)");
+    }
     return Unavailable("cannot reach memoffloadd at unix:" + path + ": " + std::strerror(err) +
                        " (is the daemon running? set " + kRuntimeDirEnv + " to its runtime dir)");
+  }
+  const int flags = fcntl(fd, F_GETFL);
+  if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    const int e = errno;
+    close(fd);
+    return ErrnoStatus("fcntl", e);
   }
   if (Status peer = VerifyPeer(dir, fd, path); !peer.ok()) {
     close(fd);

@@ -53,10 +53,14 @@ Result<TrustedRuntimeDir> VerifyRuntimeDir(const RuntimeDirChoice& choice);
 // `dir.uids`.
 Status VerifySocket(const TrustedRuntimeDir& dir, const std::string& name);
 
-// A connected socket (SOCK_CLOEXEC) to `dir.resolved`/`name` after
-// VerifySocket, whose peer passed VerifyPeer: the only way the client
-// reaches its daemon, for the broker and for every gRPC (re)connection.
-Result<int> ConnectVerified(const TrustedRuntimeDir& dir, const std::string& name);
+// A connected, blocking socket (SOCK_CLOEXEC) to `dir.resolved`/`name`
+// after VerifySocket, whose peer passed VerifyPeer: the only way the client
+// reaches its daemon, for the broker and for every gRPC (re)connection. A
+// daemon whose queue is full (stopped, overloaded) is tried again until
+// `timeout_ms`, then UNAVAILABLE. A path longer than a socket address holds
+// is reached through a descriptor of its dir.
+Result<int> ConnectVerified(const TrustedRuntimeDir& dir, const std::string& name,
+                            int timeout_ms = 2000);
 
 // The peer of connected Unix socket `fd` (reached at `path`) runs as one of
 // `dir.uids`.
