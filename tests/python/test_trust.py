@@ -304,6 +304,58 @@ def test_a_symlink_only_the_user_or_root_can_change_is_followed(shared_dir, tmp_
         reader.read_metadata()
 
 
+def test_a_checkpoint_dir_that_is_a_link_or_a_fifo_for_metadata_is_refused_clearly(
+        shared_dir, tmp_path, monkeypatch):
+    """From the review: a checkpoint dir that is a symlink (the user's own)
+    read as "not found" and a save into it raised a bare NotADirectoryError;
+    a FIFO in place of .metadata made the load wait for ever in open()."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter, latest_checkpoint
+
+    monkeypatch.setenv("MEMOFFLOAD_RUNTIME_DIR", os.path.join(shared_dir, "no-daemon"))
+    fallback = tmp_path / "fb"
+    kw = dict(job_id="job", fallback_dir=str(fallback), keep_last=None)
+    with pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(4)}, storage_writer=MemoffloadWriter(**kw), checkpoint_id="real",
+                 no_dist=True)
+    os.symlink(fallback / "real", fallback / "linked")
+
+    def load(ckpt_id: str) -> None:
+        reader = MemoffloadReader(job_id="job", fallback_dir=str(fallback))
+        reader.reset(checkpoint_id=ckpt_id)
+        reader.read_metadata()
+
+    with pytest.raises(memoffload.PermissionDenied, match="checkpoint dir .*linked is a symlink"):
+        load("linked")
+    with pytest.raises(CheckpointException) as refused, pytest.warns(UserWarning):
+        dcp.save({"w": torch.ones(4)}, storage_writer=MemoffloadWriter(**kw), checkpoint_id="linked",
+                 no_dist=True)
+    assert isinstance(refused.value.failures[0][0], memoffload.PermissionDenied), refused.value
+    # A FIFO where .metadata should be: refused at once, never opened for a wait.
+    (fallback / "fifo").mkdir(mode=0o700)
+    shutil.copy(fallback / "real" / ".memoffload-job", fallback / "fifo" / ".memoffload-job")
+    os.mkfifo(fallback / "fifo" / ".metadata", 0o600)
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(_raised(load, "fifo")), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert outcome, "the load waited on a FIFO"
+    assert isinstance(outcome[0], memoffload.PermissionDenied), outcome
+    assert "is not a regular file" in str(outcome[0]), outcome
+    assert latest_checkpoint(job_id="job", fallback_dir=str(fallback)) == "real"
+
+
+def _raised(fn, *args):
+    try:
+        fn(*args)
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        return exc
+    return None
+
+
 def test_runtime_dir_of_follows_the_discovery_order(monkeypatch):
     from memoffload.torch.checkpoint import store
 

@@ -124,16 +124,15 @@ class MemoffloadReader(StorageReader):
         # descriptor and checked before a byte is unpickled (_trusted_files).
         try:
             fs = _trusted_files.TrustedFileSystem(_trusted_files.trusted_fallback_dir(self.fallback_dir))
+            os.close(fs.root.open_checkpoint(self.checkpoint_id, check_files=True))
             found = fs.exists(os.path.join(path, _store.METADATA_NAME))
         except (FileNotFoundError, NotADirectoryError):
             found = False
+        except _trusted_files.Untrusted as exc:
+            raise _trusted_files.refused(exc) from None
         if not found:
             raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {path} "
                                     f"has no {_store.METADATA_NAME}")
-        try:
-            os.close(fs.root.open_checkpoint(self.checkpoint_id, check_files=True))
-        except _trusted_files.Untrusted as exc:
-            raise _trusted_files.refused(exc) from None
         _warn_fallback("load", why, path)
         self._fs = FileSystemReader(path)
         self._fs.fs = fs

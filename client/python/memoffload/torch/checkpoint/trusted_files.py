@@ -84,6 +84,14 @@ def _walk(shown: str, create: bool) -> Tuple[int, str]:
     symlinks, reached as the module docstring says (``create``: missing
     directories are made 0700 on the way). Raises Untrusted,
     FileNotFoundError or NotADirectoryError."""
+    try:
+        return _walk_from_root(shown, create)
+    except PermissionError as exc:  # a directory on the way we may not search
+        raise PermissionError(exc.errno, f"{exc.strerror} on the way to {shown}",
+                              exc.filename) from None
+
+
+def _walk_from_root(shown: str, create: bool) -> Tuple[int, str]:
     path = shown if shown.startswith("/") else os.path.join(os.getcwd(), shown)
     stack = [os.open("/", _PASS)]
     names = []
@@ -167,15 +175,24 @@ class TrustedDir:
         after its owner and mode (and, with ``check_files``, every entry's)
         were checked. Raises Untrusted or FileNotFoundError."""
         _one_component(name)
-        fd = os.open(name, _DIR, dir_fd=self.fd)
+        where = os.path.join(self.path, name)
         try:
-            where = os.path.join(self.path, name)
+            fd = os.open(name, _DIR, dir_fd=self.fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            link = stat.S_ISLNK(os.stat(name, dir_fd=self.fd, follow_symlinks=False).st_mode)
+            raise Untrusted(f"checkpoint dir {where} is "
+                            + ("a symlink" if link else "not a directory")) from None
+        try:
             problem = _owner_problem(where, os.fstat(fd), "checkpoint dir")
             if problem is None and check_files:
                 for entry in sorted(os.listdir(fd)):
-                    problem = _owner_problem(os.path.join(where, entry),
-                                             os.stat(entry, dir_fd=fd, follow_symlinks=False),
-                                             "checkpoint file")
+                    path = os.path.join(where, entry)
+                    st = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                    problem = _owner_problem(path, st, "checkpoint file")
+                    if problem is None and not stat.S_ISREG(st.st_mode):
+                        problem = f"checkpoint file {path} is not a regular file"
                     if problem is not None:
                         break
             if problem is not None:
@@ -202,6 +219,7 @@ class TrustedDir:
                 problem = f"checkpoint file {where} is not a regular file"
             if problem is not None:
                 raise Untrusted(problem)
+            os.set_blocking(fd, True)
             return fd
         except BaseException:
             os.close(fd)
