@@ -7,7 +7,7 @@ namespace memoffload::daemon {
 bool IsLiveSetting(const std::string& key) {
   if (key == "access.tenant") return false;
   return key.rfind("access.", 0) == 0 || key.rfind("quotas.", 0) == 0 ||
-         key.rfind("regions.", 0) == 0;
+         key.rfind("regions.", 0) == 0 || key.rfind("replication.", 0) == 0;
 }
 
 void LogConfigChanges(const DaemonConfig& before, const DaemonConfig& after) {

@@ -15,6 +15,7 @@
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "app/config_changes.h"
@@ -22,6 +23,7 @@
 #include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
 #include "base/log.h"
+#include "core/link_keys.h"
 #include "core/session_table.h"
 #include "edge/broker.h"
 #include "edge/grpc_listener.h"
@@ -192,6 +194,7 @@ class Daemon {
                                             fresh_backing_.get());
     const uint64_t instance_id = RandomInstanceId();
     MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
+    MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys());
 
     Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
     if (!job_labels.ok()) return job_labels.status();
@@ -248,6 +251,7 @@ class Daemon {
     broker.instance_id = instance_id;
     broker.max_connections = config_.max_connections;
     broker.max_connections_per_uid = config_.max_connections_per_uid;
+    broker.link_keys = &link_keys_;
     broker_ = std::make_unique<Broker>(io_, arena_.get(), table_.get(), metrics_.get(), broker,
                                        config_.policy);
     MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
@@ -328,8 +332,34 @@ class Daemon {
     signals_.async_wait([this](const boost::system::error_code& e, int n) { OnSignal(e, n); });
   }
 
-  // SIGHUP: access, quotas and region limits change live; the rest waits for
-  // a restart.
+  // The replication key file (replication.key_file, else systemd's
+  // credential), read at start and at SIGHUP; the start fails on an error,
+  // a reload keeps the keys it had.
+  Status LoadLinkKeys() {
+    std::string path = config_.replication_key_file;
+    const auto source = config_.sources.find("replication.key_file");
+    const bool defaulted = source == config_.sources.end() || source->second == "default";
+    if (path.empty() && defaulted) {
+      if (const char* creds = std::getenv("CREDENTIALS_DIRECTORY"); creds != nullptr && *creds) {
+        const std::string candidate = std::string(creds) + "/replication-key";
+        if (access(candidate.c_str(), F_OK) == 0) path = candidate;
+      }
+    }
+    link_keys_.SetRequired(config_.replication_require_key);
+    MEMOFFLOAD_RETURN_IF_ERROR(link_keys_.Load(path));
+    if (path.empty()) {
+      MO_LOG_INFO("replication keys: none (replication.key_file)%s",
+                  config_.replication_require_key
+                      ? "; required: no checkpoint is replicated from or to this node"
+                      : "; jobs on several nodes make a key of their own in their store");
+    } else {
+      MO_LOG_INFO("replication keys: %s from %s", link_keys_.Ids().c_str(), path.c_str());
+    }
+    return Status::Ok();
+  }
+
+  // SIGHUP: access, quotas, region limits and replication keys change live;
+  // the rest waits for a restart.
   void Reload() {
     Result<DaemonConfig> fresh = ReloadConfig(config_, argc_, argv_, ProcessEnvironment());
     if (!fresh.ok()) {
@@ -364,6 +394,12 @@ class Daemon {
     broker_->SetPolicy(config_.policy);
     grpc_listener_.SetPolicy(config_.policy);
     service_->SetConfig(config_);
+    config_.replication_key_file = fresh->replication_key_file;
+    config_.replication_require_key = fresh->replication_require_key;
+    if (Status keys = LoadLinkKeys(); !keys.ok()) {
+      MO_LOG_ERROR("replication keys not reloaded, keeping the previous ones: %s",
+                   keys.message().c_str());
+    }
     MO_LOG_INFO("config reloaded from %s", config_.config_file.c_str());
   }
 
@@ -455,6 +491,7 @@ class Daemon {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<OffloadService> service_;
   std::unique_ptr<grpc::Server> server_;
+  LinkKeys link_keys_;  // before broker_, which points at it
   std::unique_ptr<Broker> broker_;
   Notifier notifier_;
   asio::steady_timer notify_timer_{io_};

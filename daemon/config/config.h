@@ -98,6 +98,10 @@ struct DaemonConfig {
   std::string tenant = "uid";  // uid, job or none; see TenantMode
   Policy policy;
 
+  // [replication]: keys of the link between nodes (core/link_keys.h).
+  std::string replication_key_file;  // "": none (or $CREDENTIALS_DIRECTORY/replication-key)
+  bool replication_require_key = false;
+
   // [lifecycle]
   uint64_t drain_timeout_ms = 30000;
   uint64_t hello_timeout_ms = 10000;

@@ -369,6 +369,20 @@ const std::vector<Setting>& Settings() {
                    "regions all jobs may hold at once (default 65536, about 0.5 KiB of daemon "
                    "memory each)",
                    1 << 24, [](DaemonConfig* c) { return &c->policy.max_regions; }),
+      {"replication", "key_file", Kind::kString,
+       "file of the cluster secret the daemon derives each job's key for checkpoint "
+       "replication from ('KEY_ID HEX_SECRET' lines, the first used, all accepted; owned by the "
+       "daemon's user, mode 0400; default: $CREDENTIALS_DIRECTORY/replication-key when systemd "
+       "loaded one, else none: ranks make a key of their own in the job's store)",
+       [](DaemonConfig* c, const std::string& v) {
+         c->replication_key_file = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.replication_key_file; }},
+      BoolSetting("replication", "require_key",
+                  "refuse checkpoint replication from and to this node without a key file (ranks "
+                  "never fall back to a key published in the job's store; default false)",
+                  &DaemonConfig::replication_require_key),
       U64Setting("lifecycle", "drain_timeout", Kind::kDuration,
                  "on SIGTERM, how long to wait for sessions to release (default 30s)",
                  [](DaemonConfig* c) { return &c->drain_timeout_ms; }),

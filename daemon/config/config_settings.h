@@ -35,6 +35,7 @@ struct Setting {
     // Checkpoint regions' keys repeat the quotas' names (job_max_bytes).
     if (std::string_view(section) == "regions") return "regions-" + f;
     if (std::string_view(section) == "metrics") return "metrics-" + f;
+    if (std::string_view(section) == "replication") return "replication-" + f;
     return f;
   }
   std::string Env() const {

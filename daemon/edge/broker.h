@@ -31,6 +31,10 @@
 //  - A failing accept (EMFILE...) backs off, 10 ms doubling to 1 s.
 //  - Log lines a peer can cause are rate-limited (MO_LOG_WARN_LIMITED).
 //
+// An attached session may also ask, on its lifeline, for its job's
+// replication keys (LinkKeyRequest): derived for the connection's uid
+// (SO_PEERCRED, never a token) and its hello's job id (link_keys.h).
+//
 // All methods run on the io_context's thread; the broker is not otherwise
 // thread-safe.
 #ifndef MEMOFFLOAD_DAEMON_BROKER_H_
@@ -47,6 +51,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "core/link_keys.h"
 #include "core/session_table.h"
 #include "edge/peer_access.h"
 #include "memory/arena.h"
@@ -63,6 +68,9 @@ struct BrokerOptions {
   uint64_t instance_id = 0;                   // random per daemon start, in every attach reply
   size_t max_connections = 1024;              // open connections in total
   size_t max_connections_per_uid = 256;       // open connections of one uid
+  // Replication keys served to attached sessions (LinkKeyRequest); null:
+  // none (NOT_FOUND). Outlives the broker.
+  const LinkKeys* link_keys = nullptr;
 };
 
 class Broker {

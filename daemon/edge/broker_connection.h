@@ -289,10 +289,46 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
         EncodeFrameHeader(static_cast<uint32_t>(payload.size())) + payload, std::move(fds), {}};
   }
 
-  // Serves chunk requests until the peer closes: the connection is the
-  // session's lifeline.
+  // Serves chunk and key requests until the peer closes: the connection is
+  // the session's lifeline.
   void WatchLifeline() {
-    ReadFrame([this] { ServeChunkRequest(); });
+    ReadFrame([this] {
+      if (IsLinkKeyRequest(payload_)) return ServeLinkKeyRequest();
+      ServeChunkRequest();
+    });
+  }
+
+  // The job's replication keys, for this connection's uid and job id.
+  void ServeLinkKeyRequest() {
+    if (const int unread = UnreadBytes(socket_.native_handle()); unread > 0) {
+      MO_LOG_WARN_LIMITED(
+          "session %lu (pid %d uid %u) asked for keys before reading its last reply; closing it",
+          static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid);
+      return Finish();
+    }
+    LinkKeyReply reply;
+    Result<LinkKeyRequest> request = DecodeLinkKeyRequest(payload_);
+    Result<std::vector<DerivedLinkKey>> keys =
+        !request.ok() ? Result<std::vector<DerivedLinkKey>>(request.status())
+        : broker_->options_.link_keys == nullptr
+            ? Result<std::vector<DerivedLinkKey>>(NotFound("this memoffloadd serves no keys"))
+            : broker_->options_.link_keys->KeysFor(peer_.uid, hello_.job_id);
+    if (keys.ok()) {
+      for (const DerivedLinkKey& k : *keys) {
+        if (reply.keys.size() == kMaxLinkKeys) break;
+        reply.key_ids.push_back(k.id);
+        reply.keys.push_back(k.key);
+      }
+      MO_LOG_INFO_LIMITED("session %lu (uid %u, job '%s') was given its replication key (%s)",
+                          static_cast<unsigned long>(session_id_), peer_.uid, hello_.job_id.c_str(),
+                          reply.key_ids.front().c_str());
+    } else {
+      reply.code = keys.status().code();
+      reply.message = keys.status().message();
+    }
+    std::vector<OutFrame> frames;
+    frames.push_back(Frame(EncodeLinkKeyReply(reply)));
+    Send(std::move(frames), [this] { WatchLifeline(); });
   }
 
   void ServeChunkRequest() {

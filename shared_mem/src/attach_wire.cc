@@ -1,5 +1,6 @@
 #include "memoffload/shared_mem/attach_wire.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace memoffload {
@@ -11,7 +12,11 @@ enum class MessageType : uint8_t {
   kChunkFdBatch = 3,
   kChunkRequest = 4,
   kChunkReply = 5,
+  kLinkKeyRequest = 6,
+  kLinkKeyReply = 7,
 };
+// Header: magic (4), version (2), type (1).
+constexpr size_t kTypeOffset = 6;
 
 constexpr size_t kMaxChunks = 1 << 16;
 constexpr size_t kMaxStringBytes = 4096;
@@ -273,6 +278,58 @@ Result<ChunkReply> DecodeChunkReply(const std::string& bytes) {
   reply.code = static_cast<StatusCode>(code);
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
   return reply;
+}
+
+std::string EncodeLinkKeyRequest(const LinkKeyRequest&) {
+  Writer w(MessageType::kLinkKeyRequest, kAttachProtocolVersion);
+  return w.Take();
+}
+
+Result<LinkKeyRequest> DecodeLinkKeyRequest(const std::string& bytes) {
+  Reader r(bytes);
+  uint16_t version = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kLinkKeyRequest, &version));
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
+  return LinkKeyRequest{};
+}
+
+std::string EncodeLinkKeyReply(const LinkKeyReply& reply) {
+  Writer w(MessageType::kLinkKeyReply, kAttachProtocolVersion);
+  w.U32(static_cast<uint32_t>(reply.code));
+  w.Str(reply.message);
+  const size_t n = std::min(reply.key_ids.size(), reply.keys.size());
+  w.U32(static_cast<uint32_t>(n));
+  for (size_t i = 0; i < n; ++i) {
+    w.Str(reply.key_ids[i]);
+    w.Str(reply.keys[i]);
+  }
+  return w.Take();
+}
+
+Result<LinkKeyReply> DecodeLinkKeyReply(const std::string& bytes) {
+  Reader r(bytes);
+  LinkKeyReply reply;
+  uint16_t version = 0;
+  uint32_t code = 0;
+  uint32_t n = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kLinkKeyReply, &version));
+  if (!r.U32(&code) || code > static_cast<uint32_t>(StatusCode::kUnauthenticated) ||
+      !r.Str(&reply.message, kMaxStringBytes) || !r.U32(&n) || n > kMaxLinkKeys) {
+    return Reader::Truncated();
+  }
+  reply.key_ids.resize(n);
+  reply.keys.resize(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    if (!r.Str(&reply.key_ids[i], 64) || !r.Str(&reply.keys[i], 64)) return Reader::Truncated();
+  }
+  reply.code = static_cast<StatusCode>(code);
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
+  return reply;
+}
+
+bool IsLinkKeyRequest(const std::string& bytes) {
+  return bytes.size() > kTypeOffset && static_cast<uint8_t>(bytes[kTypeOffset]) ==
+                                           static_cast<uint8_t>(MessageType::kLinkKeyRequest);
 }
 
 }  // namespace memoffload

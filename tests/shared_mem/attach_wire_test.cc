@@ -105,6 +105,38 @@ TEST(AttachWire, EveryTruncationAndRandomBytesAreRejectedNotCrashes) {
     (void)DecodeHello(junk);
     (void)DecodeAttachReply(junk);
     (void)DecodeChunkFdBatch(junk);
+    (void)DecodeLinkKeyReply(junk);
+    (void)DecodeLinkKeyRequest(junk);
+  }
+}
+
+// A session's request for its job's replication keys, and the reply: keys
+// round-trip, a refusal keeps its code, and a chunk request is never taken
+// for a key request (the broker tells them apart by type).
+TEST(AttachWire, LinkKeysRoundTrip) {
+  const std::string request = EncodeLinkKeyRequest({});
+  EXPECT_TRUE(IsLinkKeyRequest(request));
+  EXPECT_TRUE(DecodeLinkKeyRequest(request).ok());
+  EXPECT_FALSE(IsLinkKeyRequest(EncodeChunkRequest({{1, 2}})));
+  EXPECT_FALSE(DecodeLinkKeyRequest(EncodeChunkRequest({{1}})).ok());
+  LinkKeyReply reply;
+  reply.key_ids = {"2026-11", "2026-10"};
+  reply.keys = {std::string(32, '\x01'), std::string(32, '\x02')};
+  Result<LinkKeyReply> back = DecodeLinkKeyReply(EncodeLinkKeyReply(reply));
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->key_ids, reply.key_ids);
+  EXPECT_EQ(back->keys, reply.keys);
+  LinkKeyReply refused;
+  refused.code = StatusCode::kNotFound;
+  refused.message = "no key file";
+  Result<LinkKeyReply> no = DecodeLinkKeyReply(EncodeLinkKeyReply(refused));
+  ASSERT_TRUE(no.ok());
+  EXPECT_EQ(no->code, StatusCode::kNotFound);
+  EXPECT_EQ(no->message, "no key file");
+  EXPECT_TRUE(no->keys.empty());
+  const std::string bytes = EncodeLinkKeyReply(reply);
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(DecodeLinkKeyReply(bytes.substr(0, n)).ok()) << n;
   }
 }
 

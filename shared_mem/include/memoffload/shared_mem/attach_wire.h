@@ -83,6 +83,19 @@ struct ChunkReply {
   std::vector<uint64_t> generations;    // one per fd: generation of its backing
 };
 
+// A session asks for its job's replication keys (checkpoints across nodes):
+// the daemon derives them from its secret for the connection's uid
+// (SO_PEERCRED) and the hello's job id. Never sent over gRPC.
+struct LinkKeyRequest {};
+
+struct LinkKeyReply {
+  StatusCode code = StatusCode::kOk;
+  std::string message;
+  std::vector<std::string> key_ids;  // the first is the one to connect with
+  std::vector<std::string> keys;     // raw bytes, one per id
+};
+inline constexpr size_t kMaxLinkKeys = 8;
+
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(const std::string& bytes);
 
@@ -97,6 +110,17 @@ Result<ChunkRequest> DecodeChunkRequest(const std::string& bytes);
 
 std::string EncodeChunkReply(const ChunkReply& reply);
 Result<ChunkReply> DecodeChunkReply(const std::string& bytes);
+
+std::string EncodeLinkKeyRequest(const LinkKeyRequest& request);
+Result<LinkKeyRequest> DecodeLinkKeyRequest(const std::string& bytes);
+
+std::string EncodeLinkKeyReply(const LinkKeyReply& reply);
+Result<LinkKeyReply> DecodeLinkKeyReply(const std::string& bytes);
+
+// Whether a frame sent after attach (on the lifeline) is a LinkKeyRequest
+// rather than a ChunkRequest (the type byte of its header; the decoder
+// checks the rest).
+bool IsLinkKeyRequest(const std::string& bytes);
 
 }  // namespace memoffload
 

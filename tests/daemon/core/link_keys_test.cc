@@ -1,0 +1,115 @@
+// LinkKeys (core/link_keys.h): the key file's format, and each job's key
+// derived by HKDF-SHA256, checked against RFC 5869's two steps computed
+// here with plain HMAC-SHA256 (another path through OpenSSL).
+#include "core/link_keys.h"
+
+#include <gtest/gtest.h>
+#include <openssl/hmac.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace memoffload::daemon {
+namespace {
+
+const std::string kHex64 = std::string(64, 'a');  // 32 bytes of 0xaa
+
+std::string Hmac(const std::string& key, const std::string& data) {
+  unsigned char out[32];
+  unsigned int len = 0;
+  HMAC(EVP_sha256(), key.data(), static_cast<int>(key.size()),
+       reinterpret_cast<const unsigned char*>(data.data()), data.size(), out, &len);
+  return std::string(reinterpret_cast<char*>(out), len);
+}
+
+std::string Field(const std::string& s) {
+  const uint32_t n = static_cast<uint32_t>(s.size());
+  std::string out;
+  for (int i = 3; i >= 0; --i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  return out + s;
+}
+
+TEST(LinkKeys, TheJobKeyIsRfc5869HkdfOverTheLabelUidAndJob) {
+  const std::string secret(32, '\xaa');
+  Result<std::string> key = DeriveLinkKey(secret, 1000, "run-42");
+  ASSERT_TRUE(key.ok()) << key.status().ToString();
+  // Extract with no salt (HashLen zeros), expand one block.
+  const std::string prk = Hmac(std::string(32, '\0'), secret);
+  const std::string info = std::string(kLinkKeyLabel) + Field("1000") + Field("run-42");
+  EXPECT_EQ(*key, Hmac(prk, info + '\x01'));
+  // Another uid or job id: another key; the same: the same key.
+  EXPECT_NE(*key, *DeriveLinkKey(secret, 1001, "run-42"));
+  EXPECT_NE(*key, *DeriveLinkKey(secret, 1000, "run-4"));
+  EXPECT_NE(*DeriveLinkKey(secret, 1, "23"), *DeriveLinkKey(secret, 12, "3"));  // length-prefixed
+  EXPECT_EQ(*key, *DeriveLinkKey(secret, 1000, "run-42"));
+}
+
+TEST(LinkKeys, TheKeyFileNamesEachKeyAndRefusesWhatIsWrong) {
+  Result<std::vector<LinkSecret>> two =
+      ParseLinkSecrets("# rotated 2026-11\nnew " + kHex64 + "\n  old\t" + kHex64 + "  # old\n\n");
+  ASSERT_TRUE(two.ok()) << two.status().ToString();
+  ASSERT_EQ(two->size(), 2u);
+  EXPECT_EQ((*two)[0].id, "new");
+  EXPECT_EQ((*two)[1].id, "old");
+  EXPECT_EQ((*two)[0].secret, std::string(32, '\xaa'));
+  for (const std::string& bad : std::vector<std::string>{
+           "", "k", "k abc", "k " + std::string(62, 'a'), "k " + std::string(64, 'g'),
+           "k/x " + kHex64, "k " + kHex64 + "\nk " + kHex64}) {
+    Result<std::vector<LinkSecret>> r = ParseLinkSecrets(bad);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << "'" << bad << "'";
+  }
+  EXPECT_NE(ParseLinkSecrets("x\n" + std::string("k ") + std::string(40, 'a'))
+                .status()
+                .message()
+                .find("line 1"),
+            std::string::npos);
+}
+
+class KeyFile {
+ public:
+  explicit KeyFile(const std::string& text, mode_t mode) {
+    char name[] = "/tmp/memoffload-keys-XXXXXX";
+    const int fd = mkstemp(name);
+    path_ = name;
+    if (write(fd, text.data(), text.size()) != static_cast<ssize_t>(text.size())) ADD_FAILURE();
+    close(fd);
+    chmod(path_.c_str(), mode);
+  }
+  ~KeyFile() { unlink(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+TEST(LinkKeys, OnlyAFileNobodyElseCanReadIsLoadedAndEveryKeyIsServed) {
+  LinkKeys keys;
+  Result<std::vector<DerivedLinkKey>> none = keys.KeysFor(1000, "job");
+  EXPECT_EQ(none.status().code(), StatusCode::kNotFound) << none.status().ToString();
+  KeyFile readable("a " + kHex64 + "\n", 0644);
+  const Status refused = keys.Load(readable.path());
+  EXPECT_EQ(refused.code(), StatusCode::kPermissionDenied) << refused.ToString();
+  EXPECT_NE(refused.message().find("chmod 0400"), std::string::npos) << refused.message();
+  KeyFile good("a " + kHex64 + "\nb " + std::string(64, 'b') + "\n", 0400);
+  ASSERT_TRUE(keys.Load(good.path()).ok());
+  EXPECT_EQ(keys.Ids(), "a, b");
+  Result<std::vector<DerivedLinkKey>> served = keys.KeysFor(1000, "job");
+  ASSERT_TRUE(served.ok()) << served.status().ToString();
+  ASSERT_EQ(served->size(), 2u);
+  EXPECT_EQ((*served)[0].id, "a");
+  EXPECT_EQ((*served)[0].key, *DeriveLinkKey(std::string(32, '\xaa'), 1000, "job"));
+  EXPECT_EQ(keys.KeysFor(1000, "").status().code(), StatusCode::kFailedPrecondition);
+  // A reload that fails keeps what was loaded.
+  EXPECT_FALSE(keys.Load(readable.path()).ok());
+  EXPECT_EQ(keys.Ids(), "a, b");
+  // Without a file, a node that requires one refuses.
+  LinkKeys required(/*required=*/true);
+  EXPECT_EQ(required.KeysFor(1000, "job").status().code(), StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace memoffload::daemon
