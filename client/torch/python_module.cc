@@ -17,6 +17,7 @@
 #include "python_errors.h"
 #include "python_hooks.h"
 #include "python_host_state.h"
+#include "python_link.h"
 #include "python_regions.h"
 
 namespace py = pybind11;
@@ -262,6 +263,7 @@ PYBIND11_MODULE(_C, m) {
   BindGroupOffloader(m);
   memoffload::torch::python::BindSavedTensorHooks(m);
   memoffload::torch::python::BindRegions(m);
+  memoffload::torch::python::BindLink(m);
   memoffload::torch::python::BindHostState(m);
   BindLogAndQueries(m);
 }

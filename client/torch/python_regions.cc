@@ -225,7 +225,19 @@ void BindRegions(py::module_& m) {
       .def_property_readonly("session_id",
                              [](const RegionStore& s) { return Take(s.session_id()); })
       .def_property_readonly("instance_id",
-                             [](const RegionStore& s) { return Take(s.instance_id()); });
+                             [](const RegionStore& s) { return Take(s.instance_id()); })
+      .def(
+          "replication_keys",
+          [](RegionStore& s) {
+            client::Client::LinkKeys keys = Take(WithoutGil([&] { return s.ReplicationKeys(); }));
+            py::list out;
+            for (size_t i = 0; i < keys.ids.size(); ++i) {
+              out.append(py::make_tuple(keys.ids[i], py::bytes(keys.keys[i])));
+            }
+            return out;
+          },
+          "The job's replication keys from the daemon, [(id, 32 bytes)], the first to connect "
+          "with (NotFound: the daemon has no key file; FailedPrecondition: it requires one).");
 }
 
 }  // namespace memoffload::torch::python

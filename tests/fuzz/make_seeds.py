@@ -75,3 +75,38 @@ write("fuzz_attach_reply", "draining", attach_reply(14, "memoffloadd is draining
 write("fuzz_attach_reply", "batch", batch([0, 1, 2, 3]))
 write("fuzz_attach_reply", "batch_empty", batch([]))
 write("fuzz_attach_reply", "batch_big_index", batch([0xFFFFFFFF, 65535]))
+
+# The link between nodes (client/cpp link_frames.h): the first byte picks
+# the items agreed (low 2 bits: regions, bit 7: a blob; regions of
+# 1 + (byte >> 2) * 997 % 20000 bytes), the rest is the stream.
+LINK_HELLO, LINK_ITEM, LINK_PIECE, LINK_BLOB, LINK_FAIL, LINK_END = 1, 2, 3, 4, 5, 6
+
+
+def frame(kind, payload=b""):
+    return struct.pack("<BI", kind, len(payload)) + payload
+
+
+def link_hello(rank, call, seq, items):
+    return frame(LINK_HELLO, struct.pack("<IHiQII", 0x4B4C4F4D, 1, rank, call, seq, items))
+
+
+def link_item(kind, size, name):
+    raw = name.encode()
+    return frame(LINK_ITEM, struct.pack("<BQH", kind, size, len(raw)) + raw)
+
+
+def link_piece(offset, data):
+    return frame(LINK_PIECE, struct.pack("<QI", offset, 0) + data)
+
+
+region = 1 + (0x05 >> 2) * 997 % 20000  # shape 0x05: one region
+pieces = b"".join(link_piece(o, b"x" * min(4096, region - o)) for o in range(0, region, 4096))
+write("fuzz_link_frames", "one_region", bytes([0x05]) + link_hello(0, 42, 1, 1) +
+      link_item(1, region, "r0") + pieces + frame(LINK_END))
+write("fuzz_link_frames", "region_failed", bytes([0x05]) + link_hello(0, 42, 1, 1) +
+      link_item(1, region, "r0") + link_piece(0, b"y" * 100) + frame(LINK_FAIL, b"read error") +
+      frame(LINK_END))
+write("fuzz_link_frames", "blob", bytes([0x80]) + link_hello(3, 7, 2, 1) + link_item(2, 3000, "") +
+      frame(LINK_BLOB, b"z" * 3000) + frame(LINK_END))
+write("fuzz_link_frames", "gloo_first", bytes([0x05]) + b"\0" * 8)
+write("fuzz_link_frames", "too_long_piece", bytes([0x05]) + struct.pack("<BI", LINK_PIECE, 1 << 30))

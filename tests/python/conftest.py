@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -48,6 +50,24 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     )
     print(f"\nSKIPPED: {reason}")
     pytest.exit(reason, returncode=NO_GPU_EXIT_CODE)
+
+
+def free_port() -> int:
+    """A TCP port free on every address, for a test's TCPStore or server.
+
+    Picked below the kernel's ephemeral range (32768 and up by default), so
+    no socket bound to port 0 (the checkpoint link's listeners, any outgoing
+    connection) can take it between this check and the bind that uses it.
+    """
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port in 20000-32000")
 
 
 class Daemon:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import uuid
@@ -30,6 +29,7 @@ import torch.multiprocessing as mp
 
 import memoffload.torch as mot
 import stage_worker
+from conftest import free_port
 from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter, latest_checkpoint
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -146,15 +146,10 @@ def test_a_save_killed_half_way_leaves_no_complete_checkpoint(daemon):
     assert not any(n.startswith("dcp/killed/") for n in _regions(daemon.runtime_dir, job))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_fsdp2_async_save_while_training_loads_back_bit_for_bit(daemon, tmp_path):
     job = f"stage-{uuid.uuid4().hex[:8]}"
-    mp.spawn(stage_worker.run, args=(2, _free_port(), daemon.runtime_dir, str(tmp_path), job),
+    mp.spawn(stage_worker.run, args=(2, free_port(), daemon.runtime_dir, str(tmp_path), job),
              nprocs=2)
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())

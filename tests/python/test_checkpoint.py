@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,23 +28,18 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from conftest import bit_equal
+from conftest import bit_equal, free_port
 
 WORKER = Path(__file__).resolve().parent / "ckpt_worker.py"
 WORLD_SIZE = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:
     """WORLD_SIZE worker processes of one phase."""
 
     def __init__(self, cfg: Dict[str, Any]) -> None:
-        port = _free_port()
+        port = free_port()
         self.cfg = cfg
         self.procs: List[subprocess.Popen] = []
         self.stderr: List[Path] = []

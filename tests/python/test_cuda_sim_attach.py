@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import bin_dir
+from conftest import bin_dir, free_port
 
 # The simulated driver's counters, as tests/cuda_sim/cuda_sim.h has them
 # (the start of each script below).
@@ -64,11 +63,6 @@ print(json.dumps({"engine": stats["engine"], "same": same,
                   "misuse": after.misuse}))
 """
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def requests_by_method(port: int) -> dict:

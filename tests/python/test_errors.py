@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import uuid
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import memoffload
+from conftest import free_port
 from memoffload import StatusCode
 
 WORKER = Path(__file__).resolve().parent / "errors_worker.py"
@@ -49,11 +49,6 @@ def test_an_error_says_its_status_once_after_pickling_and_copying(make):
         assert repr(back).count(err.code.name) <= 1, repr(back)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_dcp_save_errors_of_two_ranks_say_their_status_once_with_their_code(tiny_daemon, tmp_path):
     """The issue's two texts: ALREADY_EXISTS of a second save of "step-2", and
@@ -62,7 +57,7 @@ def test_dcp_save_errors_of_two_ranks_say_their_status_once_with_their_code(tiny
     cfg = {"out": str(tmp_path), "job_id": f"errors-{uuid.uuid4().hex[:8]}",
            "runtime_dir": tiny_daemon.runtime_dir, "fallback_dir": str(tmp_path / "fb"),
            "big_bytes": 8 << 20}
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(WORLD_SIZE):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE), LOCAL_RANK=str(rank),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import uuid
 from pathlib import Path
 
@@ -23,17 +22,12 @@ import torch.multiprocessing as mp
 
 import fsdp_worker
 import memoffload.torch as mot
-from conftest import assert_arena_empty, bin_dir
+from conftest import assert_arena_empty, bin_dir, free_port
 
 WORLD_SIZE = 2
 STEPS = 3
 KINDS = ["fsdp2", "fsdp1"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +38,7 @@ def fsdp_runs(daemon, tmp_path_factory):
     job = f"fsdp-{uuid.uuid4().hex[:8]}"
     mp.spawn(
         fsdp_worker.run,
-        args=(WORLD_SIZE, _free_port(), KINDS, daemon.runtime_dir, str(bin_dir()), str(out), job, STEPS),
+        args=(WORLD_SIZE, free_port(), KINDS, daemon.runtime_dir, str(bin_dir()), str(out), job, STEPS),
         nprocs=WORLD_SIZE,
     )
     runs = {}
@@ -120,7 +114,7 @@ def test_fsdp2_bf16_compiled_layers_with_checkpoint_offload_bit_exact(daemon, tm
 
     mp.spawn(
         fsdp_compile_worker.run,
-        args=(WORLD_SIZE, _free_port(), daemon.runtime_dir, str(tmp_path)),
+        args=(WORLD_SIZE, free_port(), daemon.runtime_dir, str(tmp_path)),
         nprocs=WORLD_SIZE,
     )
     for rank in range(WORLD_SIZE):

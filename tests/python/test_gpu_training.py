@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import time
 import uuid
 
@@ -21,7 +20,7 @@ from torch import nn
 import fsdp_worker
 import memoffload.torch as mot
 import ranks_worker
-from conftest import assert_arena_empty, bin_dir, bit_equal, clone_model, step_both
+from conftest import assert_arena_empty, bin_dir, bit_equal, clone_model, free_port, step_both
 from models import DecoderStack, tokens
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
@@ -33,11 +32,6 @@ def device(request) -> str:
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     return request.param
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _engine(device: str) -> str:
@@ -68,7 +62,7 @@ def test_fsdp2_on_one_rank_offloads_bit_exact(daemon, tmp_path, device):
     """fully_shard with world size 1 (NCCL on a GPU, gloo on the CPU)."""
     job = f"fsdp2-one-{uuid.uuid4().hex[:8]}"
     mp.spawn(fsdp_worker.run,
-             args=(1, _free_port(), ["fsdp2"], daemon.runtime_dir, str(bin_dir()), str(tmp_path), job,
+             args=(1, free_port(), ["fsdp2"], daemon.runtime_dir, str(bin_dir()), str(tmp_path), job,
                    3, True, (3, 64, 2, 32), device),
              nprocs=1)
     result = json.loads((tmp_path / "fsdp2-rank0.json").read_text())

@@ -14,7 +14,7 @@ import torch
 
 from memoffload.torch.checkpoint import store
 from memoffload.torch.checkpoint.nodes.load import _assign, choose
-from memoffload.torch.checkpoint.nodes.link import Topology
+from memoffload.torch.checkpoint.nodes.topology import Topology
 
 
 def _topo(rank, nodes):

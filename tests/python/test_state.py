@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +28,7 @@ import torch.multiprocessing as mp
 import memoffload
 import memoffload.torch as mot
 import state_worker
-from conftest import Daemon, bin_dir
+from conftest import Daemon, bin_dir, free_port
 from models import DecoderStack, tokens
 
 WORLD_SIZE = 2
@@ -38,11 +37,6 @@ KINDS = ["fsdp2", "cpu", "fsdp2_keep_grads", "cpu_keep_grads"]
 MIN_BYTES = 4096
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def runs(daemon, tmp_path_factory):
@@ -50,7 +44,7 @@ def runs(daemon, tmp_path_factory):
     out = tmp_path_factory.mktemp("state")
     job = f"state-{uuid.uuid4().hex[:8]}"
     mp.spawn(state_worker.run,
-             args=(WORLD_SIZE, _free_port(), KINDS, daemon.runtime_dir, str(bin_dir()), str(out),
+             args=(WORLD_SIZE, free_port(), KINDS, daemon.runtime_dir, str(bin_dir()), str(out),
                    job, STEPS, MIN_BYTES),
              nprocs=WORLD_SIZE)
     return job, {k: [json.loads((out / f"{k}-rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
@@ -132,7 +126,7 @@ def test_fsdp2_on_a_gpu_trains_the_same_from_registered_arena_shards(own_daemon,
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     job = f"state-gpu-{uuid.uuid4().hex[:8]}"
     mp.spawn(state_worker.run,
-             args=(1, _free_port(), ["fsdp2"], own_daemon.runtime_dir, str(bin_dir()),
+             args=(1, free_port(), ["fsdp2"], own_daemon.runtime_dir, str(bin_dir()),
                    str(tmp_path), job, STEPS, MIN_BYTES, "cuda"),
              nprocs=1)
     r = json.loads((tmp_path / "fsdp2-rank0.json").read_text())

@@ -332,4 +332,24 @@ uint64_t Client::chunk_size_bytes(uint32_t chunk) const {
 }
 const std::string& Client::runtime_dir() const { return impl_->runtime_dir; }
 
+Result<Client::LinkKeys> Client::ReplicationKeys() {
+  absl::MutexLock lock(&impl_->map_mu);  // one exchange on the broker connection at a time
+  MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(impl_->lifeline_fd, EncodeLinkKeyRequest({})));
+  std::string payload;
+  std::vector<int> fds;
+  if (Status st = RecvFrame(impl_->lifeline_fd, &payload, &fds); !st.ok()) {
+    CloseFds(&fds);
+    return Unavailable("memoffloadd broker connection lost: " + st.message());
+  }
+  CloseFds(&fds);  // a key reply carries none
+  Result<LinkKeyReply> reply = DecodeLinkKeyReply(payload);
+  if (!reply.ok()) return reply.status();
+  if (reply->code != StatusCode::kOk) return Status(reply->code, reply->message);
+  if (reply->keys.empty()) return Internal("memoffloadd sent no replication key");
+  for (const std::string& key : reply->keys) {
+    if (key.size() != 32) return Internal("memoffloadd sent a replication key of the wrong size");
+  }
+  return LinkKeys{std::move(reply->key_ids), std::move(reply->keys)};
+}
+
 }  // namespace memoffload::client

@@ -279,4 +279,9 @@ Result<uint64_t> RegionStore::instance_id() const {
   return client_->instance_id();
 }
 
+Result<Client::LinkKeys> RegionStore::ReplicationKeys() {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckLive());
+  return client_->ReplicationKeys();
+}
+
 }  // namespace memoffload::client

@@ -173,6 +173,18 @@ class Client {
   uint64_t session_id() const;
   // The daemon instance this session is on (random per daemon start).
   uint64_t instance_id() const;
+
+  // The job's keys for checkpoint replication between nodes, from the
+  // daemon over the broker connection (for this process's uid, by
+  // SO_PEERCRED, and the session's job id; never over gRPC): ids[0] and
+  // keys[0] (32 bytes) are the key to connect with, every one is accepted.
+  // NOT_FOUND when the daemon has no key file, FAILED_PRECONDITION when it
+  // requires one it lacks or the session has no job id.
+  struct LinkKeys {
+    std::vector<std::string> ids;
+    std::vector<std::string> keys;
+  };
+  Result<LinkKeys> ReplicationKeys();
   // True once the daemon ended this session (it restarted, or dropped the
   // broker connection). Every call of a lost session that the daemon refuses
   // is UNAVAILABLE: attach a new Client. Release of a lost session's group is

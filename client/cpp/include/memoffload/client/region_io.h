@@ -161,6 +161,10 @@ class RegionStore {
   // The daemon instance the session is on (random per daemon start): which
   // node's daemon this is, for checkpoints that span nodes.
   Result<uint64_t> instance_id() const;
+  // The session's job's replication keys (Client::ReplicationKeys).
+  Result<Client::LinkKeys> ReplicationKeys();
+  // The session itself, for what streams regions (link.h).
+  const std::shared_ptr<Client>& client() const { return client_; }
 
  private:
   RegionStore(std::shared_ptr<Client> client, bool checksums)

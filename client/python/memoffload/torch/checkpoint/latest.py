@@ -54,7 +54,8 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     _trusted_files.warn_ignored(problems)
     link = _link.multi_node(runtime_dir, store) if _link.several_nodes() else None
     if link is not None:
-        found = _node_load.newest_loadable(link, _node_load.local_summary(store, files), node_safe)
+        found = _node_load.newest_loadable(link, store, _node_load.local_summary(store, files),
+                                           node_safe)
     else:
         found = _newest_here(store, files, node_safe)
     if found is None and job not in _warned_other_jobs:

@@ -114,7 +114,7 @@ class MemoffloadReader(StorageReader):
         else:
             why = _unreachable(runtime_dir, reason)
         if self._link is not None:  # every rank, so that the collective pairs up
-            blob = _node_load.metadata(self._link, blob)
+            blob = _node_load.metadata(self._link, store, blob)
         if blob is not None:
             self._region_store = store
             self.last_mode = DAEMON

@@ -366,8 +366,8 @@ class MemoffloadWriter(StorageWriter):
             return
         self._job = SaveJob(self._link, self._region_store, self.checkpoint_id, regions, failure,
                             self._is_coordinator, self.replicas, self.ttl_seconds, self.keep_last)
-        self._replicating = self._link.submit(self._job.run,
-                                              f"the save of {self.checkpoint_id!r}")
+        self._replicating = self._link.submit(self._job.run, f"the save of {self.checkpoint_id!r}",
+                                              self._region_store, save_id=self.checkpoint_id)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         assert self.checkpoint_id is not None

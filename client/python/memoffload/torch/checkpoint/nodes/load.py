@@ -15,8 +15,9 @@ import torch
 
 from .... import errors, logs
 from .. import store as _store
-from .save import LAYOUT_NAME, LOCAL, _Incoming, _Outgoing
 from .link import Link
+from .save import LAYOUT_NAME, LOCAL
+from .session import Session
 
 ROUNDS = 3  # holders tried per region, at most
 
@@ -43,15 +44,18 @@ class BytesReader:
         pass
 
 
-def metadata(link: Link, local: Optional[bytes]) -> Optional[bytes]:
+def metadata(link: Link, store: Optional[Any], local: Optional[bytes]) -> Optional[bytes]:
     """The checkpoint's .metadata blob on every rank: this node's, else the
-    lowest rank's that has one (None when no node has it)."""
-    def job() -> Optional[bytes]:
-        has = link.all_gather(local is not None)
+    lowest rank's that has one, over the link (None when no node has it)."""
+    def job(session: Session) -> Optional[bytes]:
+        has = session.all_gather(local is not None)
         if all(has) or not any(has):
             return local
-        return link.broadcast(local, has.index(True))
-    return link.submit(job, "a load's metadata").result()
+        src = has.index(True)
+        lacking = [r for r, h in enumerate(has) if not h]
+        _, blob = session.broadcast(local if session.rank == src else None, src, to=lacking)
+        return local if local is not None else blob
+    return link.submit(job, "a load's metadata", store).result()
 
 
 def fetch(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str],
@@ -59,8 +63,8 @@ def fetch(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str
     """Readers for ``needed`` regions and where each came from. A region
     missing or damaged (DataLoss) in this node's daemon is streamed from a
     rank whose node holds it; NotFound names what no node had intact."""
-    return link.submit(lambda: _fetch(link, store, checkpoint_id, needed, verify),
-                       f"the load of {checkpoint_id!r}").result()
+    return link.submit(lambda session: _fetch(session, store, checkpoint_id, needed, verify),
+                       f"the load of {checkpoint_id!r}", store).result()
 
 
 def _closed_on_error(readers: Dict[str, Any]) -> None:
@@ -71,19 +75,19 @@ def _closed_on_error(readers: Dict[str, Any]) -> None:
             pass  # the fetch's own error is the one to raise
 
 
-def _fetch(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str],
+def _fetch(session: Session, store: Optional[Any], checkpoint_id: str, needed: List[str],
            verify: bool) -> Tuple[Dict[str, Any], Dict[str, str]]:
     readers: Dict[str, Any] = {}
     try:
-        return _fetch_into(link, store, checkpoint_id, needed, verify, readers)
+        return _fetch_into(session, store, checkpoint_id, needed, verify, readers)
     except BaseException:
         _closed_on_error(readers)
         raise
 
 
-def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: List[str],
+def _fetch_into(session: Session, store: Optional[Any], checkpoint_id: str, needed: List[str],
                 verify: bool, readers: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, str]]:
-    topo = link.topo
+    topo = session.topo
     sources: Dict[str, str] = {}
     missing: List[str] = []
     bad: Set[str] = set()
@@ -112,12 +116,12 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
     tried: Set[Tuple[int, str]] = set()
     lost: List[str] = []  # copies tried that could not be used, and why
     for _ in range(ROUNDS):
-        asks = link.all_gather({"missing": missing, "have": have})
+        asks = session.all_gather({"missing": missing, "have": have})
         plan = _assign(asks, tried, topo.node_of)
         if not plan:
             break
         tried |= {(src, name) for _, name, src in plan}
-        fetched, unusable = _round(link, store, plan, asks)
+        fetched, unusable = _round(session, store, plan, asks)
         for name, src, why in unusable:
             lost.append(f"{name} from rank {src}: {why}")
             logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r}: the copy of {name} on rank "
@@ -136,42 +140,35 @@ def _fetch_into(link: Link, store: Optional[Any], checkpoint_id: str, needed: Li
     return readers, sources
 
 
-def _round(link: Link, store: Optional[Any], plan: List[Tuple[int, str, int]],
+def _round(session: Session, store: Optional[Any], plan: List[Tuple[int, str, int]],
            asks: List[Dict[str, Any]]) -> Tuple[Dict[str, Tuple[int, torch.Tensor]],
                                                  List[Tuple[str, int, str]]]:
     """One round of a fetch: every rank serves what ``plan`` asks of it and
-    receives what it asked for. Returns, for this rank, {region: (server,
-    bytes)} of the copies that arrived intact, and (region, server, why)
-    of those that did not."""
-    me = link.rank
+    receives what it asked for, straight into memory. Returns, for this
+    rank, {region: (server, bytes)} of the copies that arrived whole and
+    intact, and (region, server, why) of those that did not."""
+    me = session.rank
     outgoing: Dict[int, List[Tuple[str, int]]] = {}
     wanted: Dict[int, List[Tuple[str, int]]] = {}
     buffers: Dict[str, torch.Tensor] = {}
+    server: Dict[str, int] = {}
     for r, name, src in plan:
         if src == me:
-            outgoing.setdefault(r, []).append((name, asks[me]["have"][name]))
+            outgoing.setdefault(r, []).append((name, int(asks[me]["have"][name])))
         if r == me:
-            size = asks[src]["have"][name]
+            size = int(asks[src]["have"][name])
             buffers[name] = torch.empty(size, dtype=torch.uint8)
             wanted.setdefault(src, []).append((name, size))
-    streams = {dst: _Outgoing(store, regions) for dst, regions in outgoing.items()}
-    incoming = {src: _Incoming(regions, into=buffers.__getitem__) for src, regions in wanted.items()}
-    link.exchange({d: iter(s) for d, s in streams.items()}, {s: iter(i) for s, i in incoming.items()})
-    told = link.all_gather({"failed": {name: s.failure for s in streams.values() if s.failure
-                                       for name, _ in s.regions},
-                            "crcs": {dst: s.crcs for dst, s in streams.items()}})
+            server[name] = src
+    out = session.exchange(outgoing, wanted, source=store, into=buffers)
     fetched: Dict[str, Tuple[int, torch.Tensor]] = {}
     unusable: List[Tuple[str, int, str]] = []
-    for src, stream in incoming.items():
-        damaged = stream.damaged(told[src]["crcs"].get(me, {}))
-        for name, _ in stream.regions:
-            why = told[src]["failed"].get(name, "")
-            if not why and name in damaged:
-                why = "its pieces' CRC-32 differ from what was sent"
-            if why:
-                unusable.append((name, src, why))
-            else:
-                fetched[name] = (src, buffers[name])
+    for name, src in server.items():
+        why = out["regions"].get(name, "it was not received")
+        if why:
+            unusable.append((name, src, why))
+        else:
+            fetched[name] = (src, buffers[name])
     return fetched, unusable
 
 
@@ -228,14 +225,16 @@ def _read_layout(store: Any, checkpoint_id: str) -> Optional[List[str]]:
         return None
 
 
-def newest_loadable(link: Link, summary: Dict[str, Any], node_safe: bool) -> Optional[str]:
+def newest_loadable(link: Link, store: Optional[Any], summary: Dict[str, Any],
+                    node_safe: bool) -> Optional[str]:
     """The newest checkpoint that every rank can load: in the daemons, one
     whose .metadata some node has and whose data regions (its .layout) are
     each on some node (without a .layout, one every rank's node has whole);
     with ``node_safe``, only those some node marked node-safe. In the
     fallback dirs, one every rank sees. The same answer on every rank."""
-    return choose(link.submit(lambda: link.all_gather(summary), "latest_checkpoint").result(),
-                  node_safe)
+    everyone = link.submit(lambda session: session.all_gather(summary), "latest_checkpoint", store,
+                           listen=False).result()
+    return choose(everyone, node_safe)
 
 
 def choose(everyone: List[Dict[str, Any]], node_safe: bool) -> Optional[str]:

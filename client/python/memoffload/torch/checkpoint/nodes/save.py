@@ -4,13 +4,15 @@ After each rank has committed its shard into its own node's daemon, every
 rank's replication job (on the link's worker thread, :mod:`.link`):
 
 1. tells every rank what it wrote (and whether it could);
-2. receives the coordinator's ``.metadata`` (committed there by DCP's
-   ``finish``), and the lowest rank of every other node commits it, so that
-   each node can find every piece; every node also gets ``.layout`` (the
-   data regions the checkpoint has);
+2. the coordinator's ``.metadata`` (committed there by DCP's ``finish``)
+   goes over the link to the lowest rank of every other node, which commits
+   it, so that each node can find every piece; every node also gets
+   ``.layout`` (the data regions the checkpoint has);
 3. with ``replicas=k``, streams its shard to the rank with the same local
    index on each of the next k nodes, which commits it into its own daemon
-   under the same region name, and receives the shards it keeps for others;
+   under the same region name once every piece arrived intact, and receives
+   the shards it keeps for others (both in ``memoffload._C.link_exchange``:
+   read from one daemon's arena, written into the other's);
 4. when every shard, ``.metadata`` and ``.layout`` have their copies, the
    lowest rank of each node commits ``.node-safe``; then retention runs on
    each node (``keep_last``, never the newest node-safe checkpoint).
@@ -25,16 +27,13 @@ import concurrent.futures
 import json
 import logging
 import time
-import zlib
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
-
-import torch
+from typing import Any, Dict, List, Optional, Tuple
 
 from .... import errors, logs
 from .. import store as _store
-from . import link as _link
-from .link import NO_DAEMON, Link, Topology, pieces
+from .link import NO_DAEMON, Link, Topology
+from .session import Session
 
 LAYOUT_NAME = ".layout"
 
@@ -69,97 +68,6 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class _Outgoing:
-    """One stream of this rank's regions to one peer: pieces read from the
-    local daemon (checksums verified as read), zeros after a failure. Two
-    buffers per stream: the next piece is read while one travels."""
-
-    def __init__(self, store: Any, regions: List[Tuple[str, int]]) -> None:
-        self.store, self.regions = store, regions
-        self.failure = ""
-        self.sent = 0
-        self.crcs: Dict[str, List[int]] = {}  # per region, each piece's CRC-32 as sent
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        count = 0
-        for name, size in self.regions:
-            reader = None
-            try:
-                reader = self.store.open(name, True, verify_as_read=True)
-            except errors.Error as exc:
-                self.failure = self.failure or f"reading {name}: {_why(exc)}"
-            for offset, length in pieces(size):
-                buf = _buffer(self, count, length)
-                count += 1
-                if reader is None or self.failure:
-                    buf.zero_()
-                else:
-                    try:
-                        reader.read_into(offset, buf)
-                    except errors.Error as exc:
-                        self.failure = f"reading {name}: {_why(exc)}"
-                        buf.zero_()
-                self.sent += length
-                self.crcs.setdefault(name, []).append(_crc(buf))
-                yield buf
-            if reader is not None:
-                try:
-                    if not self.failure:
-                        reader.verify_rest()
-                    reader.close()
-                except errors.Error as exc:
-                    self.failure = self.failure or f"reading {name}: {_why(exc)}"
-
-
-class _Incoming:
-    """One stream of a peer's regions, as (buffer, what to do once it is
-    filled): each piece is received into ``into(name)[offset:]`` when given,
-    else into one of the stream's two buffers and then handed to
-    ``take(name, offset, piece)``."""
-
-    def __init__(self, regions: List[Tuple[str, int]], take: Any = None, into: Any = None) -> None:
-        self.regions, self.take, self.into = regions, take, into
-        self.crcs: Dict[str, List[int]] = {}  # per region, each piece's CRC-32 as received
-
-    def __iter__(self) -> Iterator[Tuple[torch.Tensor, Any]]:
-        count = 0
-        for name, size in self.regions:
-            for offset, length in pieces(size):
-                if self.into is not None:
-                    buf = self.into(name)[offset: offset + length]
-                else:
-                    buf = _buffer(self, count, length)
-                    count += 1
-                yield buf, (lambda n=name, o=offset, b=buf: self._landed(n, o, b))
-
-    def _landed(self, name: str, offset: int, buf: torch.Tensor) -> None:
-        self.crcs.setdefault(name, []).append(_crc(buf))
-        if self.take is not None:
-            self.take(name, offset, buf)
-
-    def damaged(self, sent: Dict[str, List[int]]) -> List[str]:
-        """The regions whose pieces did not arrive as they were sent."""
-        return [name for name, _ in self.regions if self.crcs.get(name) != sent.get(name)]
-
-
-def _crc(buf: torch.Tensor) -> int:
-    """CRC-32 of a piece, compared end to end: what a rank read from its
-    daemon against what its peer received, before the peer commits or uses
-    it (the daemon's own CRC32C covers each copy at rest)."""
-    return zlib.crc32(memoryview(buf.numpy()))
-
-
-def _buffer(stream: Any, count: int, length: int) -> torch.Tensor:
-    """``length`` bytes of the stream's buffer for its ``count``-th piece:
-    two, alternating (made once: a fresh one per piece would fault in its
-    pages every time)."""
-    bufs = getattr(stream, "_bufs", None)
-    if bufs is None:
-        bufs = stream._bufs = [torch.empty(_link.PIECE_BYTES, dtype=torch.uint8)
-                              for _ in range(2)]
-    return bufs[count % 2][:length]
-
-
 class SaveJob:
     """One save's work across nodes, run on the link's worker."""
 
@@ -176,9 +84,9 @@ class SaveJob:
         # The coordinator's .metadata blob (None: the save failed), from finish().
         self.metadata: "concurrent.futures.Future[Optional[bytes]]" = concurrent.futures.Future()
 
-    def run(self) -> Replication:
+    def run(self, session: Session) -> Replication:
         start = time.monotonic()
-        topo = self.link.topo
+        topo = session.topo
         me = topo.rank
         sized: List[Tuple[str, int]] = []
         failure = self.failure
@@ -190,8 +98,8 @@ class SaveJob:
                     reader.close()
             except errors.Error as exc:
                 failure = f"rank {me}: {_why(exc)}"
-        told = self.link.all_gather({"failure": failure, "regions": sized,
-                                     "coordinator": self.is_coordinator})
+        told = session.all_gather({"failure": failure, "regions": sized,
+                                   "coordinator": self.is_coordinator})
         failures = [t["failure"] for t in told if t["failure"]]
         coordinator = next((r for r, t in enumerate(told) if t["coordinator"]), 0)
         result = Replication(self.checkpoint_id, False, nodes=len(topo.nodes))
@@ -206,22 +114,28 @@ class SaveJob:
         blob: Optional[bytes] = None
         if self.is_coordinator and not failures:
             try:
-                blob = self.metadata.result(timeout=self.link._timeout.total_seconds())
+                blob = self.metadata.result(timeout=session.timeout.total_seconds())
             except concurrent.futures.TimeoutError:
                 blob = None
-        blob = self.link.broadcast(blob, coordinator)
+        # The .metadata goes over the link to every other node's lowest rank.
+        leaders = [r for r in range(topo.world)
+                   if topo.leader(r) and topo.node_of[r] != topo.node_of[coordinator]]
         mine = ""
-        if blob is None:
-            if not failures:  # (a rank's failure is said already)
+        try:
+            has_blob, blob = session.broadcast(blob, coordinator, to=leaders)
+        except errors.Error as exc:
+            has_blob, mine = False, f"rank {me}: the .metadata over the link: {exc}"
+        if not has_blob:
+            if not failures and not mine:  # (a rank's failure is said already)
                 mine = "the save did not commit its .metadata"
         elif topo.leader(me):
             mine = self._commit_node_records(topo, told, blob, coordinator)
-        ends = self.link.all_gather(mine)
+        ends = session.all_gather(mine)
         why += [w for w in ends if w]
-        if blob is not None and self.replicas > 0:
+        if has_blob and self.replicas > 0:
             if SaveJob._before_replicas is not None:
                 SaveJob._before_replicas()
-            why += self._replicate(topo, told, result)
+            why += self._replicate(session, told, result)
         if self.replicas > 0 and len(topo.nodes) > 1 and not why:
             result.node_safe = True
             if topo.leader(me):
@@ -234,7 +148,7 @@ class SaveJob:
         if self.replicas > 0 and len(topo.nodes) < 2:
             why.append("the job runs on one node")
         result.why = "; ".join(dict.fromkeys(why))
-        if blob is not None and topo.leader(me):
+        if has_blob and topo.leader(me):
             try:
                 result.deleted = _store.retain(self.store, self.keep_last, self.checkpoint_id)
             except errors.Error as exc:
@@ -244,51 +158,25 @@ class SaveJob:
         self._report(result)
         return result
 
-    def _replicate(self, topo: Topology, told: List[Dict[str, Any]], result: Replication) -> List[str]:
-        """Streams this rank's shard to its buddies and commits the shards it
-        receives; returns why not every replica committed (all ranks)."""
+    def _replicate(self, session: Session, told: List[Dict[str, Any]],
+                   result: Replication) -> List[str]:
+        """Streams this rank's shard to its buddies, which commit it into their
+        daemons once every piece arrived intact; returns why not every
+        replica committed (the same list on every rank)."""
+        topo = session.topo
         me = topo.rank
-        outgoing = {dst: _Outgoing(self.store, told[me]["regions"])
-                    for dst in topo.buddies(me, self.replicas)}
-        sources = topo.sources(me, self.replicas)
-        sizes = {n: size for src in sources for n, size in told[src]["regions"]}
-        writers: Dict[str, Any] = {}
-        problems: List[str] = []
-
-        def take(name: str, offset: int, piece: torch.Tensor) -> None:
-            if problems:
-                return
-            try:
-                writer = writers.get(name)
-                if writer is None:
-                    writer = writers[name] = self.store.create(name, sizes[name], self.ttl)
-                writer.append(piece)
-            except errors.Error as exc:
-                problems.append(f"rank {me}: the replica of {name}: {_why(exc)}")
-
-        incoming = {src: _Incoming(told[src]["regions"], take) for src in sources}
-        self.link.exchange({d: iter(o) for d, o in outgoing.items()},
-                           {s: iter(i) for s, i in incoming.items()})
-        result.bytes_sent = sum(o.sent for o in outgoing.values())
-        sent = self.link.all_gather({"failures": [o.failure for o in outgoing.values() if o.failure],
-                                     "crcs": {dst: o.crcs for dst, o in outgoing.items()}})
-        broken = {src for src in sources if sent[src]["failures"]}
-        for src in sources:
-            for name in incoming[src].damaged(sent[src]["crcs"].get(me, {})):
-                problems.append(f"rank {me}: the replica of {name} arrived damaged (its pieces' "
-                                "CRC-32 differ from what was sent)")
-        for name, writer in writers.items():
-            try:
-                if problems or any(n == name for src in broken for n, _ in told[src]["regions"]):
-                    writer.abort()
-                else:
-                    writer.commit()
-                    result.held_for_others.append(name)
-            except errors.Error as exc:
-                problems.append(f"rank {me}: the replica of {name}: {_why(exc)}")
-        ends = self.link.all_gather(problems)
-        return ([f"rank {r}: {f}" for r, s in enumerate(sent) for f in s["failures"]] +
-                [p for e in ends for p in e])
+        sends = {dst: told[me]["regions"] for dst in topo.buddies(me, self.replicas)}
+        receives = {src: told[src]["regions"] for src in topo.sources(me, self.replicas)}
+        out = session.exchange(sends, receives, source=self.store, store=self.store, ttl=self.ttl)
+        result.bytes_sent = int(out["bytes_sent"])
+        result.held_for_others = [str(n) for n in out["committed"]]
+        problems = [f"rank {me}: sending to rank {r}: {w}" for r, w in out["send_failures"].items()]
+        problems += [f"rank {me}: receiving from rank {r}: {w}"
+                     for r, w in out["receive_failures"].items()]
+        problems += [f"rank {me}: the replica of {name}: {w}"
+                     for name, w in sorted(out["regions"].items()) if w]
+        ends = session.all_gather(problems)
+        return [p for e in ends for p in e]
 
     def _commit_node_records(self, topo: Topology, told: List[Dict[str, Any]], blob: bytes,
                              coordinator: int) -> str:
