@@ -339,14 +339,16 @@ class Daemon {
     std::string path = config_.replication_key_file;
     const auto source = config_.sources.find("replication.key_file");
     const bool defaulted = source == config_.sources.end() || source->second == "default";
+    bool credential = false;
     if (path.empty() && defaulted) {
       if (const char* creds = std::getenv("CREDENTIALS_DIRECTORY"); creds != nullptr && *creds) {
         const std::string candidate = std::string(creds) + "/replication-key";
-        if (access(candidate.c_str(), F_OK) == 0) path = candidate;
+        credential = access(candidate.c_str(), F_OK) == 0;
+        if (credential) path = candidate;
       }
     }
     link_keys_.SetRequired(config_.replication_require_key);
-    MEMOFFLOAD_RETURN_IF_ERROR(link_keys_.Load(path));
+    MEMOFFLOAD_RETURN_IF_ERROR(link_keys_.Load(path, credential));
     if (path.empty()) {
       MO_LOG_INFO("replication keys: none (replication.key_file)%s",
                   config_.replication_require_key

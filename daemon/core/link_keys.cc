@@ -12,6 +12,8 @@
 #include <cstring>
 #include <memory>
 
+#include "memoffload/common/trusted_path.h"
+
 namespace memoffload::daemon {
 namespace {
 
@@ -116,14 +118,42 @@ Result<std::string> DeriveLinkKey(const std::string& secret, uid_t uid, const st
   return key;
 }
 
-Status LinkKeys::Load(const std::string& path) {
+Status LinkKeys::Load(const std::string& path, bool systemd_credential) {
   if (path.empty()) {
     absl::MutexLock lock(&mu_);
     secrets_.clear();
     path_.clear();
     return Status::Ok();
   }
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  // Symlinks are followed (a Kubernetes Secret's file is one) only where
+  // root or the daemon's user alone could have made them.
+  TrustedPathProblem walk;
+  const std::string resolved = ResolveTrustedPath(path, {0, geteuid()}, &walk);
+  using Kind = TrustedPathProblem::Kind;
+  switch (walk.kind) {
+    case Kind::kNone:
+      break;
+    case Kind::kMissing:
+    case Kind::kError:
+      return ErrnoStatus(
+          "replication.key_file " + path + (walk.at == path ? "" : " (at " + walk.at + ")"),
+          walk.error);
+    case Kind::kUntrustedDir:
+      return PermissionDenied("replication.key_file " + path + ": directory " + walk.at +
+                              " on its way " +
+                              TrustedDirProblem(walk.uid, walk.mode, {0, geteuid()}) +
+                              ", so another user could replace the key; keep it in a directory "
+                              "of root's or the daemon's user");
+    case Kind::kUntrustedLink:
+      return PermissionDenied("replication.key_file " + path + ": symlink " + walk.at +
+                              " belongs to uid " + std::to_string(walk.uid) +
+                              ", who could change where it leads");
+    default:
+      return InvalidArgument(
+          "replication.key_file " + path + ": " + walk.at +
+          (walk.kind == Kind::kNotDirectory ? " is not a directory" : ": too many symlinks"));
+  }
+  const int fd = open(resolved.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) return ErrnoStatus("replication.key_file " + path, errno);
   struct stat st;
   if (fstat(fd, &st) != 0) {
@@ -136,7 +166,7 @@ Status LinkKeys::Load(const std::string& path) {
   if (st.st_uid != geteuid() && st.st_uid != 0) {
     problem = "belongs to uid " + std::to_string(st.st_uid) + ", neither the daemon's nor root";
   }
-  if ((st.st_mode & 077) != 0) {
+  if ((st.st_mode & (systemd_credential ? 007 : 077)) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st.st_mode & 07777));
     problem = std::string("has mode ") + mode + ": its group or others may read it (chmod 0400)";

@@ -62,9 +62,14 @@ class LinkKeys {
   explicit LinkKeys(bool required = false) : required_(required) {}
 
   // Reads `path` ("": no key file): it must be a regular file, owned by the
-  // daemon's uid (or root), not readable or writable by group or others.
+  // daemon's uid (or root), not readable or writable by group or others,
+  // reached only through directories and symlinks of root's or the
+  // daemon's. `systemd_credential`: systemd's copy in $CREDENTIALS_DIRECTORY,
+  // which may carry an ACL for the service's user (group bits show its
+  // mask) in a dir only the service reads: others' bits alone are checked.
   // On an error nothing changes.
-  Status Load(const std::string& path) ABSL_LOCKS_EXCLUDED(mu_);
+  Status Load(const std::string& path, bool systemd_credential = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void SetRequired(bool required) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The keys of (uid, job id), the one to connect with first. NOT_FOUND

@@ -84,6 +84,14 @@ def _configure(box: Machine) -> None:
     box.sh("mkdir -p /etc/systemd/system/memoffloadd.service.d && printf "
            f"'[Service]\\nWatchdogSec={WATCHDOG_S}s\\n' "
            "> /etc/systemd/system/memoffloadd.service.d/watchdog.conf && systemctl daemon-reload")
+    # The replication key as docs/deploy.md gives it: a root file, 0400, and
+    # a drop-in with LoadCredential= (the daemon finds it without a setting).
+    box.sh("echo \"k1 $(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\" > /tmp/replication-key && "
+           "install -D -m 0400 -o root -g root /tmp/replication-key "
+           "/etc/memoffload/replication-key && printf "
+           "'[Service]\\nLoadCredential=replication-key:/etc/memoffload/replication-key\\n' "
+           "> /etc/systemd/system/memoffloadd.service.d/replication-key.conf && "
+           "systemctl daemon-reload")
     box.sh(f"useradd -m {TRAINER_IN_GROUP} && usermod -aG memoffload {TRAINER_IN_GROUP} && "
            f"useradd -m {TRAINER_OUTSIDE}")
     worker = dc.bin_dir() / "offload_worker"
@@ -114,6 +122,9 @@ def test_start_returns_active_after_ready(machine):
     # STATUS= comes from the daemon's sd_notify, sent with READY=1.
     assert "arena" in state["StatusText"], state
     assert "arena ready" in machine.journal()
+    # The credential of the drop-in, read from systemd's copy of it.
+    assert re.search(r"replication keys: k1 from /run/credentials/memoffloadd\.service/"
+                     r"replication-key", machine.journal()), machine.journal()[-3000:]
     assert re.search(rf"^runtime dir\s+{RUNTIME_DIR}$", machine.ctl("status").stdout, re.M)
 
 

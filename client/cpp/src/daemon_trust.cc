@@ -16,6 +16,8 @@
 #include <cstring>
 #include <vector>
 
+#include "memoffload/common/trusted_path.h"
+
 namespace memoffload::client {
 namespace {
 
@@ -61,101 +63,55 @@ std::string UidHint(uint32_t uid) {
          " runs your daemon, and you trust it: " + kDaemonUidEnv + "=" + std::to_string(uid) + ")";
 }
 
-// Whether a directory owned by `st.st_uid` with `st.st_mode` is one that
-// only root, the user or the named uid can change: "" if so, else why not.
+// Why a directory owned by `st.st_uid` with `st.st_mode` is not one that
+// only root, the user or the named uid can change ("" when it is).
 std::string DirProblem(const struct stat& st, uint32_t named) {
-  const uid_t me = geteuid();
+  const uint32_t me = geteuid();
+  if (TrustedDirProblem(st.st_uid, st.st_mode, {0, me, named}).empty()) return "";
   if (st.st_uid != 0 && st.st_uid != me && st.st_uid != named) {
     return "belongs to " + Uid(st.st_uid) + ", who could replace what is below it" +
            UidHint(st.st_uid);
   }
-  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0 && (st.st_mode & S_ISVTX) == 0) {
-    return "has mode " + Octal(st.st_mode) + ": its group or others could replace what is below it";
-  }
-  return "";
+  return "has mode " + Octal(st.st_mode) + ": its group or others could replace what is below it";
 }
 
-// Resolves `shown` (made absolute against the working directory) one
-// component at a time, as the kernel would, and checks each directory it
-// passes through and each symlink it follows: every directory is root's,
-// the user's or the named uid's and not writable by group or others unless
-// sticky (/tmp), and every symlink is root's, the user's or the named uid's
-// (a symlink in a sticky dir belongs to whoever made it). So nobody else can
-// change where the path leads, from the first component to the last. The
-// last component's own rules are VerifyRuntimeDir's. Returns the path with
-// no symlink, "." or "..": what the client connects by.
+// Resolves `shown` with ResolveTrustedPath (common/trusted_path.h): every
+// directory on the way, and every symlink followed, is root's, the user's or
+// the named uid's, and no directory is writable by group or others unless
+// sticky. The last component's own rules are VerifyRuntimeDir's. Returns
+// the path with no symlink, "." or "..": what the client connects by.
 Result<std::string> ResolveTrusted(const std::string& shown, uint32_t named) {
-  std::string pending = shown;
-  if (pending.empty() || pending[0] != '/') {
-    char cwd[PATH_MAX];
-    if (getcwd(cwd, sizeof(cwd)) == nullptr) return ErrnoStatus("getcwd", errno);
-    pending = std::string(cwd) + "/" + pending;
-  }
-  const uid_t me = geteuid();
-  std::vector<std::string> parts;  // the resolved path so far, checked
-  auto joined = [&parts] {
-    std::string out;
-    for (const std::string& p : parts) out += "/" + p;
-    return out.empty() ? std::string("/") : out;
-  };
+  TrustedPathProblem p;
+  const std::string resolved = ResolveTrustedPath(shown, {0, geteuid(), named}, &p);
+  if (p.kind == TrustedPathProblem::Kind::kNone) return resolved;
   auto refuse = [&](const std::string& why) {
     return PermissionDenied(Refused("runtime dir " + shown + ": " + why + "; use a runtime dir " +
                                     "reached only through directories of root's or yours (set " +
                                     kRuntimeDirEnv + ")"));
   };
-  struct stat root;
-  if (lstat("/", &root) != 0) return ErrnoStatus("stat /", errno);
-  if (std::string why = DirProblem(root, named); !why.empty()) return refuse("directory / " + why);
-  int links = 0;
-  size_t at = 0;
-  while (at < pending.size()) {
-    const size_t slash = pending.find('/', at);
-    const size_t stop = slash == std::string::npos ? pending.size() : slash;
-    const std::string name = pending.substr(at, stop - at);
-    at = stop + 1;
-    if (name.empty() || name == ".") continue;
-    if (name == "..") {
-      if (!parts.empty()) parts.pop_back();
-      continue;
-    }
-    const std::string parent = joined();
-    parts.push_back(name);
-    const std::string here = joined();
-    struct stat st;
-    if (lstat(here.c_str(), &st) != 0) {
-      const int err = errno;
+  using Kind = TrustedPathProblem::Kind;
+  switch (p.kind) {
+    case Kind::kMissing:
       // Name the component that is missing only when it is not the dir itself.
-      return Unavailable("runtime dir " + shown + ": " + (here == shown ? "" : here + ": ") +
-                         std::strerror(err));
+      return Unavailable("runtime dir " + shown + ": " + (p.at == shown ? "" : p.at + ": ") +
+                         std::strerror(p.error));
+    case Kind::kNotDirectory:
+      return Unavailable("runtime dir " + shown + ": " + p.at + " is not a directory");
+    case Kind::kTooManyLinks:
+      return refuse("too many symlinks");
+    case Kind::kUntrustedLink:
+      return refuse("symlink " + p.at + " in " + p.parent + " belongs to " + Uid(p.uid) +
+                    ", who could change where it leads" + UidHint(p.uid));
+    case Kind::kUntrustedDir: {
+      struct stat st {};
+      st.st_uid = p.uid;
+      st.st_mode = p.mode;
+      return refuse("directory " + p.at + (p.at == "/" ? " " : " on its way ") +
+                    DirProblem(st, named));
     }
-    if (S_ISLNK(st.st_mode)) {
-      if (++links > 40) return refuse("too many symlinks");
-      if (st.st_uid != 0 && st.st_uid != me && st.st_uid != named) {
-        return refuse("symlink " + here + " in " + parent + " belongs to " + Uid(st.st_uid) +
-                      ", who could change where it leads" + UidHint(st.st_uid));
-      }
-      char target[PATH_MAX];
-      const ssize_t n = readlink(here.c_str(), target, sizeof(target) - 1);
-      if (n < 0) return ErrnoStatus("readlink " + here, errno);
-      target[n] = '\0';
-      parts.pop_back();
-      if (target[0] == '/') parts.clear();
-      pending = std::string(target) + "/" + pending.substr(std::min(at, pending.size()));
-      at = 0;
-      continue;
-    }
-    if (!S_ISDIR(st.st_mode)) {
-      if (at >= pending.size()) return here;  // the last: VerifyRuntimeDir says what it is
-      return Unavailable("runtime dir " + shown + ": " + here + " is not a directory");
-    }
-    const bool last = pending.find_first_not_of("/.", at) == std::string::npos &&
-                      pending.find("..", at) == std::string::npos;
-    if (last) continue;  // the runtime dir itself: VerifyRuntimeDir's rules
-    if (std::string why = DirProblem(st, named); !why.empty()) {
-      return refuse("directory " + here + " on its way " + why);
-    }
+    default:
+      return ErrnoStatus("resolving runtime dir " + shown + " at " + p.at, p.error);
   }
-  return joined();
 }
 
 }  // namespace

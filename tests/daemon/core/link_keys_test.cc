@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -109,6 +110,49 @@ TEST(LinkKeys, OnlyAFileNobodyElseCanReadIsLoadedAndEveryKeyIsServed) {
   // Without a file, a node that requires one refuses.
   LinkKeys required(/*required=*/true);
   EXPECT_EQ(required.KeysFor(1000, "job").status().code(), StatusCode::kFailedPrecondition);
+}
+
+// A Kubernetes Secret's file is a symlink into a timestamped dir, through a
+// "..data" symlink, in a sticky dir of root's: loaded. The same file reached
+// through a dir another uid could write, or a symlink another uid owns: the
+// key could be another's, so it is refused naming the place.
+TEST(LinkKeys, SymlinksAreFollowedOnlyWhereOnlyRootOrTheDaemonCouldMakeThem) {
+  if (geteuid() != 0) GTEST_SKIP() << "needs root to make files of another uid";
+  char base_template[] = "/tmp/link-keys-XXXXXX";
+  const std::string base = mkdtemp(base_template);
+  const std::string secret = base + "/secret";  // as kubelet mounts a Secret
+  ASSERT_EQ(mkdir(secret.c_str(), 0755), 0);
+  ASSERT_EQ(chmod(secret.c_str(), 01777), 0);
+  ASSERT_EQ(mkdir((secret + "/..2026_11_29").c_str(), 0755), 0);
+  std::ofstream(secret + "/..2026_11_29/replication-key") << "k8s " << kHex64 << "\n";
+  ASSERT_EQ(chmod((secret + "/..2026_11_29/replication-key").c_str(), 0400), 0);
+  ASSERT_EQ(symlink("..2026_11_29", (secret + "/..data").c_str()), 0);
+  ASSERT_EQ(symlink("..data/replication-key", (secret + "/replication-key").c_str()), 0);
+  LinkKeys keys;
+  const Status loaded = keys.Load(secret + "/replication-key");
+  EXPECT_TRUE(loaded.ok()) << loaded.ToString();
+  EXPECT_EQ(keys.Ids(), "k8s");
+
+  const std::string open = base + "/open";  // anyone may replace what is in it
+  ASSERT_EQ(mkdir(open.c_str(), 0755), 0);
+  ASSERT_EQ(chmod(open.c_str(), 0777), 0);
+  ASSERT_EQ(symlink((secret + "/replication-key").c_str(), (open + "/key").c_str()), 0);
+  const Status through_open = keys.Load(open + "/key");
+  EXPECT_EQ(through_open.code(), StatusCode::kPermissionDenied) << through_open.ToString();
+  EXPECT_NE(through_open.message().find("directory " + open + " on its way has mode 0777"),
+            std::string::npos)
+      << through_open.message();
+
+  const std::string theirs = secret + "/theirs";  // another uid's link in the sticky dir
+  ASSERT_EQ(symlink("..data/replication-key", theirs.c_str()), 0);
+  ASSERT_EQ(lchown(theirs.c_str(), 65534, 65534), 0);
+  const Status their_link = keys.Load(theirs);
+  EXPECT_EQ(their_link.code(), StatusCode::kPermissionDenied) << their_link.ToString();
+  EXPECT_NE(their_link.message().find("symlink " + theirs + " belongs to uid 65534"),
+            std::string::npos)
+      << their_link.message();
+  EXPECT_EQ(keys.Ids(), "k8s");  // what was loaded stays
+  std::filesystem::remove_all(base);
 }
 
 }  // namespace
