@@ -13,7 +13,6 @@ import random
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional

@@ -37,6 +37,10 @@ Phases (``cfg["phase"]``):
 - ``bad_device``: a save where one rank's replication address is not its
   host's (the test sets it): every rank's save must say so, and training
   goes on.
+- ``strangers``: three saves while a stranger attacks every listener it
+  finds (test_link_security.py); rank 3 starts each save's streams late,
+  so the others' listeners wait for it a while: the stranger's window. The
+  process's descriptors are counted before and after each save.
 - ``peer_down``: saves ``step-2``; then waits until the test killed node 1's
   daemon (its ranks live on), saves ``step-4``, trains on and answers
   ``latest_checkpoint(node_safe=True)``.
@@ -330,6 +334,23 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
 
             _step(model, opt, 1, rank)
             dcp.save(_state(model, opt, 1), storage_writer=_writer(cfg), checkpoint_id="step-1")
+        elif phase == "strangers":
+            from memoffload.torch.checkpoint.nodes.session import Session
+
+            if rank == 3:
+                exchange = Session.exchange
+
+                def late(self, *args, **kwargs):
+                    time.sleep(cfg["late_s"])
+                    return exchange(self, *args, **kwargs)
+
+                Session.exchange = late
+            writer = _writer(cfg)
+            result["fds"] = [len(os.listdir("/proc/self/fd"))]
+            for step in (1, 2, 3):
+                _step(model, opt, step, rank)
+                _save(writer, model, opt, step, result, f"step-{step}")
+                result["fds"].append(len(os.listdir("/proc/self/fd")))
         elif phase == "bad_device":
             _step(model, opt, 1, rank)
             try:

@@ -4,7 +4,6 @@ stats) and the errors that carry the daemon's status code."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time

@@ -233,7 +233,7 @@ def test_a_save_killed_mid_write_leaves_no_complete_checkpoint(crash_and_restart
     assert killed is not None, after_kill  # rank 0's region had committed
     assert not killed["complete"], killed
     # rank 1 died before committing: its region is gone with it.
-    assert killed["regions"] == [f"dcp/step-6/__0_0.distcp"], killed
+    assert killed["regions"] == ["dcp/step-6/__0_0.distcp"], killed
     assert b.result(0)["latest"] == "step-4"
     assert latest_checkpoint(cfg["job_id"], cfg["runtime_dir"], cfg["fallback_dir"]) == "step-6"  # B's
 

@@ -17,7 +17,7 @@ import torch
 
 import memoffload.torch as mot
 from conftest import assert_arena_empty, step_both
-from models import DecoderStack, tokens
+from models import DecoderStack
 
 STEPS = 3
 

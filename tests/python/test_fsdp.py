@@ -11,9 +11,7 @@ the time); each has its own test below.
 from __future__ import annotations
 
 import json
-import os
 import uuid
-from pathlib import Path
 
 import pytest
 import torch

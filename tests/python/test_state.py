@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch

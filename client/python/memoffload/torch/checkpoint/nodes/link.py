@@ -66,6 +66,7 @@ PIECE_BYTES = 32 << 20
 SECURE = "key file"
 STORE = "store"
 _STORE_KEY_ID = "store"
+_SECURE_MARK = "none: rank 0 has a key file"
 # The connection limits of each listener (link.h).
 HANDSHAKE_TIMEOUT_MS = 2000
 MAX_PENDING_HANDSHAKES = 8
@@ -84,17 +85,33 @@ def seal(key: Tuple[str, bytes], name: str, value: Any) -> bytes:
     return json.dumps({"k": key[0], "m": mac, "v": payload}).encode()
 
 
+def refusal(why: str) -> bytes:
+    """What a rank whose node refuses the link (it has no key it may use)
+    says in place of a sealed value, so that the others stop at once."""
+    return json.dumps({"refused": why}).encode()
+
+
 def unseal(keys: List[Tuple[str, bytes]], name: str, blob: bytes, rank: int) -> Any:
     """The value of :func:`seal`, checked; FailedPrecondition when it was not
-    sealed under one of ``keys``."""
+    sealed under one of ``keys``, or when ``rank`` said its node refuses.
+    (A refusal is not sealed: whoever can write the store can stop the
+    job's replication anyway, never join it.)"""
     try:
         outer = json.loads(blob.decode())
+        if isinstance(outer, dict) and isinstance(outer.get("refused"), str):
+            raise errors.FailedPrecondition(
+                f"rank {rank}'s node refuses checkpoint replication: {outer['refused'][:500]}")
         kid, mac, payload = str(outer["k"]), str(outer["m"]), str(outer["v"])
     except (ValueError, KeyError, TypeError, UnicodeDecodeError):
         raise errors.FailedPrecondition(
             f"the job's store holds a value for rank {rank} ({name}) that is not memoffload's: "
             "something else wrote it") from None
     key = next((k for kid_, k in keys if kid_ == kid), None)
+    if key is None and (kid == _STORE_KEY_ID) != (keys[0][0] == _STORE_KEY_ID):
+        raise errors.FailedPrecondition(
+            f"rank {rank}'s node has {'no' if kid == _STORE_KEY_ID else 'a'} replication key file "
+            f"and this rank's node has {'one' if kid == _STORE_KEY_ID else 'none'}: give every "
+            "node's memoffloadd the same replication.key_file (docs/checkpoints.md)")
     want = None if key is None else hmac.new(key, f"{name}\n{payload}".encode(),
                                              hashlib.sha256).hexdigest()
     if want is None or not hmac.compare_digest(want, mac):
@@ -117,6 +134,7 @@ class Link:
         self._pending = 0  # jobs submitted and not done
         self._count_lock = threading.Lock()
         self._store_key: Optional[bytes] = None
+        self._marked_secure = False
         self._jobs: "queue.Queue[Any]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="memoffload-replication",
                                         daemon=True)
@@ -196,7 +214,14 @@ class Link:
         problem = ""
         if store is not None:
             try:
-                return SECURE, [(str(i), bytes(k)) for i, k in store.replication_keys()]
+                keys = [(str(i), bytes(k)) for i, k in store.replication_keys()]
+                if self.rank == 0 and not self._marked_secure:
+                    # Store-mode ranks of other nodes wait for rank 0's key:
+                    # they learn at once that there is none to take.
+                    dist.distributed_c10d._get_default_store().set(f"{PREFIX}/store-key",
+                                                                   _SECURE_MARK)
+                    self._marked_secure = True
+                return SECURE, keys
             except errors.NotFound:
                 pass  # no key file on this node: the store's key
             except errors.FailedPrecondition:
@@ -212,15 +237,20 @@ class Link:
             return self._store_key
         c10d = dist.distributed_c10d._get_default_store()
         name = f"{PREFIX}/store-key"
-        if self.rank == 0:
+        if self.rank == 0:  # (over a mark of secure mode, if its daemon lost its key file)
             c10d.set(name, secrets.token_hex(32))
         c10d.wait([name], self._timeout)
-        self._store_key = bytes.fromhex(c10d.get(name).decode())
+        said = c10d.get(name).decode()
+        if said == _SECURE_MARK:
+            raise errors.FailedPrecondition(
+                "rank 0's node has a replication key file and this rank's node has none: give "
+                "every node's memoffloadd the same replication.key_file (docs/checkpoints.md)")
+        self._store_key = bytes.fromhex(said)
         if self.rank == 0 and not _warned_store_mode:
             _warned_store_mode = True
             logs.log(logging.WARNING,
                      "checkpoint replication between this job's nodes uses a key published in the "
-                     "job's store: no memoffloadd of the job has a replication.key_file" + problem +
+                     "job's store: rank 0's memoffloadd has no replication.key_file" + problem +
                      ". Anyone who can reach the job's store (as torch.distributed's rendezvous) "
                      "can join the link; give every node's daemon the same key file to make it "
                      "secure (docs/checkpoints.md)", errors.StatusCode.FAILED_PRECONDITION)

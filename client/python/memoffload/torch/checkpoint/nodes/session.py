@@ -19,13 +19,14 @@ its rounds of small values through the job's store, and its streams.
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from .... import _C, errors
+from .... import _C, errors, logs
 from . import link as _link
-from .link import IN_STEP, SECURE, Link, seal, unseal
+from .link import IN_STEP, SECURE, Link, refusal, seal, unseal
 from .topology import address
 
 
@@ -49,8 +50,15 @@ class Session:
     @classmethod
     def open(cls, link: Link, call: str, store: Optional[Any], listen: bool,
              save_id: str) -> "Session":
-        mode, keys = link.keys(store)
         number, name = link.next_call(save_id)
+        try:
+            mode, keys = link.keys(store)
+        except errors.FailedPrecondition as exc:
+            # This node refuses (replication.require_key without a key file):
+            # the others learn it now, not at their deadline.
+            dist.distributed_c10d._get_default_store().set(
+                f"{name}/{link.rank}", refusal(str(exc)))
+            raise
         listener = None
         if listen:
             # The connections' hello names the agreement (the same on every
@@ -71,7 +79,11 @@ class Session:
         return session
 
     def close(self) -> None:
-        """Closes the listener: nothing listens once the job is done."""
+        """Closes the listener: nothing listens once the job is done. What
+        it dropped is said (at most every few minutes)."""
+        if self.listener is not None:
+            report_dropped(self.listener.dropped(), self.call, self.listener.address,
+                           self.listener.port)
         self.listener = None
 
     # ---- the agreement -----------------------------------------------------------
@@ -198,3 +210,26 @@ class Session:
         return _C.link_exchange(self.listener, self._exchanges, source, sends, receives,
                                 store, ttl, into)
 
+
+def report_dropped(dropped: Dict[str, int], call: str, host: str, port: int) -> None:
+    """Says what a listener dropped: a WARNING when it refused connections
+    for want of descriptors, else an INFO line for connections that were
+    not the job's peers (a scanner, another uid on a node, a rank of
+    another job); nothing when it dropped nothing."""
+    where = f"the link's listener {host}:{port} ({call})"
+    if dropped.get("fd_shortage", 0):
+        logs.log_limited(
+            "link fd shortage", logging.WARNING,
+            f"{where} refused {dropped['fd_shortage']} connection(s) for want of file "
+            "descriptors (raise the trainer's RLIMIT_NOFILE); the job's peers try again until "
+            "the deadline", errors.StatusCode.RESOURCE_EXHAUSTED)
+    strangers = {k: v for k, v in dropped.items() if k != "fd_shortage" and v}
+    if strangers:
+        what = {"not_a_peer": "from an address that is not a peer's",
+                "busy": f"while {_link.MAX_PENDING_HANDSHAKES} others were in their handshake",
+                "handshake": "without the job's key",
+                "bad_hello": "without the hello expected"}
+        logs.log_limited(
+            "link strangers", logging.INFO,
+            f"{where} dropped {sum(strangers.values())} connection(s): " +
+            ", ".join(f"{n} {what[k]}" for k, n in strangers.items()))
