@@ -111,6 +111,10 @@ bool Crc32cIsHardware() {
 #endif
 }
 
+uint32_t Crc32cCombine(uint32_t crc1, uint32_t crc2, uint64_t length2) {
+  return MultiplyModP(crc1, ShiftFactor(length2)) ^ crc2;
+}
+
 uint32_t Crc32c(const void* data, size_t length, uint32_t crc) {
 #if defined(__x86_64__)
   if (Crc32cIsHardware()) return Crc32cSse42(data, length, crc);

@@ -44,5 +44,21 @@ TEST(Crc32c, HardwareMatchesPortableAndExtends) {
   EXPECT_NE(Crc32c(data.data(), data.size()), whole);
 }
 
+// Checksums of two parts give the whole's without reading it again, at any
+// split (empty parts included).
+TEST(Crc32c, CombineGivesTheChecksumOfBothParts) {
+  std::vector<uint8_t> data(100000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7 + (i >> 9));
+  const uint32_t whole = Crc32c(data.data(), data.size());
+  for (size_t split : {0ul, 1ul, 8ul, 4095ul, 12288ul, 65537ul, data.size()}) {
+    const uint32_t a = Crc32c(data.data(), split);
+    const uint32_t b = Crc32c(data.data() + split, data.size() - split);
+    EXPECT_EQ(Crc32cCombine(a, b, data.size() - split), whole) << split;
+  }
+  EXPECT_EQ(Crc32cCombine(0, Crc32c(data.data(), 10), 10), Crc32c(data.data(), 10));
+  EXPECT_NE(Crc32cCombine(Crc32c(data.data(), 10), Crc32c(data.data() + 10, 10), 9),
+            Crc32c(data.data(), 20));
+}
+
 }  // namespace
 }  // namespace memoffload

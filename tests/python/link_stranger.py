@@ -116,7 +116,11 @@ class Stranger:
             host, port = self.store.rsplit(":", 1)
             c10d = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=5))
             if c10d.check([STORE_KEY]):
-                self.key = bytes.fromhex(c10d.get(STORE_KEY).decode())
+                said = c10d.get(STORE_KEY).decode()
+                try:
+                    self.key = bytes.fromhex(said)
+                except ValueError:  # secure mode says there is none to take
+                    self.key = b""
         return self.key
 
     def psk_handshake(self, src: str, dst: Tuple[str, int]) -> None:

@@ -48,7 +48,8 @@ struct OutStream {
   uint64_t offset = 0;  // within the current item
   bool item_open = false;
   std::unique_ptr<RegionReader> reader;
-  std::string head;  // a frame header (and piece header) being written
+  std::vector<ArenaSpan> spans;  // the piece being written, where it lies in the arena
+  std::string head;              // a frame header (and piece header) being written
   std::vector<uint8_t> buf;
   std::string failure;
   bool done = false;
@@ -66,6 +67,7 @@ struct InStream {
   std::vector<uint8_t> buf;
   // The current item's sink and state.
   std::unique_ptr<RegionWriter> writer;
+  std::vector<ArenaSpan> spans;  // where the piece being read lands in the region
   uint8_t* memory = nullptr;
   std::string blob;
   std::string item_problem;  // why the current item will not be kept ("" while fine)

@@ -222,24 +222,38 @@ void Exchange::ReadPiece(InStream* in, uint64_t length) {
         DecodeLinkPieceHeader(in->piece_header, &offset, &crc);
         Status st = in->check->Piece(offset, length);
         if (!st.ok()) return FailIn(in, st.message());
-        uint8_t* into = nullptr;
+        // Straight into the region being written (its arena pages) or the
+        // caller's memory; into a scratch buffer only what will not be kept.
+        std::vector<asio::mutable_buffer> parts;
+        bool into_region = false;
         if (in->memory != nullptr && in->item_problem.empty()) {
-          into = in->memory + offset;  // straight into the caller's memory
-        } else {
-          in->buf.resize(length);
-          into = in->buf.data();
+          parts.push_back(asio::buffer(in->memory + offset, length));
+        } else if (in->writer != nullptr && in->item_problem.empty()) {
+          Status exposed = in->writer->Expose(length, &in->spans);
+          if (exposed.ok()) {
+            into_region = true;
+            for (const ArenaSpan& s : in->spans) parts.push_back(asio::buffer(s.data, s.length));
+          } else {
+            in->item_problem = exposed.ToString();
+          }
         }
-        asio::async_read(*in->stream, asio::buffer(into, length),
-                         [this, in, into, length, crc](const ErrorCode& e2, size_t) {
+        if (parts.empty()) {
+          in->buf.resize(length);
+          parts.push_back(asio::buffer(in->buf.data(), length));
+        }
+        asio::async_read(*in->stream, parts,
+                         [this, in, offset, length, crc, into_region](const ErrorCode& e2, size_t) {
                            if (e2) return FailIn(in, "the connection ended: " + Why(e2));
                            result_.bytes_received += length;
-                           if (in->item_problem.empty() && Crc32c(into, length) != crc) {
+                           if (!in->item_problem.empty()) return ReadFrame(in);
+                           Result<uint32_t> got =
+                               into_region ? in->writer->Filled(length)
+                                           : Result<uint32_t>(Crc32c(in->memory + offset, length));
+                           if (!got.ok()) {
+                             in->item_problem = got.status().ToString();
+                           } else if (*got != crc) {
                              in->item_problem =
                                  "it arrived damaged (a piece's CRC32C differs from what was sent)";
-                           }
-                           if (in->item_problem.empty() && in->writer != nullptr) {
-                             Result<uint64_t> at = in->writer->Append(into, length);
-                             if (!at.ok()) in->item_problem = at.status().ToString();
                            }
                            ReadFrame(in);
                          });

@@ -121,16 +121,22 @@ void Exchange::NextPiece(OutStream* out) {
     return NextItem(out);
   }
   const uint64_t length = std::min(options_.piece_bytes, r.size_bytes - out->offset);
-  out->buf.resize(length);
-  Status read = out->reader->Read(out->offset, out->buf.data(), length);
+  // Straight from the arena: checked against the region's checksums and
+  // summed for the piece in one pass, encrypted from where it lies.
+  uint32_t crc = 0;
+  Status read = out->reader->View(out->offset, length, &out->spans, &crc);
   if (!read.ok()) return SendFail(out, "reading " + r.name + ": " + read.ToString());
-  out->head = EncodeLinkPieceHeader(out->offset, Crc32c(out->buf.data(), length),
-                                    static_cast<uint32_t>(length));
+  out->head = EncodeLinkPieceHeader(out->offset, crc, static_cast<uint32_t>(length));
+  std::vector<asio::const_buffer> parts = {asio::buffer(out->head)};
   if (options_.test_corrupt_every != 0 && ++pieces_sent_ % options_.test_corrupt_every == 0) {
+    out->buf.clear();  // a copy changed "on the way", never the region itself
+    for (const ArenaSpan& s : out->spans)
+      out->buf.insert(out->buf.end(), s.data, s.data + s.length);
     out->buf[0] ^= 0x5a;
+    parts.push_back(asio::buffer(out->buf.data(), length));
+  } else {
+    for (const ArenaSpan& s : out->spans) parts.push_back(asio::buffer(s.data, s.length));
   }
-  std::array<asio::const_buffer, 2> parts = {asio::buffer(out->head),
-                                             asio::buffer(out->buf.data(), length)};
   asio::async_write(*out->stream, parts, [this, out, length](const ErrorCode& ec, size_t) {
     if (ec) return FailOut(out, "the connection ended: " + Why(ec));
     out->offset += length;

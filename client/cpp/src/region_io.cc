@@ -52,8 +52,7 @@ Result<uint64_t> RegionWriter::Append(uint64_t size_bytes, const DeviceCopy& cop
   return AppendFrom(nullptr, size_bytes, &copy);
 }
 
-Result<uint64_t> RegionWriter::AppendFrom(const uint8_t* src, uint64_t size_bytes,
-                                          const DeviceCopy* copy) {
+Status RegionWriter::CheckRoom(uint64_t size_bytes) const {
   MEMOFFLOAD_RETURN_IF_ERROR(CheckOpen());
   if (size_bytes > reservation_.reserved_bytes - written_) {
     return Status(StatusCode::kOutOfRange,
@@ -61,9 +60,47 @@ Result<uint64_t> RegionWriter::AppendFrom(const uint8_t* src, uint64_t size_byte
                       " passes its size: " + std::to_string(written_) + " of " +
                       std::to_string(reservation_.reserved_bytes) + " bytes written");
   }
+  return Status::Ok();
+}
+
+Result<uint64_t> RegionWriter::AppendFrom(const uint8_t* src, uint64_t size_bytes,
+                                          const DeviceCopy* copy) {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRoom(size_bytes));
   const uint64_t at = written_;
   MEMOFFLOAD_RETURN_IF_ERROR(Copy(src, size_bytes, copy));
   return at;
+}
+
+Status RegionWriter::Expose(uint64_t size_bytes, std::vector<ArenaSpan>* spans) {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRoom(size_bytes));
+  spans->clear();
+  return client_->ForEachPiece(reservation_.extents, written_, size_bytes,
+                               [spans](uint8_t* p, uint64_t, uint64_t n) {
+                                 spans->push_back({p, n});
+                                 return Status::Ok();
+                               });
+}
+
+Result<uint32_t> RegionWriter::Filled(uint64_t size_bytes) {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRoom(size_bytes));
+  const std::vector<Extent>& extents = reservation_.extents;
+  if (crc_.size() != extents.size()) crc_.assign(extents.size(), 0);
+  uint32_t whole = 0;
+  uint64_t start = 0;  // of extent i in the region's byte stream
+  for (size_t i = 0; i < extents.size() && size_bytes != 0; start += extents[i].length, ++i) {
+    const uint64_t end = start + extents[i].length;
+    if (written_ >= end) continue;
+    const uint64_t in_extent = written_ - start;
+    const uint64_t n = std::min(size_bytes, extents[i].length - in_extent);
+    const uint8_t* p = client_->Address(Extent{extents[i].chunk, extents[i].offset + in_extent, n});
+    if (p == nullptr) return NotMapped(extents[i].chunk);
+    const uint32_t c = Crc32c(p, n);
+    if (checksums_) crc_[i] = Crc32cCombine(crc_[i], c, n);
+    whole = Crc32cCombine(whole, c, n);
+    written_ += n;
+    size_bytes -= n;
+  }
+  return whole;
 }
 
 Result<uint64_t> RegionWriter::Place(uint64_t size_bytes, uint64_t align, uint8_t** address) {
@@ -207,6 +244,12 @@ Result<std::string> RegionReader::Read(uint64_t offset, uint64_t length) {
   std::string out(length, '\0');
   MEMOFFLOAD_RETURN_IF_ERROR(read_.Read(offset, out.data(), length));
   return Result<std::string>(std::move(out));
+}
+
+Status RegionReader::View(uint64_t offset, uint64_t length, std::vector<ArenaSpan>* spans,
+                          uint32_t* crc) {
+  MEMOFFLOAD_RETURN_IF_ERROR(CheckRange(offset, length));
+  return read_.View(offset, length, spans, crc);
 }
 
 Status RegionReader::VerifyRest() {

@@ -68,6 +68,13 @@ class RegionWriter {
   // aborted. A writer that placed anything computes its checksums at Commit,
   // from the mapping.
   Result<uint64_t> Place(uint64_t size_bytes, uint64_t align, uint8_t** address);
+  // Zero-copy filling, for a socket to read straight into the region: the
+  // mapped spans of the next `size_bytes` bytes (one per extent they touch),
+  // to be filled by the caller, then Filled(size_bytes): checksums them in
+  // one pass, extends the extents' checksums, counts them written, and
+  // returns their CRC32C as one stream. OUT_OF_RANGE past the region's size.
+  Status Expose(uint64_t size_bytes, std::vector<ArenaSpan>* spans);
+  Result<uint32_t> Filled(uint64_t size_bytes);
   // Makes the region visible to the job (with the extents' checksums),
   // under `rename_to` when that is not empty; returns the bytes written.
   // FAILED_PRECONDITION once committed or aborted.
@@ -88,6 +95,7 @@ class RegionWriter {
   Status CopyIntoExtent(size_t extent, uint64_t in_extent, uint64_t n, const uint8_t* src,
                         uint64_t from, const DeviceCopy* copy);
   Status NotMapped(uint32_t chunk) const;
+  Status CheckRoom(uint64_t size_bytes) const;
 
   std::shared_ptr<Client> client_;
   const std::string name_;
@@ -118,6 +126,10 @@ class RegionReader {
   Status Read(uint64_t offset, void* dst, uint64_t length);
   // The same into a new string (allocated once the range is checked).
   Result<std::string> Read(uint64_t offset, uint64_t length);
+  // The same range where it lies in the arena, without a copy (VerifiedRead's
+  // View): checked as Read checks it, `crc` the range's CRC32C. The spans
+  // stay valid until Close.
+  Status View(uint64_t offset, uint64_t length, std::vector<ArenaSpan>* spans, uint32_t* crc);
   // With verify_as_read: checks what no in-order read checksummed.
   Status VerifyRest();
   // Closes the region (its space may go once deleted); nothing if closed.

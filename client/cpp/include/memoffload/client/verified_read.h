@@ -15,12 +15,19 @@
 #define MEMOFFLOAD_CLIENT_VERIFIED_READ_H_
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "memoffload/client/client.h"
 
 namespace memoffload::client {
+
+// Bytes of the arena mapped in this process.
+struct ArenaSpan {
+  uint8_t* data = nullptr;
+  uint64_t length = 0;
+};
 
 class VerifiedRead {
  public:
@@ -30,6 +37,10 @@ class VerifiedRead {
 
   // Copies [offset, offset + length) of the region into dst.
   Status Read(uint64_t offset, void* dst, uint64_t length);
+  // [offset, offset + length) where it lies in the arena, without a copy:
+  // one span per extent it touches, checked as Read checks them, and in
+  // `crc` the CRC32C of the whole range, from the same single pass.
+  Status View(uint64_t offset, uint64_t length, std::vector<ArenaSpan>* spans, uint32_t* crc);
   // Checks the bytes no in-order read checked.
   Status VerifyRest();
 
@@ -43,6 +54,10 @@ class VerifiedRead {
     uint32_t crc = 0;
   };
   Status Compare(size_t lane) const;
+  // Extends the checksum of the extent holding region bytes [at, at + n)
+  // (within one extent), found at `p`, when they are next in line: with
+  // `crc` when it is already known to be theirs (not read again).
+  Status Extend(uint64_t at, uint64_t n, const uint8_t* p, std::optional<uint32_t> crc);
 
   Client* client_;
   const std::string name_;

@@ -135,6 +135,7 @@ class Link:
         self._count_lock = threading.Lock()
         self._store_key: Optional[bytes] = None
         self._marked_secure = False
+        self._secure_keys: Optional[List[Tuple[str, bytes]]] = None
         self._jobs: "queue.Queue[Any]" = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="memoffload-replication",
                                         daemon=True)
@@ -209,9 +210,11 @@ class Link:
 
     def keys(self, store: Optional[Any]) -> Tuple[str, List[Tuple[str, bytes]]]:
         """(mode, keys): this rank's key(s) for this job, the first to seal
-        and connect with. SECURE when this rank's daemon has a key file;
-        else STORE, with the key rank 0 made for the job."""
-        problem = ""
+        and connect with. SECURE when this rank's daemon has a key file (or
+        had: a rank whose daemon died keeps the keys it was given, so that
+        it still loads from the other nodes); else STORE, with the key rank 0
+        made for the job."""
+        problem = " (this rank has no daemon)"
         if store is not None:
             try:
                 keys = [(str(i), bytes(k)) for i, k in store.replication_keys()]
@@ -221,13 +224,17 @@ class Link:
                     dist.distributed_c10d._get_default_store().set(f"{PREFIX}/store-key",
                                                                    _SECURE_MARK)
                     self._marked_secure = True
+                self._secure_keys = keys
                 return SECURE, keys
             except errors.NotFound:
-                pass  # no key file on this node: the store's key
+                self._secure_keys = None  # no key file on this node (any more): the store's key
+                problem = ""
             except errors.FailedPrecondition:
                 raise
             except errors.Error as exc:
                 problem = f" (its daemon did not say: {exc})"
+        if self._secure_keys is not None:
+            return SECURE, self._secure_keys
         return STORE, [(_STORE_KEY_ID, self._job_store_key(problem))]
 
     def _job_store_key(self, problem: str) -> bytes:
@@ -243,8 +250,9 @@ class Link:
         said = c10d.get(name).decode()
         if said == _SECURE_MARK:
             raise errors.FailedPrecondition(
-                "rank 0's node has a replication key file and this rank's node has none: give "
-                "every node's memoffloadd the same replication.key_file (docs/checkpoints.md)")
+                "rank 0's node has a replication key file and this rank's node has none" + problem +
+                ": give every node's memoffloadd the same replication.key_file "
+                "(docs/checkpoints.md)")
         self._store_key = bytes.fromhex(said)
         if self.rank == 0 and not _warned_store_mode:
             _warned_store_mode = True
