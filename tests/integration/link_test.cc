@@ -335,6 +335,35 @@ TEST_F(LinkTest, AForgedPieceIsRefusedAndNothingIsCommitted) {
   EXPECT_EQ(stores_[1]->Open("forged").status().code(), StatusCode::kNotFound);
 }
 
+// A region whose bytes changed in the sender's arena after its commit (a
+// fault in memory) is not sent as if intact: the sender's one pass over the
+// arena checks the region's own checksums, the receiver is told, and
+// nothing is committed there.
+TEST_F(LinkTest, ARegionDamagedInTheSendersArenaIsNotReplicated) {
+  const uint64_t size = 2 * kPiece + 100;
+  WriteRegion(0, "damaged", size);
+  {
+    auto client = stores_[0]->client();
+    Result<client::Placement> placed = client->OpenRegion("damaged", /*verify=*/false);
+    ASSERT_TRUE(placed.ok()) << placed.status().ToString();
+    const Extent& last = placed->extents.back();
+    uint8_t* p = client->Address(Extent{last.chunk, last.offset, 1});
+    ASSERT_NE(p, nullptr);
+    *p ^= 0x01;  // the first byte of its last extent
+    ASSERT_TRUE(client->CloseRegion("damaged").ok());
+  }
+  auto b = LinkListener::Listen(kB, Options(1));
+  ASSERT_TRUE(b.ok());
+  auto [sent, received] = Replicate("damaged", size, b->get());
+  ASSERT_EQ(sent.send_failures.count(1), 1u) << received.regions.at("damaged");
+  EXPECT_NE(sent.send_failures.at(1).find("checksum mismatch in region damaged"), std::string::npos)
+      << sent.send_failures.at(1);
+  EXPECT_NE(received.regions.at("damaged").find("the sender could not read it"), std::string::npos)
+      << received.regions.at("damaged");
+  EXPECT_TRUE(received.regions_committed.empty());
+  EXPECT_EQ(Intact(1, "damaged", size).code(), StatusCode::kNotFound);
+}
+
 // Connections from the peer's address that send a few bytes and close (the
 // issue's flood aborted every gloo rank with "Too many open files"), 1000
 // before the real peer connects and more while it sends: the receiver drops

@@ -95,7 +95,7 @@ void Exchange::NextItem(OutStream* out) {
           Result<std::unique_ptr<RegionReader>> reader =
               source_ == nullptr ? Result<std::unique_ptr<RegionReader>>(
                                        FailedPrecondition("no store to read regions from"))
-                                 : source_->Open(r.name, /*verify=*/false, /*verify_as_read=*/true);
+                                 : source_->Open(r.name, /*verify=*/true, /*verify_as_read=*/true);
           if (!reader.ok())
             return SendFail(out, "reading " + r.name + ": " + reader.status().ToString());
           if ((*reader)->size_bytes() != r.size_bytes) {
