@@ -21,6 +21,8 @@ int RunCrcBench(int argc, char** argv);
 int RunZeroingBench(int argc, char** argv);
 // The HTTP/2 attacks of issue 29 against a running daemon (edge_bench.cc).
 int RunEdgeBench(int argc, char** argv);
+// Plain TLS and TCP streams between two addresses: the link's baselines.
+int RunStreamBench(int argc, char** argv);
 
 }  // namespace memoffload::bench
 

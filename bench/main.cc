@@ -31,6 +31,8 @@ const Subcommand kSubcommands[] = {
      memoffload::bench::RunZeroingBench},
     {"edge", "HTTP/2 attacks on the gRPC socket: daemon memory, victims' p99 vs no attack",
      memoffload::bench::RunEdgeBench},
+    {"streams", "plain TLS 1.3 (PSK) or TCP streams between two addresses: the link's baselines",
+     memoffload::bench::RunStreamBench},
 
 };
 

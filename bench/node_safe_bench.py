@@ -2,8 +2,9 @@
 """Node-safe checkpoints (issue 33, item 5): what ``replicas=1`` costs and
 buys, each against a baseline measured in the same run. Two simulated nodes
 on this machine (a memoffloadd with its own runtime dir each), 4 ranks (2
-per node) on gloo over lo, replicating from 127.0.0.2 (node 0) and 127.0.0.3
-(node 1) as tests/python/test_node_safe.py does. Each rank saves its own
+per node) on gloo over lo, replicating over the link between nodes from
+127.0.0.2 (node 0) and 127.0.0.3 (node 1) as tests/python/test_node_safe.py
+does. Each rank saves its own
 shard: ``--size`` bytes of float32 in 16 tensors under keys of its own.
 
 1. ``blocking``: how long ``dcp.save`` with ``MemoffloadWriter(replicas=1)``
@@ -12,12 +13,15 @@ shard: ``--size`` bytes of float32 in 16 tensors under keys of its own.
    timed save outside the window. Also the lag: ``Replication.seconds`` and
    the time from the save's return to ``wait_replication()``'s.
 2. ``replication``: bytes each rank replicated over the time of the link's
-   exchange (``Link.exchange``, timed by a wrapper: reading the local
-   daemon, streaming, committing into the peer's) vs a raw
-   ``ProcessGroupGloo`` made as the link's (own PrefixStore over the default
-   store, ``create_device(hostname=<the same address>)``) sending as many
-   bytes in the same ring (send to the buddy, recv from the source, posted
-   together), alternated with the saves.
+   exchange (``Session.exchange``, timed by a wrapper: connecting and the
+   TLS handshakes, reading the local daemon, streaming, committing into the
+   peer's) vs, alternated with the saves, three baselines sending as many
+   bytes in the same ring (each rank to the same local rank of the other
+   node, from its replication address, all streams at once): a plain TLS
+   1.3 stream with the link's own key exchange and cipher, from memory into
+   memory (``memoffload-bench streams --kind tls``, the target's baseline),
+   the same over plain TCP (``--kind tcp``), and a raw ``ProcessGroupGloo``
+   from the same address (the transport replicas used before issue 40).
 3. ``restore``: node 1's daemon is SIGKILLed and started empty before each
    round; 4 ranks ``dcp.load`` a node-safe checkpoint with MemoffloadReader
    (node 1's shards come from node 0) vs FileSystemReader of the same state
@@ -29,6 +33,9 @@ Prints one JSON object (median, min, max; ratios of the medians); progress
 on stderr. Everything it starts stops with it, also on failure.
 
     MEMOFFLOAD_BIN_DIR=build/bin .venv/bin/python bench/node_safe_bench.py [--size 64MiB] [--rounds 5]
+
+The daemons get one replication key file (secure mode), as an operator
+sets them up.
 """
 
 from __future__ import annotations
@@ -101,9 +108,10 @@ def bit_equal(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 
 
 class RawRing:
-    """The baseline: a gloo group made as ``_replication.Link._group()`` is,
-    over another prefix, sending ``nbytes`` to the buddy while receiving as
-    many from the source."""
+    """A baseline: a gloo group made as the link's was before issue 40 (its
+    own PrefixStore over the default store, ``create_device(hostname=<the
+    replication address>)``), sending ``nbytes`` to the buddy while
+    receiving as many from the source."""
 
     def __init__(self, rank: int, buddy: int, source: int, nbytes: int, timeout: float) -> None:
         store = dist.PrefixStore("bench/raw-gloo", dist.distributed_c10d._get_default_store())
@@ -130,8 +138,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-    from memoffload.torch.checkpoint.nodes import link as _replication
     from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
+    from memoffload.torch.checkpoint.nodes.session import Session
 
     rank, node = args.rank, NODE_OF[args.rank]
     torch.set_num_threads(1)
@@ -142,15 +150,17 @@ def rank_main(args: argparse.Namespace) -> None:
                             timeout=timedelta(seconds=args.timeout))
     say = log if rank == 0 else (lambda msg: None)
 
-    exchanges: List[float] = []  # Link.exchange's times in this process
-    plain_exchange = _replication.Link.exchange
+    exchanges: List[float] = []  # Session.exchange's times in this process
+    plain_exchange = Session.exchange
 
-    def timed_exchange(self: Any, sends: Any, recvs: Any) -> None:
+    def timed_exchange(self: Any, *a: Any, **k: Any) -> Any:
         t = time.perf_counter()
-        plain_exchange(self, sends, recvs)
-        exchanges.append(time.perf_counter() - t)
+        try:
+            return plain_exchange(self, *a, **k)
+        finally:
+            exchanges.append(time.perf_counter() - t)
 
-    _replication.Link.exchange = timed_exchange  # type: ignore[method-assign]
+    Session.exchange = timed_exchange  # type: ignore[method-assign]
 
     state = make_state(rank, parse_size(args.size))
     writers = {m: MemoffloadWriter(job_id=JOB, runtime_dir=rt, fallback_dir=fallback, keep_last=2,
@@ -185,6 +195,10 @@ def rank_main(args: argparse.Namespace) -> None:
         t = raw.once()
         if i > 0:
             raw_s.append(t)
+        if rank == 0:
+            store.set(f"bench/bytes/{i}", str(nbytes))
+        store.set(f"bench/streams/{i}/{rank}", "1")  # the main process runs the stream baselines
+        store.wait([f"bench/streams-done/{i}"], timedelta(seconds=args.timeout))
 
     say("node-safe save to restore from, and the same state with FileSystemWriter")
     dcp.save(state, storage_writer=writers["replicas_1"], checkpoint_id="restore")
@@ -228,11 +242,28 @@ def rank_main(args: argparse.Namespace) -> None:
 # ---- the main process: daemons, ranks, figures ---------------------------------
 
 
+def bin_dir() -> Path:
+    return Path(os.environ.get("MEMOFFLOAD_BIN_DIR",
+                               Path(__file__).resolve().parents[1] / "build" / "bin"))
+
+
+def streams(kind: str, nbytes: int, timeout: float) -> float:
+    """One round of ``memoffload-bench streams``: the slowest rank's seconds."""
+    out = subprocess.run(
+        [str(bin_dir() / "memoffload-bench"), "streams", "--kind", kind,
+         "--addresses", "127.0.0.2,127.0.0.3", "--per-address", str(WORLD // 2),
+         "--bytes", str(nbytes), "--rounds", "1"],
+        capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise SystemExit(f"memoffload-bench streams --kind {kind}: {out.stderr.strip()}")
+    return json.loads(out.stdout)["seconds"][0]
+
+
 class Daemon:
     """A memoffloadd in ``runtime_dir`` (the command line of tests/python/conftest.py)."""
 
-    def __init__(self, runtime_dir: Path, arena: str) -> None:
-        self.runtime_dir, self.arena = runtime_dir, arena
+    def __init__(self, runtime_dir: Path, arena: str, key_file: Path) -> None:
+        self.runtime_dir, self.arena, self.key_file = runtime_dir, arena, key_file
         self.proc: Optional[subprocess.Popen] = None
         self.log = runtime_dir.parent / f"memoffloadd-{runtime_dir.name}.log"
 
@@ -240,13 +271,12 @@ class Daemon:
         import memoffload
         import memoffload.torch as mot
 
-        bin_dir = os.environ.get("MEMOFFLOAD_BIN_DIR", Path(__file__).resolve().parents[1] / "build" / "bin")
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [str(Path(bin_dir, "memoffloadd")), f"--runtime-dir={self.runtime_dir}",
+                [str(Path(bin_dir(), "memoffloadd")), f"--runtime-dir={self.runtime_dir}",
                  f"--arena-size={self.arena}", "--chunk-size=16MiB", "--metrics-address=none",
                  "--prefault-threads=1", "--log-level=warn", f"--regions-max-bytes={self.arena}",
-                 "--regions-uid-max-bytes=0"],
+                 "--regions-uid-max-bytes=0", f"--replication-key-file={self.key_file}"],
                 stdout=out, stderr=subprocess.STDOUT, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -297,7 +327,7 @@ def fs_type(path: Path) -> str:
 
 
 def figures(results: List[Dict[str, Any]], args: argparse.Namespace, resident: List[Any],
-            base: Path) -> Dict[str, Any]:
+            base: Path, stream_s: Dict[str, List[float]]) -> Dict[str, Any]:
     rounds = range(args.rounds)
 
     def slowest(mode: str, key: str) -> List[float]:
@@ -312,13 +342,15 @@ def figures(results: List[Dict[str, Any]], args: argparse.Namespace, resident: L
     raw = [max(r["raw_s"][i] for r in results) for i in rounds]
     repl_bps = [b / s for b, s in zip(sent, exchange)]
     raw_bps = [nbytes / s for s in raw]
+    tls_bps = [nbytes / s for s in stream_s["tls"]]
+    tcp_bps = [nbytes / s for s in stream_s["tcp"]]
     mo = [max(r["loads"]["memoffload"][i] for r in results) for i in rounds]
     fs = [max(r["loads"]["filesystem"][i] for r in results) for i in rounds]
     return {
         "bench": "node_safe", "world": WORLD, "nodes": 2, "rounds": args.rounds,
         "size_bytes_per_rank": parse_size(args.size), "tensors_per_rank": TENSORS,
         "machine": (f"{platform.node()}: {os.cpu_count()} CPUs shared by {WORLD} ranks and 2 "
-                    f"daemons, torch {torch.__version__}; both 'nodes' on this machine, gloo over lo"),
+                    f"daemons, torch {torch.__version__}; both 'nodes' on this machine, over lo"),
         "blocking": {
             "what": "dcp.save's time, slowest rank per round, seconds", **blocked,
             "ratio": blocked["replicas_1"]["median"] / blocked["replicas_0"]["median"], "target": 1.10,
@@ -331,11 +363,19 @@ def figures(results: List[Dict[str, Any]], args: argparse.Namespace, resident: L
             "bytes_per_rank": statistics.median(sent), "lag_s": spread(lag),
             "after_save_s": spread(slowest("replicas_1", "after_save_s")),
             "exchange_s": spread(exchange), "throughput_Bps": spread(repl_bps),
+            "plain_tls": {"bytes_per_stream": nbytes, "seconds": spread(stream_s["tls"]),
+                          "throughput_Bps": spread(tls_bps)},
+            "plain_tcp": {"bytes_per_stream": nbytes, "seconds": spread(stream_s["tcp"]),
+                          "throughput_Bps": spread(tcp_bps)},
             "raw_gloo": {"bytes_per_rank": nbytes, "seconds": spread(raw), "throughput_Bps": spread(raw_bps)},
-            "ratio": statistics.median(repl_bps) / statistics.median(raw_bps),
+            "ratio": statistics.median(repl_bps) / statistics.median(tls_bps), "target": 0.8,
+            "ratio_vs_tcp": statistics.median(repl_bps) / statistics.median(tcp_bps),
+            "ratio_vs_gloo": statistics.median(repl_bps) / statistics.median(raw_bps),
             "addresses": sorted({r["replication_address"] for r in results}),
             "what": "bytes each rank replicated over the link's exchange time (slowest rank), vs "
-                    "one send + recv of as many bytes on a raw ProcessGroupGloo from the same address",
+                    "plain TLS 1.3 streams of as many bytes with the link's cipher and key "
+                    "exchange (ratio), plain TCP, and one send + recv on a raw ProcessGroupGloo, "
+                    "each in the same ring from the same addresses",
         },
         "restore": {
             "what": "dcp.load on 4 ranks, slowest rank per round, seconds; node 1's daemon "
@@ -361,9 +401,12 @@ def main_bench(args: argparse.Namespace) -> None:
     daemons: List[Daemon] = []
     procs: List[subprocess.Popen] = []
     try:
+        key_file = base / "replication-key"  # one cluster secret, as an operator provisions it
+        key_file.write_text(f"bench {os.urandom(32).hex()}\n")
+        key_file.chmod(0o400)
         for node in (0, 1):
             (base / f"node{node}").mkdir(mode=0o700)
-            daemons.append(Daemon(base / f"node{node}", arena).start())
+            daemons.append(Daemon(base / f"node{node}", arena, key_file).start())
         log(f"2 daemons of {arena} in {base}")
         store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=args.timeout),
                               wait_for_workers=False)
@@ -387,6 +430,15 @@ def main_bench(args: argparse.Namespace) -> None:
                     raise SystemExit(f"timed out after {args.timeout} s: {what}")
                 time.sleep(0.05)
 
+        stream_s: Dict[str, List[float]] = {"tls": [], "tcp": []}
+        for i in range(args.rounds + 1):
+            wait_keys([f"bench/streams/{i}/{r}" for r in range(WORLD)], f"ranks ready for streams {i}")
+            nbytes = int(store.get(f"bench/bytes/{i}"))
+            for kind in (("tls", "tcp") if i % 2 == 0 else ("tcp", "tls")):
+                t = streams(kind, nbytes, args.timeout)
+                if i > 0:
+                    stream_s[kind].append(t)
+            store.set(f"bench/streams-done/{i}", "1")
         resident = []
         for i in range(args.rounds):
             wait_keys([f"bench/ready/{i}/{r}" for r in range(WORLD)], f"ranks ready for restore round {i}")
@@ -399,7 +451,7 @@ def main_bench(args: argparse.Namespace) -> None:
         for r, p in enumerate(procs):
             if p.wait(timeout=args.timeout) != 0:
                 raise SystemExit(f"rank {r} exited {p.returncode}")
-        print(json.dumps(figures(results, args, resident, base)), flush=True)
+        print(json.dumps(figures(results, args, resident, base, stream_s)), flush=True)
     finally:
         for p in procs:
             if p.poll() is None:
