@@ -12,7 +12,9 @@ import os
 import random
 import signal
 import socket
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Iterator, List, Optional
@@ -67,6 +69,21 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError("no free TCP port in 20000-32000")
+
+
+def as_uid(uid: int, *argv: str) -> List[str]:
+    """``argv`` run as ``uid`` (its own group, no supplementary ones): a
+    second user of the node, for the tests that try what one can do."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", *argv]
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[str]:
+    """A dir every user can write, like /tmp (root's, sticky)."""
+    path = tempfile.mkdtemp(prefix="memoffload-shared-", dir="/tmp")
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class Daemon:

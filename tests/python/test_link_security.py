@@ -22,11 +22,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, List
 
 import pytest
 
-from conftest import Daemon
+from conftest import Daemon, as_uid
 from nodes_cluster import WORLD, Cluster
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another uid")
@@ -36,16 +36,7 @@ STRANGER = Path(__file__).resolve().parent / "link_stranger.py"
 
 
 def as_attacker(*argv: str) -> List[str]:
-    return ["setpriv", f"--reuid={ATTACKER}", f"--regid={ATTACKER}", "--clear-groups", *argv]
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    """A dir every user can write, like /tmp."""
-    path = tempfile.mkdtemp(prefix="memoffload-shared-", dir="/tmp")
-    os.chmod(path, 0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    return as_uid(ATTACKER, *argv)
 
 
 def attack_while(cluster: Cluster, shared_dir: str) -> Dict[str, Any]:

@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 import subprocess
-import tempfile
 import time
 from typing import Iterator, List
 
@@ -20,7 +19,7 @@ import torch
 
 import memoffload
 import memoffload.torch as mot
-from conftest import bin_dir
+from conftest import as_uid, bin_dir
 from models import DecoderStack, tokens
 
 ATTACKER = 61003
@@ -29,16 +28,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as 
 
 
 def as_attacker(*argv: str) -> List[str]:
-    return ["setpriv", f"--reuid={ATTACKER}", f"--regid={ATTACKER}", "--clear-groups", *argv]
-
-
-@pytest.fixture
-def shared_dir() -> Iterator[str]:
-    """A dir every user can write, like /tmp (root's, sticky)."""
-    path = tempfile.mkdtemp(prefix="memoffload-shared-", dir="/tmp")
-    os.chmod(path, 0o1777)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+    return as_uid(ATTACKER, *argv)
 
 
 @pytest.fixture
