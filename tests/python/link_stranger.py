@@ -150,6 +150,8 @@ class Stranger:
 
     def attack(self, dst: Tuple[str, int]) -> None:
         src = next(a for a in self.addresses if a != dst[0]) if len(self.addresses) > 1 else dst[0]
+        for _ in range(20):  # first, a peer's first bytes, racing the real peers
+            self.once(src, dst, bytes(8))
         if self.store:
             self.psk_handshake(src, dst)
         held = []
@@ -170,7 +172,8 @@ class Stranger:
             self.once(src, dst, bytes(8))
 
     def attack_or_say(self, dst: Tuple[str, int]) -> None:
-        time.sleep(0.02)  # a listener of its own, just made, is known by now
+        if self.store:  # a listener of its own, just made, is known after this
+            time.sleep(0.02)
         with self.lock:
             if dst in self.own:
                 return
@@ -190,7 +193,7 @@ class Stranger:
                 t = threading.Thread(target=self.attack_or_say, args=(dst,), daemon=True)
                 t.start()
                 threads.append(t)
-            time.sleep(0.005)
+            time.sleep(0.001)
         for t in threads:
             t.join(timeout=30)
 

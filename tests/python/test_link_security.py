@@ -67,8 +67,11 @@ def every_save(cluster: Cluster) -> List[Dict[str, Any]]:
     for r in results:
         for ckpt in ("step-1", "step-2", "step-3"):
             assert r[ckpt]["node_safe"] is True, (r["rank"], ckpt, r[ckpt]["why"])
-        # No descriptor stays behind: at most what the writer keeps open.
-        assert max(r["fds"]) - r["fds"][0] <= 16, r["fds"]
+        # No descriptor stays behind: at most what the writer keeps open
+        # from its first save (8 here), nothing more from the next ones. (The
+        # gloo link before issue 40 kept the stranger's connections: 12 ->
+        # 58 -> 61 -> 64 on a rank, against 12 -> 27 -> 27 -> 27 unattacked.)
+        assert max(r["fds"]) - r["fds"][0] <= 16 and r["fds"][-1] - r["fds"][1] <= 2, r["fds"]
     return results
 
 
