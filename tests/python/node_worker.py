@@ -174,9 +174,9 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
 
         SaveJob._commit_node_records = slow
     if cfg.get("piece_bytes"):  # many pieces per region: every round of the streams
-        from memoffload.torch.checkpoint.nodes import link as _link
+        from memoffload.torch.checkpoint.nodes import session as _session
 
-        _link.PIECE_BYTES = cfg["piece_bytes"]
+        _session.PIECE_BYTES = cfg["piece_bytes"]
     result: Dict[str, Any] = {"rank": rank}
     out = Path(cfg["out"], f"{phase}-rank{rank}.json")
     model, opt = _model_and_opt()
@@ -273,14 +273,14 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
         elif phase == "in_transit":
             import torch.distributed.checkpoint as dcp
 
-            from memoffload.torch.checkpoint.nodes import link as _link
+            from memoffload.torch.checkpoint.nodes import session as _session
 
             writer = _writer(cfg)
             _step(model, opt, 1, rank)
             if rank == 2:  # every piece rank 2 sends "changes on the way"
-                _link.TEST_CORRUPT_EVERY = 1
+                _session.TEST_CORRUPT_EVERY = 1
             _save(writer, model, opt, 1, result, "step-1")
-            _link.TEST_CORRUPT_EVERY = 0
+            _session.TEST_CORRUPT_EVERY = 0
             _step(model, opt, 2, rank)
             staged = writer.stage(_state(model, opt, 2))
             dcp.save(staged, storage_writer=writer, checkpoint_id="step-2")
@@ -288,7 +288,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             if rank == 0:  # its own copy damaged, and every other copy arrives damaged
                 next(t for t in _flat_views(staged) if t.numel() > 64).view(-1).view(torch.uint8)[7] ^= 0x40
             if rank in (2, 3):  # what node 1 sends to rank 0 changes on the way
-                _link.TEST_CORRUPT_EVERY = 1
+                _session.TEST_CORRUPT_EVERY = 1
             dist.barrier()
             try:
                 _load(cfg, model, opt, "step-2", result)

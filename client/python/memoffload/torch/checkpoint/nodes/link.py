@@ -32,9 +32,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import hashlib
-import hmac
-import json
 import logging
 import queue
 import secrets
@@ -45,6 +42,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from .... import _C, errors, logs
+from .session import _STORE_KEY_ID, SECURE, STORE, Session
 from .topology import (  # noqa: F401 - re-exported for the writer, reader and tests
     ADDRESS_ENV,
     IFNAME_ENV,
@@ -57,69 +55,11 @@ from .topology import (  # noqa: F401 - re-exported for the writer, reader and t
     topology,
 )
 
-IN_STEP = ("call latest_checkpoint, the saves and the loads of a job on several nodes on every "
-           "rank, in the same order")
 # At most this long, at exit, for the last save's replication.
 EXIT_WAIT_S = 120.0
-# Bytes of one piece of a region on the wire.
-PIECE_BYTES = 32 << 20
-SECURE = "key file"
-STORE = "store"
-_STORE_KEY_ID = "store"
 _SECURE_MARK = "none: rank 0 has a key file"
-# The connection limits of each listener (link.h).
-HANDSHAKE_TIMEOUT_MS = 2000
-MAX_PENDING_HANDSHAKES = 8
-# Tests only: every N-th piece sent is changed after its checksum was taken,
-# as a fault on the way would change it (0: never).
-TEST_CORRUPT_EVERY = 0
 
 _warned_store_mode = False
-
-
-def seal(key: Tuple[str, bytes], name: str, value: Any) -> bytes:
-    """``value`` as JSON with an HMAC-SHA256 under ``key`` over the store key
-    ``name`` and the JSON: what one rank tells the others through the store."""
-    payload = json.dumps(value, separators=(",", ":"), sort_keys=True)
-    mac = hmac.new(key[1], f"{name}\n{payload}".encode(), hashlib.sha256).hexdigest()
-    return json.dumps({"k": key[0], "m": mac, "v": payload}).encode()
-
-
-def refusal(why: str) -> bytes:
-    """What a rank whose node refuses the link (it has no key it may use)
-    says in place of a sealed value, so that the others stop at once."""
-    return json.dumps({"refused": why}).encode()
-
-
-def unseal(keys: List[Tuple[str, bytes]], name: str, blob: bytes, rank: int) -> Any:
-    """The value of :func:`seal`, checked; FailedPrecondition when it was not
-    sealed under one of ``keys``, or when ``rank`` said its node refuses.
-    (A refusal is not sealed: whoever can write the store can stop the
-    job's replication anyway, never join it.)"""
-    try:
-        outer = json.loads(blob.decode())
-        if isinstance(outer, dict) and isinstance(outer.get("refused"), str):
-            raise errors.FailedPrecondition(
-                f"rank {rank}'s node refuses checkpoint replication: {outer['refused'][:500]}")
-        kid, mac, payload = str(outer["k"]), str(outer["m"]), str(outer["v"])
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise errors.FailedPrecondition(
-            f"the job's store holds a value for rank {rank} ({name}) that is not memoffload's: "
-            "something else wrote it") from None
-    key = next((k for kid_, k in keys if kid_ == kid), None)
-    if key is None and (kid == _STORE_KEY_ID) != (keys[0][0] == _STORE_KEY_ID):
-        raise errors.FailedPrecondition(
-            f"rank {rank}'s node has {'no' if kid == _STORE_KEY_ID else 'a'} replication key file "
-            f"and this rank's node has {'one' if kid == _STORE_KEY_ID else 'none'}: give every "
-            "node's memoffloadd the same replication.key_file (docs/checkpoints.md)")
-    want = None if key is None else hmac.new(key, f"{name}\n{payload}".encode(),
-                                             hashlib.sha256).hexdigest()
-    if want is None or not hmac.compare_digest(want, mac):
-        raise errors.FailedPrecondition(
-            f"the job's store holds a value for rank {rank} ({name}) not sealed with this job's "
-            f"replication key ({'key ' + kid + ' is not known here' if key is None else 'a bad MAC'}"
-            "): another job or another uid wrote it, or the nodes' key files differ")
-    return json.loads(payload)
 
 
 class Link:
@@ -176,8 +116,6 @@ class Link:
         key), or None. ``listen``: the job streams bytes, so it listens for
         its peers while it runs. ``save_id``: a save's checkpoint id, on which
         the ranks agree again where they are."""
-        from .session import Session
-
         def job() -> Any:
             session = Session.open(self, call, store, listen, save_id)
             try:

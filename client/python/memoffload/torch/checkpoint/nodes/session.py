@@ -19,21 +19,80 @@ its rounds of small values through the job's store, and its streams.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import json
 import logging
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
 from .... import _C, errors, logs
-from . import link as _link
-from .link import IN_STEP, SECURE, Link, refusal, seal, unseal
 from .topology import address
+
+IN_STEP = ("call latest_checkpoint, the saves and the loads of a job on several nodes on every "
+           "rank, in the same order")
+SECURE = "key file"
+STORE = "store"
+_STORE_KEY_ID = "store"
+# Bytes of one piece of a region on the wire.
+PIECE_BYTES = 32 << 20
+# The connection limits of each listener (link.h).
+HANDSHAKE_TIMEOUT_MS = 2000
+MAX_PENDING_HANDSHAKES = 8
+# Tests only: every N-th piece sent is changed after its checksum was taken,
+# as a fault on the way would change it (0: never).
+TEST_CORRUPT_EVERY = 0
+
+
+def seal(key: Tuple[str, bytes], name: str, value: Any) -> bytes:
+    """``value`` as JSON with an HMAC-SHA256 under ``key`` over the store key
+    ``name`` and the JSON: what one rank tells the others through the store."""
+    payload = json.dumps(value, separators=(",", ":"), sort_keys=True)
+    mac = hmac.new(key[1], f"{name}\n{payload}".encode(), hashlib.sha256).hexdigest()
+    return json.dumps({"k": key[0], "m": mac, "v": payload}).encode()
+
+
+def refusal(why: str) -> bytes:
+    """What a rank whose node refuses the link (it has no key it may use)
+    says in place of a sealed value, so that the others stop at once."""
+    return json.dumps({"refused": why}).encode()
+
+
+def unseal(keys: List[Tuple[str, bytes]], name: str, blob: bytes, rank: int) -> Any:
+    """The value of :func:`seal`, checked; FailedPrecondition when it was not
+    sealed under one of ``keys``, or when ``rank`` said its node refuses.
+    (A refusal is not sealed: whoever can write the store can stop the
+    job's replication anyway, never join it.)"""
+    try:
+        outer = json.loads(blob.decode())
+        if isinstance(outer, dict) and isinstance(outer.get("refused"), str):
+            raise errors.FailedPrecondition(
+                f"rank {rank}'s node refuses checkpoint replication: {outer['refused'][:500]}")
+        kid, mac, payload = str(outer["k"]), str(outer["m"]), str(outer["v"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise errors.FailedPrecondition(
+            f"the job's store holds a value for rank {rank} ({name}) that is not memoffload's: "
+            "something else wrote it") from None
+    key = next((k for kid_, k in keys if kid_ == kid), None)
+    if key is None and (kid == _STORE_KEY_ID) != (keys[0][0] == _STORE_KEY_ID):
+        raise errors.FailedPrecondition(
+            f"rank {rank}'s node has {'no' if kid == _STORE_KEY_ID else 'a'} replication key file "
+            f"and this rank's node has {'one' if kid == _STORE_KEY_ID else 'none'}: give every "
+            "node's memoffloadd the same replication.key_file (docs/checkpoints.md)")
+    want = None if key is None else hmac.new(key, f"{name}\n{payload}".encode(),
+                                             hashlib.sha256).hexdigest()
+    if want is None or not hmac.compare_digest(want, mac):
+        raise errors.FailedPrecondition(
+            f"the job's store holds a value for rank {rank} ({name}) not sealed with this job's "
+            f"replication key ({'key ' + kid + ' is not known here' if key is None else 'a bad MAC'}"
+            "): another job or another uid wrote it, or the nodes' key files differ")
+    return json.loads(payload)
 
 
 class Session:
     """One collective job (see the module docstring)."""
 
-    def __init__(self, link: Link, call: str, name: str, mode: str,
+    def __init__(self, link: Any, call: str, name: str, mode: str,
                  keys: List[Tuple[str, bytes]], listener: Optional[Any]) -> None:
         self.link, self.call, self.name, self.mode = link, call, name, mode
         self.keys = keys
@@ -48,7 +107,7 @@ class Session:
         self._mine: List[str] = []  # store keys this rank set, deleted once read by all
 
     @classmethod
-    def open(cls, link: Link, call: str, store: Optional[Any], listen: bool,
+    def open(cls, link: Any, call: str, store: Optional[Any], listen: bool,
              save_id: str) -> "Session":
         number, name = link.next_call(save_id)
         try:
@@ -66,10 +125,10 @@ class Session:
             call_id = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little")
             listener = _C.LinkListener(
                 address=link.topo.addresses[link.rank] or address(), rank=link.rank,
-                call=call_id, keys=keys, handshake_timeout_ms=_link.HANDSHAKE_TIMEOUT_MS,
-                max_pending_handshakes=_link.MAX_PENDING_HANDSHAKES,
+                call=call_id, keys=keys, handshake_timeout_ms=HANDSHAKE_TIMEOUT_MS,
+                max_pending_handshakes=MAX_PENDING_HANDSHAKES,
                 io_timeout_ms=int(link._timeout.total_seconds() * 1000),
-                piece_bytes=_link.PIECE_BYTES, test_corrupt_every=_link.TEST_CORRUPT_EVERY)
+                piece_bytes=PIECE_BYTES, test_corrupt_every=TEST_CORRUPT_EVERY)
         session = cls(link, call, name, mode, keys, listener)
         try:
             session._agree(number)
@@ -226,7 +285,7 @@ def report_dropped(dropped: Dict[str, int], call: str, host: str, port: int) -> 
     strangers = {k: v for k, v in dropped.items() if k != "fd_shortage" and v}
     if strangers:
         what = {"not_a_peer": "from an address that is not a peer's",
-                "busy": f"while {_link.MAX_PENDING_HANDSHAKES} others were in their handshake",
+                "busy": f"while {MAX_PENDING_HANDSHAKES} others were in their handshake",
                 "handshake": "without the job's key",
                 "bad_hello": "without the hello expected"}
         logs.log_limited(
