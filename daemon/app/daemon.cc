@@ -340,17 +340,22 @@ class Daemon {
     const auto source = config_.sources.find("replication.key_file");
     const bool defaulted = source == config_.sources.end() || source->second == "default";
     bool credential = false;
+    std::string missing;  // systemd gave credentials, but not this one
     if (path.empty() && defaulted) {
       if (const char* creds = std::getenv("CREDENTIALS_DIRECTORY"); creds != nullptr && *creds) {
         const std::string candidate = std::string(creds) + "/replication-key";
         credential = access(candidate.c_str(), F_OK) == 0;
-        if (credential) path = candidate;
+        if (credential) {
+          path = candidate;
+        } else {
+          missing = "; " + candidate + " does not exist";
+        }
       }
     }
     link_keys_.SetRequired(config_.replication_require_key);
     MEMOFFLOAD_RETURN_IF_ERROR(link_keys_.Load(path, credential));
     if (path.empty()) {
-      MO_LOG_INFO("replication keys: none (replication.key_file)%s",
+      MO_LOG_INFO("replication keys: none (replication.key_file)%s%s", missing.c_str(),
                   config_.replication_require_key
                       ? "; required: no checkpoint is replicated from or to this node"
                       : "; jobs on several nodes make a key of their own in their store");

@@ -86,6 +86,11 @@ def _configure(box: Machine) -> None:
            "> /etc/systemd/system/memoffloadd.service.d/watchdog.conf && systemctl daemon-reload")
     # The replication key as docs/deploy.md gives it: a root file, 0400, and
     # a drop-in with LoadCredential= (the daemon finds it without a setting).
+    # systemd 252 fills a unit's credentials in a mount namespace of its own
+    # and moves the mount out; on a host / is shared (systemd makes it so at
+    # boot), in a container systemd leaves propagation to the container
+    # manager and podman's is private: the unit would see an empty directory.
+    box.sh("mount --make-rshared /")
     box.sh("echo \"k1 $(od -An -tx1 -N32 /dev/urandom | tr -d ' \\n')\" > /tmp/replication-key && "
            "install -D -m 0400 -o root -g root /tmp/replication-key "
            "/etc/memoffload/replication-key && printf "

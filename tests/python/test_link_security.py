@@ -168,3 +168,29 @@ def test_nodes_that_disagree_on_the_key_fail_each_save_at_once_and_say_why(tmp_p
         for ckpt in ("step-1", "step-2", "step-3"):
             assert r[ckpt]["node_safe"] is False and want in r[ckpt]["why"], (r["rank"], r[ckpt])
     assert took < 30, f"{took:.1f} s: a rank waited for its deadline"
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["credential", "no credential"])
+def test_the_key_comes_from_systemds_credentials_and_a_missing_one_is_named(
+        tmp_path, monkeypatch, given):
+    """Under systemd with LoadCredential=replication-key:..., the daemon finds
+    the key in $CREDENTIALS_DIRECTORY without a setting; where systemd gave
+    credentials but not this one (a drop-in's name mistyped, a container
+    whose mounts do not propagate) the start-up line says which file is
+    missing instead of a bare "none"."""
+    creds = tmp_path / "credentials"
+    creds.mkdir(mode=0o700)
+    if given:
+        (creds / "replication-key").write_text("k7 " + "cd" * 32 + "\n")
+        os.chmod(creds / "replication-key", 0o400)
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(creds))
+    run = tmp_path / "run"
+    run.mkdir()
+    daemon = Daemon(run, "16MiB", "16MiB", ["--log-level=info"]).start()
+    daemon.stop()
+    lines = [line for line in daemon.log.read_text().splitlines() if "replication keys" in line]
+    assert len(lines) == 1, daemon.log.read_text()
+    if given:
+        assert lines[0].endswith(f"replication keys: k7 from {creds}/replication-key"), lines
+    else:
+        assert f"none (replication.key_file); {creds}/replication-key does not exist" in lines[0]
