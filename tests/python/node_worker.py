@@ -28,6 +28,9 @@ Phases (``cfg["phase"]``):
 - ``in_transit``: ``step-1`` with rank 2's pieces "changed on the way" (its
   CRC-32s off), then a good ``step-2`` whose load on rank 0 finds its own
   copy damaged and every other copy arriving damaged.
+- ``only_copy_damaged``: ``step-1`` without replicas, the shard that
+  holds a plain tensor every rank reads damaged in its node's daemon,
+  then loaded on every rank.
 - ``write_refused``: rank 2's daemon refuses its shard of ``step-1``
   once; ``step-2`` is saved after it.
 - ``latest_on_rank_0``: after a save, rank 0 alone calls
@@ -292,6 +295,33 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
             dist.barrier()
             try:
                 _load(cfg, model, opt, "step-2", result)
+            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException
+                result["load_error"] = f"{type(exc).__name__}: {exc}"
+        elif phase == "only_copy_damaged":
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.metadata import MetadataIndex
+
+            from memoffload.torch.checkpoint import MemoffloadReader
+
+            writer = _writer(cfg)  # replicas=0: a region's only copy is in its rank's node
+            _step(model, opt, 1, rank)
+            # A plain tensor every rank holds: DCP writes it from one rank,
+            # and every rank reads it back from that rank's region.
+            staged = writer.stage({**_state(model, opt, 1), "shared": torch.arange(4096.0)})
+            dcp.save(staged, storage_writer=writer, checkpoint_id="step-1")
+            writer.wait_replication()
+            reader = MemoffloadReader(job_id=cfg["job_id"], runtime_dir=cfg["runtime_dir"])
+            reader.reset("step-1")
+            index = MetadataIndex("shared", torch.Size([0]))
+            holder = result["holder"] = reader.read_metadata().storage_data[index].region
+            if holder == f"dcp/step-1/__{rank}_0.distcp":
+                staged["shared"].view(torch.uint8)[7] ^= 0x40
+            dist.barrier()
+            try:
+                dcp.load({**_state(model, opt, -1), "shared": torch.zeros(4096)},
+                         storage_reader=MemoffloadReader(job_id=cfg["job_id"],
+                                                         runtime_dir=cfg["runtime_dir"]),
+                         checkpoint_id="step-1")
             except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException
                 result["load_error"] = f"{type(exc).__name__}: {exc}"
         elif phase == "write_refused":

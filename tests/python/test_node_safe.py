@@ -18,6 +18,8 @@ Everything is real: the daemons, their sockets, gloo between the ranks.
 
 from __future__ import annotations
 
+import re
+
 import signal
 import time
 from pathlib import Path
@@ -300,6 +302,21 @@ def test_bytes_changed_between_nodes_are_caught_end_to_end(cluster):
     assert "DataLoss" in r0["load_error"] or "DATA_LOSS" in r0["load_error"], r0["load_error"]
     assert "damaged:" in r0["load_error"] and "from rank 2" in r0["load_error"], r0["load_error"]
     assert sum("could not be used" in line for line in r0["log"]) == 2, r0["log"]
+
+
+def test_a_region_whose_only_copy_is_damaged_is_data_loss_on_every_rank(cluster):
+    """Issue 41: one error per cause on every rank. Every rank needs the
+    shard that holds a plain tensor of the state, whose only copy is
+    damaged: the
+    ranks of the other node used to fail with NOT_FOUND ("no node holds an
+    intact copy") while those of the holder's node said DATA_LOSS."""
+    cluster.start("only_copy_damaged", replicas=0)
+    cluster.wait()
+    for rank in range(WORLD):
+        error = cluster.result(rank)["load_error"]
+        failures = re.findall(r"^memoffload\.errors\.(\w+): ", error, re.M)
+        assert len(failures) == WORLD and set(failures) == {"DataLoss"}, (rank, error)
+        assert cluster.result(rank)["holder"] in error, error
 
 
 def test_a_save_one_rank_could_not_write_fails_and_the_next_one_is_node_safe(cluster):

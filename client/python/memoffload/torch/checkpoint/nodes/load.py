@@ -115,8 +115,9 @@ def _fetch_into(session: Session, store: Optional[Any], checkpoint_id: str, need
             have = {}
     tried: Set[Tuple[int, str]] = set()
     lost: List[str] = []  # copies tried that could not be used, and why
+    asks: List[Dict[str, Any]] = []
     for _ in range(ROUNDS):
-        asks = session.all_gather({"missing": missing, "have": have})
+        asks = session.all_gather({"missing": missing, "have": have, "damaged": sorted(bad)})
         plan = _assign(asks, tried, topo.node_of)
         if not plan:
             break
@@ -134,8 +135,14 @@ def _fetch_into(session: Session, store: Optional[Any], checkpoint_id: str, need
     if missing:
         what = (f"checkpoint {checkpoint_id!r}: no node of the job holds an intact copy of "
                 f"{', '.join(sorted(missing))} (looked in this node's daemon and every rank's")
-        if bad or lost:
-            raise errors.DataLoss(what + "; damaged: " + "; ".join(sorted(bad) + lost) + ")")
+        # A copy another rank found damaged in its own node's daemon is data
+        # lost on every rank that needs it, not "not found" on some.
+        elsewhere = sorted({f"{name} on rank {r}'s node ({topo.node_of[r]})"
+                            for r, ask in enumerate(asks) if r != session.rank
+                            for name in ask.get("damaged", ()) if name in missing})
+        if bad or lost or elsewhere:
+            raise errors.DataLoss(what + "; damaged: " + "; ".join(sorted(bad) + lost + elsewhere)
+                                  + ")")
         raise errors.NotFound(what + ")")
     return readers, sources
 
