@@ -59,7 +59,9 @@ def main() -> None:
             result["already_exists"] = caught(exc)
         big = {"w": torch.zeros(cfg["big_bytes"] // 4, dtype=torch.float32)}
         try:
-            dcp.save(big, storage_writer=MemoffloadWriter(**writer_kw), checkpoint_id="big")
+            # on_error="raise": a save that can never fit would go to the fallback.
+            dcp.save(big, storage_writer=MemoffloadWriter(**writer_kw, on_error="raise"),
+                     checkpoint_id="big")
             result["resource_exhausted"] = None
         except CheckpointException as exc:
             result["resource_exhausted"] = caught(exc)

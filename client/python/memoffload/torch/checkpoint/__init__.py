@@ -34,6 +34,7 @@ They do not survive a restart of the daemon (docs/checkpoints.md).
 from .items import _RegionItem  # noqa: F401 - the name every .metadata in a daemon pickles
 from .latest import latest_checkpoint
 from .nodes.save import Replication
+from .outcome import SaveResult
 from .reader import MemoffloadReader
 from .writer import MemoffloadWriter
 
@@ -46,5 +47,8 @@ from .writer import MemoffloadWriter
 #   nodes/         a job on several nodes: the link between them (link), a
 #                  save's .metadata, .layout and replicas on every node (save),
 #                  a load of what this node lacks (load)
+#   outcome        where a save went (SaveResult), on_error, the test pause hooks
+#   inflight       one save at a time per process
+#   region_writes, file_writes   a rank's shard into regions, or into files
 #   latest, reader, writer   the public names below
 __all__ = ["MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]

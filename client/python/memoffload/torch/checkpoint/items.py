@@ -43,6 +43,7 @@ class _RankMode:
     daemon: bool
     reason: str
     runtime_dir: str
+    code: int = 14  # StatusCode.UNAVAILABLE: why not the daemon
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class _RegionPlan:
     """The coordinator's answer when every rank reached the daemon."""
 
     region: str
+    world: int = 1  # ranks in the save: the only rank's shard can still go to files
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class _FallbackPlan:
     prefix: _StoragePrefix
     runtime_dir: str
     reason: str
+    code: int = 14  # StatusCode.UNAVAILABLE
 
 
 def _rank_of(rank: Optional[int]) -> int:
@@ -68,11 +71,11 @@ def _rank_of(rank: Optional[int]) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _warn_fallback(what: str, why: str, path: str) -> None:
+def _warn_fallback(what: str, why: str, path: str, cause: str = "") -> None:
     # The "memoffload" logger (with no handler configured Python's last-resort
     # handler prints WARNING records on stderr): once per cause every few
     # minutes, not at every save of a job that runs without a daemon.
-    logs.log_limited(f"checkpoint {what} falls back: {why}", logging.WARNING,
+    logs.log_limited(f"checkpoint {what} falls back: {cause or why}", logging.WARNING,
                      f"checkpoint {what} falls back to the filesystem: {why}; using {path}",
                      errors.StatusCode.UNAVAILABLE)
 

@@ -5,51 +5,37 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import io
 import logging
-import os
 import pickle
 import uuid
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     FileSystemWriter,
     _StoragePrefix,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import (
-    SavePlan,
-    SavePlanner,
-    WriteItem,
-    WriteItemType,
-)
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ... import errors, logs
+from . import inflight as _inflight
+from . import outcome as _outcome
 from . import stage as _stage
 from . import store as _store
+from .file_writes import FileWrites
+from .items import _FallbackPlan, _rank_of, _RankMode, _RegionPlan, _unreachable
 from .nodes import link as _link
-from . import trusted_files as _trusted_files
 from .nodes.save import Replication, SaveJob
-
-from .items import (
-    DAEMON,
-    FILESYSTEM,
-    _FallbackPlan,
-    _rank_of,
-    _RankMode,
-    _RegionItem,
-    _RegionPlan,
-    _unreachable,
-    _warn_fallback,
-)
+from .outcome import DAEMON, FILESYSTEM, SKIPPED, SaveResult, _RankOutcome, _SkipPlan
+from .region_writes import RegionWrites, _abort
 
 __all__ = ["MemoffloadWriter"]
 
-class MemoffloadWriter(StorageWriter):
+
+class MemoffloadWriter(RegionWrites, FileWrites, StorageWriter):
     """A DCP StorageWriter into the node daemon's regions, with a visible
     filesystem fallback.
 
@@ -65,6 +51,21 @@ class MemoffloadWriter(StorageWriter):
     checkpoint id comes from ``dcp.save(checkpoint_id=...)`` or the
     constructor; use a new one per save (e.g. ``f"step-{step}"``).
     Needs ``use_collectives=True`` (DCP's default).
+
+    ``on_error``: what a save does when the node tier fails (no daemon, a
+    daemon that dies during the save, a checkpoint that does not fit):
+    ``"fallback"`` (the default) writes it to ``fallback_dir`` where DCP's
+    protocol still allows (docs/checkpoints.md, "What is lost, and when"),
+    else skips it; ``"skip"`` skips it; ``"raise"`` raises. A skipped save
+    leaves nothing visible (the previous checkpoint stays the latest) and
+    says why in one WARNING. With "fallback" and "skip", ``dcp.save`` and
+    the future of ``dcp.async_save`` return normally;
+    ``writer.result(pending)`` says where the save went (a
+    :class:`SaveResult`) and, with "raise", raises memoffload's own error
+    (an ``Exception``, with the daemon's code) where DCP would raise its
+    ``CheckpointException``. ``fallback_dir=False``: no fallback ("fallback"
+    then skips). A save started while another of this process is in flight
+    waits for it (``wait_previous_s``, then DeadlineExceeded).
 
     On a job whose ranks use the daemons of several nodes, every node gets
     the checkpoint's ``.metadata`` after the save, in the background.
@@ -89,13 +90,15 @@ class MemoffloadWriter(StorageWriter):
         *,
         job_id: Optional[str] = None,
         runtime_dir: str = "",
-        fallback_dir: Optional[str] = None,
+        fallback_dir: Any = None,
         keep_last: Optional[int] = 2,
         checksums: bool = True,
         ttl_seconds: float = 0,
         sync_files: bool = True,
         rpc_timeout_ms: int = 30000,
         replicas: int = 0,
+        on_error: str = "fallback",
+        wait_previous_s: float = 600.0,
     ) -> None:
         super().__init__()
         if keep_last is not None and keep_last < 1:
@@ -105,7 +108,11 @@ class MemoffloadWriter(StorageWriter):
         self.replicas = replicas
         self.job_id = _store.job_id_of(job_id)
         self.runtime_dir = runtime_dir or ""
-        self.fallback_dir = _store.fallback_dir_of(fallback_dir, self.job_id)
+        self.on_error = _outcome.checked_on_error(on_error)
+        self.wait_previous_s = wait_previous_s
+        # None: no fallback (fallback_dir=False).
+        self.fallback_dir: Optional[str] = (
+            None if fallback_dir is False else _store.fallback_dir_of(fallback_dir, self.job_id))
         self.keep_last = keep_last
         self.checksums = checksums
         self.ttl_seconds = ttl_seconds
@@ -114,9 +121,12 @@ class MemoffloadWriter(StorageWriter):
         self.checkpoint_id: Optional[str] = (
             None if checkpoint_id is None else _store.checked_checkpoint_id(checkpoint_id))
         self.save_id = str(uuid.uuid4())
-        # After a save: DAEMON or FILESYSTEM; the leftovers of dead saves
-        # deleted before writing; the checkpoints retention deleted after it.
+        # After a save: where this rank's shard went (DAEMON, FILESYSTEM or
+        # SKIPPED); where the save went (the coordinator's, else result());
+        # the leftovers of dead saves deleted before writing; the
+        # checkpoints retention deleted after it.
         self.last_mode = ""
+        self.last_result: Optional[SaveResult] = None
         self.last_collected: List[str] = []
         self.last_deleted: List[str] = []
         self._rank = 0
@@ -129,6 +139,12 @@ class MemoffloadWriter(StorageWriter):
         # async_save: the staged region of the save to come.
         self._staged: Optional[_stage.Staged] = None
         self.last_staged: Dict[str, int] = {}
+        # A save without staging: its region, created when the plan is made
+        # (a save that cannot fit goes to the fallback before any rank writes).
+        self._reserved: Optional[Any] = None
+        # This rank's final plan and planner: the only rank of a save whose
+        # daemon failed writes its shard to files from them.
+        self._final: Optional[Tuple[SavePlan, SavePlanner]] = None
         # Several nodes: the job's link, this save's work across nodes, and
         # what became of the last save there.
         self._link: Optional[_link.Link] = None
@@ -146,7 +162,9 @@ class MemoffloadWriter(StorageWriter):
     def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
         """A copy of ``state_dict`` in a new region of the daemon (staged, to
         become the checkpoint at the save), or, without a daemon, in torch's
-        memory (the save then takes its usual path)."""
+        memory (the save then takes its usual path). Waits first for a save
+        of this process still in flight."""
+        _inflight.begin(None, id(self), self.wait_previous_s, staged=True)
         self._drop_staged()
         self.wait_replication()
         rank = _rank_of(None)
@@ -190,6 +208,8 @@ class MemoffloadWriter(StorageWriter):
         RegionStore for this job and rank, which other writers and readers
         share: it stays open for them."""
         self._drop_staged()
+        self._release()
+        _inflight.forget(id(self))
         self.wait_replication()
 
     def wait_replication(self, timeout: Optional[float] = None) -> Optional[Replication]:
@@ -216,9 +236,35 @@ class MemoffloadWriter(StorageWriter):
         return self.last_replication
 
     def _drop_staged(self) -> None:
-        if self._staged is not None:
-            self._staged.writer.abort()
-            self._staged = None
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            _abort(staged.writer)
+
+    def _release(self) -> None:
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            _abort(reserved)
+
+    def result(self, pending: Any, timeout: Optional[float] = None) -> SaveResult:
+        """Where the save of ``pending`` went: waits for ``pending`` (the
+        future of ``dcp.async_save``, or what ``dcp.save`` returned) and
+        returns its :class:`SaveResult` (``where``: "daemon", "filesystem"
+        or "skipped"; ``why`` not the daemon). DCP's CheckpointException (a
+        BaseException) becomes the failing rank's own error: with
+        ``on_error="raise"``, memoffload's error with the daemon's code."""
+        try:
+            metadata = pending.result(timeout) if hasattr(pending, "result") else pending
+        except BaseException as exc:
+            inner = _outcome.unwrapped(exc)
+            if inner is exc:
+                raise
+            raise inner from exc
+        found = _outcome.result_of(metadata)
+        if found is None:
+            raise TypeError(f"{type(metadata).__name__} is not what a save with a "
+                            "MemoffloadWriter returned")
+        self.last_result = found
+        return found
 
     def __reduce__(self) -> Any:
         raise TypeError("MemoffloadWriter holds this process's daemon session and cannot be sent "
@@ -228,13 +274,19 @@ class MemoffloadWriter(StorageWriter):
     # -- StorageWriter --------------------------------------------------------
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        # The first call of a save, before DCP's first collective: a save of
+        # this process still in flight finishes first.
+        _inflight.begin(str(checkpoint_id) if checkpoint_id else self.checkpoint_id, id(self),
+                        self.wait_previous_s, staged=False)
         if checkpoint_id:
             self.checkpoint_id = _store.checked_checkpoint_id(checkpoint_id)
         self.save_id = str(uuid.uuid4())
         self.last_mode = ""
+        self.last_result = None
         self.last_collected = []
         self.last_deleted = []
         self._fs = None
+        self._final = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -250,10 +302,21 @@ class MemoffloadWriter(StorageWriter):
             raise ValueError(
                 "MemoffloadWriter needs a checkpoint id: dcp.save(..., checkpoint_id='step-100')")
         self._rank = _rank_of(kwargs.get("rank"))
+        _inflight.begin(self.checkpoint_id, id(self), self.wait_previous_s, staged=False)
+        if _outcome.pause is not None:
+            _outcome.pause("b", self._rank)
         self._is_coordinator = is_coordinator
+        self._release()
         self.wait_replication()
         self._job = None
-        self._region_store, self._unreachable_reason = self._attach(self._rank)
+        self._unreachable_code = int(errors.StatusCode.UNAVAILABLE)
+        try:
+            self._region_store, self._unreachable_reason = self._attach(self._rank)
+        except errors.Error as exc:  # say, a daemon that cannot take the session now
+            if self.on_error == "raise" or not _outcome.is_node_failure(exc):
+                raise
+            self._region_store, self._unreachable_reason = None, str(exc)
+            self._unreachable_code = int(exc.code)
 
     def _attach(self, rank: int) -> Tuple[Optional[Any], str]:
         """The process's store for this job and rank (attach()), and the
@@ -275,8 +338,13 @@ class MemoffloadWriter(StorageWriter):
             # Every node's lowest rank, before any rank writes (the plans
             # are gathered first): what dead saves left on this node.
             self.last_collected = _store.collect_dead(self._region_store)
+        elif self._link is None and self._region_store is not None and self._is_coordinator:
+            # Before this rank's region is made: what dead saves hold counts for it.
+            self.last_collected = _store.collect_dead(self._region_store)
+        if self._region_store is not None and self._staged is None:
+            self._reserve(plan)
         mode = _RankMode(self._rank, self._region_store is not None, self._unreachable_reason,
-                         _store.runtime_dir_of(self.runtime_dir))
+                         _store.runtime_dir_of(self.runtime_dir), self._unreachable_code)
         return dataclasses.replace(plan, storage_data=mode)
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
@@ -290,63 +358,58 @@ class MemoffloadWriter(StorageWriter):
         if not failed:
             self._before_writing()
             return [dataclasses.replace(p, storage_data=_RegionPlan(
-                        _store.region_name(self.checkpoint_id, f"__{i}_0.distcp")))
+                        _store.region_name(self.checkpoint_id, f"__{i}_0.distcp"), len(plans)))
                     for i, p in enumerate(plans)]
         first = failed[0]
         reason = first.reason if len(modes) == 1 else f"rank {first.rank}: {first.reason}"
+        if first.code in (int(errors.StatusCode.UNAVAILABLE), int(errors.StatusCode.NOT_FOUND)):
+            why = _unreachable(first.runtime_dir, reason)
+        else:
+            why = f"the memoffload daemon at {first.runtime_dir} refused it ({reason})"
+        if self.on_error == "raise":
+            raise _outcome.as_error(f"checkpoint {self.checkpoint_id!r}: {why}", first.code)
+        if self.on_error == "skip" or self.fallback_dir is None:
+            return [dataclasses.replace(p, storage_data=_SkipPlan(why, first.code)) for p in plans]
         return [dataclasses.replace(p, storage_data=_FallbackPlan(
-                    _StoragePrefix(f"__{i}_"), first.runtime_dir, reason))
+                    _StoragePrefix(f"__{i}_"), first.runtime_dir, why, first.code))
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[List[WriteResult]]:
         assert self.checkpoint_id is not None
         target = plan.storage_data
+        self._final = (plan, planner)
+        fut: Future[List[WriteResult]] = Future()
+        if isinstance(target, _SkipPlan):
+            self._drop_staged()
+            self._release()
+            self.last_mode = SKIPPED
+            fut.set_result([_outcome.outcome_result(
+                _RankOutcome(self._rank, SKIPPED, target.why, target.code))])
+            return fut
         if isinstance(target, _FallbackPlan):
-            self.last_mode = FILESYSTEM
-            path = os.path.join(self.fallback_dir, self.checkpoint_id)
-            # Every file is opened through the fallback dir's verified
-            # descriptor (_trusted_files), never by path.
-            fs = _trusted_files.TrustedFileSystem(
-                _trusted_files.trusted_fallback_dir(self.fallback_dir, create=True))
-            if fs.exists(path):
-                try:
-                    os.close(fs.root.open_checkpoint(self.checkpoint_id, check_files=True))
-                except _trusted_files.Untrusted as exc:
-                    raise _trusted_files.refused(exc) from None
-            _warn_fallback("save", _unreachable(target.runtime_dir, target.reason), path)
-            if self._link is not None or self.replicas > 0:
-                self.last_replication = Replication(
-                    self.checkpoint_id, False,
-                    why=f"saved to the filesystem fallback ({target.reason})")
-            self._fs = FileSystemWriter(path, sync_files=self.sync_files)
-            self._fs.fs = fs
-            self._fs.set_up_storage_writer(self._is_coordinator, rank=self._rank)
-            fs.mkdir(path)
-            if self._is_coordinator:
-                _store.write_marker(fs, path, self.job_id)
-            fs_fut = self._fs.write_data(dataclasses.replace(plan, storage_data=target.prefix), planner)
-            self._drop_staged()  # written from the staged tensors; the region is not needed
-            return fs_fut
+            fut.set_result(self._to_files(plan, planner, target.prefix, target.reason, target.code))
+            return fut
         if not isinstance(target, _RegionPlan) or self._region_store is None:
             raise RuntimeError(f"MemoffloadWriter: unexpected plan storage_data {target!r}")
-        self.last_mode = DAEMON
-        fut: Future[List[WriteResult]] = Future()
-        staged, self._staged = self._staged, None
         try:
-            if staged is not None:
-                try:
-                    results = _stage.write(staged, plan.items, planner, target.region,
-                                           lambda region, items: self._write_region(region, items, planner))
-                except BaseException:
-                    staged.writer.abort()
-                    raise
-            else:
-                results = self._write_region(target.region, plan.items, planner)
-        except BaseException as exc:
-            self._replicate([], f"rank {self._rank}: {type(exc).__name__}: {exc}")
-            raise
+            results = self._write_regions(target, plan, planner)
+        except Exception as exc:
+            why = f"rank {self._rank}: {type(exc).__name__}: {exc}"
+            self._replicate([], why)
+            if not _outcome.is_node_failure(exc) or self.on_error == "raise":
+                raise
+            code = _outcome.code_of(exc)
+            if target.world == 1 and self.on_error == "fallback" and self.fallback_dir:
+                # The only rank: its shard still goes to files whole.
+                fut.set_result(self._to_files(plan, planner, _StoragePrefix("__0_"),
+                                              f"the daemon failed during the save ({exc})", code))
+                return fut
+            self.last_mode = SKIPPED
+            fut.set_result([_outcome.outcome_result(_RankOutcome(self._rank, SKIPPED, why, code))])
+            return fut
+        self.last_mode = DAEMON
         self._replicate(sorted({wr.storage_data.region for wr in results if wr.storage_data.region}), "")
-        fut.set_result(results)
+        fut.set_result(results + [_outcome.outcome_result(_RankOutcome(self._rank, DAEMON))])
         return fut
 
     def _replicate(self, regions: List[str], failure: str) -> None:
@@ -370,89 +433,69 @@ class MemoffloadWriter(StorageWriter):
                                               self._region_store, save_id=self.checkpoint_id)
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        """The coordinator, once every rank wrote: publishes the checkpoint
+        where every rank's shard is (.metadata last), else skips it."""
         assert self.checkpoint_id is not None
-        if self.last_mode == FILESYSTEM:
-            assert self._fs is not None
-            self._fs.finish(metadata, results)
-            self.last_deleted = _store.retain_filesystem(
-                self.fallback_dir, self.job_id, self.keep_last, self.checkpoint_id)
-            return
+        results, outcomes = _outcome.split_outcomes(results)
+        wheres = {o.where for o in outcomes}
+        skipped = [o for o in outcomes if o.where == SKIPPED]
+        job = self._job
+        if skipped:
+            found = SaveResult(self.checkpoint_id, SKIPPED, why=skipped[0].why,
+                               code=skipped[0].code)
+        elif wheres == {FILESYSTEM}:
+            found = self._finish_files(metadata, results, outcomes[0])
+        elif wheres == {DAEMON}:
+            found = self._finish_daemon(metadata, results, job)
+        else:
+            found = SaveResult(self.checkpoint_id, SKIPPED,
+                               why="its ranks' shards went to different places",
+                               code=int(errors.StatusCode.ABORTED))
+        if found.where == SKIPPED:
+            if job is not None:
+                job.metadata.set_result(None)
+            self._remove_partial_files()
+            if self.on_error == "raise":
+                raise _outcome.as_error(f"checkpoint {self.checkpoint_id!r}: {found.why}",
+                                        found.code)
+            _outcome.warn_skipped(self.checkpoint_id, found.why, found.code)
+        self.last_result = found
+        self.last_mode = found.where
+        # Rides back to every rank on the Metadata dcp.save returns, after
+        # the stored .metadata was written without it.
+        setattr(metadata, _outcome.RESULT_ATTR, found)
+
+    def _finish_daemon(self, metadata: Metadata, results: List[List[WriteResult]],
+                       job: Optional[SaveJob]) -> SaveResult:
+        """Commits .metadata; when the daemon fails here, the only rank's
+        shard goes to files (from its plan), else the save is skipped."""
+        assert self.checkpoint_id is not None
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rank_results in results for wr in rank_results}
         metadata.storage_meta = self.storage_meta()
         blob = pickle.dumps(metadata)
-        job = self._job
+        if _outcome.pause is not None:
+            _outcome.pause("d", self._rank)
         try:
             self._commit(_store.region_name(self.checkpoint_id, _store.METADATA_NAME), [blob])
-        except BaseException:
-            if job is not None:
-                job.metadata.set_result(None)
-            raise
+        except Exception as exc:
+            if not _outcome.is_node_failure(exc) or self.on_error == "raise":
+                if job is not None:
+                    job.metadata.set_result(None)
+                raise
+            why = f"rank {self._rank}: its .metadata could not be committed ({exc})"
+            if len(results) == 1 and self.on_error == "fallback" and self.fallback_dir:
+                assert self._final is not None
+                plan, planner = self._final
+                files, outcomes = _outcome.split_outcomes([self._to_files(
+                    plan, planner, _StoragePrefix("__0_"),
+                    f"the daemon failed at the commit ({exc})", _outcome.code_of(exc))])
+                if outcomes[0].where == FILESYSTEM:
+                    return self._finish_files(metadata, files, outcomes[0])
+                why = outcomes[0].why
+            return SaveResult(self.checkpoint_id, SKIPPED, why=why, code=_outcome.code_of(exc))
         if job is not None:  # the other nodes get it, then retention runs on each
             job.metadata.set_result(blob)
-            return
-        self.last_deleted = _store.retain(self._region_store, self.keep_last, self.checkpoint_id)
-
-    # -- regions ----------------------------------------------------------------
-
-    def _before_writing(self) -> None:
-        """On the coordinator, before any rank writes: a complete checkpoint
-        of this id stays (overwriting would delete it before the new one
-        commits), and what saves that died left behind (regions without a
-        .metadata: never loadable) is deleted now, so that its memory counts
-        for this save."""
-        assert self.checkpoint_id is not None and self._region_store is not None
-        found = _store.stored_checkpoints(self._region_store)
-        same = found.get(self.checkpoint_id)
-        if same is not None and same.complete:
-            raise errors.AlreadyExists(
-                f"checkpoint {self.checkpoint_id!r} of job {self.job_id!r} already exists in the daemon; "
-                "save under a new checkpoint id (e.g. f'step-{step}')")
-        self.last_collected += _store.collect_dead(self._region_store, found)
-
-    def _write_region(self, region: str, items: List[WriteItem], planner: SavePlanner) -> List[WriteResult]:
-        """Resolves every item, then writes them all into one region."""
-        resolved: List[Tuple[WriteItem, Any, int, Optional[torch.dtype], Optional[Tuple[int, ...]]]] = []
-        for item in items:
-            data = planner.resolve_data(item)
-            if item.type == WriteItemType.BYTE_IO:
-                blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                resolved.append((item, blob, len(blob), None, None))
-            else:
-                t = data.detach()
-                # A CUDA tensor is copied from the device straight into the
-                # region (RegionWriter.append); other devices through the CPU.
-                t = t.contiguous() if t.is_cuda else t.cpu().contiguous()
-                resolved.append((item, t, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
-        total = sum(r[2] for r in resolved)
-        if total == 0:  # nothing (or only empty items): no region (the daemon has no empty ones)
-            region = ""
-            offsets = [0] * len(resolved)
         else:
-            offsets = self._commit(region, [r[1] for r in resolved], total)
-        return [
-            WriteResult(index=item.index, size_in_bytes=length,
-                        storage_data=_RegionItem(region, offset, length, dtype, shape))
-            for (item, _, length, dtype, shape), offset in zip(resolved, offsets)
-        ]
-
-    def _commit(self, region: str, parts: List[Any], size_bytes: Optional[int] = None) -> List[int]:
-        """Creates ``region``, appends ``parts`` and commits it; returns each
-        part's offset."""
-        store = self._region_store
-        assert store is not None
-        if size_bytes is None:
-            size_bytes = sum(len(p) for p in parts)
-        writer = store.create(region, size_bytes, self.ttl_seconds)
-        offsets: List[int] = []
-        try:
-            for part in parts:
-                nbytes = part.numel() * part.element_size() if isinstance(part, torch.Tensor) else len(part)
-                offsets.append(writer.append(part) if nbytes else writer.written)
-                if self._after_append is not None:
-                    self._after_append(region, writer.written)
-            writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
-        return offsets
+            self.last_deleted = _store.retain(self._region_store, self.keep_last, self.checkpoint_id)
+        return SaveResult(self.checkpoint_id, DAEMON)
