@@ -59,6 +59,7 @@ def test_readme_checkpoint_snippet_runs_verbatim(daemon, monkeypatch, tmp_path):
     namespace = {"__name__": "__readme__"}
     exec(compile(code, "README.md", "exec"), namespace)
     assert namespace["latest"] == "step-3"
+    assert namespace["saved"].where == "daemon", namespace["saved"]
     # It went to the daemon, not to the fallback's files, and kept the last two.
     from memoffload import _C
 
