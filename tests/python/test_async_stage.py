@@ -232,3 +232,51 @@ def test_closing_one_writer_leaves_the_others_staging(daemon, caplog):
     assert second.last_staged.get("tensors") == 1, second.last_staged
     assert not [r for r in caplog.records if "staging into the daemon failed" in r.getMessage()]
     second.close()
+
+
+def test_a_daemon_dead_since_a_save_never_raises_into_training(own_daemon, tmp_path, monkeypatch,
+                                                                caplog):
+    """Issue 41: the daemon SIGKILLed between a save's stage and its write,
+    and still down for the two saves after it: no save raises (the next
+    async_save used to raise in the training thread, aborting the dead
+    daemon's staged region), each lands whole in the fallback dir, and once
+    the daemon is back the next save is in it again."""
+    from memoffload.torch.checkpoint import outcome
+
+    job = f"stage-{uuid.uuid4().hex[:8]}"
+    files = tmp_path / "files"
+    writer = MemoffloadWriter(job_id=job, runtime_dir=own_daemon.runtime_dir,
+                              fallback_dir=str(files))
+    state = {"x": torch.arange(1 << 16, dtype=torch.float32)}
+    monkeypatch.setattr(outcome, "pause",
+                        lambda window, rank: own_daemon.kill() if window == "b" else None)
+    assert writer.result(dcp.async_save(state, storage_writer=writer,
+                                        checkpoint_id="step-1")).where == "filesystem"
+    monkeypatch.setattr(outcome, "pause", None)
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    for step in (2, 3):
+        state["x"] += 1
+        pending = dcp.async_save(state, storage_writer=writer, checkpoint_id=f"step-{step}")
+        saved = writer.result(pending)
+        assert saved.where == "filesystem" and saved.path == str(files / f"step-{step}"), saved
+    assert latest_checkpoint(job_id=job, runtime_dir=own_daemon.runtime_dir,
+                             fallback_dir=str(files)) == "step-3"
+    loaded = {"x": torch.zeros(1 << 16)}
+    dcp.load(loaded, storage_reader=MemoffloadReader(job_id=job, runtime_dir=own_daemon.runtime_dir,
+                                                     fallback_dir=str(files)),
+             checkpoint_id="step-3")
+    assert torch.equal(loaded["x"], state["x"])
+    own_daemon.start()
+    assert writer.result(dcp.async_save(state, storage_writer=writer,
+                                        checkpoint_id="step-4")).where == "daemon"
+    writer.close()
+
+
+def test_the_save_hooks_are_off_without_their_variable():
+    """Issue 41: the windows' pause hooks cost nothing unless
+    $MEMOFFLOAD_TEST_SAVE_PAUSE is set: the writer tests `pause is None`."""
+    code = ("from memoffload.torch.checkpoint import outcome\n"
+            "from memoffload.torch.checkpoint.nodes.save import SaveJob\n"
+            "assert outcome.pause is None and SaveJob._before_replicas is None\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MEMOFFLOAD_TEST_SAVE_PAUSE"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
