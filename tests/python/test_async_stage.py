@@ -280,3 +280,26 @@ def test_the_save_hooks_are_off_without_their_variable():
             "assert outcome.pause is None and SaveJob._before_replicas is None\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "MEMOFFLOAD_TEST_SAVE_PAUSE"}
     assert subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode == 0
+
+
+def test_without_a_fallback_a_save_without_a_daemon_is_skipped_once_said(tmp_path, caplog,
+                                                                         monkeypatch):
+    """fallback_dir=False: "fallback" then means "skip": nothing written
+    anywhere, one WARNING per save, the future resolves normally. A wrong
+    on_error is a ValueError at once."""
+    missing = tmp_path / "none"
+    missing.mkdir(mode=0o700)
+    monkeypatch.chdir(tmp_path)  # where the default fallback dir would be
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        MemoffloadWriter(job_id="nofb", runtime_dir=str(missing), on_error="ignore")
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    writer = MemoffloadWriter(job_id="nofb", runtime_dir=str(missing), fallback_dir=False)
+    pending = dcp.async_save({"model": _model().state_dict()}, storage_writer=writer,
+                             checkpoint_id="step-1")
+    saved = writer.result(pending)
+    writer.close()
+    assert saved.where == "skipped" and not saved.saved and saved.code == 14, saved
+    assert "no memoffload daemon reachable" in saved.why, saved
+    skipped = [r.getMessage() for r in caplog.records if "was not saved" in r.getMessage()]
+    assert len(skipped) == 1 and "'step-1'" in skipped[0], skipped
+    assert list(tmp_path.iterdir()) == [missing], list(tmp_path.iterdir())
