@@ -98,12 +98,14 @@ def run(rank: int, world_size: int, port: int, kinds: List[str], runtime_dir: st
 def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min_bytes: int,
            result: Dict[str, Any], device: str) -> None:
     """``kind``: "fsdp2" or "cpu", with "_keep_grads" when the trainer keeps
-    its gradients between steps (zero_grad(set_to_none=False))."""
+    its gradients between steps (zero_grad(set_to_none=False)), and
+    "_resume" when it loads its state dicts back first (a resumed job)."""
     import memoffload.torch as mot
     from memoffload.torch.state import placement as _state
 
-    set_to_none = not kind.endswith("_keep_grads")
-    kind = kind.replace("_keep_grads", "")
+    set_to_none = "_keep_grads" not in kind
+    resume = kind.endswith("_resume")
+    kind = kind.replace("_keep_grads", "").replace("_resume", "")
 
     torch.manual_seed(0)
     base = DecoderStack(layers=2, dim=128, heads=4).to(device)
@@ -114,6 +116,12 @@ def _train(rank: int, kind: str, runtime_dir: str, bin_dir: str, steps: int, min
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
     sched_ref = torch.optim.lr_scheduler.LambdaLR(opt_ref, lambda s: 0.9 ** s)
     placement = mot.place_state(model, opt, runtime_dir=runtime_dir, min_bytes=min_bytes)
+    if resume:  # as a job that resumes does: DCP's state dicts of a fresh optimizer, loaded back
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        for m, o in ((model, opt), (ref, opt_ref)):
+            msd, osd = get_state_dict(m, o)  # runs a step on zero gradients, then drops them
+            set_state_dict(m, o, model_state_dict=msd, optim_state_dict=osd)
     result["placed_before_step"] = placement.stats()
     params = list(model.parameters())
     result["params"] = len(params)

@@ -347,8 +347,23 @@ class StatePlacement:
                     placement._reported_step = True
                     placement._report("after the optimizer's first step")
 
+        def after_load(opt: torch.optim.Optimizer) -> None:
+            placement = this()
+            if placement is not None:
+                placement._rearm_gradients()
+
         self._hooks.append(optimizer.register_step_post_hook(after_step))
+        self._hooks.append(optimizer.register_load_state_dict_post_hook(after_load))
         self.place_optimizer_state(optimizer)
+
+    def _rearm_gradients(self) -> None:
+        """After optimizer.load_state_dict (a resume; DCP's set_state_dict
+        calls it): the gradients are watched anew. DCP's get_state_dict on
+        a fresh optimizer runs a step on zero gradients and then drops them
+        (zero_grad(set_to_none=True)), which looks like gradients made anew
+        each step although the trainer keeps its own."""
+        self._gradients = True
+        self._grad_seen.clear()
 
     def _report(self, when: str) -> None:
         """One INFO line: what is in the arena, what stays in torch's memory
