@@ -30,35 +30,45 @@ class RegionWrites:
 
     def _reserve(self, plan: SavePlan) -> None:
         """This rank's region, made now: a save that does not fit goes to
-        the fallback before any rank writes. Its size is this rank's share:
-        DCP writes a tensor every rank holds whole (replicated) from one
-        rank only, which is decided after this plan; what does not fit the
-        region at the write goes to its ``_1`` sibling."""
+        the fallback before any rank writes. Its size is the plan's tensors
+        (the daemon trims what is not written at the commit); when that is
+        refused and some tensors are whole on every rank (replicated: DCP
+        writes each from one rank only, decided after this plan), this
+        rank's share of those. What does not fit the region at the write
+        goes to its ``_1`` sibling."""
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        size = 0
+        full = share = 0
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                 continue
             nbytes = item.tensor_storage_size() or 0
             whole = tuple(item.tensor_data.chunk.sizes) == tuple(item.tensor_data.size)
-            size += nbytes // world if whole else nbytes
-        if size == 0:
+            full += nbytes
+            share += nbytes // world if whole else nbytes
+        if full == 0:
             return
         # DCP's BYTE_IO items (pickled objects: an optimizer's param_groups,
         # a step) are sized only when written: room for the usual ones.
-        size += BYTES_ROOM + BYTES_ROOM_PER_ITEM * sum(
+        room = BYTES_ROOM + BYTES_ROOM_PER_ITEM * sum(
             item.type == WriteItemType.BYTE_IO for item in plan.items)
-        try:
-            self._reserved = self._region_store.create(
-                f"staging/dcp/{uuid.uuid4().hex}/{self._rank}", size, self.ttl_seconds)
-        except errors.Error as exc:
-            if not _outcome.is_node_failure(exc):
-                raise
-            self._region_store = None
-            self._unreachable_reason = (
-                f"this rank's {size / 2**20:.2f} MiB do not fit: {exc.message}"
-                if isinstance(exc, errors.ResourceExhausted) else str(exc))
-            self._unreachable_code = int(exc.code)
+        sizes = [full + room] + ([share + room] if share < full else [])
+        for size in sizes:
+            try:
+                self._reserved = self._region_store.create(
+                    f"staging/dcp/{uuid.uuid4().hex}/{self._rank}", size, self.ttl_seconds)
+                return
+            except errors.ResourceExhausted as exc:
+                refused: errors.Error = exc
+            except errors.Error as exc:
+                refused = exc
+                break
+        if not _outcome.is_node_failure(refused):
+            raise refused
+        self._region_store = None
+        self._unreachable_reason = (
+            f"this rank's {size / 2**20:.2f} MiB do not fit: {refused.message}"
+            if isinstance(refused, errors.ResourceExhausted) else str(refused))
+        self._unreachable_code = int(refused.code)
 
     def _write_regions(self, target: _RegionPlan, plan: SavePlan,
                        planner: SavePlanner) -> List[WriteResult]:
