@@ -225,6 +225,10 @@ void EdgeRelay::Connection::Violation() {
 void EdgeRelay::Connection::Close() {
   if (done_) return;
   done_ = true;
+  // Said before the client can see its end: the listener then counts a
+  // violation (and refuses its uid) before that client can connect again.
+  if (closed_) closed_(guard_.violation());
+  closed_ = nullptr;
   error_code ignored;
   client_.close(ignored);
   grpc_.close(ignored);
@@ -232,8 +236,6 @@ void EdgeRelay::Connection::Close() {
   to_grpc_.shrink_to_fit();
   to_client_.clear();
   to_client_.shrink_to_fit();
-  if (closed_) closed_(guard_.violation());
-  closed_ = nullptr;
   relay_->connections_.erase(shared_from_this());
   relay_->TrimSoon();
 }
