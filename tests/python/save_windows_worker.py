@@ -148,6 +148,7 @@ def main(cfg: Dict[str, Any]) -> None:
         Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps({"cells": cells},
                                                                   default=str))
         sys.stdout.flush()
+    dist.destroy_process_group()  # gloo's threads end before the interpreter's
 
 
 if __name__ == "__main__":
