@@ -12,19 +12,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
 
+from log_records import Records
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: List[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
 def main(runtime_dir: str, job: str, out: str, slow_s: float) -> None:
@@ -35,7 +30,7 @@ def main(runtime_dir: str, job: str, out: str, slow_s: float) -> None:
 
     from memoffload.torch.checkpoint import MemoffloadReader, MemoffloadWriter
 
-    records = _Records()
+    records = Records()
     logging.getLogger("memoffload").addHandler(records)
     logging.getLogger("memoffload").setLevel(logging.INFO)
     group = dist.new_group(backend="gloo")

@@ -71,17 +71,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models import fsdp_decoder_and_adamw as _model_and_opt  # noqa: E402
 from models import local_copies as _flat  # noqa: E402
 from models import tokens  # noqa: E402
+from log_records import Records  # noqa: E402
 
 LAST_STEP = 6
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
 def _step(model, opt, step: int, rank: int) -> None:
@@ -162,7 +156,7 @@ def main(cfg: Dict[str, Any], rank: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=cfg["world"])
     from memoffload.torch.checkpoint import latest_checkpoint
 
-    records = _Records()
+    records = Records()
     logging.getLogger("memoffload").addHandler(records)
     logging.getLogger("memoffload").setLevel(logging.INFO)
     phase = cfg["phase"]

@@ -25,14 +25,9 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from log_records import Records
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: List[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(f"{record.levelname} {record.getMessage()}")
 
 
 def _wait_for(path: Path, timeout_s: float = 120) -> None:
@@ -84,7 +79,7 @@ def main(cfg: Dict[str, Any]) -> None:
                                              latest_checkpoint)
     from memoffload.torch.checkpoint import outcome as _outcome
 
-    records = _Records()
+    records = Records()
     logging.getLogger("memoffload").addHandler(records)
     logging.getLogger("memoffload").setLevel(logging.INFO)
     pause_dir = Path(os.environ["MEMOFFLOAD_TEST_SAVE_PAUSE"])
