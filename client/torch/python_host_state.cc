@@ -21,6 +21,7 @@ std::shared_ptr<HostStateStore> Attach(const std::string& runtime_dir, const std
   options.rank = rank;
   options.local_rank = local_rank;
   options.rpc_timeout_ms = rpc_timeout_ms;
+  options.kind = SessionKind::kState;
   return Take(WithoutGil([&] { return HostStateStore::Attach(options, use_cuda); }));
 }
 

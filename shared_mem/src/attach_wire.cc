@@ -14,6 +14,7 @@ enum class MessageType : uint8_t {
   kChunkReply = 5,
   kLinkKeyRequest = 6,
   kLinkKeyReply = 7,
+  kNotice = 8,
 };
 // Header: magic (4), version (2), type (1).
 constexpr size_t kTypeOffset = 6;
@@ -116,6 +117,20 @@ bool PrintableAscii(const std::string& s) {
 
 }  // namespace
 
+const char* SessionKindName(SessionKind kind) {
+  switch (kind) {
+    case SessionKind::kOther:
+      return "other";
+    case SessionKind::kActivations:
+      return "activations";
+    case SessionKind::kState:
+      return "state";
+    case SessionKind::kCheckpoints:
+      return "checkpoints";
+  }
+  return "unknown";
+}
+
 std::string EncodeHello(const Hello& hello) {
   Writer w(MessageType::kHello, hello.version);
   w.Str(hello.job_id);
@@ -123,6 +138,7 @@ std::string EncodeHello(const Hello& hello) {
   w.U32(static_cast<uint32_t>(hello.local_rank));
   w.U64(hello.max_bytes);
   w.U64(hello.job_max_bytes);
+  w.U8(static_cast<uint8_t>(hello.kind));
   return w.Take();
 }
 
@@ -137,10 +153,15 @@ Result<Hello> DecodeHello(const std::string& bytes) {
   if (!PrintableAscii(h.job_id)) {
     return InvalidArgument("hello: job id must be printable ASCII");
   }
+  uint8_t kind = 0;
   if (!r.I32(&h.rank) || !r.I32(&h.local_rank) || !r.U64(&h.max_bytes) ||
-      !r.U64(&h.job_max_bytes)) {
+      !r.U64(&h.job_max_bytes) || !r.U8(&kind)) {
     return Reader::Truncated();
   }
+  if (kind >= kSessionKindCount) {
+    return InvalidArgument("hello: unknown session kind " + std::to_string(kind));
+  }
+  h.kind = static_cast<SessionKind>(kind);
   if (h.rank < -1 || h.local_rank < -1) {
     return InvalidArgument("hello: rank and local rank must be >= -1");
   }
@@ -325,6 +346,33 @@ Result<LinkKeyReply> DecodeLinkKeyReply(const std::string& bytes) {
   reply.code = static_cast<StatusCode>(code);
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
   return reply;
+}
+
+std::string EncodeNotice(const Notice& notice) {
+  Writer w(MessageType::kNotice, kAttachProtocolVersion);
+  w.U8(static_cast<uint8_t>(notice.kind));
+  w.Str(notice.message);
+  return w.Take();
+}
+
+Result<Notice> DecodeNotice(const std::string& bytes) {
+  Reader r(bytes);
+  Notice notice;
+  uint16_t version = 0;
+  uint8_t kind = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kNotice, &version));
+  if (!r.U8(&kind) || !r.Str(&notice.message, kMaxStringBytes)) return Reader::Truncated();
+  if (kind != static_cast<uint8_t>(NoticeKind::kLeave)) {
+    return InvalidArgument("unknown notice kind " + std::to_string(kind));
+  }
+  notice.kind = static_cast<NoticeKind>(kind);
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
+  return notice;
+}
+
+bool IsNotice(const std::string& bytes) {
+  return bytes.size() > kTypeOffset &&
+         static_cast<uint8_t>(bytes[kTypeOffset]) == static_cast<uint8_t>(MessageType::kNotice);
 }
 
 bool IsLinkKeyRequest(const std::string& bytes) {

@@ -1,5 +1,6 @@
 // Fuzzes what a client decodes from the broker: the attach reply, the chunk
-// fd batches that follow it and the replies to later chunk requests (a client must survive a broken
+// fd batches that follow it, the replies to later chunk requests and the
+// notices between them (a client must survive a broken
 // or hostile daemon, or something else listening on the broker socket).
 //
 // Checks: decoding never crashes; a failure is INVALID_ARGUMENT; a decoded
@@ -44,6 +45,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::Check(chunk_reply.status().code() == StatusCode::kInvalidArgument,
                 "DecodeChunkReply failed with " + chunk_reply.status().ToString());
   }
-  fuzz::Check(reply.ok() + batch.ok() + chunk_reply.ok() <= 1, "one message decoded as two types");
+  Result<Notice> notice = DecodeNotice(input);
+  if (notice.ok()) {
+    fuzz::Check(notice->kind == NoticeKind::kLeave, "notice of an unknown kind accepted");
+    fuzz::Check(IsNotice(input), "a decoded notice is not recognised as one");
+    fuzz::Check(EncodeNotice(*notice) == input, "notice does not re-encode to its input");
+  } else {
+    fuzz::Check(notice.status().code() == StatusCode::kInvalidArgument,
+                "DecodeNotice failed with " + notice.status().ToString());
+  }
+  fuzz::Check(reply.ok() + batch.ok() + chunk_reply.ok() + notice.ok() <= 1,
+              "one message decoded as two types");
   return 0;
 }

@@ -93,6 +93,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::Check(c >= 0x20 && c <= 0x7e, "job id with a non-printable byte accepted");
   }
   fuzz::Check(hello->rank >= -1 && hello->local_rank >= -1, "rank below -1 accepted");
+  fuzz::Check(static_cast<uint8_t>(hello->kind) < kSessionKindCount,
+              "unknown session kind accepted");
   fuzz::Check(EncodeHello(*hello) == input, "hello does not re-encode to its input");
   fuzz::ExerciseSession(*hello);
   return 0;

@@ -10,8 +10,10 @@ import os
 import struct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MAGIC, VERSION = 0x4C464F4D, 1
-HELLO, ATTACH_REPLY, CHUNK_FD_BATCH = 1, 2, 3
+MAGIC, VERSION = 0x4C464F4D, 3
+HELLO, ATTACH_REPLY, CHUNK_FD_BATCH, NOTICE = 1, 2, 3, 8
+# SessionKind: other, activations, state, checkpoints.
+KIND_OTHER, KIND_ACTIVATIONS, KIND_STATE, KIND_CHECKPOINTS = 0, 1, 2, 3
 
 
 def header(kind, version=VERSION):
@@ -23,24 +25,28 @@ def s(text):
     return struct.pack("<I", len(raw)) + raw
 
 
-def hello(job="", rank=-1, local_rank=-1, max_bytes=0, job_max_bytes=0):
-    return header(HELLO) + s(job) + struct.pack("<iiQQ", rank, local_rank, max_bytes,
-                                                  job_max_bytes)
+def hello(job="", rank=-1, local_rank=-1, max_bytes=0, job_max_bytes=0, kind=KIND_OTHER):
+    return header(HELLO) + s(job) + struct.pack("<iiQQB", rank, local_rank, max_bytes,
+                                                  job_max_bytes, kind)
 
 
 def attach_reply(code=0, message="", session_id=0, token="", socket="", page=4096,
-                 limit=0, chunks=(), fd_frames=0):
+                 limit=0, chunks=(), fd_frames=0, instance_id=0x1234):
     out = header(ATTACH_REPLY) + struct.pack("<I", code) + s(message)
     out += struct.pack("<Q", session_id) + s(token) + s(socket)
     out += struct.pack("<QQI", page, limit, len(chunks))
     for index, size in chunks:
         out += struct.pack("<IQ", index, size)
-    return out + struct.pack("<I", fd_frames)
+    return out + struct.pack("<IQ", fd_frames, instance_id)
 
 
 def batch(indexes):
     return header(CHUNK_FD_BATCH) + struct.pack("<I", len(indexes)) + b"".join(
-        struct.pack("<I", i) for i in indexes)
+        struct.pack("<IQ", i, 1) for i in indexes)
+
+
+def notice(message, kind=1):
+    return header(NOTICE) + struct.pack("<B", kind) + s(message)
 
 
 def write(target, name, data):
@@ -58,6 +64,10 @@ write("fuzz_hello", "job_limit", hello("job", 7, 7, job_max_bytes=3 * MIB // 2))
 write("fuzz_hello", "both_limits", hello("llama 70b/run#1", 1023, 7, 512 * 1024, MIB))
 write("fuzz_hello", "max_job_id", hello("j" * 128, 0, 0))
 write("fuzz_hello", "odd_limit", hello("x", 2, 2, max_bytes=4097))
+write("fuzz_hello", "state_kind", hello("job", 0, 0, max_bytes=MIB, kind=KIND_STATE))
+write("fuzz_hello", "activations_kind", hello("job", 1, 1, kind=KIND_ACTIVATIONS))
+write("fuzz_hello", "checkpoints_kind", hello("job", 2, 0, kind=KIND_CHECKPOINTS))
+write("fuzz_hello", "bad_kind", hello("job", 2, 0, kind=4))
 write("fuzz_hello", "bad_version", header(HELLO, 2) + hello()[7:])
 write("fuzz_hello", "truncated", hello("job", 1, 1)[:-3])
 
@@ -75,6 +85,8 @@ write("fuzz_attach_reply", "draining", attach_reply(14, "memoffloadd is draining
 write("fuzz_attach_reply", "batch", batch([0, 1, 2, 3]))
 write("fuzz_attach_reply", "batch_empty", batch([]))
 write("fuzz_attach_reply", "batch_big_index", batch([0xFFFFFFFF, 65535]))
+write("fuzz_attach_reply", "notice_leave", notice("memoffloadd is draining (SIGTERM)"))
+write("fuzz_attach_reply", "notice_unknown", notice("?", kind=2))
 
 # The link between nodes (client/cpp link_frames.h): the first byte picks
 # the items agreed (low 2 bits: regions, bit 7: a blob; regions of

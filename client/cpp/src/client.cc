@@ -95,6 +95,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   hello.local_rank = options.local_rank;
   hello.max_bytes = options.max_bytes;
   hello.job_max_bytes = options.job_max_bytes;
+  hello.kind = options.kind;
   // The daemon refuses some connections before it reads a hello (its
   // connection caps): it sends the reason and closes at once, so the hello
   // may meet a closed socket. The reply below still says why.
@@ -320,6 +321,16 @@ Status Client::MapChunks(const std::vector<uint32_t>& chunks) {
 uint64_t Client::session_id() const { return impl_->reply.session_id; }
 uint64_t Client::instance_id() const { return impl_->reply.instance_id; }
 bool Client::session_lost() const { return impl_->LifelineClosed(); }
+bool Client::leave_requested() const {
+  if (impl_->leave.load()) return true;
+  absl::MutexLock lock(&impl_->map_mu);
+  impl_->ReadNotices();
+  return impl_->leave.load();
+}
+std::string Client::leave_message() const {
+  absl::MutexLock lock(&impl_->map_mu);
+  return impl_->leave_message;
+}
 uint64_t Client::chunk_generation(uint32_t chunk) const {
   absl::MutexLock lock(&impl_->map_mu);
   return chunk < impl_->generations.size() ? impl_->generations[chunk] : 0;
@@ -334,10 +345,11 @@ const std::string& Client::runtime_dir() const { return impl_->runtime_dir; }
 
 Result<Client::LinkKeys> Client::ReplicationKeys() {
   absl::MutexLock lock(&impl_->map_mu);  // one exchange on the broker connection at a time
+  impl_->ReadNotices();
   MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(impl_->lifeline_fd, EncodeLinkKeyRequest({})));
   std::string payload;
   std::vector<int> fds;
-  if (Status st = RecvFrame(impl_->lifeline_fd, &payload, &fds); !st.ok()) {
+  if (Status st = impl_->RecvReply(&payload, &fds); !st.ok()) {
     CloseFds(&fds);
     return Unavailable("memoffloadd broker connection lost: " + st.message());
   }

@@ -293,12 +293,56 @@ class Client::Impl {
     return Status::Ok();
   }
 
+  // The daemon's notices (attach_wire.h): kLeave asks this session to give
+  // its long-lived blocks back (the daemon drains). Sticky once received.
+  std::atomic<bool> leave{false};
+  std::string leave_message ABSL_GUARDED_BY(map_mu);
+  void Note(const std::string& payload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
+    Result<Notice> notice = DecodeNotice(payload);
+    if (!notice.ok()) return;  // a newer daemon's notice: nothing this client acts on
+    leave_message = notice->message;
+    leave = true;
+  }
+  // Reads the notices already queued on the lifeline, without waiting: a
+  // request must not be sent while the daemon's last frame is unread (the
+  // daemon ends such a connection). A closed lifeline marks the session lost.
+  void ReadNotices() ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
+    for (;;) {
+      pollfd p{lifeline_fd, POLLIN | POLLRDHUP, 0};
+      if (poll(&p, 1, 0) <= 0) return;
+      if ((p.revents & POLLIN) == 0) {
+        if ((p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
+        return;
+      }
+      std::string payload;
+      std::vector<int> fds;
+      const Status st = RecvFrame(lifeline_fd, &payload, &fds);
+      CloseFds(&fds);  // a notice carries none
+      if (!st.ok()) {
+        lost = true;
+        return;
+      }
+      if (IsNotice(payload)) Note(payload);
+    }
+  }
+  // The reply to the request just sent, keeping the notices before it.
+  Status RecvReply(std::string* payload, std::vector<int>* fds)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
+    for (;;) {
+      MEMOFFLOAD_RETURN_IF_ERROR(RecvFrame(lifeline_fd, payload, fds));
+      if (!IsNotice(*payload)) return Status::Ok();
+      CloseFds(fds);
+      Note(*payload);
+    }
+  }
+
   // One request/reply exchange on the broker connection.
   Status RequestChunks(const ChunkRequest& request) ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
+    ReadNotices();
     MEMOFFLOAD_RETURN_IF_ERROR(SendFrame(lifeline_fd, EncodeChunkRequest(request)));
     std::string payload;
     std::vector<int> fds;
-    if (Status st = RecvFrame(lifeline_fd, &payload, &fds); !st.ok()) {
+    if (Status st = RecvReply(&payload, &fds); !st.ok()) {
       CloseFds(&fds);
       return Unavailable("memoffloadd broker connection lost: " + st.message());
     }

@@ -273,6 +273,7 @@ Result<std::unique_ptr<RegionStore>> RegionStore::Attach(const RegionStoreOption
   attach.runtime_dir = options.runtime_dir;
   attach.job_id = options.job_id;
   attach.rank = options.rank;
+  attach.kind = SessionKind::kCheckpoints;
   attach.rpc_timeout_ms = options.rpc_timeout_ms;
   Result<std::unique_ptr<Client>> client = Client::Attach(attach);
   if (!client.ok()) return client.status();

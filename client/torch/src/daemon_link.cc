@@ -33,6 +33,7 @@ std::shared_ptr<Client> DaemonLink::Ensure(bool force) {
   attach.rank = options_.rank;
   attach.local_rank = options_.local_rank;
   attach.rpc_timeout_ms = options_.rpc_timeout_ms;
+  attach.kind = SessionKind::kActivations;
   Result<std::unique_ptr<Client>> attached = Client::Attach(attach);
   if (!attached.ok()) {
     NoteFailure(attached.status(), "attach");

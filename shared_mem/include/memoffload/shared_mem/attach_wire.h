@@ -24,9 +24,24 @@ namespace memoffload {
 
 inline constexpr uint32_t kAttachMagic = 0x4c464f4d;  // "MOFL"
 // Version 2: chunk fds carry the generation of their backing, and the
-// attach reply the daemon's instance id.
-inline constexpr uint16_t kAttachProtocolVersion = 2;
+// attach reply the daemon's instance id. Version 3: the hello says what the
+// session is for (SessionKind), and the daemon may send a Notice on the
+// lifeline between replies.
+inline constexpr uint16_t kAttachProtocolVersion = 3;
 inline constexpr size_t kMaxJobIdBytes = 128;
+
+// What a session is for: shown by `memoffloadctl sessions`, counted apart in
+// status and metrics, and the state kind has its own share of a job's limit
+// (quotas.state_share) and is asked to leave when the daemon drains.
+enum class SessionKind : uint8_t {
+  kOther = 0,        // a client that does not say (tools, benches)
+  kActivations = 1,  // groups offloaded and fetched back (memoffload.torch offload)
+  kState = 2,        // long-lived placed blocks (place_state)
+  kCheckpoints = 3,  // checkpoint regions (memoffload.torch.checkpoint)
+};
+inline constexpr uint8_t kSessionKindCount = 4;
+// "other", "activations", "state", "checkpoints".
+const char* SessionKindName(SessionKind kind);
 
 struct Hello {
   uint16_t version = kAttachProtocolVersion;
@@ -35,6 +50,7 @@ struct Hello {
   int32_t local_rank = -1;     // rank on this node, -1 when unknown
   uint64_t max_bytes = 0;      // session asks for a lower byte limit; 0: default
   uint64_t job_max_bytes = 0;  // job asks for a lower byte limit; 0: default
+  SessionKind kind = SessionKind::kOther;
 };
 
 struct ChunkInfo {
@@ -96,6 +112,17 @@ struct LinkKeyReply {
 };
 inline constexpr size_t kMaxLinkKeys = 8;
 
+// The daemon -> client message that may come on the lifeline at any time
+// after attach, between replies (a client that reads a reply skips and
+// keeps the notices before it). kLeave: the daemon is draining and asks a
+// session that holds long-lived blocks to give them back (the client moves
+// them out of the arena and ends the session); `message` says why.
+enum class NoticeKind : uint8_t { kLeave = 1 };
+struct Notice {
+  NoticeKind kind = NoticeKind::kLeave;
+  std::string message;
+};
+
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(const std::string& bytes);
 
@@ -116,6 +143,12 @@ Result<LinkKeyRequest> DecodeLinkKeyRequest(const std::string& bytes);
 
 std::string EncodeLinkKeyReply(const LinkKeyReply& reply);
 Result<LinkKeyReply> DecodeLinkKeyReply(const std::string& bytes);
+
+std::string EncodeNotice(const Notice& notice);
+Result<Notice> DecodeNotice(const std::string& bytes);
+// Whether a frame the daemon sent after attach is a Notice (the type byte of
+// its header; the decoder checks the rest).
+bool IsNotice(const std::string& bytes);
 
 // Whether a frame sent after attach (on the lifeline) is a LinkKeyRequest
 // rather than a ChunkRequest (the type byte of its header; the decoder

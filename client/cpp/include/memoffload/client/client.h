@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "memoffload/common/status.h"
+#include "memoffload/shared_mem/attach_wire.h"
 #include "memoffload/shared_mem/extent.h"
 
 namespace memoffload::client {
@@ -32,6 +33,10 @@ struct AttachOptions {
   int32_t local_rank = -1;
   uint64_t max_bytes = 0;      // ask for a lower session limit; 0: daemon default
   uint64_t job_max_bytes = 0;  // ask for a lower limit for the whole job; 0: default
+  // What the session is for (memoffloadctl sessions, status, metrics; the
+  // state kind has its own share of the job's limit and is asked to leave
+  // when the daemon drains: see leave_requested()).
+  SessionKind kind = SessionKind::kOther;
   // How this process's page tables for a chunk get filled (the daemon has
   // already allocated, zeroed and locked every page; only mappings are
   // missing). Default: on first use, Write, Read and Address map the pages of
@@ -194,6 +199,13 @@ class Client {
   // by no one else), with its checksums verified when it was committed with
   // them; the Placement's extents stay readable while this Client lives.
   bool session_lost() const;
+  // True once the daemon asked this session to leave (a Notice on its broker
+  // connection: it drains, and waits for the session's groups): the caller
+  // moves what it keeps in the session's blocks elsewhere and destroys the
+  // Client. Checks the connection without waiting; sticky.
+  bool leave_requested() const;
+  // Why, as the daemon said it ("" before a request).
+  std::string leave_message() const;
   // Generation of the backing this process maps for `chunk`, 0 if unmapped.
   // A chunk that changes tenant gets a new backing (a new generation).
   uint64_t chunk_generation(uint32_t chunk) const;
