@@ -74,9 +74,9 @@ def _rss() -> Dict[str, int]:
 
 
 def _state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> List[torch.Tensor]:
-    from memoffload.torch.state.placement import _fsdp_params
+    from memoffload.torch.state.fsdp import fsdp_params
 
-    out = [fp._sharded_param_data for fp in _fsdp_params(model)]
+    out = [fp._sharded_param_data for fp in fsdp_params(model)]
     for state in opt.state.values():
         for value in state.values():
             if isinstance(value, torch.Tensor):

@@ -13,8 +13,8 @@ namespace memoffload::torch::python {
 namespace {
 
 std::shared_ptr<HostStateStore> Attach(const std::string& runtime_dir, const std::string& job_id,
-                                       int rank, int local_rank, int rpc_timeout_ms,
-                                       bool use_cuda) {
+                                       int rank, int local_rank, int rpc_timeout_ms, bool use_cuda,
+                                       uint64_t max_bytes) {
   client::AttachOptions options;
   options.runtime_dir = runtime_dir;
   options.job_id = job_id;
@@ -22,6 +22,7 @@ std::shared_ptr<HostStateStore> Attach(const std::string& runtime_dir, const std
   options.local_rank = local_rank;
   options.rpc_timeout_ms = rpc_timeout_ms;
   options.kind = SessionKind::kState;
+  options.max_bytes = max_bytes;
   return Take(WithoutGil([&] { return HostStateStore::Attach(options, use_cuda); }));
 }
 
@@ -44,7 +45,7 @@ void BindHostState(py::module_& m) {
   py::class_<HostStateStore, std::shared_ptr<HostStateStore>>(m, "HostStateStore")
       .def(py::init(&Attach), py::arg("runtime_dir") = "", py::arg("job_id") = "",
            py::arg("rank") = -1, py::arg("local_rank") = -1, py::arg("rpc_timeout_ms") = 30000,
-           py::arg("use_cuda") = true)
+           py::arg("use_cuda") = true, py::arg("max_bytes") = 0)
       .def(
           "empty",
           [](HostStateStore& s, uint64_t nbytes) {
@@ -58,6 +59,11 @@ void BindHostState(py::module_& m) {
             return s.Holds(reinterpret_cast<const void*>(address));
           },
           py::arg("address"), "Whether the address is in one of this store's live blocks.")
+      .def(
+          "move_reason",
+          [](const HostStateStore& s) { return WithoutGil([&] { return s.MoveReason(); }); },
+          "Why the tensors must move out of this store's arena now (the daemon asked its "
+          "session to leave, or ended it), or '' while they may stay.")
       .def("stats", &Stats);
 }
 

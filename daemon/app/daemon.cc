@@ -12,6 +12,7 @@
 
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <cerrno>
@@ -254,6 +255,13 @@ class Daemon {
     broker.link_keys = &link_keys_;
     broker_ = std::make_unique<Broker>(io_, arena_.get(), table_.get(), metrics_.get(), broker,
                                        config_.policy);
+    // Placed state is never released by itself: a drain asks its sessions to
+    // move it out (from a gRPC thread for memoffloadctl drain, hence the post).
+    table_->OnDrainStart([this](const std::string& why) {
+      asio::post(io_, [this, why] {
+        if (broker_ != nullptr) broker_->AskToLeave(why);
+      });
+    });
     MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
     LogListening();
     return Status::Ok();

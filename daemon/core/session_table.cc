@@ -81,6 +81,7 @@ void SessionTable::SetPolicy(const Policy& policy) {
 
 Status SessionTable::SetDraining(bool draining) {
   Completions done;
+  bool started = false;
   {
     absl::MutexLock lock(&mu_);
     if (!draining && shutting_down_) {
@@ -88,6 +89,7 @@ Status SessionTable::SetDraining(bool draining) {
           "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
           "sessions release or the drain deadline passes");
     }
+    started = draining && !draining_;
     draining_ = draining;
     if (draining) {
       FailAllWaiters(Unavailable("memoffloadd is draining: this waiting reserve was refused "
@@ -96,13 +98,16 @@ Status SessionTable::SetDraining(bool draining) {
     }
   }
   Run(&done);
+  if (started && drain_listener_) drain_listener_("memoffloadd is draining (memoffloadctl drain)");
   return Status::Ok();
 }
 
 void SessionTable::BeginShutdown() {
   Completions done;
+  bool started = false;
   {
     absl::MutexLock lock(&mu_);
+    started = !shutting_down_;
     shutting_down_ = true;
     draining_ = true;
     FailAllWaiters(
@@ -110,6 +115,7 @@ void SessionTable::BeginShutdown() {
         RejectReason::kDraining, &done);
   }
   Run(&done);
+  if (started && drain_listener_) drain_listener_("memoffloadd is shutting down (SIGTERM)");
 }
 
 bool SessionTable::draining() const {

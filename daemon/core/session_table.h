@@ -208,6 +208,12 @@ class SessionTable {
   // the daemon is shutting down.
   void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_);
   bool draining() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Called each time a drain starts (SetDraining(true) while not draining,
+  // BeginShutdown), after the table's lock is released, on the caller's
+  // thread, with why. Set once, before the table serves.
+  void OnDrainStart(std::function<void(const std::string& why)> listener) {
+    drain_listener_ = std::move(listener);
+  }
 
   ArenaSnapshot Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
   // The chunks the tenants of `uid` own (0 with TenantMode::kNone).
@@ -405,6 +411,7 @@ class SessionTable {
   Arena* const arena_;
   mutable absl::Mutex mu_;
   QuotaPolicy quota_ ABSL_GUARDED_BY(mu_);
+  std::function<void(const std::string&)> drain_listener_;  // set before serving
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
   ReserveQueue queue_ ABSL_GUARDED_BY(mu_);

@@ -130,6 +130,10 @@ void Broker::StopAccepting() {
   acceptor_.close(ignored);
 }
 
+void Broker::AskToLeave(const std::string& why) {
+  for (auto& [id, conn] : connections_) conn->AskToLeave(why);
+}
+
 void Broker::CloseAll() {
   linger_timer_.cancel();
   for (Lingering& l : lingering_) {

@@ -90,6 +90,9 @@ class Broker {
   void StopAccepting();
   // Closes every connection and its session (reason kShutdown).
   void CloseAll();
+  // Asks every state session to leave (the daemon drains: `why`): each is
+  // sent a Notice on its lifeline, once (attach_wire.h).
+  void AskToLeave(const std::string& why);
   // Replaces the access policy for future attaches (SIGHUP).
   void SetPolicy(const Policy& policy) { policy_ = policy; }
   size_t connection_count() const { return connections_.size(); }

@@ -20,6 +20,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <string>
 #include <vector>
@@ -125,6 +126,22 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
                    static_cast<unsigned long>(session_id_), closed.status().ToString().c_str());
     }
     session_id_ = 0;
+  }
+
+  // Sends a Notice asking the session to leave (the daemon drains: `why`)
+  // when it is a state session (SessionKind::kState, long-lived blocks it
+  // gives back only by moving them out), once per connection.
+  void AskToLeave(const std::string& why) {
+    if (closed_ || session_id_ == 0 || hello_.kind != SessionKind::kState || leave_sent_) return;
+    leave_sent_ = true;
+    OutFrame notice = Frame(EncodeNotice({NoticeKind::kLeave, why}));
+    leave_bytes_ = static_cast<int>(notice.bytes.size());
+    MO_LOG_INFO("asking session %lu (pid %d, job '%s'%s) to move its placed state out: %s",
+                static_cast<unsigned long>(session_id_), peer_.pid, hello_.job_id.c_str(),
+                RankLabel(hello_.rank, hello_.local_rank).c_str(), why.c_str());
+    std::vector<OutFrame> frames;
+    frames.push_back(std::move(notice));
+    Send(std::move(frames), nullptr);
   }
 
   // Marks the connection closed for handlers still queued (CloseAll).
@@ -300,7 +317,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   // The job's replication keys, for this connection's uid and job id.
   void ServeLinkKeyRequest() {
-    if (const int unread = UnreadBytes(socket_.native_handle()); unread > 0) {
+    if (const int unread = UnreadBytes(socket_.native_handle()); unread > leave_bytes_) {
       MO_LOG_WARN_LIMITED(
           "session %lu (pid %d uid %u) asked for keys before reading its last reply; closing it",
           static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid);
@@ -337,7 +354,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     // daemon's uid (RLIMIT_NOFILE) until read: past that limit no peer
     // could be handed a chunk. So each connection has at most one reply's
     // fds unread.
-    if (const int unread = UnreadBytes(socket_.native_handle()); unread > 0) {
+    if (const int unread = UnreadBytes(socket_.native_handle()); unread > leave_bytes_) {
       MO_LOG_WARN_LIMITED(
           "session %lu (pid %d uid %u) asked for chunks before reading its last reply; closing "
           "it (a client reads each reply before it asks again; %d bytes queued)",
@@ -464,6 +481,17 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   size_t out_offset_ = 0;
   std::function<void()> on_sent_;
   bool fds_owned_ = false;  // out_'s fds are duplicates to close
+  // Replies that came while a notice was being written, in order.
+  struct Queued {
+    std::vector<OutFrame> frames;
+    std::function<void()> done;
+  };
+  std::deque<Queued> queued_;
+  // The leave notice: sent once; its bytes may still be unread when the
+  // client asks for something (it reads notices before each request, but
+  // one may cross), so a request is not taken for a slow reader's then.
+  bool leave_sent_ = false;
+  int leave_bytes_ = 0;
 };
 
 }  // namespace memoffload::daemon

@@ -15,6 +15,12 @@
 namespace memoffload::daemon {
 
 void Broker::Connection::Send(std::vector<OutFrame> frames, std::function<void()> done) {
+  if (!out_.empty()) {
+    // A notice is being written (AskToLeave): this goes after it, with its
+    // fds still borrowed (only the frames being written may own theirs).
+    queued_.push_back({std::move(frames), std::move(done)});
+    return;
+  }
   out_ = std::move(frames);
   out_frame_ = 0;
   out_offset_ = 0;
@@ -95,6 +101,11 @@ void Broker::Connection::Flush() {
   fds_owned_ = false;
   std::function<void()> done = std::move(on_sent_);
   if (done) done();
+  if (!closed_ && out_.empty() && !queued_.empty()) {
+    Queued next = std::move(queued_.front());
+    queued_.pop_front();
+    Send(std::move(next.frames), std::move(next.done));
+  }
 }
 
 bool Broker::Connection::OwnPendingFds() {
@@ -132,6 +143,7 @@ void Broker::Connection::DropFds(OutFrame* frame) {
 
 void Broker::Connection::DropAllFds() {
   for (size_t i = out_frame_; i < out_.size(); ++i) DropFds(&out_[i]);
+  queued_.clear();  // their fds are borrowed
 }
 
 }  // namespace memoffload::daemon

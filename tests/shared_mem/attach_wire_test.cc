@@ -21,6 +21,36 @@ TEST(AttachWire, HelloRoundTrip) {
   EXPECT_EQ(d->max_bytes, 123456789u);
 }
 
+TEST(AttachWire, HelloCarriesItsKindAndRefusesAnUnknownOne) {
+  Hello h;
+  h.job_id = "job";
+  h.kind = SessionKind::kState;
+  Result<Hello> d = DecodeHello(EncodeHello(h));
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(d->kind, SessionKind::kState);
+  EXPECT_STREQ(SessionKindName(d->kind), "state");
+  std::string bytes = EncodeHello(h);
+  bytes.back() = static_cast<char>(kSessionKindCount);
+  Result<Hello> bad = DecodeHello(bytes);
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("unknown session kind"), std::string::npos);
+}
+
+TEST(AttachWire, NoticeRoundTripAndIsTellsItFromReplies) {
+  const std::string bytes = EncodeNotice({NoticeKind::kLeave, "memoffloadd is draining"});
+  EXPECT_TRUE(IsNotice(bytes));
+  Result<Notice> n = DecodeNotice(bytes);
+  ASSERT_TRUE(n.ok()) << n.status().ToString();
+  EXPECT_EQ(n->kind, NoticeKind::kLeave);
+  EXPECT_EQ(n->message, "memoffloadd is draining");
+  EXPECT_FALSE(IsNotice(EncodeChunkReply({})));
+  EXPECT_FALSE(IsNotice(EncodeLinkKeyReply({})));
+  EXPECT_FALSE(DecodeChunkReply(bytes).ok());
+  std::string unknown = bytes;
+  unknown[7] = 9;  // the kind byte, after the 7-byte header
+  EXPECT_EQ(DecodeNotice(unknown).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(AttachWire, ReplyAndBatchRoundTrip) {
   AttachReply r;
   r.session_id = 42;

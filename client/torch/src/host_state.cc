@@ -32,6 +32,16 @@ HostStateStore::HostStateStore(std::shared_ptr<client::HostBlocks> blocks,
                                std::shared_ptr<CopyEngine> engine)
     : blocks_(std::move(blocks)), engine_(std::move(engine)) {}
 
+std::string HostStateStore::MoveReason() const {
+  const client::Client& c = *blocks_->client();
+  if (c.session_lost()) {
+    return "memoffloadd ended session " + std::to_string(c.session_id()) +
+           " (it restarted, stopped or dropped the connection)";
+  }
+  if (c.leave_requested()) return c.leave_message();
+  return "";
+}
+
 uint64_t HostStateStore::unpinned_bytes() const {
   return engine_ == nullptr ? 0 : engine_->UnpinnedHostBytes();
 }

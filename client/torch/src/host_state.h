@@ -45,6 +45,12 @@ class HostStateStore {
   uint64_t unpinned_bytes() const;
   bool cuda() const { return engine_ != nullptr; }
   uint64_t session_id() const { return blocks_->client()->session_id(); }
+  // Why this store's tensors must move out of its arena, or "" while they
+  // may stay: the daemon asked its session to leave (it drains), or ended
+  // it (it restarted, stopped or dropped the connection; the process still
+  // maps the old chunks, which nobody else can reach once that daemon is
+  // gone). Checks the broker connection without waiting.
+  std::string MoveReason() const;
 
  private:
   HostStateStore(std::shared_ptr<client::HostBlocks> blocks, std::shared_ptr<CopyEngine> engine);

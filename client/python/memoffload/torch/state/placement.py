@@ -34,78 +34,60 @@ the gradients above.
 
 Without a daemon, or when a quota refuses a tensor, it says so once (the
 daemon's message names the limit) and training goes on with torch's own
-memory; ``strict=True`` raises instead.
+memory; ``strict=True`` raises instead. The daemon lets placed state hold at
+most ``quotas.state_share`` of the job's limit (half by default), and
+``place_state(max_bytes=)`` lowers it per rank.
+
+When the daemon drains, restarts or crashes, the state moves at the next
+optimizer step: into the arena of the daemon now serving, else into this
+process's memory and back once a daemon takes a new session (rehome.py).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 
 from ... import errors, logs
 from .._native import _C
 from .._settings import _env_int, _job_id_of
+from .fsdp import (FSDP_PARAM_FIELDS, fsdp_params, give_back_freed_memory, set_fsdp_shard,
+                   torch_minor)
+from .rehome import Rehoming
 
 __all__ = ["place_state", "StatePlacement", "TESTED_TORCH"]
 
 # torch versions whose FSDP2 internals place_state was tested against.
 TESTED_TORCH = ("2.11", "2.13")
 
-def _give_back_freed_memory() -> None:
-    """Returns what glibc's allocator keeps of freed memory to the system:
-    the torch copies of the tensors just moved would otherwise stay in the
-    rank's RSS (bench/state_bench.py measured 3.9 GB of RssAnon kept for
-    2.4 GB moved). A no-op without glibc."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _torch_minor() -> str:
-    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
-
-
-def _fsdp_params(model: torch.nn.Module) -> Iterator[Any]:
-    """Every FSDPParam under ``model`` (none without FSDP2)."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2
-        return
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        groups = getattr(state, "_fsdp_param_groups", None)
-        if groups is None:  # torch 2.11: at most one group
-            group = state._fsdp_param_group
-            groups = [group] if group is not None else []
-        for group in groups:
-            yield from group.fsdp_params
-
-
-_FSDP_PARAM_FIELDS = ("offload_to_cpu", "_sharded_param_data", "sharded_param",
-                      "padded_sharded_param_size", "fsdp_placement")
-
-
-class StatePlacement:
-    """What ``place_state`` placed, and the hooks that place more.
+class StatePlacement(Rehoming):
+    """What ``place_state`` placed, and the hooks that place more (and move it
+    when its daemon drains or restarts: rehome.py).
 
     ``stats()``: ``tensors``/``bytes``/``held_bytes`` now in the arena (live:
     a tensor that died gave its block back), ``left``/``left_bytes`` kept in
     torch's memory and ``left_reasons`` (reason -> count), ``refused`` (the
-    daemon said no), ``unpinned_bytes`` (chunks CUDA did not register), and
-    ``session_id`` (``memoffloadctl sessions``) or ``None`` without a daemon.
+    daemon said no), ``unpinned_bytes`` (chunks CUDA did not register),
+    ``session_id`` (``memoffloadctl sessions``) or ``None`` without a daemon,
+    ``moves`` (times the state moved out of an arena it had to leave) and
+    ``last_move`` (why, the last time).
     """
 
-    def __init__(self, runtime_dir: str, job_id: str, strict: bool, min_bytes: int) -> None:
+    def __init__(self, runtime_dir: str, job_id: str, strict: bool, min_bytes: int,
+                 max_bytes: int = 0) -> None:
         self._strict = strict
         self._min_bytes = min_bytes
+        self._runtime_dir = runtime_dir
+        self._job_id = job_id
+        self._max_bytes = max_bytes
         self._store: Optional[Any] = None
+        # What place_state watches (weakly: the placement never keeps them alive).
+        self._model: Optional["weakref.ref[torch.nn.Module]"] = None
+        self._optimizers: List["weakref.ref[torch.optim.Optimizer]"] = []
+        self._init_rehoming()
         self._warned: Set[str] = set()
         self._left: Dict[str, List[int]] = {}  # reason -> [count, bytes]
         # State tensors already placed or left, by id, with a weak reference
@@ -118,20 +100,41 @@ class StatePlacement:
         self._gradients = True
         self._grad_seen: Dict[int, "weakref.ref[torch.Tensor]"] = {}
         self._reported_step = False
+        self._store = self._attach(quiet=False)
+        logs.forward(_C)
+
+    def _attach(self, quiet: bool) -> Optional[Any]:
+        """A new session of the daemon (a store), or None: the first time it
+        says why (``strict`` raises); later tries (``quiet``) say nothing."""
         try:
-            self._store = _C.HostStateStore(
-                runtime_dir=runtime_dir, job_id=job_id, rank=_env_int("RANK"),
-                local_rank=_env_int("LOCAL_RANK"),
+            return _C.HostStateStore(
+                runtime_dir=self._runtime_dir, job_id=self._job_id, rank=_env_int("RANK"),
+                local_rank=_env_int("LOCAL_RANK"), max_bytes=self._max_bytes,
             )
         except errors.Error as e:
-            if strict:
+            if quiet:
+                return None
+            if self._strict:
                 raise
             self._warn_once(
                 "attach",
                 f"place_state: no memoffloadd session ({e}); the model and optimizer state stay "
-                f"in torch's own memory", e.code,
+                f"in torch's own memory (a session is tried again at each step, at most every "
+                f"second)", e.code,
             )
-        logs.forward(_C)
+            return None
+
+    def _place_again(self) -> None:
+        """A daemon took a new session while the state was in torch's memory
+        (called from an optimizer's step hook): everything is placed as at
+        the start and counted anew, the FSDP2 shards now, each optimizer's
+        state and gradients by its own step hook (this one's right after)."""
+        self._left.clear()
+        self._decided.clear()
+        self._rearm_gradients()
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            self._place_fsdp(model)
 
     # ---- placing ----
 
@@ -183,20 +186,20 @@ class StatePlacement:
                 and t.layout == torch.strided and not t.is_quantized)
 
     def _place_fsdp(self, model: torch.nn.Module) -> int:
-        params = list(_fsdp_params(model))
+        params = list(fsdp_params(model))
         if not params:
             # Only FSDP2's CPU-offloaded shards are the model's to place.
             for p in model.parameters():
                 self._leave("model not FSDP2 with CPUOffloadPolicy", p.numel() * p.element_size())
             return 0
-        if _torch_minor() not in TESTED_TORCH:
+        if torch_minor() not in TESTED_TORCH:
             raise errors.FailedPrecondition(
                 f"place_state reads FSDP2 internals and was tested with torch "
                 f"{', '.join(TESTED_TORCH)}, not {torch.__version__}: refusing to patch them blindly "
                 f"(pass model=None to place the optimizer's state only)")
         moved = 0
         for fp in params:
-            missing = [f for f in _FSDP_PARAM_FIELDS if not hasattr(fp, f)]
+            missing = [f for f in FSDP_PARAM_FIELDS if not hasattr(fp, f)]
             if missing:
                 raise errors.FailedPrecondition(
                     f"this torch's FSDPParam lacks {', '.join(missing)}: place_state cannot place "
@@ -227,34 +230,29 @@ class StatePlacement:
                     "pinned CPU shards (CPUOffloadPolicy(pin_memory=True)); such shards stay in "
                     "torch's pinned memory (logged once; stats() counts them)")
                 continue
-            local = fp.sharded_param._local_tensor
-            dim = fp.fsdp_placement.dim
-            length = local.size(dim) if local.numel() > 0 else 0
-            fp._sharded_param_data = new
-            fp.sharded_param._local_tensor = new.view(fp.padded_sharded_param_size).narrow(
-                dim, 0, length)
+            set_fsdp_shard(fp, new)
             moved += 1
         if moved:
-            _give_back_freed_memory()
+            give_back_freed_memory()
         return moved
 
+    @staticmethod
+    def _rewrap(v: torch.Tensor, new_local: torch.Tensor) -> torch.Tensor:
+        """``new_local`` (a copy of ``v``'s local tensor) as ``v`` was: a
+        DTensor with ``v``'s mesh and placements, or itself."""
+        if not hasattr(v, "_local_tensor"):
+            return new_local
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(new_local, v.device_mesh, v.placements, run_check=False,
+                                  shape=v.shape, stride=v.stride())
+
     def _place_value(self, v: torch.Tensor) -> Optional[torch.Tensor]:
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:
-            DTensor = None  # noqa: N806
-        if DTensor is not None and isinstance(v, DTensor):
-            local = v._local_tensor
-            if not self._placeable(local):
-                return None
-            new_local = self._arena_copy(local)
-            if new_local is None:
-                return None
-            return DTensor.from_local(new_local, v.device_mesh, v.placements, run_check=False,
-                                      shape=v.shape, stride=v.stride())
-        if not self._placeable(v):
+        local = getattr(v, "_local_tensor", v)
+        if not self._placeable(local):
             return None
-        return self._arena_copy(v)
+        new_local = self._arena_copy(local)
+        return None if new_local is None else self._rewrap(v, new_local)
 
     def _is_decided(self, t: torch.Tensor) -> bool:
         ref = self._decided.get(id(t))
@@ -301,7 +299,7 @@ class StatePlacement:
                         "zero_grad(set_to_none=False) keeps them in the arena",
                         level=logging.INFO)
                     return moved
-                if hasattr(g, "_local_tensor") and _torch_minor() not in TESTED_TORCH:
+                if hasattr(g, "_local_tensor") and torch_minor() not in TESTED_TORCH:
                     self._leave("gradients on an untested torch", g.numel() * g.element_size())
                     self._decide(g)
                     continue
@@ -332,7 +330,7 @@ class StatePlacement:
         # second when a limit leaves room for only some.
         moved += self._place_gradients(optimizer)
         if moved:
-            _give_back_freed_memory()
+            give_back_freed_memory()
         return moved
 
     def _watch(self, optimizer: torch.optim.Optimizer) -> None:
@@ -341,7 +339,11 @@ class StatePlacement:
         def after_step(opt: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> None:
             placement = this()
             if placement is not None:
+                placement._follow_daemon()
                 placement.place_optimizer_state(opt)
+                if placement._placed_again:
+                    placement._placed_again = False
+                    placement._report("placed again (a daemon took a new session)")
                 if not placement._reported_step and opt.state:
                     # The optimizer makes its state at its first step.
                     placement._reported_step = True
@@ -352,6 +354,7 @@ class StatePlacement:
             if placement is not None:
                 placement._rearm_gradients()
 
+        self._optimizers.append(weakref.ref(optimizer))
         self._hooks.append(optimizer.register_step_post_hook(after_step))
         self._hooks.append(optimizer.register_load_state_dict_post_hook(after_load))
         self.place_optimizer_state(optimizer)
@@ -404,6 +407,8 @@ class StatePlacement:
             "left_bytes": sum(b for _, b in self._left.values()),
             "left_reasons": {r: c for r, (c, _) in self._left.items()},
             "session_id": native.get("session_id"),
+            "moves": self._moves,
+            "last_move": self._last_move,
         }
 
 
@@ -415,6 +420,7 @@ def place_state(
     runtime_dir: Optional[str] = None,
     strict: bool = False,
     min_bytes: int = 64 * 1024,
+    max_bytes: Optional[int] = None,
 ) -> StatePlacement:
     """Moves ``model``'s FSDP2 CPU-offloaded shards and ``optimizer``'s CPU
     state into the node arena (see the module's docstring), now and (for the
@@ -425,7 +431,16 @@ def place_state(
     ``job_id``/``runtime_dir`` as for :func:`memoffload.torch.offload_layers`.
     ``strict=True`` raises the daemon's error (``memoffload.Unavailable``,
     ``ResourceExhausted``, ...) instead of leaving a tensor in torch's memory.
-    ``min_bytes``: smaller tensors stay in torch's memory.
+    ``min_bytes``: smaller tensors stay in torch's memory. ``max_bytes``: this
+    rank's placed state holds at most that many bytes (page-rounded per
+    tensor), below the daemon's own share for placed state
+    (``quotas.state_share`` of the job's limit, half by default); what does
+    not fit stays in torch's memory, said once in a WARNING naming the limit.
+
+    When the daemon drains or restarts, the placed tensors move at the next
+    optimizer step: into the arena of the daemon now serving, else into this
+    process's memory, and back into the arena once a daemon takes a new
+    session (tried at most every second). Training stays bit for bit the same.
 
     It says at INFO, on the "memoffload" logger, what it placed and what it
     left in torch's memory and why (a model that is not FSDP2 with
@@ -435,8 +450,12 @@ def place_state(
     """
     if min_bytes < 0:
         raise errors.InvalidArgument(f"min_bytes must be >= 0, not {min_bytes}")
-    placement = StatePlacement(runtime_dir or "", _job_id_of(job_id), strict, min_bytes)
+    if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+        raise errors.InvalidArgument(f"max_bytes must be a positive int or None, not {max_bytes!r}")
+    placement = StatePlacement(runtime_dir or "", _job_id_of(job_id), strict, min_bytes,
+                               max_bytes or 0)
     if model is not None:
+        placement._model = weakref.ref(model)
         placement._place_fsdp(model)
     if optimizer is not None:
         placement._watch(optimizer)
