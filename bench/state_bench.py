@@ -186,7 +186,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         rt = os.path.join(tmp, "rt")
         os.mkdir(rt, 0o700)
-        daemon = torch_bench.start_daemon(rt, arena=arena, chunk=f"{min(1024, arena_mib)}MiB")
+        # The bench places state alone: all of the arena may be state's
+        # (quotas.state_share, default half, would refuse strict placement).
+        daemon = torch_bench.start_daemon(rt, arena=arena, chunk=f"{min(1024, arena_mib)}MiB",
+                                          extra=["--state-share=1"])
         try:
             runs: Dict[str, List[Dict[str, float]]] = {"torch": [], "arena": []}
             for _ in range(args.rounds):

@@ -34,8 +34,9 @@ void Usage(FILE* out) {
   std::fputs(
       "usage: memoffloadctl [--runtime-dir DIR] [--json] <command>\n\n"
       "commands:\n"
-      "  status     arena capacity, use by state, sessions and groups\n"
-      "  sessions   attached sessions: job, rank, pid, uid, bytes held, groups, age\n"
+      "  status     arena capacity, use by state, sessions by kind, groups, placed state\n"
+      "  sessions   attached sessions: job, kind, rank, pid, uid, bytes held, groups, placed\n"
+      "             blocks, age\n"
       "  drain      refuse new attaches and reserves; existing sessions finish\n"
       "  undrain    accept attaches and reserves again\n"
       "  config     the daemon's effective configuration and where each value came from\n"
@@ -114,6 +115,18 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
                 static_cast<unsigned long long>(s->instance_id()));
   row("instance", instance);
   row("sessions", std::to_string(s->sessions()));
+  // By what they attached for; placed state's blocks are not groups.
+  for (const auto& k : s->kinds()) {
+    std::string line = std::to_string(k.sessions()) + " holding " + FormatSize(k.held_bytes());
+    if (k.kind() == "state") {
+      char share[32];
+      std::snprintf(share, sizeof(share), "%g", s->state_share());
+      line += " in " + std::to_string(s->state_blocks()) +
+              (s->state_blocks() == 1 ? " block" : " blocks") + " (at most quotas.state_share " +
+              share + " of a job's limit)";
+    }
+    row(("  " + k.kind()).c_str(), line);
+  }
   row("groups", std::to_string(s->groups()));
   row("waiting reserves", std::to_string(s->waiting_reserves()));
   row("regions", std::to_string(s->regions()) + " holding " + FormatSize(s->region_bytes()) +
@@ -147,15 +160,18 @@ int Sessions(memoffload::client::AdminClient& admin, bool json) {
   if (json) {
     return PrintJson(*r);
   }
-  std::printf("%-8s %-20s %6s %8s %6s %12s %7s %8s\n", "SESSION", "JOB", "RANK", "PID", "UID",
-              "HELD", "GROUPS", "AGE");
+  // KIND: what the session attached for (activations, state, checkpoints,
+  // other); a state session holds placed BLOCKS, not groups.
+  std::printf("%-8s %-20s %-11s %6s %8s %6s %12s %7s %7s %8s\n", "SESSION", "JOB", "KIND", "RANK",
+              "PID", "UID", "HELD", "GROUPS", "BLOCKS", "AGE");
   for (const auto& s : r->sessions()) {
     const std::string rank = s.rank() < 0 ? "-" : std::to_string(s.rank());  // -1: unknown
-    std::printf("%-8lu %-20s %6s %8d %6u %12s %7lu %7.0fs\n",
+    std::printf("%-8lu %-20s %-11s %6s %8d %6u %12s %7lu %7lu %7.0fs\n",
                 static_cast<unsigned long>(s.session_id()),
-                s.job_id().empty() ? "-" : s.job_id().c_str(), rank.c_str(), s.pid(), s.uid(),
+                s.job_id().empty() ? "-" : s.job_id().c_str(),
+                s.kind().empty() ? "-" : s.kind().c_str(), rank.c_str(), s.pid(), s.uid(),
                 FormatSize(s.held_bytes()).c_str(), static_cast<unsigned long>(s.groups()),
-                s.age_seconds());
+                static_cast<unsigned long>(s.blocks()), s.age_seconds());
   }
   if (r->sessions_size() == 0) std::printf("(no sessions)\n");
   return kExitOk;

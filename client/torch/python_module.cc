@@ -110,6 +110,8 @@ py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
   d["sessions"] = r.sessions;
   d["groups"] = r.groups;
   d["draining"] = r.draining;
+  d["state_blocks"] = r.state_blocks;
+  d["state_bytes"] = r.state_bytes;
   return d;
 }
 

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <fstream>
 #include <functional>
 #include <sstream>
@@ -51,6 +52,11 @@ Result<std::string> TomlValueToString(const toml::node& node) {
   if (auto v = node.value<std::string>()) return *v;
   if (node.is_boolean()) return std::string(*node.value<bool>() ? "true" : "false");
   if (node.is_integer()) return std::to_string(*node.value<int64_t>());
+  if (node.is_floating_point()) {
+    char buf[32];
+    const auto [end, ec] = std::to_chars(buf, buf + sizeof(buf), *node.value<double>());
+    if (ec == std::errc()) return std::string(buf, end);
+  }
   if (const toml::array* arr = node.as_array()) {
     std::string joined;
     for (const toml::node& el : *arr) {
@@ -60,7 +66,7 @@ Result<std::string> TomlValueToString(const toml::node& node) {
     }
     return joined;
   }
-  return InvalidArgument("unsupported value type (use a string, integer, boolean or array)");
+  return InvalidArgument("unsupported value type (use a string, integer, float, boolean or array)");
 }
 
 std::string KnownKeys(const std::string& section) {

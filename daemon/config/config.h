@@ -46,10 +46,14 @@ struct Policy {
   std::vector<uint32_t> allowed_gids;  // peers in these groups are allowed too
   uint64_t session_max_bytes = 0;      // 0: no per-session limit
   uint64_t job_max_bytes = 0;          // 0: no per-job limit
-  uint64_t uid_max_bytes = 0;          // all sessions of one uid; 0: no limit
-  uint64_t uid_max_chunks = 0;         // chunks one uid's tenants own (tenant uid/job); 0: no limit
-  uint64_t node_reserve_bytes = 0;     // never handed out
-  uint64_t max_wait_ms = 30000;        // cap for waiting reserves without deadline
+  // What a job's state-kind sessions (place_state) may hold together: this
+  // fraction, in (0, 1], of the job's limit (the usable arena when it has
+  // none). The job's other kinds keep the rest.
+  double state_share = 0.5;
+  uint64_t uid_max_bytes = 0;       // all sessions of one uid; 0: no limit
+  uint64_t uid_max_chunks = 0;      // chunks one uid's tenants own (tenant uid/job); 0: no limit
+  uint64_t node_reserve_bytes = 0;  // never handed out
+  uint64_t max_wait_ms = 30000;     // cap for waiting reserves without deadline
   uint64_t max_waiting_reserves = 1024;            // queued at once, all tenants
   uint64_t max_waiting_reserves_per_tenant = 256;  // queued at once, one tenant
   uint64_t reserve_aging_ms = 2000;                // then a waiter's bytes are kept free for it

@@ -4,6 +4,8 @@
 #include <netinet/in.h>
 
 #include <cerrno>
+#include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
@@ -28,6 +30,8 @@ const char* KindHelp(Kind kind) {
       return "ID,ID,...";
     case Kind::kMode:
       return "OCTAL";
+    case Kind::kFraction:
+      return "FRACTION";
   }
   return "";
 }
@@ -139,6 +143,31 @@ Setting CountSetting(const char* section, const char* key, const char* help, uin
           },
           [field](const DaemonConfig& c) {
             return std::to_string(*field(const_cast<DaemonConfig*>(&c)));
+          }};
+}
+
+// A fraction in (0, 1] (e.g. 0.5), printed in its shortest exact form.
+Setting FractionSetting(const char* section, const char* key, const char* help,
+                        double* (*field)(DaemonConfig*)) {
+  return {section,
+          key,
+          Kind::kFraction,
+          help,
+          [field](DaemonConfig* c, const std::string& v) {
+            double x = 0;
+            const auto [end, ec] = std::from_chars(v.data(), v.data() + v.size(), x);
+            if (v.empty() || ec != std::errc() || end != v.data() + v.size() || !std::isfinite(x) ||
+                x <= 0 || x > 1) {
+              return InvalidArgument("'" + v + "' is not a fraction in (0, 1], e.g. 0.5");
+            }
+            *field(c) = x;
+            return Status::Ok();
+          },
+          [field](const DaemonConfig& c) {
+            char buf[32];
+            const auto [end, ec] =
+                std::to_chars(buf, buf + sizeof(buf), *field(const_cast<DaemonConfig*>(&c)));
+            return ec == std::errc() ? std::string(buf, end) : std::string("?");
           }};
 }
 
@@ -306,6 +335,13 @@ const std::vector<Setting>& Settings() {
       U64Setting("quotas", "job_max_bytes", Kind::kSize,
                  "byte limit of all sessions of one job id (0: none)",
                  [](DaemonConfig* c) { return &c->policy.job_max_bytes; }),
+      FractionSetting(
+          "quotas", "state_share",
+          "what one job's placed state (place_state's sessions) may hold together: this fraction "
+          "of the job's limit (quotas.job_max_bytes, or a lower one its hello asked for; the "
+          "usable arena when it has none); its activations and checkpoints keep the rest "
+          "(default 0.5)",
+          [](DaemonConfig* c) { return &c->policy.state_share; }),
       U64Setting("quotas", "uid_max_bytes", Kind::kSize,
                  "byte limit of all sessions of one uid, whatever job ids they name (0: none)",
                  [](DaemonConfig* c) { return &c->policy.uid_max_bytes; }),

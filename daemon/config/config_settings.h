@@ -15,7 +15,7 @@
 
 namespace memoffload::daemon::config_internal {
 
-enum class Kind { kString, kSize, kDuration, kInt, kBool, kIdList, kMode };
+enum class Kind { kString, kSize, kDuration, kInt, kBool, kIdList, kMode, kFraction };
 
 const char* KindHelp(Kind kind);
 

@@ -4,8 +4,10 @@
 
 namespace memoffload::daemon {
 
-Ledger::Account Ledger::Open(const std::string& job_key, uid_t uid) {
+Ledger::Account Ledger::Open(const std::string& job_key, uid_t uid, SessionKind kind) {
   Account account;
+  account.kind = kind;
+  ++KindOf(account).sessions;
   account.job = &jobs_[job_key];
   ++account.job->sessions;
   account.uid = &uids_[uid];
@@ -13,7 +15,8 @@ Ledger::Account Ledger::Open(const std::string& job_key, uid_t uid) {
   return account;
 }
 
-void Ledger::Close(const std::string& job_key, uid_t uid) {
+void Ledger::Close(const std::string& job_key, uid_t uid, SessionKind kind) {
+  --kinds_[static_cast<size_t>(kind)].sessions;
   if (auto job = jobs_.find(job_key); job != jobs_.end() && --job->second.sessions == 0) {
     jobs_.erase(job);
   }
@@ -28,19 +31,31 @@ uint64_t* Ledger::StateBytes(GroupState state) {
                                            : &totals_.read_bytes;
 }
 
-void Ledger::Reserved(Account* account, uint64_t bytes) {
+void Ledger::Add(Account* account, uint64_t bytes) {
   account->held_bytes += bytes;
   account->job->held_bytes += bytes;
+  if (account->kind == SessionKind::kState) account->job->state_held_bytes += bytes;
   account->uid->held_bytes += bytes;
+  KindOf(*account).held_bytes += bytes;
+}
+
+void Ledger::Take(Account* account, uint64_t bytes) {
+  account->held_bytes -= bytes;
+  account->job->held_bytes -= bytes;
+  if (account->kind == SessionKind::kState) account->job->state_held_bytes -= bytes;
+  account->uid->held_bytes -= bytes;
+  KindOf(*account).held_bytes -= bytes;
+}
+
+void Ledger::Reserved(Account* account, uint64_t bytes) {
+  Add(account, bytes);
   totals_.reserved_bytes += bytes;
   ++totals_.groups;
+  ++KindOf(*account).groups;
 }
 
 void Ledger::Committed(Account* account, uint64_t reserved, uint64_t kept) {
-  const uint64_t returned = reserved - kept;
-  account->held_bytes -= returned;
-  account->job->held_bytes -= returned;
-  account->uid->held_bytes -= returned;
+  Take(account, reserved - kept);
   totals_.reserved_bytes -= reserved;
   totals_.committed_bytes += kept;
 }
@@ -51,11 +66,10 @@ void Ledger::Read(uint64_t bytes) {
 }
 
 void Ledger::Released(Account* account, GroupState state, uint64_t bytes) {
-  account->held_bytes -= bytes;
-  account->job->held_bytes -= bytes;
-  account->uid->held_bytes -= bytes;
+  Take(account, bytes);
   *StateBytes(state) -= bytes;
   --totals_.groups;
+  --KindOf(*account).groups;
 }
 
 namespace {
@@ -82,6 +96,15 @@ bool SameHolders(const Map& ledger, const Map& recount, std::string* first) {
         }
         return false;
       }
+      if constexpr (std::is_same_v<typename Map::key_type, std::string>) {
+        const uint64_t ls_bytes = l == ledger.end() ? 0 : l->second.state_held_bytes;
+        const uint64_t rs_bytes = r == recount.end() ? 0 : r->second.state_held_bytes;
+        if (ls_bytes != rs_bytes) {
+          *first = "job " + key + "'s state sessions hold " + std::to_string(rs_bytes) +
+                   " bytes, the ledger says " + std::to_string(ls_bytes);
+          return false;
+        }
+      }
     }
   }
   return true;
@@ -91,7 +114,8 @@ bool SameHolders(const Map& ledger, const Map& recount, std::string* first) {
 
 Status Ledger::Check(const uint64_t by_state[3], uint64_t groups,
                      const std::unordered_map<std::string, Job>& job_held,
-                     const std::unordered_map<uid_t, UidTotals>& uid_held) const {
+                     const std::unordered_map<uid_t, UidTotals>& uid_held,
+                     const ByKind& by_kind) const {
   if (groups != totals_.groups || by_state[0] != totals_.reserved_bytes ||
       by_state[1] != totals_.committed_bytes || by_state[2] != totals_.read_bytes) {
     return Internal(
@@ -104,6 +128,17 @@ Status Ledger::Check(const uint64_t by_state[3], uint64_t groups,
   std::string first;
   if (!SameHolders(jobs_, job_held, &first) || !SameHolders(uids_, uid_held, &first)) {
     return Internal(first);
+  }
+  for (size_t k = 0; k < kinds_.size(); ++k) {
+    const KindTotals& l = kinds_[k];
+    const KindTotals& r = by_kind[k];
+    if (l.sessions != r.sessions || l.held_bytes != r.held_bytes || l.groups != r.groups) {
+      return Internal(std::string(SessionKindName(static_cast<SessionKind>(k))) +
+                      " sessions: " + std::to_string(r.sessions) + " holding " +
+                      std::to_string(r.held_bytes) + " bytes in " + std::to_string(r.groups) +
+                      " groups, the ledger says " + std::to_string(l.sessions) + ", " +
+                      std::to_string(l.held_bytes) + ", " + std::to_string(l.groups));
+    }
   }
   return Status::Ok();
 }

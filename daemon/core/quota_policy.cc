@@ -1,6 +1,8 @@
 #include "core/quota_policy.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 
 #include "memoffload/common/units.h"
 
@@ -25,6 +27,19 @@ std::string RegionLimitHint(uint64_t bytes, uint64_t limit) {
 
 std::string Regions(uint64_t count) {
   return std::to_string(count) + (count == 1 ? " region" : " regions");
+}
+
+// "quotas.state_share 0.5 of the job's 1.00 GiB limit" (or of the usable
+// arena): where a job's state share comes from.
+std::string ShareOf(double share, uint64_t job_limit, uint64_t usable_bytes) {
+  char fraction[32];
+  std::snprintf(fraction, sizeof(fraction), "%g", share);
+  std::string of = "quotas.state_share " + std::string(fraction) + " of ";
+  if (job_limit != 0 && job_limit <= usable_bytes) {
+    return of + "the job's " + FormatSize(job_limit) + " limit";
+  }
+  return of + "the " + FormatSize(usable_bytes) + " usable arena" +
+         (job_limit == 0 ? ", the job having no limit" : ", less than the job's limit");
 }
 
 }  // namespace
@@ -57,6 +72,8 @@ const char* RejectReasonName(RejectReason reason) {
       return "uid_limit";
     case RejectReason::kUidChunks:
       return "uid_chunks";
+    case RejectReason::kStateShare:
+      return "state_share";
   }
   return "unknown";
 }
@@ -73,6 +90,16 @@ uint64_t QuotaPolicy::SessionLimit(uint64_t asked_bytes) const {
 
 uint64_t QuotaPolicy::JobLimit(uint64_t asked_bytes) const {
   return Tighter(policy_.job_max_bytes, asked_bytes);
+}
+
+uint64_t QuotaPolicy::StateShareBytes(uint64_t job_asked_bytes, uint64_t usable_bytes) const {
+  const uint64_t job_limit = JobLimit(job_asked_bytes);
+  const uint64_t limit = job_limit == 0 ? usable_bytes : std::min(job_limit, usable_bytes);
+  const double share = policy_.state_share;
+  if (share >= 1) return limit;
+  // Rounded down, and never past the limit (a double holds 53 bits).
+  const double bytes = std::floor(static_cast<double>(limit) * share);
+  return bytes <= 0 ? 0 : std::min(limit, static_cast<uint64_t>(bytes));
 }
 
 Status QuotaPolicy::CheckFitsArena(uint64_t size_bytes, uint64_t capacity_bytes,
@@ -130,6 +157,17 @@ QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
                       FormatSize(job_limit) + " limit of job '" + std::string(u.job_id) + "' (by " +
                       FormatSize(bytes - job_limit) + "); it can never fit");
   }
+  const bool state = u.kind == SessionKind::kState;
+  const uint64_t share = state ? StateShareBytes(u.job_asked_bytes, u.usable_bytes) : 0;
+  auto share_of = [&] { return ShareOf(policy_.state_share, job_limit, u.usable_bytes); };
+  if (state && bytes > share) {
+    return Refuse(QuotaVerdict::kNever, RejectReason::kStateShare,
+                  "state share: " + FormatSize(bytes) + " is more than the whole " +
+                      FormatSize(share) + " share of placed state of job '" +
+                      std::string(u.job_id) + "' (" + share_of() + ", by " +
+                      FormatSize(bytes - share) + "); it can never fit (the job's state holds " +
+                      FormatSize(u.job_state_held_bytes) + ")");
+  }
   const uint64_t uid_limit = policy_.uid_max_bytes;
   if (uid_limit != 0 && bytes > uid_limit) {
     return Refuse(QuotaVerdict::kNever, RejectReason::kUidLimit,
@@ -161,6 +199,15 @@ QuotaDecision QuotaPolicy::Check(const QuotaUsage& u, uint64_t bytes) const {
                       " limit; " + FormatSize(bytes) + " more would exceed it by " +
                       FormatSize(u.job_held_bytes + bytes - job_limit) + " (uid " +
                       std::to_string(u.uid) + ")");
+  }
+  if (state && u.job_state_held_bytes + bytes > share) {
+    return Refuse(
+        QuotaVerdict::kHeld, RejectReason::kStateShare,
+        "state share: the placed state of job '" + std::string(u.job_id) + "' holds " +
+            FormatSize(u.job_state_held_bytes) + " of its " + FormatSize(share) + " share (" +
+            share_of() + "); " + FormatSize(bytes) + " more would exceed it by " +
+            FormatSize(u.job_state_held_bytes + bytes - share) + " (uid " + std::to_string(u.uid) +
+            "; its activations and checkpoints keep the rest of the job's limit)");
   }
   if (uid_limit != 0 && u.uid_held_bytes + bytes > uid_limit) {
     return Refuse(QuotaVerdict::kHeld, RejectReason::kUidLimit,

@@ -19,6 +19,15 @@
 //   its session's, its job's or its uid's held bytes plus the request exceed
 //   the limit.
 //   Checked in that order; the first that fails names the refusal.
+// - Placed state (a session of SessionKind::kState): what the state
+//   sessions of one job hold together is at most its share,
+//   quotas.state_share x the job's effective limit (its limit above, or
+//   the usable arena when it has none, whichever is lower), rounded down.
+//   A request larger than the share can never fit (kNever, checked after
+//   the job's whole limit); one the job's state already holds too much for
+//   is held back (kHeld, checked after the job's held bytes). Other kinds are not counted against
+//   the share: they keep the rest of the job's limit. A state session's own limit (its hello's
+//   max_bytes) lowers what it may hold below the share.
 // - With tenants, the chunks the tenants of one uid own (whatever job ids
 //   they name) are at most quotas.uid_max_chunks (0: no limit): a request
 //   larger than that many chunks can never fit; one that needs a chunk
@@ -48,6 +57,7 @@
 
 #include "config/config.h"
 #include "memoffload/common/status.h"
+#include "memoffload/shared_mem/attach_wire.h"
 
 namespace memoffload::daemon {
 
@@ -66,8 +76,9 @@ enum class RejectReason {
   kGroupLimit,     // the session holds quotas.max_groups_per_session groups
   kUidLimit,       // quotas.uid_max_bytes: what all sessions of the uid hold
   kUidChunks,      // quotas.uid_max_chunks: the chunks the uid's tenants own
+  kStateShare,     // quotas.state_share: what the job's placed state may hold
 };
-inline constexpr int kRejectReasonCount = 13;
+inline constexpr int kRejectReasonCount = 14;
 const char* RejectReasonName(RejectReason reason);
 
 // What a request is measured against: its session's and its job's holdings
@@ -80,8 +91,11 @@ struct QuotaUsage {
   std::string_view job_id;           // outlives the call
   uid_t uid = 0;
   uint64_t job_held_bytes = 0;
-  uint64_t job_asked_bytes = 0;  // smallest job_max_bytes asked; 0: none
-  uint64_t uid_held_bytes = 0;   // all sessions of the uid
+  uint64_t job_asked_bytes = 0;            // smallest job_max_bytes asked; 0: none
+  uint64_t uid_held_bytes = 0;             // all sessions of the uid
+  SessionKind kind = SessionKind::kOther;  // the session's
+  uint64_t job_state_held_bytes = 0;       // what the job's state sessions hold
+  uint64_t usable_bytes = 0;               // the usable arena: a job's limit when it has none
 };
 
 enum class QuotaVerdict {
@@ -129,6 +143,10 @@ class QuotaPolicy {
   // The limits in force; 0: no limit.
   uint64_t SessionLimit(uint64_t asked_bytes) const;
   uint64_t JobLimit(uint64_t asked_bytes) const;
+  // The share of a job's bytes its placed state may hold (quotas.state_share
+  // of the job's limit, or of `usable_bytes` when that is lower or there is
+  // none).
+  uint64_t StateShareBytes(uint64_t job_asked_bytes, uint64_t usable_bytes) const;
 
   // RESOURCE_EXHAUSTED (kTooLarge) when `size_bytes` exceeds the usable
   // arena of `capacity_bytes`: it can never fit, however long it waits.

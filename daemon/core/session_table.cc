@@ -147,6 +147,9 @@ QuotaUsage SessionTable::UsageOf(const Session& s) const {
   u.job_held_bytes = s.account.job->held_bytes;
   u.job_asked_bytes = s.account.job->requested_limit;
   u.uid_held_bytes = s.account.uid->held_bytes;
+  u.kind = s.hello.kind;
+  u.job_state_held_bytes = s.account.job->state_held_bytes;
+  u.usable_bytes = UsableBytes();
   return u;
 }
 
@@ -178,7 +181,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.peer = peer;
   s.opened_at = Clock::now();
   s.series = std::move(series);
-  s.account = ledger_.Open(s.job_key, peer.uid);
+  s.account = ledger_.Open(s.job_key, peer.uid, hello.kind);
   Ledger::Job& job = *s.account.job;
   if (s.account.uid->sessions == 1) WarnIfSharedWithoutUidLimits(peer.uid);
   bool job_limit_lowered = false;
@@ -210,7 +213,7 @@ Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReaso
     FreeExtents(group.extents);
     reclaimed += group.held_bytes;
   }
-  ledger_.Close(it->second.job_key, it->second.peer.uid);
+  ledger_.Close(it->second.job_key, it->second.peer.uid, it->second.hello.kind);
   Closed closed;
   closed.group_bytes = reclaimed;
   ForgetRegionsOf(it->second, &closed);
@@ -381,7 +384,16 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.read_bytes = totals.read_bytes;
   a.node_reserve_bytes = quota_.policy().node_reserve_bytes;
   a.sessions = static_cast<uint32_t>(sessions_.size());
-  a.groups = totals.groups;
+  // A state session's groups are its placed blocks: counted apart.
+  const Ledger::KindTotals& state = ledger_.kind(SessionKind::kState);
+  a.groups = totals.groups - state.groups;
+  a.state_blocks = state.groups;
+  a.state_bytes = state.held_bytes;
+  for (size_t k = 0; k < kSessionKindCount; ++k) {
+    a.sessions_by_kind[k] = ledger_.kinds()[k].sessions;
+    a.held_by_kind[k] = ledger_.kinds()[k].held_bytes;
+  }
+  a.state_share = quota_.policy().state_share;
   a.waiting_reserves = static_cast<uint32_t>(queue_.size());
   a.draining = draining_;
   a.shutting_down = shutting_down_;
@@ -413,7 +425,13 @@ SessionSnapshot SessionTable::SnapshotOf(uint64_t id, const Session& s,
   snap.local_rank = s.hello.local_rank;
   snap.peer = s.peer;
   snap.held_bytes = s.account.held_bytes;
-  snap.groups = s.groups.size();
+  snap.kind = s.hello.kind;
+  // A state session's groups are its placed blocks.
+  if (s.hello.kind == SessionKind::kState) {
+    snap.blocks = s.groups.size();
+  } else {
+    snap.groups = s.groups.size();
+  }
   snap.limit_bytes = quota_.SessionLimit(s.hello.max_bytes);
   snap.age_seconds = std::chrono::duration<double>(now - s.opened_at).count();
   return snap;

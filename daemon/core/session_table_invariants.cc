@@ -25,6 +25,7 @@ Status SessionTable::CheckSessionRecords(uint64_t* held) const {
   uint64_t groups = 0, by_state[3] = {0, 0, 0};
   std::unordered_map<std::string, Ledger::Job> job_held;
   std::unordered_map<uid_t, Ledger::UidTotals> uid_held;
+  Ledger::ByKind by_kind{};
   for (const auto& [id, s] : sessions_) {
     if (auto job = ledger_.jobs().find(s.job_key);
         job == ledger_.jobs().end() || &job->second != s.account.job) {
@@ -45,13 +46,23 @@ Status SessionTable::CheckSessionRecords(uint64_t* held) const {
       return Internal("session " + std::to_string(id) + " holds " + std::to_string(session_held) +
                       ", recorded " + std::to_string(s.account.held_bytes));
     }
+    if (s.account.kind != s.hello.kind) {
+      return Internal("session " + std::to_string(id) + " is counted as " +
+                      SessionKindName(s.account.kind) + ", its hello says " +
+                      SessionKindName(s.hello.kind));
+    }
+    Ledger::KindTotals& kind = by_kind[static_cast<size_t>(s.hello.kind)];
+    ++kind.sessions;
+    kind.held_bytes += session_held;
+    kind.groups += s.groups.size();
     job_held[s.job_key].held_bytes += session_held;
+    if (s.hello.kind == SessionKind::kState) job_held[s.job_key].state_held_bytes += session_held;
     ++job_held[s.job_key].sessions;
     uid_held[s.peer.uid].held_bytes += session_held;
     ++uid_held[s.peer.uid].sessions;
     *held += session_held;
   }
-  return ledger_.Check(by_state, groups, job_held, uid_held);
+  return ledger_.Check(by_state, groups, job_held, uid_held, by_kind);
 }
 
 Status SessionTable::CheckGroupRecord(uint64_t gid, const Group& g,

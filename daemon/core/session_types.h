@@ -23,6 +23,7 @@
 #include <boost/container/small_vector.hpp>
 #endif
 
+#include "memoffload/shared_mem/attach_wire.h"
 #include "memory/arena.h"
 
 namespace memoffload::daemon {
@@ -111,7 +112,12 @@ struct ArenaSnapshot {
   uint64_t largest_free_extent_bytes = 0;
   uint64_t node_reserve_bytes = 0;
   uint32_t sessions = 0;
-  uint64_t groups = 0;
+  uint32_t sessions_by_kind[kSessionKindCount] = {};  // by SessionKind
+  uint64_t held_by_kind[kSessionKindCount] = {};      // their groups' bytes
+  uint64_t groups = 0;                                // of every session but placed state's blocks
+  uint64_t state_blocks = 0;  // placed state: the groups of state-kind sessions
+  uint64_t state_bytes = 0;   // and the bytes they hold
+  double state_share = 0;     // quotas.state_share
   uint32_t waiting_reserves = 0;
   bool draining = false;
   bool shutting_down = false;       // draining for SIGTERM: undrain is refused
@@ -148,8 +154,10 @@ struct SessionSnapshot {
   int32_t rank = -1;
   int32_t local_rank = -1;
   PeerCredentials peer;
+  SessionKind kind = SessionKind::kOther;
   uint64_t held_bytes = 0;
-  uint64_t groups = 0;
+  uint64_t groups = 0;  // 0 for a state session: its groups are its blocks
+  uint64_t blocks = 0;  // a state session's placed blocks
   uint64_t limit_bytes = 0;
   double age_seconds = 0;
 };

@@ -363,6 +363,15 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_regions(s.regions);
   resp->set_region_bytes(s.region_bytes);
   resp->set_region_max_bytes(s.region_max_bytes);
+  for (size_t k = 0; k < kSessionKindCount; ++k) {
+    v1::KindUsage* kind = resp->add_kinds();
+    kind->set_kind(SessionKindName(static_cast<SessionKind>(k)));
+    kind->set_sessions(s.sessions_by_kind[k]);
+    kind->set_held_bytes(s.held_by_kind[k]);
+  }
+  resp->set_state_blocks(s.state_blocks);
+  resp->set_state_bytes(s.state_bytes);
+  resp->set_state_share(s.state_share);
   for (const UidSnapshot& u : table_->ListUids()) {
     v1::UidUsage* out = resp->add_uids();
     out->set_uid(u.uid);
@@ -402,6 +411,8 @@ grpc::Status OffloadService::ListSessions(grpc::ServerContext*, const v1::ListSe
     info->set_groups(s.groups);
     info->set_age_seconds(s.age_seconds);
     info->set_limit_bytes(s.limit_bytes);
+    info->set_kind(SessionKindName(s.kind));
+    info->set_blocks(s.blocks);
   }
   return Finish(Method::kListSessions, start, Status::Ok());
 }

@@ -88,6 +88,7 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
     const ArenaSnapshot s = table_->Snapshot();
     std::vector<prometheus::MetricFamily> out;
     AddArenaFamilies(s, &out);
+    AddKindFamilies(s, &out);
     AddBackingFamilies(s, &out);
     AddRegionFamilies(s, &out);
     auto uptime = GaugeFamily("memoffload_uptime_seconds", "Seconds since the daemon started.");
@@ -146,9 +147,32 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                     "Arena bytes the daemon never hands out (quotas.node_reserve_bytes).");
     AddGauge(&reserve, static_cast<double>(s.node_reserve_bytes));
     out->push_back(std::move(reserve));
-    auto groups = GaugeFamily("memoffload_groups", "Groups currently held, any state.");
+    auto groups = GaugeFamily(
+        "memoffload_groups",
+        "Groups currently held, any state; placed state's blocks apart (memoffload_state_blocks).");
     AddGauge(&groups, static_cast<double>(s.groups));
     out->push_back(std::move(groups));
+  }
+
+  // Sessions by what they attached for (a fixed label set), and placed
+  // state, whose blocks are not counted as groups.
+  static void AddKindFamilies(const ArenaSnapshot& s, std::vector<prometheus::MetricFamily>* out) {
+    auto by_kind = GaugeFamily("memoffload_sessions_by_kind",
+                               "Sessions attached now, by kind: activations, state (place_state), "
+                               "checkpoints, other (tools and clients that do not say).");
+    for (uint8_t k = 0; k < kSessionKindCount; ++k) {
+      AddGauge(&by_kind, s.sessions_by_kind[k], {{"kind", SessionKindName(SessionKind{k})}});
+    }
+    out->push_back(std::move(by_kind));
+    auto state_bytes = GaugeFamily("memoffload_state_bytes",
+                                   "Arena bytes held by placed state (the blocks of state "
+                                   "sessions); at most quotas.state_share of each job's limit.");
+    AddGauge(&state_bytes, static_cast<double>(s.state_bytes));
+    out->push_back(std::move(state_bytes));
+    auto state_blocks =
+        GaugeFamily("memoffload_state_blocks", "Blocks of placed state held now (not groups).");
+    AddGauge(&state_blocks, static_cast<double>(s.state_blocks));
+    out->push_back(std::move(state_blocks));
   }
 
   // Chunk backings replaced at a change of tenant, their spares and stale

@@ -222,20 +222,22 @@ TEST_F(CtlTest, SessionsTableShowsRankPidUidAndAge) {
   ASSERT_TRUE(std::getline(lines, row));
   std::istringstream h(header);
   std::vector<std::string> columns{std::istream_iterator<std::string>(h), {}};
-  EXPECT_EQ(columns, (std::vector<std::string>{"SESSION", "JOB", "RANK", "PID", "UID", "HELD",
-                                               "GROUPS", "AGE"}))
+  EXPECT_EQ(columns, (std::vector<std::string>{"SESSION", "JOB", "KIND", "RANK", "PID", "UID",
+                                               "HELD", "GROUPS", "BLOCKS", "AGE"}))
       << header;
   std::istringstream r(row);
   std::vector<std::string> cells{std::istream_iterator<std::string>(r), {}};
   // HELD is "2.00 MiB": two cells.
-  ASSERT_EQ(cells.size(), 9u) << row;
+  ASSERT_EQ(cells.size(), 11u) << row;
   EXPECT_EQ(cells[1], "table-job");
-  EXPECT_EQ(cells[2], "7");
-  EXPECT_EQ(cells[3], std::to_string(getpid()));
-  EXPECT_EQ(cells[4], std::to_string(getuid()));
-  EXPECT_EQ(cells[5] + " " + cells[6], "2.00 MiB");
-  EXPECT_EQ(cells[7], "1");
-  EXPECT_EQ(cells[8].back(), 's') << row;
+  EXPECT_EQ(cells[2], "other");  // a client that does not say what it is for
+  EXPECT_EQ(cells[3], "7");
+  EXPECT_EQ(cells[4], std::to_string(getpid()));
+  EXPECT_EQ(cells[5], std::to_string(getuid()));
+  EXPECT_EQ(cells[6] + " " + cells[7], "2.00 MiB");
+  EXPECT_EQ(cells[8], "1");
+  EXPECT_EQ(cells[9], "0");
+  EXPECT_EQ(cells[10].back(), 's') << row;
 }
 
 TEST_F(CtlTest, StatusShowsWaitingReservesAndNodeReserve) {

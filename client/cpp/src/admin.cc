@@ -159,6 +159,8 @@ Result<DaemonStatus> QueryDaemonStatus(const std::string& runtime_dir, int timeo
   s.sessions = r->sessions();
   s.groups = r->groups();
   s.draining = r->draining();
+  s.state_blocks = r->state_blocks();
+  s.state_bytes = r->state_bytes();
   return s;
 }
 

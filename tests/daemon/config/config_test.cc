@@ -119,7 +119,8 @@ TEST(Config, BadFilesAreErrorsNamingFileKeyAndChoices) {
       {"[arenas]\nsize = 1\n", "unknown section 'arenas'"},
       {"size = 1\n", "unknown section 'size'"},
       {"[arena]\nsize = \"big\"\n", "arena.size: invalid size 'big'"},
-      {"[arena]\nsize = 1.5\n", "unsupported value type"},
+      {"[arena]\nsize = 1.5\n", "arena.size: invalid size '1.5'"},
+      {"[arena]\nsize = 2024-01-01\n", "unsupported value type"},
       {"[arena\nsize = 1\n", ":1:"},
   };
   for (const Case& c : cases) {
@@ -235,19 +236,65 @@ TEST(Config, ReserveLimitsAreCountsFromOneToTheirCeiling) {
   EXPECT_NE(ResolveAndValidate(&*aging).message().find("quotas.reserve_aging"), std::string::npos);
 }
 
-TEST(Config, PrintedConfigParsesBackToTheSameValues) {
-  Result<DaemonConfig> c =
-      Parse({"--arena-size=3GiB", "--allowed-gids=10,20", "--max-wait=5s", "--socket-mode=0600"});
+// quotas.state_share: a fraction in (0, 1] from every source, a TOML float
+// or integer in a file, printed as it parses back.
+TEST(Config, StateShareIsAFractionFromZeroExcludedToOne) {
+  Result<DaemonConfig> c = Parse({});
   ASSERT_TRUE(c.ok());
-  ASSERT_TRUE(ResolveAndValidate(&*c).ok());
-  TempFile file(FormatConfig(*c));
-  Result<DaemonConfig> back = Parse({"--config", file.path().c_str()});
-  ASSERT_TRUE(back.ok()) << back.status().ToString() << "\n" << FormatConfig(*c);
-  ASSERT_TRUE(ResolveAndValidate(&*back).ok());
-  const auto a = ConfigEntries(*c);
-  const auto b = ConfigEntries(*back);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].value, b[i].value) << a[i].key;
+  EXPECT_EQ(c->policy.state_share, 0.5);
+  EXPECT_NE(FormatConfig(*c).find("state_share = 0.5  # default"), std::string::npos)
+      << FormatConfig(*c);
+  c = Parse({"--state-share=0.25"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.state_share, 0.25);
+  c = Parse({}, {"MEMOFFLOAD_STATE_SHARE=1"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.state_share, 1.0);
+  EXPECT_EQ(c->sources["quotas.state_share"], "env");
+  for (const char* text :
+       {"[quotas]\nstate_share = 0.75\n", "[quotas]\nstate_share = \"0.75\"\n"}) {
+    TempFile file(text);
+    c = Parse({"--config", file.path().c_str()});
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->policy.state_share, 0.75) << text;
+  }
+  TempFile whole("[quotas]\nstate_share = 1\n");
+  c = Parse({"--config", whole.path().c_str()});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->policy.state_share, 1.0);
+  for (const char* bad :
+       {"--state-share=0", "--state-share=1.01", "--state-share=-0.5", "--state-share=nan",
+        "--state-share=inf", "--state-share=half", "--state-share=0.5x", "--state-share="}) {
+    Result<DaemonConfig> r = Parse({bad});
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.status().message().find("is not a fraction in (0, 1]"), std::string::npos)
+        << r.status().message();
+    EXPECT_NE(r.status().message().find("--state-share"), std::string::npos)
+        << r.status().message();
+  }
+  TempFile zero("[quotas]\nstate_share = 0.0\n");
+  Result<DaemonConfig> r = Parse({"--config", zero.path().c_str()});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("quotas.state_share"), std::string::npos)
+      << r.status().message();
+}
+
+TEST(Config, PrintedConfigParsesBackToTheSameValues) {
+  for (const char* share : {"--state-share=0.3", "--state-share=1", "--state-share=1e-9"}) {
+    Result<DaemonConfig> c = Parse({"--arena-size=3GiB", "--allowed-gids=10,20", "--max-wait=5s",
+                                    "--socket-mode=0600", share});
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(ResolveAndValidate(&*c).ok());
+    TempFile file(FormatConfig(*c));
+    Result<DaemonConfig> back = Parse({"--config", file.path().c_str()});
+    ASSERT_TRUE(back.ok()) << back.status().ToString() << "\n" << FormatConfig(*c);
+    ASSERT_TRUE(ResolveAndValidate(&*back).ok());
+    const auto a = ConfigEntries(*c);
+    const auto b = ConfigEntries(*back);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i].value, b[i].value) << a[i].key;
+    EXPECT_EQ(back->policy.state_share, c->policy.state_share) << share;
+  }
 }
 
 TEST(Config, HealthAddressFromEverySourceDefaultsToNone) {
@@ -275,11 +322,11 @@ TEST(Config, HealthAddressFromEverySourceDefaultsToNone) {
 
 TEST(Config, HelpListsEveryFlagAndEnvName) {
   const std::string help = FlagsHelp();
-  for (const char* s :
-       {"--runtime-dir", "--arena-size", "--chunk-size", "--metrics-address", "--health-address",
-        "--prefault-threads", "--hugepages", "--no-mlock", "--config", "--print-config",
-        "--session-max-bytes", "--job-max-bytes", "--node-reserve-bytes", "--drain-timeout",
-        "MEMOFFLOAD_ARENA_SIZE", "[quotas] max_wait"}) {
+  for (const char* s : {"--runtime-dir", "--arena-size", "--chunk-size", "--metrics-address",
+                        "--health-address", "--prefault-threads", "--hugepages", "--no-mlock",
+                        "--config", "--print-config", "--session-max-bytes", "--job-max-bytes",
+                        "--node-reserve-bytes", "--drain-timeout", "--state-share=FRACTION",
+                        "MEMOFFLOAD_STATE_SHARE", "MEMOFFLOAD_ARENA_SIZE", "[quotas] max_wait"}) {
     EXPECT_NE(help.find(s), std::string::npos) << s;
   }
 }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <random>
 
 #include "memoffload/common/units.h"
@@ -88,6 +89,55 @@ TEST(QuotaPolicyTest, HeldByGroupsThenSessionBytesThenJobBytesAndAllowedUpToTheL
   EXPECT_TRUE(d.allowed());
   EXPECT_EQ(d.reason, RejectReason::kNone);
   EXPECT_TRUE(d.status.ok());
+}
+
+// quotas.state_share: a job's state sessions together hold at most that
+// fraction of the job's limit (the usable arena without one); other kinds
+// of the job are not counted against it.
+TEST(QuotaPolicyTest, AJobsPlacedStateIsHeldAtItsShareAndOtherKindsAreNot) {
+  Policy p = Limits(0, 64 * kMiB);
+  p.state_share = 0.25;
+  QuotaPolicy quota(p);
+  EXPECT_EQ(quota.StateShareBytes(0, 256 * kMiB), 16 * kMiB);
+  EXPECT_EQ(quota.StateShareBytes(32 * kMiB, 256 * kMiB), 8 * kMiB);  // the job asked less
+  EXPECT_EQ(quota.StateShareBytes(0, 40 * kMiB), 10 * kMiB);          // the arena is smaller
+  QuotaUsage u = Usage(0, 0, 20 * kMiB);
+  u.kind = SessionKind::kState;
+  u.usable_bytes = 256 * kMiB;
+  u.job_state_held_bytes = 12 * kMiB;
+  QuotaDecision d = quota.Check(u, 4 * kMiB);
+  EXPECT_TRUE(d.allowed()) << d.status.message();  // exactly at the share
+  d = quota.Check(u, 4 * kMiB + 4096);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kHeld);
+  EXPECT_EQ(d.reason, RejectReason::kStateShare);
+  EXPECT_EQ(d.status.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(d.status.message().find("the placed state of job 'train' holds 12.00 MiB of its "
+                                    "16.00 MiB share (quotas.state_share 0.25 of the job's "
+                                    "64.00 MiB limit)"),
+            std::string::npos)
+      << d.status.message();
+  d = quota.Check(u, 17 * kMiB);
+  EXPECT_EQ(d.verdict, QuotaVerdict::kNever);
+  EXPECT_EQ(d.reason, RejectReason::kStateShare);
+  EXPECT_NE(d.status.message().find("quotas.state_share"), std::string::npos);
+  // Activations of the same job: only the job's limit holds them.
+  u.kind = SessionKind::kActivations;
+  EXPECT_TRUE(quota.Check(u, 40 * kMiB).allowed());
+  EXPECT_EQ(quota.Check(u, 44 * kMiB + 4096).reason, RejectReason::kJobLimit);
+  // No job limit: a share of the usable arena, and the message says so.
+  QuotaPolicy unlimited(Limits(0, 0));
+  u.kind = SessionKind::kState;
+  u.usable_bytes = 64 * kMiB;
+  u.job_state_held_bytes = 32 * kMiB;
+  d = unlimited.Check(u, 4096);
+  EXPECT_EQ(d.reason, RejectReason::kStateShare);
+  EXPECT_NE(d.status.message().find("quotas.state_share 0.5 of the 64.00 MiB usable arena, the "
+                                    "job having no limit"),
+            std::string::npos)
+      << d.status.message();
+  // A share of 1: all of the job's limit.
+  p.state_share = 1;
+  EXPECT_EQ(QuotaPolicy(p).StateShareBytes(0, 256 * kMiB), 64 * kMiB);
 }
 
 TEST(QuotaPolicyTest, AUidsSessionsTogetherAreHeldByItsLimitAndNamedInTheRefusal) {
@@ -310,11 +360,15 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
     const uint64_t uid_max = pick();
     Policy limits = Limits(session_max, job_max, groups_max);
     limits.uid_max_bytes = uid_max;
+    limits.state_share = static_cast<double>(1 + rng() % 4) / 4;
     QuotaPolicy quota(limits);
     QuotaUsage u = Usage(pick(), around(groups_max), pick());
     u.uid_held_bytes = pick();
     u.session_asked_bytes = pick();
     u.job_asked_bytes = pick();
+    u.kind = static_cast<SessionKind>(rng() % kSessionKindCount);
+    u.job_state_held_bytes = pick();
+    u.usable_bytes = 1 + pick();
     const uint64_t bytes = 1 + pick();
     auto tighter = [](uint64_t configured, uint64_t asked) {
       if (configured == 0) return asked;
@@ -323,6 +377,10 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
     };
     const uint64_t sl = tighter(session_max, u.session_asked_bytes);
     const uint64_t jl = tighter(job_max, u.job_asked_bytes);
+    const bool state = u.kind == SessionKind::kState;
+    const uint64_t share = static_cast<uint64_t>(
+        static_cast<double>(jl == 0 ? u.usable_bytes : std::min(jl, u.usable_bytes)) *
+        limits.state_share);  // quarters of small integers: exact
     QuotaVerdict want = QuotaVerdict::kAllowed;
     RejectReason why = RejectReason::kNone;
     if (sl != 0 && bytes > sl) {
@@ -331,6 +389,9 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
     } else if (jl != 0 && bytes > jl) {
       want = QuotaVerdict::kNever;
       why = RejectReason::kJobLimit;
+    } else if (state && bytes > share) {
+      want = QuotaVerdict::kNever;
+      why = RejectReason::kStateShare;
     } else if (uid_max != 0 && bytes > uid_max) {
       want = QuotaVerdict::kNever;
       why = RejectReason::kUidLimit;
@@ -343,6 +404,9 @@ TEST(QuotaPolicyTest, CheckAgreesWithTheRulesOnRandomRequests) {
     } else if (jl != 0 && u.job_held_bytes + bytes > jl) {
       want = QuotaVerdict::kHeld;
       why = RejectReason::kJobLimit;
+    } else if (state && u.job_state_held_bytes + bytes > share) {
+      want = QuotaVerdict::kHeld;
+      why = RejectReason::kStateShare;
     } else if (uid_max != 0 && u.uid_held_bytes + bytes > uid_max) {
       want = QuotaVerdict::kHeld;
       why = RejectReason::kUidLimit;

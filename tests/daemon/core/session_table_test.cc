@@ -382,5 +382,64 @@ TEST(ConstantTimeEquals, Basics) {
   }
 }
 
+// Placed state (SessionKind::kState) of a job holds at most
+// quotas.state_share of the job's limit, here half the 4 MiB arena; the
+// job's activations are not counted against it, and its blocks are not
+// counted as groups.
+TEST_F(SessionTableTest, AJobsStateHoldsItsShareAndItsBlocksAreNotGroups) {
+  auto open = [&](SessionKind kind) {
+    Hello hello;
+    hello.job_id = "train";
+    hello.kind = kind;
+    auto g = table_->Open(hello, PeerCredentials{1234, 1000, 1000});
+    EXPECT_TRUE(g.ok());
+    return *g;
+  };
+  const SessionGrant state = open(SessionKind::kState);
+  const SessionGrant more_state = open(SessionKind::kState);
+  const SessionGrant act = open(SessionKind::kActivations);
+  ASSERT_TRUE(table_->Reserve(state.session_id, state.token, 1, kMiB, true).ok());
+  ASSERT_TRUE(table_->Commit(state.session_id, state.token, 1, kMiB).ok());
+  ASSERT_TRUE(table_->Reserve(more_state.session_id, more_state.token, 1, kMiB, true).ok());
+  RejectReason reject = RejectReason::kNone;
+  auto r = table_->Reserve(state.session_id, state.token, 2, 4096, true, std::nullopt, &reject);
+  ASSERT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(reject, RejectReason::kStateShare);
+  EXPECT_NE(r.status().message().find("holds 2.00 MiB of its 2.00 MiB share (quotas.state_share"),
+            std::string::npos)
+      << r.status().message();
+  // What is left of the arena is the activations'.
+  ASSERT_TRUE(table_->Reserve(act.session_id, act.token, 1, 2 * kMiB, false).ok());
+
+  const ArenaSnapshot snap = table_->Snapshot();
+  EXPECT_EQ(snap.groups, 1u);
+  EXPECT_EQ(snap.state_blocks, 2u);
+  EXPECT_EQ(snap.state_bytes, 2 * kMiB);
+  EXPECT_EQ(snap.sessions_by_kind[static_cast<size_t>(SessionKind::kState)], 2u);
+  EXPECT_EQ(snap.sessions_by_kind[static_cast<size_t>(SessionKind::kActivations)], 1u);
+  EXPECT_EQ(snap.held_by_kind[static_cast<size_t>(SessionKind::kActivations)], 2 * kMiB);
+  const auto sessions = table_->ListSessions();
+  ASSERT_EQ(sessions.size(), 3u);
+  EXPECT_EQ(sessions[0].kind, SessionKind::kState);
+  EXPECT_EQ(sessions[0].blocks, 1u);
+  EXPECT_EQ(sessions[0].groups, 0u);
+  EXPECT_EQ(sessions[2].kind, SessionKind::kActivations);
+  EXPECT_EQ(sessions[2].groups, 1u);
+  EXPECT_EQ(sessions[2].blocks, 0u);
+
+  // A released block makes room in the share again; a larger share (SIGHUP)
+  // lets state take what the activations left.
+  ASSERT_TRUE(table_->Release(act.session_id, act.token, 1).ok());
+  EXPECT_EQ(table_->Reserve(state.session_id, state.token, 2, kMiB, true).status().code(),
+            StatusCode::kResourceExhausted);
+  Policy all;
+  all.state_share = 1;
+  table_->SetPolicy(all);
+  EXPECT_TRUE(table_->Reserve(state.session_id, state.token, 2, kMiB, true).ok());
+  ASSERT_TRUE(table_->Close(more_state.session_id, CloseReason::kLifelineClosed).ok());
+  EXPECT_EQ(table_->Snapshot().state_bytes, 2 * kMiB);
+  EXPECT_EQ(table_->Snapshot().sessions_by_kind[static_cast<size_t>(SessionKind::kState)], 1u);
+}
+
 }  // namespace
 }  // namespace memoffload::daemon

@@ -27,8 +27,10 @@ struct DaemonStatus {
   uint32_t chunks = 0;
   uint64_t chunk_size_bytes = 0;
   uint32_t sessions = 0;
-  uint64_t groups = 0;
+  uint64_t groups = 0;  // placed state's blocks apart (state_blocks)
   bool draining = false;
+  uint64_t state_blocks = 0;  // placed state (place_state): its blocks
+  uint64_t state_bytes = 0;   // and their bytes
 };
 
 // GetStatus of the daemon at `runtime_dir` (resolved like
