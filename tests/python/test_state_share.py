@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+import memoffload
 import memoffload.torch as mot
 from conftest import Daemon, bit_equal, clone_model
 
@@ -115,4 +116,27 @@ def test_state_gets_its_share_and_activations_the_rest(small_arena, caplog):
     assert h["offloaded_bytes"] > 0 and h["skipped_bytes"] == 0, h
     assert h["prefetched_bytes"] == h["offloaded_bytes"], h
     handle.remove()
+    placement.remove()
+
+
+def test_max_bytes_caps_one_rank_below_the_share(small_arena, caplog):
+    """place_state(max_bytes=) lowers what this rank places below the job's
+    share: the session limit, named in the one WARNING."""
+    d = small_arena
+    caplog.set_level(logging.WARNING, logger="memoffload")
+    torch.manual_seed(0)
+    model = Stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    placement = mot.place_state(None, opt, runtime_dir=d.runtime_dir, job_id=JOB, min_bytes=4096,
+                                max_bytes=3 * MIB)
+    gen = torch.Generator().manual_seed(1)
+    _train(model, opt, 2, [torch.randn(64, 512, generator=gen) for _ in range(2)])
+    s = placement.stats()
+    assert 2 * MIB < s["held_bytes"] <= 3 * MIB, s
+    assert d.status()["state_bytes"] == s["held_bytes"]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and "place_state" in r.getMessage()]
+    assert len(warnings) == 1 and "session limit" in warnings[0], warnings
+    with pytest.raises(memoffload.InvalidArgument, match="max_bytes"):
+        mot.place_state(None, opt, runtime_dir=d.runtime_dir, max_bytes=0)
     placement.remove()
