@@ -106,6 +106,7 @@ int Status_(memoffload::client::AdminClient& admin, bool json) {
   row("largest free extent", FormatSize(s->largest_free_extent_bytes()));
   row("chunks", std::to_string(s->chunks()) + " x " + FormatSize(s->chunk_size_bytes()));
   row("mlocked", s->mlocked() ? "yes" : "no");
+  if (!s->pages().empty()) row("pages", s->pages());
   row("stale backings", std::to_string(s->stale_backings()) + " (" + FormatSize(s->stale_bytes()) +
                             " still kept by processes of a previous tenant, outside capacity)");
   row("fresh backings", std::to_string(s->replaced_backings()) + " replaced, " +

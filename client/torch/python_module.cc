@@ -112,6 +112,9 @@ py::dict DaemonStatus(const std::string& runtime_dir, int timeout_ms) {
   d["draining"] = r.draining;
   d["state_blocks"] = r.state_blocks;
   d["state_bytes"] = r.state_bytes;
+  d["hugetlb_bytes"] = r.hugetlb_bytes;
+  d["thp_bytes"] = r.thp_bytes;
+  d["pages"] = r.pages;
   return d;
 }
 

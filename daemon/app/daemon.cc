@@ -173,11 +173,17 @@ class Daemon {
     if (!report_.mlocked && config_.mlock) {
       MO_LOG_WARN("mlock failed: %s", report_.mlock_problem.c_str());
     }
-    MO_LOG_INFO("arena ready: %s, %u chunks of %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
-                FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
-                FormatSize(arena_->chunk_size_bytes()).c_str(), report_.build_seconds,
-                arena_->capacity_bytes() / 1e9 / std::max(report_.build_seconds, 1e-9),
-                report_.mlocked ? "yes" : "no");
+    MO_LOG_INFO(
+        "arena ready: %s, %u chunks of %s, on %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
+        FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
+        FormatSize(arena_->chunk_size_bytes()).c_str(),
+        DescribePages(arena_->capacity_bytes(), report_.hugetlb_bytes, report_.thp_bytes).c_str(),
+        report_.build_seconds,
+        arena_->capacity_bytes() / 1e9 / std::max(report_.build_seconds, 1e-9),
+        report_.mlocked ? "yes" : "no");
+    if (!report_.pages_note.empty()) {
+      MO_LOG_INFO("arena not all on huge pages: %s", report_.pages_note.c_str());
+    }
     return Status::Ok();
   }
 
@@ -200,8 +206,9 @@ class Daemon {
     Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
     if (!job_labels.ok()) return job_labels.status();
     metrics_ = std::make_unique<Metrics>(
-        table_.get(), MetricsInfo{DaemonVersion(), arena_->chunk_count(),
-                                  arena_->chunk_size_bytes(), arena_->mlocked(), *job_labels});
+        table_.get(),
+        MetricsInfo{DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(),
+                    arena_->mlocked(), *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes()});
     if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
     if (!metrics_port_.problem().empty()) {
       metrics_port_.RetryUntilBound(

@@ -349,6 +349,10 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_chunk_size_bytes(arena_->chunk_size_bytes());
   resp->set_page_bytes(arena_->page_bytes());
   resp->set_mlocked(arena_->mlocked());
+  resp->set_hugetlb_bytes(arena_->hugetlb_bytes());
+  resp->set_thp_bytes(arena_->thp_bytes());
+  resp->set_pages(
+      DescribePages(arena_->capacity_bytes(), arena_->hugetlb_bytes(), arena_->thp_bytes()));
   resp->set_sessions(s.sessions);
   resp->set_groups(s.groups);
   resp->set_draining(s.draining);

@@ -219,7 +219,65 @@ void LockAfterPrefault(std::vector<Chunk>& chunks, uint64_t arena_bytes, bool* m
   }
 }
 
+// What the kernel gave each chunk, summed into the report, and the line
+// that says why the arena is not all on huge pages.
+void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
+                 ArenaBuildReport* report) {
+  for (const Chunk& c : chunks) {
+    Result<MappingPages> pages = PagesOf(c.data());
+    if (!pages.ok()) {
+      MO_LOG_WARN("cannot tell the arena's page size: %s", pages.status().ToString().c_str());
+      return;
+    }
+    if (pages->kernel_page_bytes > SystemPageBytes()) {
+      report->hugetlb_bytes += c.size_bytes();
+    } else {
+      report->thp_bytes += std::min(pages->pmd_mapped_bytes, c.size_bytes());
+    }
+  }
+  if (report->hugetlb_bytes + report->thp_bytes >= capacity_bytes) return;
+  const ShmemThpSetting thp = ReadShmemThpSetting();
+  const std::string knob = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+  if (thp.global.empty()) {
+    report->pages_note =
+        "this kernel has no shared-memory transparent huge pages (" + knob +
+        " is missing); --hugepages with reserved pages (vm.nr_hugepages) puts it on 2 MiB pages";
+  } else if (!thp.allows_advised()) {
+    const bool per_size = !thp.pmd_size.empty() && thp.pmd_size != "inherit";
+    report->pages_note =
+        "shared-memory transparent huge pages are off (" +
+        (per_size ? "/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled is '" +
+                        thp.pmd_size + "'"
+                  : knob + " is '" + thp.global + "'") +
+        "); setting it to 'advise' puts the arena on 2 MiB pages, which makes a first write "
+        "into it about as fast as a copy into touched memory (docs/deploy.md, 'Huge pages')";
+  } else {
+    report->pages_note = "the kernel gave " + FormatSize(report->thp_bytes) + " of " +
+                         FormatSize(capacity_bytes - report->hugetlb_bytes) +
+                         " as transparent huge pages (" + knob + " is '" + thp.global +
+                         "'): memory was too fragmented for more; a start after a reboot, or "
+                         "'echo 1 > /proc/sys/vm/compact_memory' first, gets more";
+  }
+}
+
 }  // namespace
+
+std::string DescribePages(uint64_t capacity_bytes, uint64_t hugetlb_bytes, uint64_t thp_bytes) {
+  std::vector<std::string> parts;
+  if (hugetlb_bytes > 0) parts.push_back("2 MiB pages (hugetlbfs)");
+  if (thp_bytes > 0) parts.push_back("2 MiB pages (shared-memory THP)");
+  const uint64_t small = capacity_bytes - std::min(capacity_bytes, hugetlb_bytes + thp_bytes);
+  if (parts.empty()) return FormatSize(SystemPageBytes()) + " pages";
+  if (small == 0 && parts.size() == 1) return parts[0];
+  std::string out;
+  if (hugetlb_bytes > 0) out += parts[0] + " for " + FormatSize(hugetlb_bytes);
+  if (thp_bytes > 0) {
+    out += std::string(out.empty() ? "" : ", ") + "2 MiB pages (shared-memory THP) for " +
+           FormatSize(thp_bytes);
+  }
+  if (small > 0) out += ", " + FormatSize(SystemPageBytes()) + " pages for the rest";
+  return out;
+}
 
 Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBuildReport* report) {
   const auto start = std::chrono::steady_clock::now();
@@ -255,6 +313,9 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
   }
 
   MEMOFFLOAD_RETURN_IF_ERROR(PrefaultAll(arena->chunks_, options.prefault_threads));
+  ReportPages(arena->chunks_, options.size_bytes, report);
+  arena->hugetlb_bytes_ = report->hugetlb_bytes;
+  arena->thp_bytes_ = report->thp_bytes;
 
   if (lock_after_prefault) {
     LockAfterPrefault(arena->chunks_, options.size_bytes, &arena->mlocked_, report);

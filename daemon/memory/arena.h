@@ -41,7 +41,19 @@ struct ArenaBuildReport {
   std::string mlock_problem;      // why mlock was skipped or failed, "" if ok
   uint32_t hugepage_chunks = 0;   // chunks backed by hugepages
   std::string hugepage_fallback;  // why hugepages were not (all) used, "" if ok
+  // What the kernel gave after the pre-fault (/proc/self/smaps): bytes on
+  // hugetlbfs pages, and on shared-memory transparent huge pages (2 MiB).
+  uint64_t hugetlb_bytes = 0;
+  uint64_t thp_bytes = 0;
+  // The one line for an arena not all on huge pages: why, and the setting
+  // that would change it; "" when all are.
+  std::string pages_note;
 };
+
+// "2 MiB pages (shared-memory THP)", "2 MiB pages (hugetlbfs)", "4 KiB
+// pages", or a mix ("2 MiB pages (shared-memory THP) for 512 MiB, 4 KiB
+// pages for the rest").
+std::string DescribePages(uint64_t capacity_bytes, uint64_t hugetlb_bytes, uint64_t thp_bytes);
 
 class Arena {
  public:
@@ -64,6 +76,11 @@ class Arena {
   uint64_t chunk_size_bytes() const { return chunk_size_bytes_; }
   uint64_t page_bytes() const { return page_bytes_; }
   bool mlocked() const { return mlocked_; }
+  // Bytes of the arena on huge pages after the build (hugetlbfs or THP),
+  // and of them on transparent huge pages.
+  uint64_t huge_bytes() const { return hugetlb_bytes_ + thp_bytes_; }
+  uint64_t thp_bytes() const { return thp_bytes_; }
+  uint64_t hugetlb_bytes() const { return hugetlb_bytes_; }
 
   ExtentAllocator& allocator() { return *allocator_; }
   const ExtentAllocator& allocator() const { return *allocator_; }
@@ -79,6 +96,8 @@ class Arena {
   uint64_t chunk_size_bytes_ = 0;
   uint64_t page_bytes_ = 0;
   bool mlocked_ = false;
+  uint64_t hugetlb_bytes_ = 0;
+  uint64_t thp_bytes_ = 0;
 };
 
 }  // namespace memoffload::daemon

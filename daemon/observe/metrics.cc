@@ -131,6 +131,17 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                                "1 when the arena is mlock'ed, 0 when it could not be.");
     AddGauge(&mlocked, info_.mlocked ? 1 : 0);
     out->push_back(std::move(mlocked));
+    auto pages = GaugeFamily("memoffload_arena_page_bytes",
+                             "Arena bytes by page size, as the kernel gave them at start: "
+                             "2 MiB pages of hugetlbfs or of shared-memory transparent huge "
+                             "pages (thp), and the system's base pages.");
+    AddGauge(&pages, static_cast<double>(info_.hugetlb_bytes), {{"pages", "hugetlbfs"}});
+    AddGauge(&pages, static_cast<double>(info_.thp_bytes), {{"pages", "thp"}});
+    AddGauge(&pages,
+             static_cast<double>(s.capacity_bytes -
+                                 std::min(s.capacity_bytes, info_.hugetlb_bytes + info_.thp_bytes)),
+             {{"pages", "base"}});
+    out->push_back(std::move(pages));
     auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");
     AddGauge(&sessions, s.sessions);
     out->push_back(std::move(sessions));

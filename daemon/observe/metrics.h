@@ -66,6 +66,8 @@ struct MetricsInfo {
   uint64_t chunk_size_bytes = 0;
   bool mlocked = false;
   JobLabels job_labels = JobLabels::kPlain;
+  uint64_t hugetlb_bytes = 0;  // the arena on huge pages, as the kernel gave them at start
+  uint64_t thp_bytes = 0;
 };
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,

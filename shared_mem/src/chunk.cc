@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -53,7 +54,97 @@ uint64_t MeminfoField(const char* key) {
   return value;
 }
 
+// A mapping of `size_bytes` of `fd` at a 2 MiB-aligned address, advised
+// MADV_HUGEPAGE (shared-memory THP maps a 2 MiB page with one PMD only where
+// the virtual address is aligned as the file offset is). Huge pages may be
+// refused (the node's setting, fragmentation): the advice is best effort.
+void* MapAligned(int fd, uint64_t size_bytes, int extra_flags) {
+  constexpr uint64_t kAlign = 2ull << 20;
+  void* area = mmap(nullptr, size_bytes + kAlign, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (area == MAP_FAILED) return MAP_FAILED;
+  auto* base = static_cast<uint8_t*>(area);
+  auto* aligned =
+      reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + kAlign - 1) & ~(kAlign - 1));
+  void* p = mmap(aligned, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | extra_flags,
+                 fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    munmap(area, size_bytes + kAlign);
+    errno = err;
+    return MAP_FAILED;
+  }
+  if (aligned > base) munmap(base, aligned - base);
+  const uint64_t tail = (base + size_bytes + kAlign) - (aligned + size_bytes);
+  if (tail > 0) munmap(aligned + size_bytes, tail);
+  (void)madvise(p, size_bytes, MADV_HUGEPAGE);  // EINVAL without THP: nothing to advise
+  return p;
+}
+
+std::string ReadSmall(const std::string& path) {
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return "";
+  char buf[256];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  return std::string(buf, n);
+}
+
 }  // namespace
+
+std::string SelectedWord(const std::string& contents) {
+  const size_t open = contents.find('[');
+  const size_t close = contents.find(']', open == std::string::npos ? 0 : open);
+  if (open == std::string::npos || close == std::string::npos) return "";
+  return contents.substr(open + 1, close - open - 1);
+}
+
+ShmemThpSetting ReadShmemThpSetting() {
+  const std::string dir = "/sys/kernel/mm/transparent_hugepage/";
+  return {SelectedWord(ReadSmall(dir + "shmem_enabled")),
+          SelectedWord(ReadSmall(dir + "hugepages-2048kB/shmem_enabled"))};
+}
+
+bool ShmemThpSetting::allows_advised() const {
+  const std::string& in_force = pmd_size.empty() || pmd_size == "inherit" ? global : pmd_size;
+  return in_force == "advise" || in_force == "always" || in_force == "within_size" ||
+         in_force == "force";
+}
+
+uint64_t MappingPages::huge_bytes() const {
+  return kernel_page_bytes > SystemPageBytes() ? size_bytes : pmd_mapped_bytes;
+}
+
+Result<MappingPages> PagesOf(const void* start) {
+  FILE* f = std::fopen("/proc/self/smaps", "r");
+  if (f == nullptr) return ErrnoStatus("opening /proc/self/smaps", errno);
+  char want[32];
+  std::snprintf(want, sizeof(want), "%lx-", reinterpret_cast<unsigned long>(start));
+  const size_t want_len = std::strlen(want);
+  char line[512];
+  bool in = false, found = false;
+  MappingPages pages;
+  while (std::fgets(line, sizeof(line), f) != nullptr) {
+    // A mapping's header starts with its range in lower-case hex
+    // ("7f..-7f.. rw-s ..."); its fields ("Rss:      4 kB") with a capital.
+    const auto first = static_cast<unsigned char>(line[0]);
+    const bool header = std::isxdigit(first) && !std::isupper(first);
+    if (header) {
+      if (in) break;
+      in = std::strncmp(line, want, want_len) == 0;
+      found = found || in;
+      continue;
+    }
+    if (!in) continue;
+    unsigned long long kb = 0;
+    if (std::sscanf(line, "KernelPageSize: %llu kB", &kb) == 1) pages.kernel_page_bytes = kb << 10;
+    if (std::sscanf(line, "ShmemPmdMapped: %llu kB", &kb) == 1) pages.pmd_mapped_bytes = kb << 10;
+    if (std::sscanf(line, "Rss: %llu kB", &kb) == 1) pages.rss_bytes = kb << 10;
+    if (std::sscanf(line, "Size: %llu kB", &kb) == 1) pages.size_bytes = kb << 10;
+  }
+  std::fclose(f);
+  if (!found) return NotFound("no mapping starts at " + std::string(want, want_len - 1));
+  return pages;
+}
 
 uint64_t SystemPageBytes() {
   static const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -91,7 +182,10 @@ Result<Chunk> Chunk::Create(const std::string& name, uint64_t size_bytes, bool h
     close(fd);
     return ErrnoStatus("sealing memfd", err);
   }
-  void* p = mmap(nullptr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // A hugetlbfs mapping is aligned to its page by the kernel; a shared
+  // memory one is aligned here, for transparent huge pages.
+  void* p = hugepages ? mmap(nullptr, size_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                      : MapAligned(fd, size_bytes, 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     close(fd);
@@ -117,8 +211,9 @@ Result<Chunk> Chunk::Map(int fd, uint64_t size_bytes, bool populate) {
     return InvalidArgument("chunk fd holds " + std::to_string(st.st_size) +
                            " bytes, expected at least " + std::to_string(size_bytes));
   }
-  int flags = MAP_SHARED | (populate ? MAP_POPULATE : 0);
-  void* p = mmap(nullptr, size_bytes, PROT_READ | PROT_WRITE, flags, fd, 0);
+  // Aligned and advised as the daemon's mapping is: a chunk on huge pages is
+  // then mapped with one page-table entry per 2 MiB here too.
+  void* p = MapAligned(fd, size_bytes, populate ? MAP_POPULATE : 0);
   if (p == MAP_FAILED) {
     const int err = errno;
     close(fd);

@@ -161,6 +161,9 @@ Result<DaemonStatus> QueryDaemonStatus(const std::string& runtime_dir, int timeo
   s.draining = r->draining();
   s.state_blocks = r->state_blocks();
   s.state_bytes = r->state_bytes();
+  s.hugetlb_bytes = r->hugetlb_bytes();
+  s.thp_bytes = r->thp_bytes();
+  s.pages = r->pages();
   return s;
 }
 

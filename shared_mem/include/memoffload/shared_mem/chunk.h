@@ -5,6 +5,14 @@
 // against shrinking and growing, so no client can ftruncate it under the
 // daemon (which would turn the daemon's accesses into SIGBUS).
 //
+// Huge pages: a hugetlbfs memfd (MFD_HUGETLB) when asked for; otherwise
+// every mapping (the daemon's and each client's) starts at a 2 MiB-aligned
+// address and is advised MADV_HUGEPAGE, so that where the node allows
+// shared-memory transparent huge pages (shmem_enabled "advise"), the kernel
+// backs the memfd with 2 MiB pages and maps them with one page-table entry
+// each. Where it does not, the advice does nothing. PagesOf says what the
+// kernel gave.
+//
 // A Chunk owns its fd and its mapping; both are released on destruction.
 // Move-only; not thread-safe (callers synchronise).
 #ifndef MEMOFFLOAD_SHARED_MEM_CHUNK_H_
@@ -87,6 +95,34 @@ class Chunk {
   uint64_t size_bytes_ = 0;
   bool locked_ = false;
 };
+
+// What the kernel maps a mapping with, from /proc/self/smaps.
+struct MappingPages {
+  uint64_t kernel_page_bytes = 0;  // KernelPageSize (2 MiB for hugetlbfs)
+  uint64_t pmd_mapped_bytes = 0;   // ShmemPmdMapped: shared memory on huge pages (THP)
+  uint64_t rss_bytes = 0;          // Rss
+  uint64_t size_bytes = 0;         // Size
+  // Bytes on huge pages, either kind (hugetlbfs: the whole mapping).
+  uint64_t huge_bytes() const;
+};
+// The pages of the mapping that starts at `start` in this process
+// (NOT_FOUND when none does).
+Result<MappingPages> PagesOf(const void* start);
+
+// The kernel's shared-memory THP setting: the selected word of
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled ("never", "advise",
+// "always", "within_size", "deny", "force"), and of its 2 MiB size
+// (hugepages-2048kB/shmem_enabled, "inherit" where it follows the first);
+// "" where the kernel has none.
+struct ShmemThpSetting {
+  std::string global;
+  std::string pmd_size;
+  // Whether a mapping advised MADV_HUGEPAGE may get 2 MiB pages.
+  bool allows_advised() const;
+};
+ShmemThpSetting ReadShmemThpSetting();
+// The selected word of a sysfs choice file ("a [b] c" -> "b"), "" if none.
+std::string SelectedWord(const std::string& contents);
 
 // Page size of the running system.
 uint64_t SystemPageBytes();

@@ -31,6 +31,11 @@ struct DaemonStatus {
   bool draining = false;
   uint64_t state_blocks = 0;  // placed state (place_state): its blocks
   uint64_t state_bytes = 0;   // and their bytes
+  // The arena's pages as the kernel gave them at start: bytes on 2 MiB
+  // pages of hugetlbfs and of shared-memory THP, and in words.
+  uint64_t hugetlb_bytes = 0;
+  uint64_t thp_bytes = 0;
+  std::string pages;
 };
 
 // GetStatus of the daemon at `runtime_dir` (resolved like
