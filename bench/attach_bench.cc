@@ -39,6 +39,7 @@
 
 #include "attach_latency.h"
 #include "benches.h"
+#include "memoffload/client/daemon_status.h"
 #include "memoffload/common/units.h"
 
 namespace memoffload::bench {
@@ -174,6 +175,9 @@ bool LogSaysHugepageFallback(const std::string& log_path) {
 int MeasureAll(const client::AttachOptions& options, const std::string& scratch_dir,
                int attach_samples, uint64_t arena_bytes, uint64_t write_bytes, bool json,
                bool hugepages, bool hugepage_fallback) {
+  // The pages the daemon's arena got (what the kernel gave, as it reports).
+  Result<client::DaemonStatus> status = client::QueryDaemonStatus(options.runtime_dir);
+  const std::string pages = status.ok() ? status->pages : "unknown";
   Result<AttachLatency> latency = MeasureAttachLatency(options, scratch_dir, attach_samples);
   if (!latency.ok()) {
     std::fprintf(stderr, "attach: %s\n", latency.status().ToString().c_str());
@@ -234,17 +238,15 @@ int MeasureAll(const client::AttachOptions& options, const std::string& scratch_
         "\"first_write_gbps\":%.3f,\"prefaulted_memcpy_gbps\":%.3f,"
         "\"fresh_private_write_gbps\":%.3f,\"ratio\":%.3f,\"rewrite_gbps\":%.3f,"
         "\"lazy_first_write_gbps\":%.3f,\"map_populate_first_write_gbps\":%.3f,"
-        "\"hugepages\":%s,\"hugepage_fallback\":%s}\n",
+        "\"hugepages\":%s,\"hugepage_fallback\":%s,\"pages\":\"%s\"}\n",
         static_cast<unsigned long long>(arena_bytes), static_cast<unsigned long long>(write_bytes),
         a.samples, a.p50_ms, a.p99_ms, a.call_p50_ms, a.floor_p50_ms, a.floor_p99_ms,
         a.p50_ms / a.floor_p50_ms, first_write, prefaulted, fresh_private, first_write / prefaulted,
         Median(rewrite_v), Median(lazy_v), Median(populate_v), hugepages ? "true" : "false",
-        hugepage_fallback ? "true" : "false");
+        hugepage_fallback ? "true" : "false", pages.c_str());
   } else {
-    std::printf("arena %s%s, writes of %s\n", FormatSize(arena_bytes).c_str(),
-                !hugepages          ? ""
-                : hugepage_fallback ? " (--hugepages, fell back to 4 KiB pages)"
-                                    : " on hugepages",
+    std::printf("arena %s on %s%s, writes of %s\n", FormatSize(arena_bytes).c_str(), pages.c_str(),
+                hugepages && hugepage_fallback ? " (--hugepages fell back to 4 KiB pages)" : "",
                 FormatSize(write_bytes).c_str());
     std::printf(
         "attach to the first writable extent: p50 %.3f ms, p99 %.3f ms (%d samples; Attach "

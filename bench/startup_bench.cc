@@ -143,20 +143,25 @@ int RunStartupBench(int argc, char** argv) {
   const double gb = static_cast<double>(options.size_bytes) / 1e9;
   const double build_gbps = gb / build_seconds;
   const double memset_gbps = (gb / memset_before + gb / memset_after) / 2;
+  const std::string pages =
+      daemon::DescribePages(options.size_bytes, report.hugetlb_bytes, report.thp_bytes);
   if (json) {
     std::printf(
         "{\"bench\":\"startup\",\"arena_bytes\":%llu,\"chunk_bytes\":%llu,\"threads\":%d,"
         "\"build_seconds\":%.4f,\"build_gbps\":%.3f,\"memset_gbps\":%.3f,"
         "\"memset_before_gbps\":%.3f,\"memset_after_gbps\":%.3f,\"ratio\":%.3f,"
-        "\"mlocked\":%s,\"hugepage_chunks\":%u,\"numa_node\":%d}\n",
+        "\"mlocked\":%s,\"hugepage_chunks\":%u,\"numa_node\":%d,\"hugetlb_bytes\":%llu,"
+        "\"thp_bytes\":%llu,\"pages\":\"%s\"}\n",
         static_cast<unsigned long long>(options.size_bytes),
         static_cast<unsigned long long>(options.chunk_size_bytes), threads, build_seconds,
         build_gbps, memset_gbps, gb / memset_before, gb / memset_after, build_gbps / memset_gbps,
-        report.mlocked ? "true" : "false", report.hugepage_chunks, options.numa_node);
+        report.mlocked ? "true" : "false", report.hugepage_chunks, options.numa_node,
+        static_cast<unsigned long long>(report.hugetlb_bytes),
+        static_cast<unsigned long long>(report.thp_bytes), pages.c_str());
   } else {
-    std::printf("arena %s, %d threads: build %.3f s = %.2f GB/s (mlock %s, %u hugepage chunks)\n",
-                FormatSize(options.size_bytes).c_str(), threads, build_seconds, build_gbps,
-                report.mlocked ? "yes" : "no", report.hugepage_chunks);
+    std::printf("arena %s on %s, %d threads: build %.3f s = %.2f GB/s (mlock %s)\n",
+                FormatSize(options.size_bytes).c_str(), pages.c_str(), threads, build_seconds,
+                build_gbps, report.mlocked ? "yes" : "no");
     std::printf("parallel memset of fresh private memory: %.2f GB/s (before %.2f, after %.2f)\n",
                 memset_gbps, gb / memset_before, gb / memset_after);
     std::printf("ratio build / memset: %.2f (target >= 0.8)\n", build_gbps / memset_gbps);
