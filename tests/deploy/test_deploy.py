@@ -25,9 +25,32 @@ def test_yamllint_passes_on_k8s_prometheus_and_grafana_provisioning_yaml():
     assert len(provisioning) >= 2, provisioning
     result = subprocess.run(
         [yamllint, "--strict", "--format", "parsable", str(dc.K8S), str(dc.PROMETHEUS),
-         *map(str, provisioning)],
+         str(dc.DEPLOY / "node"), *map(str, provisioning)],
         capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_node_s_huge_page_setting_is_advise_for_the_daemonset_s_namesake():
+    """deploy/node (docs/deploy.md, 'Huge pages'): the tmpfiles line and the
+    init container both set shared-memory THP to 'advise' (never 'always'
+    or 'within_size'), on the DaemonSet the base deploys."""
+    knob = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+    lines = [x.split() for x in (dc.DEPLOY / "node" / "memoffload-thp.tmpfiles.conf").read_text()
+             .splitlines() if x.strip() and not x.startswith("#")]
+    assert lines == [["w", knob, "-", "-", "-", "-", "advise"]], lines
+    patch = yaml.safe_load((dc.DEPLOY / "node" / "shmem-thp-patch.yaml").read_text())
+    (base,) = [d for d in yaml.safe_load_all((dc.K8S / "daemonset.yaml").read_text())
+               if d and d.get("kind") == "DaemonSet"]
+    assert patch["kind"] == "DaemonSet"
+    assert patch["metadata"]["name"] == base["metadata"]["name"]
+    (init,) = patch["spec"]["template"]["spec"]["initContainers"]
+    script = init["command"][-1]
+    assert "cd /host-sys/kernel/mm/transparent_hugepage &&" in script, script
+    assert "echo advise > shmem_enabled" in script, script
+    (volume,) = patch["spec"]["template"]["spec"]["volumes"]
+    assert volume["hostPath"]["path"] == "/sys"
+    # The daemon's own container is not touched (it stays unprivileged).
+    assert "containers" not in patch["spec"]["template"]["spec"]
 
 
 def test_kustomization_lists_every_manifest_and_only_those():
