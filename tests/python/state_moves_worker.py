@@ -30,11 +30,16 @@ from state_worker import _bits, _shard, _states  # noqa: E402
 
 
 def chunk_inodes() -> Set[int]:
+    """Inodes of the arena chunks this process maps now: the
+    ``memfd:memoffload-chunk-N (deleted)`` mappings of /proc/self/smaps."""
     out = set()
-    with open("/proc/self/maps") as f:
+    with open("/proc/self/smaps") as f:
         for line in f:
             parts = line.split(None, 5)
-            if len(parts) == 6 and "memfd:memoffload-chunk-" in parts[5]:
+            # A mapping's header: "start-end perms offset dev inode path".
+            if (len(parts) == 6 and "-" in parts[0] and not parts[0].endswith(":")
+                    and parts[5].rstrip().endswith("(deleted)")
+                    and "memfd:memoffload-chunk-" in parts[5]):
                 out.add(int(parts[4]))
     return out
 

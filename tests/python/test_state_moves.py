@@ -13,10 +13,11 @@ compared bit for bit at every step, while its daemon
 - is drained with ``memoffloadctl drain``: the daemon holds nothing within a
   second, and after ``undrain`` the state is placed again.
 
-Each time the old arena's chunks leave this process's mappings
-(``/proc/self/maps``: the ``memfd:memoffload-chunk-*`` of the old inodes)
-within the step that moved the state. FSDP2's shards and kept gradients over
-two ranks: test_state_fsdp_moves.py.
+Each time the old arena's chunks leave this process's mappings (in
+``/proc/self/smaps``, the ``memfd:memoffload-chunk-N (deleted)`` mappings of
+the old inodes) within the step that moved the state. And two FSDP2 ranks,
+their shards, AdamW states and kept gradients, through a SIGTERM restart
+(state_moves_worker.py).
 """
 
 from __future__ import annotations
@@ -44,12 +45,16 @@ WORLD_SIZE = 2
 
 
 def chunk_inodes() -> Set[int]:
-    """Inodes of the arena chunks this process maps now."""
+    """Inodes of the arena chunks this process maps now: the
+    ``memfd:memoffload-chunk-N (deleted)`` mappings of /proc/self/smaps."""
     out = set()
-    with open("/proc/self/maps") as f:
+    with open("/proc/self/smaps") as f:
         for line in f:
             parts = line.split(None, 5)
-            if len(parts) == 6 and "memfd:memoffload-chunk-" in parts[5]:
+            # A mapping's header: "start-end perms offset dev inode path".
+            if (len(parts) == 6 and "-" in parts[0] and not parts[0].endswith(":")
+                    and parts[5].rstrip().endswith("(deleted)")
+                    and "memfd:memoffload-chunk-" in parts[5]):
                 out.add(int(parts[4]))
     return out
 
@@ -133,11 +138,12 @@ def session_of(d: Daemon, job: str) -> int:
 def test_a_sigterm_restart_moves_the_state_out_and_back(restartable, caplog):
     caplog.set_level(logging.INFO, logger="memoffload")
     d = restartable[0]
+    others = chunk_inodes()  # chunks of other tests' sessions in this process
     pair = Pair(d.runtime_dir, "moves-term")
     for _ in range(2):
         pair.step()
     assert pair.placed() == pair.states() > 0
-    old = chunk_inodes()
+    old = chunk_inodes() - others
     assert old
     d.proc.terminate()
     # The drain asks the session to leave; the state moves at the next step
@@ -171,11 +177,13 @@ def test_a_sigterm_restart_moves_the_state_out_and_back(restartable, caplog):
 def test_a_crashed_daemon_s_state_moves_into_the_new_one_at_the_next_step(restartable, caplog):
     caplog.set_level(logging.INFO, logger="memoffload")
     d = restartable[0]
+    others = chunk_inodes()
     pair = Pair(d.runtime_dir, "moves-kill")
     for _ in range(2):
         pair.step()
     old_session = pair.placement.stats()["session_id"]
-    old = chunk_inodes()
+    old = chunk_inodes() - others
+    assert old
     d.kill()
     new = Daemon(Path(d.runtime_dir), "256MiB", "16MiB")
     restartable.append(new.start())
@@ -200,12 +208,14 @@ def ctl(d: Daemon, *args: str) -> None:
 
 def test_a_drained_daemon_gets_its_memory_back_within_a_second(restartable):
     d = restartable[0]
+    others = chunk_inodes()
     pair = Pair(d.runtime_dir, "moves-drain")
     for _ in range(2):
         pair.step()
     held = pair.placement.stats()["held_bytes"]
     assert d.status()["used_bytes"] >= held > 0
-    old = chunk_inodes()
+    old = chunk_inodes() - others
+    assert old
     ctl(d, "drain")
     step_until_moved(pair)
     deadline = time.monotonic() + 1.0
