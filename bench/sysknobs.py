@@ -3,10 +3,11 @@ transparent huge pages and reserved hugetlbfs pages (issue 43).
 
 ``changed({path: value})`` writes each setting and gives the old value back
 on every way out of the ``with`` (an exception, Ctrl-C, SIGTERM). Before it
-writes anything it records the old values in ``STATE``, so that a run killed
-outright (SIGKILL, a lost machine) is undone by the next one: every
-``changed`` first calls ``restore_leftovers``. ``STATE`` lives in /run, which
-a reboot empties, as it resets the settings themselves.
+writes anything it records the old values in ``STATE`` with its pid, so that
+a run killed outright (SIGKILL) is undone by the next run on the node: every
+``changed`` first calls ``restore_leftovers``, which gives back what runs no
+longer alive left (never what a live run set). ``STATE`` lives in /run,
+which a reboot empties, as it resets the settings themselves.
 
 The daemon never changes these settings; docs/deploy.md says which to make.
 """
@@ -48,16 +49,20 @@ def _write(path: str, value: str) -> None:
         f.write(value)
 
 
-def _load_state() -> Dict[str, str]:
+def _load_state() -> Dict[str, Dict[str, object]]:
+    """path -> {"value": the value to give back, "pid": the run that changed it}."""
     try:
         with open(STATE) as f:
             state = json.load(f)
-        return {str(k): str(v) for k, v in state.items()} if isinstance(state, dict) else {}
     except (OSError, ValueError):
         return {}
+    if not isinstance(state, dict):
+        return {}
+    return {str(k): v for k, v in state.items()
+            if isinstance(v, dict) and "value" in v and "pid" in v}
 
 
-def _save_state(state: Dict[str, str]) -> None:
+def _save_state(state: Dict[str, Dict[str, object]]) -> None:
     if not state:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(STATE)
@@ -68,15 +73,31 @@ def _save_state(state: Dict[str, str]) -> None:
     os.replace(tmp, STATE)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def restore_leftovers() -> List[str]:
-    """Gives back the settings a killed run left changed; returns what it
-    restored ("path: value")."""
+    """Gives back the settings a killed run left changed (runs still alive
+    keep theirs); returns what it restored ("path: value")."""
     done = []
     state = _load_state()
-    for path, value in list(state.items()):
-        if writable(path) and read(path) != value:
-            _write(path, value)
-            done.append(f"{path}: {value}")
+    for path, record in list(state.items()):
+        if _alive(int(record["pid"])):
+            continue
+        value = str(record["value"])
+        try:
+            if writable(path) and read(path) != value:
+                _write(path, value)
+                done.append(f"{path}: {value}")
+        except OSError:
+            continue  # kept: the next run tries again
         del state[path]
     _save_state(state)
     return done
@@ -86,10 +107,15 @@ def restore_leftovers() -> List[str]:
 def changed(values: Dict[str, str]) -> Iterator[Dict[str, str]]:
     """Sets each path to its value for the ``with`` and restores the old
     ones on the way out; yields what each reads back (nr_hugepages may get
-    fewer pages than asked)."""
+    fewer pages than asked). Nested, the outer's record of the first value
+    stays the one a crash is undone to."""
     restore_leftovers()
     old = {path: read(path) for path in values}
-    _save_state({**_load_state(), **old})
+    state = _load_state()
+    recorded = [path for path in values if path not in state]
+    for path in recorded:
+        state[path] = {"value": old[path], "pid": os.getpid()}
+    _save_state(state)
     previous = None
     if threading.current_thread() is threading.main_thread():
         def on_term(signo, frame):  # a SIGTERM unwinds through the finally below
@@ -101,12 +127,16 @@ def changed(values: Dict[str, str]) -> Iterator[Dict[str, str]]:
             _write(path, value)
         yield {path: read(path) for path in values}
     finally:
+        failed = []
         for path, value in old.items():
-            with contextlib.suppress(OSError):
+            try:
                 _write(path, value)
+            except OSError:
+                failed.append(path)
         state = _load_state()
-        for path in old:
-            state.pop(path, None)
+        for path in recorded:
+            if path not in failed:  # a failed restore keeps its record for the next run
+                state.pop(path, None)
         _save_state(state)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -64,6 +64,10 @@ void BindHostState(py::module_& m) {
           [](const HostStateStore& s) { return WithoutGil([&] { return s.MoveReason(); }); },
           "Why the tensors must move out of this store's arena now (the daemon asked its "
           "session to leave, or ended it), or '' while they may stay.")
+      .def(
+          "session_lost",
+          [](const HostStateStore& s) { return WithoutGil([&] { return s.SessionLost(); }); },
+          "Whether the daemon ended this store's session (restart, crash, dropped connection).")
       .def("stats", &Stats);
 }
 

@@ -135,13 +135,15 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     if (closed_ || session_id_ == 0 || hello_.kind != SessionKind::kState || leave_sent_) return;
     leave_sent_ = true;
     OutFrame notice = Frame(EncodeNotice({NoticeKind::kLeave, why}));
-    leave_bytes_ = static_cast<int>(notice.bytes.size());
     MO_LOG_INFO("asking session %lu (pid %d, job '%s'%s) to move its placed state out: %s",
                 static_cast<unsigned long>(session_id_), peer_.pid, hello_.job_id.c_str(),
                 RankLabel(hello_.rank, hello_.local_rank).c_str(), why.c_str());
     std::vector<OutFrame> frames;
     frames.push_back(std::move(notice));
-    Send(std::move(frames), nullptr);
+    // What the socket reports unread once the notice is written (SIOCOUTQ
+    // counts the kernel's buffer, not the payload: a few hundred bytes):
+    // a request may come while that much is unread.
+    Send(std::move(frames), [this] { leave_unread_ = UnreadBytes(socket_.native_handle()); });
   }
 
   // Marks the connection closed for handlers still queued (CloseAll).
@@ -317,7 +319,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
 
   // The job's replication keys, for this connection's uid and job id.
   void ServeLinkKeyRequest() {
-    if (const int unread = UnreadBytes(socket_.native_handle()); unread > leave_bytes_) {
+    if (const int unread = UnreadBytes(socket_.native_handle()); unread > leave_unread_) {
       MO_LOG_WARN_LIMITED(
           "session %lu (pid %d uid %u) asked for keys before reading its last reply; closing it",
           static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid);
@@ -354,7 +356,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     // daemon's uid (RLIMIT_NOFILE) until read: past that limit no peer
     // could be handed a chunk. So each connection has at most one reply's
     // fds unread.
-    if (const int unread = UnreadBytes(socket_.native_handle()); unread > leave_bytes_) {
+    if (const int unread = UnreadBytes(socket_.native_handle()); unread > leave_unread_) {
       MO_LOG_WARN_LIMITED(
           "session %lu (pid %d uid %u) asked for chunks before reading its last reply; closing "
           "it (a client reads each reply before it asks again; %d bytes queued)",
@@ -423,6 +425,9 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   // `done` once all are written. A peer that does not take them within
   // kReplyTimeoutMs is dropped.
   void Send(std::vector<OutFrame> frames, std::function<void()> done);
+  // Send's start, with `owned`: whether the frames' fds are duplicates
+  // (closed once sent) or borrowed from the arena's backings.
+  void SendOwned(std::vector<OutFrame> frames, std::function<void()> done, bool owned);
   // Writes what the socket takes now; waits for it to be writable again, or
   // calls on_sent_ once all is written.
   void Flush();
@@ -481,17 +486,23 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
   size_t out_offset_ = 0;
   std::function<void()> on_sent_;
   bool fds_owned_ = false;  // out_'s fds are duplicates to close
-  // Replies that came while a notice was being written, in order.
+  // Replies that came while a notice was being written, in order, their
+  // fds duplicated when queued (a chunk's backing may be replaced before
+  // they are sent; the duplicates keep the ones the reply names).
   struct Queued {
     std::vector<OutFrame> frames;
     std::function<void()> done;
   };
+  // Duplicates the fds of `frames` (true), or closes those it made and
+  // returns false.
+  static bool OwnFds(std::vector<OutFrame>* frames);
   std::deque<Queued> queued_;
-  // The leave notice: sent once; its bytes may still be unread when the
-  // client asks for something (it reads notices before each request, but
-  // one may cross), so a request is not taken for a slow reader's then.
+  // The leave notice: sent once; it may still be unread when the client
+  // asks for something (it reads notices before each request, but one may
+  // cross), so a request is not taken for a slow reader's while no more is
+  // unread than the socket reported right after the notice was written.
   bool leave_sent_ = false;
-  int leave_bytes_ = 0;
+  int leave_unread_ = 0;
 };
 
 }  // namespace memoffload::daemon

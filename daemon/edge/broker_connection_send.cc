@@ -16,12 +16,45 @@ namespace memoffload::daemon {
 
 void Broker::Connection::Send(std::vector<OutFrame> frames, std::function<void()> done) {
   if (!out_.empty()) {
-    // A notice is being written (AskToLeave): this goes after it, with its
-    // fds still borrowed (only the frames being written may own theirs).
+    // A notice is being written (AskToLeave): this goes after it, owning
+    // duplicates of its fds.
+    if (!OwnFds(&frames)) {
+      MO_LOG_WARN_LIMITED("broker: pid %d: cannot keep chunk fds for a queued reply: %s", peer_.pid,
+                          std::strerror(errno));
+      return Finish();
+    }
     queued_.push_back({std::move(frames), std::move(done)});
     return;
   }
+  SendOwned(std::move(frames), std::move(done), /*owned=*/false);
+}
+
+bool Broker::Connection::OwnFds(std::vector<OutFrame>* frames) {
+  for (size_t i = 0; i < frames->size(); ++i) {
+    for (size_t j = 0; j < (*frames)[i].fds.size(); ++j) {
+      const int dup = fcntl((*frames)[i].fds[j], F_DUPFD_CLOEXEC, 0);
+      if (dup >= 0) {
+        (*frames)[i].fds[j] = dup;
+        continue;
+      }
+      const int error = errno;
+      for (size_t a = 0; a <= i; ++a) {  // close what was duplicated, forget the rest
+        for (size_t b = 0; b < (a == i ? j : (*frames)[a].fds.size()); ++b) {
+          close((*frames)[a].fds[b]);
+        }
+      }
+      for (OutFrame& f : *frames) f.fds.clear();
+      errno = error;
+      return false;
+    }
+  }
+  return true;
+}
+
+void Broker::Connection::SendOwned(std::vector<OutFrame> frames, std::function<void()> done,
+                                   bool owned) {
   out_ = std::move(frames);
+  fds_owned_ = owned;
   out_frame_ = 0;
   out_offset_ = 0;
   on_sent_ = std::move(done);
@@ -104,7 +137,7 @@ void Broker::Connection::Flush() {
   if (!closed_ && out_.empty() && !queued_.empty()) {
     Queued next = std::move(queued_.front());
     queued_.pop_front();
-    Send(std::move(next.frames), std::move(next.done));
+    SendOwned(std::move(next.frames), std::move(next.done), /*owned=*/true);
   }
 }
 
@@ -143,7 +176,12 @@ void Broker::Connection::DropFds(OutFrame* frame) {
 
 void Broker::Connection::DropAllFds() {
   for (size_t i = out_frame_; i < out_.size(); ++i) DropFds(&out_[i]);
-  queued_.clear();  // their fds are borrowed
+  for (Queued& q : queued_) {  // their fds are duplicates
+    for (OutFrame& f : q.frames) {
+      for (int fd : f.fds) close(fd);
+    }
+  }
+  queued_.clear();
 }
 
 }  // namespace memoffload::daemon

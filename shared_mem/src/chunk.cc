@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -114,36 +115,46 @@ uint64_t MappingPages::huge_bytes() const {
   return kernel_page_bytes > SystemPageBytes() ? size_bytes : pmd_mapped_bytes;
 }
 
-Result<MappingPages> PagesOf(const void* start) {
+Result<std::vector<MappingPages>> PagesOf(const std::vector<const void*>& starts) {
+  std::vector<MappingPages> out(starts.size());
+  std::vector<bool> found(starts.size(), false);
+  std::unordered_map<unsigned long, size_t> index;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    index[reinterpret_cast<unsigned long>(starts[i])] = i;
+  }
   FILE* f = std::fopen("/proc/self/smaps", "r");
   if (f == nullptr) return ErrnoStatus("opening /proc/self/smaps", errno);
-  char want[32];
-  std::snprintf(want, sizeof(want), "%lx-", reinterpret_cast<unsigned long>(start));
-  const size_t want_len = std::strlen(want);
   char line[512];
-  bool in = false, found = false;
-  MappingPages pages;
+  MappingPages* in = nullptr;
   while (std::fgets(line, sizeof(line), f) != nullptr) {
     // A mapping's header starts with its range in lower-case hex
     // ("7f..-7f.. rw-s ..."); its fields ("Rss:      4 kB") with a capital.
     const auto first = static_cast<unsigned char>(line[0]);
-    const bool header = std::isxdigit(first) && !std::isupper(first);
-    if (header) {
-      if (in) break;
-      in = std::strncmp(line, want, want_len) == 0;
-      found = found || in;
+    if (std::isxdigit(first) && !std::isupper(first)) {
+      in = nullptr;
+      auto it = index.find(std::strtoul(line, nullptr, 16));
+      if (it != index.end()) {
+        in = &out[it->second];
+        found[it->second] = true;
+      }
       continue;
     }
-    if (!in) continue;
+    if (in == nullptr) continue;
     unsigned long long kb = 0;
-    if (std::sscanf(line, "KernelPageSize: %llu kB", &kb) == 1) pages.kernel_page_bytes = kb << 10;
-    if (std::sscanf(line, "ShmemPmdMapped: %llu kB", &kb) == 1) pages.pmd_mapped_bytes = kb << 10;
-    if (std::sscanf(line, "Rss: %llu kB", &kb) == 1) pages.rss_bytes = kb << 10;
-    if (std::sscanf(line, "Size: %llu kB", &kb) == 1) pages.size_bytes = kb << 10;
+    if (std::sscanf(line, "KernelPageSize: %llu kB", &kb) == 1) in->kernel_page_bytes = kb << 10;
+    if (std::sscanf(line, "ShmemPmdMapped: %llu kB", &kb) == 1) in->pmd_mapped_bytes = kb << 10;
+    if (std::sscanf(line, "Rss: %llu kB", &kb) == 1) in->rss_bytes = kb << 10;
+    if (std::sscanf(line, "Size: %llu kB", &kb) == 1) in->size_bytes = kb << 10;
   }
   std::fclose(f);
-  if (!found) return NotFound("no mapping starts at " + std::string(want, want_len - 1));
-  return pages;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    if (!found[i]) {
+      char where[32];
+      std::snprintf(where, sizeof(where), "%lx", reinterpret_cast<unsigned long>(starts[i]));
+      return NotFound(std::string("no mapping starts at ") + where);
+    }
+  }
+  return out;
 }
 
 uint64_t SystemPageBytes() {

@@ -143,3 +143,33 @@ def test_the_setting_is_restored_even_after_a_killed_run(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 143 and sysknobs.read(sysknobs.THP) == before, proc
     assert not Path(sysknobs.STATE).exists()
+
+
+def test_a_live_run_s_setting_is_left_to_it():
+    """Another run's restore_leftovers gives back only what dead runs left:
+    a bench still running keeps its setting (and a nested change keeps the
+    first value as the one a crash is undone to)."""
+    before = sysknobs.read(sysknobs.THP)
+    other = "advise" if before != "advise" else "never"
+    script = (f"import sys; sys.path.insert(0, {str(Path(sysknobs.__file__).parent)!r}); "
+              "import sysknobs\n"
+              f"with sysknobs.changed({{sysknobs.THP: {other!r}}}):\n"
+              "    print('changed', flush=True); sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "changed"
+        assert sysknobs.restore_leftovers() == []
+        assert sysknobs.read(sysknobs.THP) == other
+        with sysknobs.changed({sysknobs.THP: before}):
+            assert sysknobs.read(sysknobs.THP) == before
+        assert sysknobs.read(sysknobs.THP) == other
+        proc.kill()
+        proc.wait()
+        assert sysknobs.restore_leftovers() == [f"{sysknobs.THP}: {before}"]
+        assert sysknobs.read(sysknobs.THP) == before
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sysknobs.restore_leftovers()

@@ -9,7 +9,8 @@ compared bit for bit at every step, while its daemon
   daemon exits within a second; once a new daemon is up the state is placed
   again into its arena;
 - crashes (SIGKILL) and a new one starts: the next step moves the state
-  straight into the new arena;
+  straight into the new arena (a daemon already up answers the attach well
+  within the step's wait, rehome.ATTACH_WAIT_S);
 - is drained with ``memoffloadctl drain``: the daemon holds nothing within a
   second, and after ``undrain`` the state is placed again.
 
@@ -22,8 +23,12 @@ their shards, AdamW states and kept gradients, through a SIGTERM restart
 
 from __future__ import annotations
 
+import array
 import json
 import logging
+import os
+import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -130,6 +135,16 @@ def step_until_moved(pair: Pair) -> None:
     assert pair.placement.stats()["moves"] == 1, pair.placement.stats()
 
 
+def step_until_placed(pair: Pair) -> None:
+    """Steps until the state is in an arena again (the attach thread's
+    session is taken by the first step after it is granted)."""
+    deadline = time.monotonic() + 10
+    while pair.placement.stats()["session_id"] is None and time.monotonic() < deadline:
+        pair.step()
+        time.sleep(0.01)
+    pair.step()  # the optimizer's state is placed by its own step hook
+
+
 def session_of(d: Daemon, job: str) -> int:
     (s,) = [s for s in d.sessions() if s["job_id"] == job]
     return int(s["session_id"])
@@ -163,7 +178,8 @@ def test_a_sigterm_restart_moves_the_state_out_and_back(restartable, caplog):
 
     new = Daemon(Path(d.runtime_dir), "256MiB", "16MiB")
     restartable.append(new.start())
-    pair.step()
+    # The new session is asked for on a thread of its own; a later step places.
+    step_until_placed(pair)
     s = pair.placement.stats()
     assert pair.placed() == pair.states(), s
     assert s["session_id"] == session_of(new, "moves-term"), s
@@ -228,7 +244,7 @@ def test_a_drained_daemon_gets_its_memory_back_within_a_second(restartable):
     assert not (old & chunk_inodes())
     assert d.sessions() == []
     ctl(d, "undrain")
-    pair.step()
+    step_until_placed(pair)
     s = pair.placement.stats()
     assert pair.placed() == pair.states() and s["session_id"] == session_of(d, "moves-drain"), s
     assert d.status()["committed_bytes"] == s["held_bytes"] == held, (d.sessions(), s, pair.placement._left)
@@ -313,3 +329,51 @@ def test_fsdp2_shards_states_and_kept_gradients_follow_a_restart(restartable, tm
         last = steps[-1]
         assert (last["shards"], last["states"], last["grads"]) == (b["shards"], b["states"],
                                                                    b["grads"]), (b, last)
+
+
+def test_a_request_that_crosses_the_leave_notice_is_served(restartable):
+    """A raw client of the attach protocol (a state session) sends a request
+    with the daemon's leave notice still unread in its socket, as a client
+    does when the notice comes right after it looked. The daemon must serve
+    it, not close the connection as a slow reader's: the kernel counts an
+    unread frame as a few hundred bytes of socket buffer, not its payload
+    (the daemon compared against the payload and closed it)."""
+    d = restartable[0]
+
+    def frame(payload: bytes) -> bytes:
+        return struct.pack("<I", len(payload)) + payload
+
+    def header(kind: int) -> bytes:
+        return struct.pack("<IHB", 0x4C464F4D, 3, kind)
+
+    job = b"crossing"
+    hello = header(1) + struct.pack("<I", len(job)) + job + struct.pack("<iiQQB", 0, 0, 0, 0, 2)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.connect(str(Path(d.runtime_dir) / "broker.sock"))
+        s.sendall(frame(hello))
+        time.sleep(0.3)
+        _, ancillary, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(4 * 240))  # reply and fds
+        for _, _, fds in ancillary:
+            for fd in array.array("i", fds[:len(fds) - len(fds) % 4]):
+                os.close(fd)
+        ctl(d, "drain")
+        time.sleep(0.3)  # the notice is in the socket, unread
+        s.sendall(frame(header(6)))  # a LinkKeyRequest
+        time.sleep(0.3)
+        s.settimeout(1)
+        got = b""
+        closed = False
+        try:
+            while True:
+                chunk = s.recv(4096)
+                if not chunk:
+                    closed = True
+                    break
+                got += chunk
+        except socket.timeout:
+            pass
+    assert not closed, d.log.read_text()
+    # The notice (type 8), then the key reply (type 7: this daemon serves none).
+    notice_len = struct.unpack_from("<I", got)[0]
+    assert got[4 + 6] == 8 and got[4 + notice_len + 4 + 6] == 7, got
+    assert "before reading its last reply" not in d.log.read_text()

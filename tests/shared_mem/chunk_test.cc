@@ -105,3 +105,40 @@ TEST(Chunk, MoveTransfersOwnership) {
 
 }  // namespace
 }  // namespace memoffload
+
+namespace memoffload {
+namespace {
+
+// PagesOf reads every asked mapping from one pass over /proc/self/smaps
+// (the kernel walks all page tables for each read), in the order asked.
+TEST(ChunkPages, PagesOfReportsEachMappingInOnePass) {
+  Result<Chunk> a = Chunk::Create("pages-a", 4 << 20, false);
+  Result<Chunk> b = Chunk::Create("pages-b", 2 << 20, false);
+  ASSERT_TRUE(a.ok() && b.ok());
+  ASSERT_TRUE(a->Prefault(0, 4 << 20).ok());
+  Result<std::vector<MappingPages>> pages = PagesOf({b->data(), a->data()});
+  ASSERT_TRUE(pages.ok()) << pages.status().ToString();
+  ASSERT_EQ(pages->size(), 2u);
+  EXPECT_EQ((*pages)[0].size_bytes, 2u << 20);
+  EXPECT_EQ((*pages)[1].size_bytes, 4u << 20);
+  EXPECT_EQ((*pages)[1].rss_bytes, 4u << 20);  // pre-faulted
+  EXPECT_EQ((*pages)[0].rss_bytes, 0u);
+  // Every mapping starts 2 MiB-aligned (for transparent huge pages).
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a->data()) % (2 << 20), 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % (2 << 20), 0u);
+  int local = 0;
+  EXPECT_EQ(PagesOf({&local}).status().code(), StatusCode::kNotFound);
+}
+
+TEST(ChunkPages, SelectedWordOfASysfsChoice) {
+  EXPECT_EQ(SelectedWord("always within_size advise [never] deny force\n"), "never");
+  EXPECT_EQ(SelectedWord("[inherit] advise"), "inherit");
+  EXPECT_EQ(SelectedWord("no choice"), "");
+  EXPECT_TRUE((ShmemThpSetting{"advise", "inherit"}).allows_advised());
+  EXPECT_FALSE((ShmemThpSetting{"advise", "never"}).allows_advised());
+  EXPECT_TRUE((ShmemThpSetting{"never", "advise"}).allows_advised());
+  EXPECT_FALSE((ShmemThpSetting{"deny", "inherit"}).allows_advised());
+}
+
+}  // namespace
+}  // namespace memoffload

@@ -2,11 +2,13 @@
 
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <climits>
 #include <cstdio>
 #include <cstring>
@@ -101,6 +103,22 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   // may meet a closed socket. The reply below still says why.
   const Status sent = SendFrame(impl->lifeline_fd, EncodeHello(hello));
 
+  // A daemon answers once its arena is built (the broker listens before):
+  // the attach waits for that at most the RPC timeout, and so for every
+  // frame of the reply (a stopped daemon must not hang its clients).
+  const int wait_ms = std::max(options.rpc_timeout_ms, 1);
+  pollfd answer{impl->lifeline_fd, POLLIN, 0};
+  int polled = 0;
+  do {
+    polled = poll(&answer, 1, wait_ms);
+  } while (polled < 0 && errno == EINTR);
+  if (polled == 0) {
+    return Unavailable("memoffloadd at " + impl->runtime_dir +
+                       " accepted the attach but did not answer within " + std::to_string(wait_ms) +
+                       " ms (still building its arena, or stopped)");
+  }
+  timeval frame_wait{wait_ms / 1000, (wait_ms % 1000) * 1000};
+  setsockopt(impl->lifeline_fd, SOL_SOCKET, SO_RCVTIMEO, &frame_wait, sizeof(frame_wait));
   std::string payload;
   std::vector<int> fds;
   if (Status st = RecvFrame(impl->lifeline_fd, &payload, &fds); !st.ok()) {
@@ -144,6 +162,10 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
     }
     MEMOFFLOAD_RETURN_IF_ERROR(impl->MapReceived(batch->chunk_indexes, batch->generations, &fds));
   }
+  // Later exchanges on the lifeline wait as long as they need (a chunk
+  // request is answered from the daemon's event loop).
+  timeval no_wait_limit{0, 0};
+  setsockopt(impl->lifeline_fd, SOL_SOCKET, SO_RCVTIMEO, &no_wait_limit, sizeof(no_wait_limit));
   // The gRPC socket of the verified dir, never a path the broker names,
   // reached as the broker was (DaemonChannel).
   Result<std::unique_ptr<DaemonChannel>> channel = DaemonChannel::Open(*dir);

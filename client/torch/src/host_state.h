@@ -51,6 +51,7 @@ class HostStateStore {
   // maps the old chunks, which nobody else can reach once that daemon is
   // gone). Checks the broker connection without waiting.
   std::string MoveReason() const;
+  bool SessionLost() const { return blocks_->client()->session_lost(); }
 
  private:
   HostStateStore(std::shared_ptr<client::HostBlocks> blocks, std::shared_ptr<CopyEngine> engine);

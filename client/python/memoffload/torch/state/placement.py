@@ -149,9 +149,11 @@ class StatePlacement(Rehoming):
         entry[0] += 1
         entry[1] += nbytes
 
-    def _arena_copy(self, t: torch.Tensor) -> Optional[torch.Tensor]:
+    def _arena_copy(self, t: torch.Tensor, strict: Optional[bool] = None
+                    ) -> Optional[torch.Tensor]:
         """A copy of the plain CPU tensor ``t`` in the arena, or None (and why
-        is counted) when it stays where it is."""
+        is counted) when it stays where it is; ``strict`` (default the
+        placement's) raises the daemon's refusal instead."""
         nbytes = t.numel() * t.element_size()
         if self._store is None:
             self._leave("no daemon", nbytes)
@@ -162,7 +164,7 @@ class StatePlacement(Rehoming):
         try:
             raw = self._store.empty(nbytes)
         except errors.Error as e:
-            if self._strict:
+            if self._strict if strict is None else strict:
                 raise
             reason = "larger than a chunk" if "larger than a chunk" in e.message else e.code.name
             self._leave(reason, nbytes)
