@@ -1,6 +1,5 @@
 // memoffloadctl against the real daemon: both output formats, drain and
 // undrain, config, and exit codes scripts rely on.
-#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -8,6 +7,7 @@
 #include <iterator>
 #include <sstream>
 
+#include "ctl_json.h"
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
 #include "memoffload/common/units.h"
@@ -30,14 +30,6 @@ class CtlTest : public ::testing::Test {
   }
   std::unique_ptr<DaemonProcess> daemon_;
 };
-
-template <typename Message>
-Message ParseJson(const std::string& json) {
-  Message m;
-  auto st = google::protobuf::util::JsonStringToMessage(json, &m);
-  EXPECT_TRUE(st.ok()) << st.ToString() << "\n" << json;
-  return m;
-}
 
 // What each uid holds, next to the per-uid limits: what an operator reads
 // when a Reserve is refused with uid_limit or uid_chunks.

@@ -2,7 +2,6 @@
 // shows it: memoffloadctl sessions (KIND and BLOCKS columns, --json), status
 // (sessions by kind, placed state apart from groups) and /metrics. A state
 // session's blocks are not counted as groups anywhere.
-#include <google/protobuf/util/json_util.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -10,6 +9,7 @@
 #include <map>
 #include <sstream>
 
+#include "ctl_json.h"
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
 #include "memoffload/client/host_blocks.h"
@@ -18,14 +18,6 @@
 
 namespace memoffload::testing {
 namespace {
-
-template <typename Message>
-Message ParseJson(const std::string& json) {
-  Message m;
-  auto st = google::protobuf::util::JsonStringToMessage(json, &m);
-  EXPECT_TRUE(st.ok()) << st.ToString() << "\n" << json;
-  return m;
-}
 
 // One session of each kind in job "kinds": activations holding one 3 MiB
 // group, state holding two placed 1 MiB blocks, checkpoints and other

@@ -32,7 +32,7 @@ import struct
 import subprocess
 import time
 from pathlib import Path
-from typing import List, Set
+from typing import List
 
 import uuid
 
@@ -42,26 +42,12 @@ import torch.multiprocessing as mp
 
 import memoffload.torch as mot
 import state_moves_worker
+from state_moves_worker import chunk_inodes
 from conftest import Daemon, bin_dir, free_port
 from memoffload.torch.state import rehome
 from models import DecoderStack, tokens
 
 WORLD_SIZE = 2
-
-
-def chunk_inodes() -> Set[int]:
-    """Inodes of the arena chunks this process maps now: the
-    ``memfd:memoffload-chunk-N (deleted)`` mappings of /proc/self/smaps."""
-    out = set()
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            # A mapping's header: "start-end perms offset dev inode path".
-            if (len(parts) == 6 and "-" in parts[0] and not parts[0].endswith(":")
-                    and parts[5].rstrip().endswith("(deleted)")
-                    and "memfd:memoffload-chunk-" in parts[5]):
-                out.add(int(parts[4]))
-    return out
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
