@@ -76,9 +76,8 @@ class Arena {
   uint64_t chunk_size_bytes() const { return chunk_size_bytes_; }
   uint64_t page_bytes() const { return page_bytes_; }
   bool mlocked() const { return mlocked_; }
-  // Bytes of the arena on huge pages after the build (hugetlbfs or THP),
-  // and of them on transparent huge pages.
-  uint64_t huge_bytes() const { return hugetlb_bytes_ + thp_bytes_; }
+  // Bytes of the arena on huge pages after the build: on transparent huge
+  // pages, and on hugetlbfs pages.
   uint64_t thp_bytes() const { return thp_bytes_; }
   uint64_t hugetlb_bytes() const { return hugetlb_bytes_; }
 

@@ -111,10 +111,6 @@ bool ShmemThpSetting::allows_advised() const {
          in_force == "force";
 }
 
-uint64_t MappingPages::huge_bytes() const {
-  return kernel_page_bytes > SystemPageBytes() ? size_bytes : pmd_mapped_bytes;
-}
-
 Result<std::vector<MappingPages>> PagesOf(const std::vector<const void*>& starts) {
   std::vector<MappingPages> out(starts.size());
   std::vector<bool> found(starts.size(), false);

@@ -103,8 +103,6 @@ struct MappingPages {
   uint64_t pmd_mapped_bytes = 0;   // ShmemPmdMapped: shared memory on huge pages (THP)
   uint64_t rss_bytes = 0;          // Rss
   uint64_t size_bytes = 0;         // Size
-  // Bytes on huge pages, either kind (hugetlbfs: the whole mapping).
-  uint64_t huge_bytes() const;
 };
 // The pages of the mappings that start at `starts` in this process, in
 // order, from one read of /proc/self/smaps (NOT_FOUND when one is missing).
