@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "memoffload/client/region_io.h"
+#include "memoffload/client/region_persist.h"
 #include "python_errors.h"
 
 namespace memoffload::torch::python {
@@ -218,6 +219,28 @@ void BindRegions(py::module_& m) {
             return Take(WithoutGil([&] { return s.Delete(name); }));
           },
           py::arg("name"))
+      .def(
+          "persist",
+          [](RegionStore& s, const std::string& name, int dir_fd, const std::string& file_name,
+             double share, bool direct, uint64_t piece_bytes) {
+            client::PersistOptions options;
+            options.share = share;
+            options.direct = direct;
+            options.piece_bytes = piece_bytes;
+            client::PersistStats stats = Take(WithoutGil(
+                [&] { return client::PersistRegion(s, name, dir_fd, file_name, options); }));
+            py::dict out;
+            out["bytes"] = stats.bytes;
+            out["crc32c"] = stats.crc32c;
+            out["direct"] = stats.direct;
+            out["busy_seconds"] = stats.busy_seconds;
+            out["seconds"] = stats.seconds;
+            return out;
+          },
+          py::arg("name"), py::arg("dir_fd"), py::arg("file_name"), py::arg("share") = 1.0,
+          py::arg("direct") = true, py::arg("piece_bytes") = 16ull << 20,
+          "Writes committed region `name` to new file `file_name` in directory `dir_fd`, "
+          "verified and fsynced, without the GIL (region_persist.h); returns its figures.")
       .def("list", &List, py::arg("prefix") = "")
       .def("close", &RegionStore::Close,
            "Lets go of the session; it ends once no writer or reader made by it is alive.")

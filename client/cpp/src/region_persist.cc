@@ -1,0 +1,162 @@
+// PersistRegion (region_persist.h).
+#include "memoffload/client/region_persist.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "memoffload/common/crc32c.h"
+
+namespace memoffload::client {
+namespace {
+
+constexpr uint64_t kDirectAlign = 4096;  // O_DIRECT: buffer, offset and length
+
+class Fd {
+ public:
+  explicit Fd(int fd = -1) : fd_(fd) {}
+  ~Fd() {
+    if (fd_ >= 0) close(fd_);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
+// What a failed file operation means to the caller, by errno.
+Status FileStatus(const std::string& what, int errno_value) {
+  const std::string message = what + ": " + std::strerror(errno_value);
+  switch (errno_value) {
+    case EEXIST:
+      return Status(StatusCode::kAlreadyExists, message);
+    case ENOSPC:
+    case EDQUOT:
+      return ResourceExhausted(message);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      return PermissionDenied(message);
+    case ELOOP:
+      return PermissionDenied(message + " (a symlink)");
+    default:
+      return Internal(message);
+  }
+}
+
+Status WriteAll(int fd, const uint8_t* data, uint64_t length, uint64_t offset,
+                const std::string& what) {
+  while (length > 0) {
+    const ssize_t n = pwrite(fd, data, length, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return FileStatus("writing " + what, errno);
+    }
+    if (n == 0) return Internal("writing " + what + ": the write made no progress");
+    data += n;
+    offset += static_cast<uint64_t>(n);
+    length -= static_cast<uint64_t>(n);
+  }
+  return Status::Ok();
+}
+
+// One span at `offset` of the file: its page-aligned middle through `direct`
+// (when open and the span's address lines up with the file offset), the
+// rest through `buffered`.
+Status WriteSpan(int direct, int buffered, const uint8_t* data, uint64_t length, uint64_t offset,
+                 const std::string& what) {
+  uint64_t lead = (kDirectAlign - offset % kDirectAlign) % kDirectAlign;
+  const bool lined_up = (reinterpret_cast<uintptr_t>(data) + lead) % kDirectAlign == 0;
+  if (direct < 0 || !lined_up || lead >= length) {
+    return WriteAll(buffered, data, length, offset, what);
+  }
+  const uint64_t middle = (length - lead) / kDirectAlign * kDirectAlign;
+  if (Status s = WriteAll(buffered, data, lead, offset, what); !s.ok()) return s;
+  if (Status s = WriteAll(direct, data + lead, middle, offset + lead, what); !s.ok()) return s;
+  return WriteAll(buffered, data + lead + middle, length - lead - middle, offset + lead + middle,
+                  what);
+}
+
+double Since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+Result<PersistStats> Persist(RegionReader& reader, int buffered, int direct,
+                             const std::string& what, const PersistOptions& options) {
+  PersistStats stats;
+  stats.direct = direct >= 0;
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t size = reader.size_bytes();
+  const uint64_t piece = std::max<uint64_t>(options.piece_bytes / kDirectAlign, 1) * kDirectAlign;
+  const double share = std::clamp(options.share, 0.001, 1.0);
+  if (size > 0) {
+    const int rc = posix_fallocate(buffered, 0, static_cast<off_t>(size));
+    if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
+      return FileStatus("allocating " + std::to_string(size) + " bytes for " + what, rc);
+    }
+  }
+  std::vector<ArenaSpan> spans;
+  for (uint64_t offset = 0; offset < size; offset += piece) {
+    if (options.cancel != nullptr && options.cancel->load()) {
+      return Status(StatusCode::kCancelled, "persisting " + what + " was cancelled");
+    }
+    const auto busy_from = std::chrono::steady_clock::now();
+    const uint64_t n = std::min(piece, size - offset);
+    uint32_t crc = 0;
+    spans.clear();
+    if (Status s = reader.View(offset, n, &spans, &crc); !s.ok()) return s;
+    stats.crc32c = offset == 0 ? crc : Crc32cCombine(stats.crc32c, crc, n);
+    uint64_t at = offset;
+    for (const ArenaSpan& span : spans) {
+      if (Status s = WriteSpan(direct, buffered, span.data, span.length, at, what); !s.ok()) {
+        return s;
+      }
+      at += span.length;
+    }
+    const double busy = Since(busy_from);
+    stats.busy_seconds += busy;
+    if (share < 1.0) {
+      std::this_thread::sleep_for(std::chrono::duration<double>(busy * (1.0 / share - 1.0)));
+    }
+  }
+  if (Status s = reader.VerifyRest(); !s.ok()) return s;
+  if (fsync(buffered) != 0) return FileStatus("syncing " + what, errno);
+  stats.bytes = size;
+  stats.seconds = Since(start);
+  return stats;
+}
+
+}  // namespace
+
+Result<PersistStats> PersistRegion(RegionStore& store, const std::string& name, int dir_fd,
+                                   const std::string& file_name, const PersistOptions& options) {
+  if (file_name.empty() || file_name == "." || file_name == ".." ||
+      file_name.find('/') != std::string::npos) {
+    return InvalidArgument("'" + file_name + "' is not one path component");
+  }
+  Result<std::unique_ptr<RegionReader>> opened =
+      store.Open(name, /*verify=*/true, /*verify_as_read=*/true);
+  if (!opened.ok()) return opened.status();
+  const std::string what = file_name + " (region " + name + ")";
+  const int flags = O_WRONLY | O_CLOEXEC | O_NOFOLLOW;
+  Fd buffered(openat(dir_fd, file_name.c_str(), flags | O_CREAT | O_EXCL, 0600));
+  if (buffered.get() < 0) return FileStatus("creating " + what, errno);
+  Fd direct(options.direct ? openat(dir_fd, file_name.c_str(), flags | O_DIRECT) : -1);
+  Result<PersistStats> done = Persist(**opened, buffered.get(), direct.get(), what, options);
+  Status closed = (*opened)->Close();
+  if (done.ok() && !closed.ok()) done = closed;
+  if (!done.ok()) unlinkat(dir_fd, file_name.c_str(), 0);  // never a partial or damaged file
+  return done;
+}
+
+}  // namespace memoffload::client
