@@ -99,12 +99,16 @@ def check(root):
 _PY_TOP = ["memoffload"]  # errors, logs, step_log, the package itself: torch-free
 _PY_BASE = ["memoffload/torch/_native", "memoffload/torch/_settings"] + _PY_TOP
 _PY_CKPT_CORE = ["memoffload/torch/checkpoint/trusted_files", "memoffload/torch/checkpoint/store",
-                 "memoffload/torch/checkpoint/items"]
+                 "memoffload/torch/checkpoint/items", "memoffload/torch/checkpoint/frames"]
 PY_LAYERS = {
     "memoffload": [],
-    "memoffload/hf": ["memoffload/torch/activations"] + _PY_TOP,
-    "memoffload/lightning": ["memoffload/torch"] + _PY_TOP,
-    "memoffload/torch": ["memoffload/torch/activations", "memoffload/torch/state",
+    "memoffload/hf": ["memoffload/torch/activations/hf"] + _PY_TOP,
+    # The Hugging Face callback also runs a CheckpointManager (checkpoint/training).
+    "memoffload/torch/activations/hf": ["memoffload/torch/activations",
+                                        "memoffload/torch/checkpoint"] + _PY_BASE,
+    "memoffload/lightning": ["memoffload/torch", "memoffload/torch/checkpoint"] + _PY_TOP,
+    "memoffload/torch": ["memoffload/torch/activations", "memoffload/torch/activations/hf",
+                         "memoffload/torch/state",
                          "memoffload/torch/checkpoint"] + _PY_BASE,
     "memoffload/torch/_native": _PY_TOP,
     "memoffload/torch/_settings": _PY_TOP,
@@ -113,7 +117,9 @@ PY_LAYERS = {
     "memoffload/torch/checkpoint/trusted_files": _PY_TOP,
     "memoffload/torch/checkpoint/store": ["memoffload/torch/checkpoint/trusted_files"] + _PY_BASE,
     "memoffload/torch/checkpoint/items": _PY_BASE,
-    "memoffload/torch/checkpoint/stage": ["memoffload/torch/checkpoint/items"] + _PY_BASE,
+    "memoffload/torch/checkpoint/frames": _PY_BASE,
+    "memoffload/torch/checkpoint/stage": ["memoffload/torch/checkpoint/items",
+                                          "memoffload/torch/checkpoint/frames"] + _PY_BASE,
     "memoffload/torch/checkpoint/nodes": _PY_CKPT_CORE + _PY_BASE,
     "memoffload/torch/checkpoint": ["memoffload/torch/checkpoint/nodes",
                                     "memoffload/torch/checkpoint/stage"] + _PY_CKPT_CORE + _PY_BASE,

@@ -26,13 +26,17 @@ FILESYSTEM = "filesystem"
 class _RegionItem:
     """Where one item of a daemon checkpoint is (Metadata.storage_data).
     ``dtype`` and ``shape`` describe a tensor item's raw bytes; both are None
-    for a BYTE_IO item."""
+    for a BYTE_IO item. ``record``: (offset, length) of the tensor's whole
+    ``torch.save`` record around its raw bytes (frames.py), which DCP's
+    FileSystemReader reads from the region's file once persisted; None in
+    checkpoints saved before records were written (never persisted)."""
 
     region: str
     offset: int
     length: int
     dtype: Optional[torch.dtype] = None
     shape: Optional[Tuple[int, ...]] = None
+    record: Optional[Tuple[int, int]] = None
 
 
 @dataclass(frozen=True)

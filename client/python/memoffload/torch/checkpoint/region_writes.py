@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from ... import errors, logs
+from . import frames as _frames
 from . import outcome as _outcome
 from . import stage as _stage
 from . import store as _store
@@ -41,7 +42,7 @@ class RegionWrites:
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
                 continue
-            nbytes = item.tensor_storage_size() or 0
+            nbytes = (item.tensor_storage_size() or 0) + _frames.FRAME_ROOM
             whole = tuple(item.tensor_data.chunk.sizes) == tuple(item.tensor_data.size)
             full += nbytes
             share += nbytes // world if whole else nbytes
@@ -108,18 +109,24 @@ class RegionWrites:
         ``reserved`` (the region made at the plan, under a staging name), the
         tensors into it and DCP's BYTE_IO items into ``region``'s ``_1``
         sibling."""
-        resolved: List[Tuple[WriteItem, Any, int, Optional[torch.dtype], Optional[Tuple[int, ...]]]] = []
+        # (item, parts, bytes of the parts, dtype, shape): a tensor's parts
+        # are its torch.save record, head, raw bytes and tail (frames.py).
+        resolved: List[Tuple[WriteItem, List[Any], int, Optional[torch.dtype],
+                             Optional[Tuple[int, ...]]]] = []
         for item in items:
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
                 blob = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-                resolved.append((item, blob, len(blob), None, None))
+                resolved.append((item, [blob], len(blob), None, None))
             else:
                 t = data.detach()
                 # A CUDA tensor is copied from the device straight into the
                 # region (RegionWriter.append); other devices through the CPU.
                 t = t.contiguous() if t.is_cuda else t.cpu().contiguous()
-                resolved.append((item, t, t.numel() * t.element_size(), t.dtype, tuple(t.shape)))
+                head, tail = _frames.frames(t.dtype, tuple(t.shape))
+                resolved.append((item, [head, t, tail],
+                                 len(head) + t.numel() * t.element_size() + len(tail),
+                                 t.dtype, tuple(t.shape)))
         groups = [(region, resolved, None)]
         if reserved is not None:  # what does not fit it goes to the _1 sibling
             inside, outside = [], []
@@ -134,14 +141,21 @@ class RegionWrites:
         for name, group, writer in groups:
             total = sum(r[2] for r in group)
             if total == 0:  # nothing (or only empty items): no region (the daemon has no empty ones)
-                name, offsets = "", [0] * len(group)
+                name, offsets = "", [0] * sum(len(r[1]) for r in group)
                 if writer is not None:
                     _abort(writer)
             else:
-                offsets = self._commit(name, [r[1] for r in group], total, writer)
-            results += [WriteResult(index=item.index, size_in_bytes=length,
-                                    storage_data=_RegionItem(name, offset, length, dtype, shape))
-                        for (item, _, length, dtype, shape), offset in zip(group, offsets)]
+                offsets = self._commit(name, [p for r in group for p in r[1]], total, writer)
+            at = 0
+            for item, parts, length, dtype, shape in group:
+                if dtype is None:  # a BYTE_IO item: its bytes as they are
+                    info = _RegionItem(name, offsets[at], length)
+                else:  # the raw bytes, inside their record
+                    n = length - len(parts[0]) - len(parts[2])
+                    info = _RegionItem(name, offsets[at + 1], n, dtype, shape, (offsets[at], length))
+                results.append(WriteResult(index=item.index, size_in_bytes=info.length,
+                                           storage_data=info))
+                at += len(parts)
         return results
 
     def _commit(self, region: str, parts: List[Any], size_bytes: Optional[int] = None,

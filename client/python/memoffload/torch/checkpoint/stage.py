@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import frames as _frames
+
 ALIGN = 64
 
 
@@ -41,20 +43,23 @@ class Staged:
     writer: Any  # _C.RegionWriter
     name: str
     offsets: Dict[int, int] = field(default_factory=dict)  # storage data_ptr -> region offset
+    # region offset of a staged tensor's bytes -> (offset, length) of its
+    # torch.save record around them (frames.py), its dtype and shape
+    records: Dict[int, Tuple[Tuple[int, int], torch.dtype, Tuple[int, ...]]] = field(
+        default_factory=dict)
     tensors: int = 0
     bytes: int = 0
     outside: int = 0  # tensors copied outside the region (no room in one extent)
 
-    def locate(self, t: torch.Tensor) -> Optional[int]:
-        """The region offset of contiguous ``t``'s bytes, or None when they
-        are not in this staged region."""
+    def locate(self, t: torch.Tensor) -> Optional[Tuple[int, Tuple[int, int]]]:
+        """The region offset of ``t``'s bytes and its record, or None when
+        ``t`` is not one whole staged tensor."""
         if not t.is_contiguous() or t.device.type != "cpu":
             return None
-        storage = t.untyped_storage()
-        base = self.offsets.get(storage.data_ptr())
-        if base is None:
+        offset = self.offsets.get(t.data_ptr())
+        if offset is None or self.records[offset][1:] != (t.dtype, tuple(t.shape)):
             return None
-        return base + (t.data_ptr() - storage.data_ptr())
+        return offset, self.records[offset][0]
 
 
 def _walk(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -95,7 +100,7 @@ def stage(store: Any, state_dict: Dict[str, Any], rank: int, ttl_seconds: float
     """The staged state dict, and its region (None when it has no tensor
     bytes)."""
     tensors = [_local(t) for t in _tensors(state_dict)]
-    sizes = [_nbytes(t) for t in tensors if t.device.type != "meta"]
+    sizes = [_nbytes(t) + _frames.FRAME_ROOM for t in tensors if t.device.type != "meta"]
     total = sum((n + ALIGN - 1) // ALIGN * ALIGN for n in sizes if n)
     if total == 0:
         return _walk(state_dict, lambda t: t.detach().clone()), None
@@ -124,14 +129,20 @@ def _place(staged: Staged, t: torch.Tensor) -> torch.Tensor:
         return t.detach().clone() if t.device.type != "meta" else t
     from ... import errors
 
-    try:
-        offset, raw = staged.writer.place(n, ALIGN)
+    head, tail = _frames.frames(t.dtype, tuple(t.shape))
+    length = len(head) + n + len(tail)
+    try:  # the whole torch.save record, the tensor's bytes in it
+        offset, raw = staged.writer.place(length, ALIGN)
     except errors.OutOfRange:
         staged.outside += 1
         return t.detach().to("cpu", copy=True).contiguous()
+    raw[:len(head)].copy_(torch.frombuffer(bytearray(head), dtype=torch.uint8))
+    raw[len(head) + n:].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
+    raw = raw[len(head):len(head) + n]
     out = raw.view(t.dtype).view(t.shape)
     out.copy_(t.detach())
-    staged.offsets[raw.untyped_storage().data_ptr()] = offset
+    staged.offsets[raw.data_ptr()] = offset + len(head)
+    staged.records[offset + len(head)] = ((offset, length), t.dtype, tuple(t.shape))
     staged.tensors += 1
     staged.bytes += n
     return out
@@ -163,13 +174,13 @@ def write(staged: Staged, items: List[Any], planner: Any, final_region: str,
             rest.append(item)
             continue
         t = planner.resolve_data(item).detach()
-        offset = staged.locate(t)
-        if offset is None:
+        found = staged.locate(t)
+        if found is None:
             rest.append(item)
             continue
         n = _nbytes(t)
         results.append(WriteResult(index=item.index, size_in_bytes=n, storage_data=_RegionItem(
-            final_region, offset, n, t.dtype, tuple(t.shape))))
+            final_region, found[0], n, t.dtype, tuple(t.shape), found[1])))
     if results:
         staged.writer.commit(rename_to=final_region)
     else:
