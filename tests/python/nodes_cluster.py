@@ -37,8 +37,9 @@ class Cluster:
     """Two nodes' daemons, and the jobs run on them."""
 
     def __init__(self, base: Path, node_of: List[int] = NODE_OF, secure: bool = True,
-                 daemon_args: Dict[int, List[str]] = {}) -> None:
+                 daemon_args: Dict[int, List[str]] = {}, worker: Path = WORKER) -> None:
         self.base = base
+        self.worker = worker
         self.node_of = node_of
         self.world = len(node_of)
         self.out = base / "out"
@@ -78,7 +79,7 @@ class Cluster:
             env.pop("MEMOFFLOAD_JOB_ID", None)
             env.update(env_of.get(rank, {}))
             err = open(self.out / f"{phase}-rank{rank}.stderr", "wb")
-            self.procs.append(subprocess.Popen([sys.executable, str(WORKER), str(path), str(rank)],
+            self.procs.append(subprocess.Popen([sys.executable, str(self.worker), str(path), str(rank)],
                                                env=env, stdout=subprocess.DEVNULL, stderr=err))
 
     def err(self, rank: int) -> str:

@@ -5,6 +5,7 @@ on random token ids."""
 from __future__ import annotations
 
 import copy
+import os
 import logging
 import subprocess
 import sys
@@ -232,3 +233,38 @@ def test_trainer_with_callback_checkpoint_recipe_recomputes_and_offloads(daemon,
     assert calls["n"] == 2 * layers * STEPS, calls
     assert all(h["memoffload/offloaded_bytes"] > 0 for h in logs), logs
     assert_arena_empty(daemon)
+
+
+class _Weights(transformers.TrainerCallback):
+    """The model's parameters when training begins (after the callbacks
+    before it restored them)."""
+
+    def on_train_begin(self, args, state, control, model=None, **kw):
+        self.at_begin = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_trainer_checkpoints_through_the_manager_logs_its_figures_and_resumes(daemon, tmp_path):
+    options = {"job_id": f"hf-{tmp_path.name}", "runtime_dir": daemon.runtime_dir,
+               "node_every": 1, "durable_every": 2, "durable_dir": str(tmp_path / "durable")}
+    model = tiny_llama()
+    callback = mot.MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir,
+                                      checkpoints=options)
+    trainer = run_trainer(model, tmp_path / "a", [callback])
+    assert callback.checkpoints.restored is None
+    final = callback.checkpoints.final
+    assert final["memoffload/ckpt_node_step"] == STEPS and final["memoffload/ckpt_persisted_step"] == 2
+    assert final["memoffload/ckpt_persisted_bytes"] > 0, final
+    logged = [h for h in trainer.state.log_history if "memoffload/ckpt_node_step" in h]
+    assert logged, trainer.state.log_history  # the figures join the logs
+    assert sorted(p.name for p in (tmp_path / "durable").iterdir()) == [".memoffload-persisting",
+                                                                         "step-2"]
+    trained = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # A new run of the job: restored at train begin, saves numbered on from it.
+    again = mot.MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir,
+                                   checkpoints=options)
+    probe = _Weights()
+    run_trainer(tiny_llama(), tmp_path / "b", [again, probe])
+    assert again.checkpoints.restored == STEPS
+    assert all(bit_equal(probe.at_begin[n], trained[n]) for n in trained)
+    assert again.checkpoints.final["memoffload/ckpt_node_step"] == 2 * STEPS
+    assert "step-4" in os.listdir(tmp_path / "durable")

@@ -174,3 +174,30 @@ def test_import_memoffload_does_not_import_lightning():
         "import lightning.pytorch as pl; assert issubclass(MemoffloadCallback, pl.Callback)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_lightning_checkpoints_through_the_manager_logs_its_figures_and_resumes(daemon, tmp_path):
+    options = {"job_id": f"pl-{tmp_path.name}", "runtime_dir": daemon.runtime_dir,
+               "node_every": 1, "durable_every": 2, "durable_dir": str(tmp_path / "durable")}
+    module = Stack()
+    callback = MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir,
+                                  checkpoints=options)
+    logger = fit(module, [callback], log_every_n_steps=1)
+    assert callback.checkpoints.restored is None
+    final = callback.checkpoints.final
+    assert final["memoffload/ckpt_node_step"] == STEPS and final["memoffload/ckpt_persisted_step"] == STEPS
+    assert any("memoffload/ckpt_node_step" in m for _, m in logger.rows), logger.rows
+    trained = {n: p.detach().clone() for n, p in module.named_parameters()}
+    again = MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir,
+                               checkpoints=options)
+    restored = Stack()
+    seen = {}
+
+    class Probe(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen.update({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+
+    fit(restored, [again, Probe()], log_every_n_steps=1)
+    assert again.checkpoints.restored == STEPS
+    assert all(bit_equal(seen[n], trained[n]) for n in trained)
+    assert again.checkpoints.final["memoffload/ckpt_node_step"] == 2 * STEPS

@@ -8,6 +8,8 @@ import io
 import re
 from contextlib import redirect_stdout
 
+import torch
+
 import memoffload.torch as mot
 from conftest import REPO, assert_arena_empty
 
@@ -55,22 +57,31 @@ def test_readme_checkpoint_snippet_runs_verbatim(daemon, monkeypatch, tmp_path):
     section = text[text.index(CHECKPOINT_SECTION) :]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     monkeypatch.setenv("MEMOFFLOAD_RUNTIME_DIR", daemon.runtime_dir)
-    monkeypatch.chdir(tmp_path)  # where a fallback would write its files
+    monkeypatch.chdir(tmp_path)  # where the durable files go
     namespace = {"__name__": "__readme__"}
-    exec(compile(code, "README.md", "exec"), namespace)
-    assert namespace["latest"] == "step-3"
-    assert namespace["saved"].where == "daemon", namespace["saved"]
-    # It went to the daemon, not to the fallback's files, and kept the last two.
+    out = io.StringIO()
+    with redirect_stdout(out):
+        exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["start"] == 0
+    assert out.getvalue().strip() == "step-3 ['step-2']", out.getvalue()
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "readme-demo").iterdir()
+                  if not p.name.startswith(".")) == ["step-2"]
+    # A restart of the job: the newest checkpoint, from the daemon.
+    trained = namespace["model"].weight.detach().clone()
+    namespace = {"__name__": "__readme__"}
+    with redirect_stdout(io.StringIO()):
+        exec(compile(code, "README.md", "exec"), namespace)
+    assert namespace["start"] == 3
+    assert namespace["manager"].last_restore["tier"] == "daemon"
+    assert torch.equal(namespace["model"].weight, trained)
     from memoffload import _C
 
     store = _C.RegionStore(job_id="readme-demo")
     try:
         names = sorted(r["name"] for r in store.list("dcp/"))
         assert any(n.startswith("dcp/step-3/") for n in names), names
-        assert any(n.startswith("dcp/step-2/") for n in names), names
         assert not any(n.startswith("dcp/step-1/") for n in names), names
         for n in names:
             store.delete(n)
     finally:
         store.close()
-    assert not list(tmp_path.iterdir()), list(tmp_path.iterdir())

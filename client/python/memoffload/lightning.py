@@ -19,6 +19,7 @@ except ImportError as exc:  # pragma: no cover - lightning is pinned in the test
 
 from .step_log import LOGGED_KEYS, StepLog
 from .torch import OffloadHandle, find_layer_stack, offload_layers
+from .torch.checkpoint.training import Checkpoints
 
 __all__ = ["MemoffloadCallback", "LOGGED_KEYS"]
 
@@ -41,14 +42,24 @@ class MemoffloadCallback(Callback):
     ``on_train_start`` (after the strategy set the model up) and restored at
     train end or when training raises.
 
+    ``checkpoints``: keyword arguments of a
+    :class:`memoffload.torch.checkpoint.CheckpointManager`: the module and
+    its optimizers are restored at train start (unless ``"restore": False``)
+    and saved through the manager after each optimizer step when due; its
+    figures (``memoffload/ckpt_*``) join the logged metrics
+    (memoffload.torch.checkpoint.training).
+
     The numbers are this process's (its rank's); loggers that write on rank
     0 only (all of Lightning's) show rank 0's.
     """
 
     def __init__(self, layers: Optional[Sequence[nn.Module]] = None, *,
-                 job_id: Optional[str] = None, **offload_kwargs: Any) -> None:
+                 job_id: Optional[str] = None, checkpoints: Optional[Dict[str, Any]] = None,
+                 **offload_kwargs: Any) -> None:
         self._layers = layers
         self._kwargs = dict(offload_kwargs, job_id=job_id)
+        self.checkpoints = Checkpoints(checkpoints) if checkpoints is not None else None
+        self._saved_step = -1
         self.handle: Optional[OffloadHandle] = None
         self.totals: Optional[Dict[str, Any]] = None
         self._log: Optional[StepLog] = None
@@ -59,10 +70,14 @@ class MemoffloadCallback(Callback):
         layers = list(self._layers) if self._layers is not None else find_layer_stack(pl_module)
         self.handle = offload_layers(layers, **self._kwargs)
         self._log = StepLog(self.handle, trainer.global_step)
+        if self.checkpoints is not None:
+            self.checkpoints.begin(pl_module, list(trainer.optimizers))
 
     def _write(self, trainer: Any) -> None:
         assert self._log is not None
         entry = self._log.take()
+        if self.checkpoints is not None:
+            entry.update(self.checkpoints.figures())
         # As Lightning's LearningRateMonitor does: straight to the loggers, at
         # the step Lightning logs this batch's metrics at. (LightningModule.log
         # would turn the byte counts into float32 tensors.)
@@ -72,6 +87,10 @@ class MemoffloadCallback(Callback):
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        # After each optimizer step (not each batch of an accumulation).
+        if self.checkpoints is not None and trainer.global_step != self._saved_step:
+            self._saved_step = trainer.global_step
+            self.checkpoints.step(trainer.global_step)
         if self._log is not None and trainer._logger_connector.should_update_logs:
             self._write(trainer)
 
@@ -80,6 +99,8 @@ class MemoffloadCallback(Callback):
             self._log.summary(f"epoch {trainer.current_epoch}", trainer.global_step)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.end()
         if self._log is not None:
             if self._log.pending():
                 self._write(trainer)
@@ -88,6 +109,8 @@ class MemoffloadCallback(Callback):
         self._remove()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.end()  # the save and the persist in flight finish
         self._remove()
 
     def _remove(self) -> None:

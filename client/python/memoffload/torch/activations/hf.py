@@ -15,6 +15,7 @@ from torch import nn
 
 from ...errors import InvalidArgument
 from ...step_log import LOGGED_KEYS, StepLog
+from ..checkpoint.training import Checkpoints
 from .handle import OffloadHandle
 from .layers import find_layer_stack, offload_layers
 
@@ -57,6 +58,14 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
     ``job_id``: the session's job id (see :func:`memoffload.torch.get_offloader`);
     the other keyword arguments go to :func:`memoffload.torch.offload_layers`.
 
+    ``checkpoints``: keyword arguments of a
+    :class:`memoffload.torch.checkpoint.CheckpointManager` (``job_id``,
+    ``node_every``, ``durable_every``, ``durable_dir``, ...): the model and
+    the optimizer are restored at train begin (unless ``"restore": False``)
+    and saved through the manager after each optimizer step when due; its
+    figures (``memoffload/ckpt_*``) join every log
+    (memoffload.torch.checkpoint.training).
+
     With Hugging Face activation checkpointing (``gradient_checkpointing=True``)
     it refuses to start: the checkpointed layers would be recomputed in
     backward, and offloading from inside them either switches checkpointing
@@ -64,9 +73,11 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
     """
 
     def __init__(self, layers: Optional[Sequence[nn.Module]] = None, *,
-                 job_id: Optional[str] = None, **offload_kwargs: Any):
+                 job_id: Optional[str] = None, checkpoints: Optional[Dict[str, Any]] = None,
+                 **offload_kwargs: Any):
         self._layers = layers
         self._kwargs = dict(offload_kwargs, job_id=job_id)
+        self.checkpoints = Checkpoints(checkpoints) if checkpoints is not None else None
         self.handle: Optional[OffloadHandle] = None
         self.totals: Optional[Dict[str, Any]] = None
         self._log: Optional[StepLog] = None
@@ -88,12 +99,21 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
             self.handle = offload_layers(layers, **self._kwargs)
             self._log = StepLog(self.handle, _step(state))
             self._epochs = 0
+            if self.checkpoints is not None:
+                self.checkpoints.begin(model, [kw["optimizer"]] if kw.get("optimizer") else [])
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any):
+        if self.checkpoints is not None:
+            self.checkpoints.step(_step(state))
         return control
 
     def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kw: Any):
         if self._log is None or not isinstance(logs, dict) or LOGGED_KEYS[0] in logs:
             return control  # (the keys are there: this callback is listed twice)
         entry = self._log.take()
+        if self.checkpoints is not None:
+            entry.update(self.checkpoints.figures())
         logs.update(entry)
         # Trainer.log appends a copy of `logs` to state.log_history before the
         # callbacks run: put the entry into that copy too.
@@ -109,6 +129,8 @@ class MemoffloadCallback(_CallbackBase):  # type: ignore[misc, valid-type]
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any):
+        if self.checkpoints is not None:
+            self.checkpoints.end()
         if self._log is not None:
             self._log.summary("training", _step(state), scope="run")
             self.totals = self._log.totals()

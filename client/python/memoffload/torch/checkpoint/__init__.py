@@ -33,6 +33,7 @@ They do not survive a restart of the daemon (docs/checkpoints.md).
 
 from .items import _RegionItem  # noqa: F401 - the name every .metadata in a daemon pickles
 from .latest import latest_checkpoint
+from .manager import CheckpointManager
 from .nodes.save import Replication
 from .outcome import SaveResult
 from .reader import MemoffloadReader
@@ -50,5 +51,8 @@ from .writer import MemoffloadWriter
 #   outcome        where a save went (SaveResult), on_error, the test pause hooks
 #   inflight       one save at a time per process
 #   region_writes, file_writes   a rank's shard into regions, or into files
+#   frames         the torch.save record around each tensor of a region
 #   latest, reader, writer   the public names below
-__all__ = ["MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]
+#   persist        the durable tier: a node checkpoint to files, published with a rename
+#   manager        CheckpointManager: the tiers, their retention, restore
+__all__ = ["CheckpointManager", "MemoffloadWriter", "MemoffloadReader", "latest_checkpoint"]

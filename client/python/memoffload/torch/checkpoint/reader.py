@@ -171,32 +171,72 @@ class MemoffloadReader(StorageReader):
         readers: Dict[str, Any] = {}
         if self._link is not None:
             readers = self._fetch_across_nodes(plan)
+        by_region: Dict[str, List[Any]] = {}
+        for req in plan.items:
+            by_region.setdefault(self.storage_data[req.storage_index].region, []).append(req)
         try:
-            for req in plan.items:
-                info: _RegionItem = self.storage_data[req.storage_index]
-                reader = readers.get(info.region)
-                if reader is None and info.length:
-                    # Checksums are checked as the items are copied out (in
-                    # region order, the order they were written), and what
-                    # no read covered, at the end: one pass over the bytes.
-                    assert self._region_store is not None
-                    reader = readers[info.region] = self._region_store.open(
-                        info.region, self.verify, verify_as_read=True)
-                if req.type == LoadItemType.BYTE_IO:
-                    blob = reader.read_bytes(info.offset, info.length) if info.length else b""
-                    planner.load_bytes(req, io.BytesIO(blob))
-                    continue
-                target = planner.resolve_tensor(req).detach()
-                _read_tensor(reader, info, req.storage_offsets, req.lengths, target, req.storage_index)
-                planner.commit_tensor(req, target)
-            for reader in readers.values():
-                reader.verify_rest()
+            for region, reqs in by_region.items():
+                try:
+                    reader = readers.get(region)
+                    if reader is None and region:
+                        # Checksums are checked as the items are copied out
+                        # (in region order, the order they were written), and
+                        # what no read covered, at the end: one pass.
+                        assert self._region_store is not None
+                        reader = readers[region] = self._region_store.open(
+                            region, self.verify, verify_as_read=True)
+                    self._read_items(reader, reqs, planner)
+                    if reader is not None:
+                        reader.verify_rest()
+                except (errors.NotFound, errors.DataLoss) as exc:
+                    # The same bytes at the same offsets in the durable tier's
+                    # file, when this checkpoint was persisted (persist.py).
+                    durable = self._durable_file(region)
+                    if durable is None:
+                        raise
+                    logs.log(logging.WARNING, f"checkpoint {self.checkpoint_id!r}: {region} "
+                             f"is read from durable storage ({durable.path}): {exc}", exc.code)
+                    with durable:
+                        self._read_items(durable, reqs, planner)
+                    self.last_sources[region] = f"durable storage ({durable.path})"
         finally:
             for reader in readers.values():
                 reader.close()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_items(self, reader: Any, reqs: List[Any], planner: LoadPlanner) -> None:
+        for req in reqs:
+            info: _RegionItem = self.storage_data[req.storage_index]
+            if req.type == LoadItemType.BYTE_IO:
+                blob = reader.read_bytes(info.offset, info.length) if info.length else b""
+                planner.load_bytes(req, io.BytesIO(blob))
+                continue
+            target = planner.resolve_tensor(req).detach()
+            _read_tensor(reader, info, req.storage_offsets, req.lengths, target, req.storage_index)
+            planner.commit_tensor(req, target)
+
+    def _durable_file(self, region: str) -> Optional["_DurableFile"]:
+        """The persisted file of ``region`` in the published checkpoint of
+        the durable dir (the fallback dir), opened through its verified
+        descriptor, or None."""
+        parts = _store.split_region_name(region)
+        if parts is None or self.checkpoint_id is None:
+            return None
+        name = parts[1]
+        try:
+            with _trusted_files.open_fallback_dir(self.fallback_dir) as root:
+                ckpt_fd = root.open_checkpoint(self.checkpoint_id, check_files=True)
+                try:
+                    if not root.contains(self.checkpoint_id, _store.METADATA_NAME):
+                        return None
+                    path = os.path.join(self.fallback_dir, self.checkpoint_id, name)
+                    return _DurableFile(root.open_file(ckpt_fd, name, path), path)
+                finally:
+                    os.close(ckpt_fd)
+        except (OSError, _trusted_files.Untrusted):
+            return None
 
     def _fetch_across_nodes(self, plan: LoadPlan) -> Dict[str, Any]:
         """Readers of every region this rank needs, from its node or another
@@ -235,3 +275,33 @@ def _read_tensor(reader: Any, info: _RegionItem, offsets: Any, lengths: Any,
     if target.size() != chunk.size():
         raise AssertionError(f"req {index} mismatch sizes {target.size()} vs {chunk.size()}")
     target.copy_(chunk)
+
+
+class _DurableFile:
+    """A persisted region file, read as a region reader is (the same bytes
+    at the same offsets)."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd = fd
+        self.path = path
+
+    def __enter__(self) -> "_DurableFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise errors.DataLoss(f"{self.path} ends before byte {offset + length}")
+        return data
+
+    def read_into(self, offset: int, target: torch.Tensor) -> None:
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise errors.DataLoss(f"{self.path} ends before byte {offset + len(view)}")
+            done += n

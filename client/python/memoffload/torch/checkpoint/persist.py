@@ -1,0 +1,319 @@
+"""The durable tier: a node checkpoint persisted to the job's durable
+directory (its ``fallback_dir``) in DCP's own FileSystem layout.
+
+Each rank writes its own regions of the checkpoint (``__<rank>_0.distcp``,
+``__<rank>_1.distcp``) to files, byte for byte (``RegionStore.persist``:
+C++, without the GIL, straight from the arena mapping, checked against the
+regions' CRC32Cs, fsynced, throttled), into
+``<durable>/.memoffload-persisting/<id>/``, then a small ``__<rank>.persisted``
+record of what it wrote. The coordinator waits for every rank's record,
+writes ``.metadata`` (the node checkpoint's, with DCP's ``_StorageInfo``
+pointing at each item's ``torch.save`` record in those files, so that it
+names torch's classes only), the job's marker, fsyncs, and publishes the
+checkpoint with one rename to ``<durable>/<id>``. A persist killed at any
+point leaves nothing visible: the next start of the job finishes it or
+removes it (CheckpointManager.restore).
+
+Every file and directory is opened through the durable dir's verified
+descriptor (trusted_files), never by path, and what is read back is checked
+to be this user's."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import json
+import logging
+import os
+import pickle
+import time
+from typing import Any, Dict, List, Optional
+
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ... import errors, logs
+from . import outcome as _outcome
+from . import store as _store
+from . import trusted_files as _trusted_files
+from .items import _RegionItem
+
+PERSISTING = ".memoffload-persisting"
+DONE_SUFFIX = ".persisted"  # __<rank>.persisted: what a rank wrote
+PERSISTED_REGION = ".persisted"  # committed in the daemon once published
+
+
+@dataclasses.dataclass
+class Persisted:
+    """What one rank wrote (``files``: name -> {bytes, crc32c}), or, on the
+    coordinator after publishing, the checkpoint's whole figures."""
+
+    checkpoint_id: str
+    rank: int
+    files: Dict[str, Dict[str, Any]]
+    bytes: int = 0
+    seconds: float = 0.0
+    busy_seconds: float = 0.0
+    direct: bool = False
+    path: str = ""
+
+
+def _subdir(parent_fd: int, name: str, where: str, create: bool) -> int:
+    """Directory ``name`` below ``parent_fd`` (made 0700 with ``create``),
+    opened without following a symlink and checked to be this user's and
+    writable by nobody else."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent_fd)
+    problem = _trusted_files._owner_problem(where, os.fstat(fd), "persist dir")
+    if problem is not None:
+        os.close(fd)
+        raise _trusted_files.refused(problem)
+    return fd
+
+
+@contextlib.contextmanager
+def _partial(durable_dir: str, checkpoint_id: str, create: bool):
+    """(root, descriptor of .memoffload-persisting, descriptor of its <id>)."""
+    with _trusted_files.trusted_fallback_dir(durable_dir, create=create) as root:
+        pfd = _subdir(root.fd, PERSISTING, os.path.join(durable_dir, PERSISTING), create)
+        try:
+            cfd = _subdir(pfd, checkpoint_id, os.path.join(durable_dir, PERSISTING, checkpoint_id),
+                          create)
+            try:
+                yield root, pfd, cfd
+            finally:
+                os.close(cfd)
+        finally:
+            os.close(pfd)
+
+
+def _unlink(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+
+
+def _exists(dir_fd: int, name: str) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _write_file(root: _trusted_files.TrustedDir, dir_fd: int, name: str, data: bytes,
+                where: str) -> None:
+    """``name`` written whole (a temporary file, fsync, rename)."""
+    tmp = f"{name}.{os.getpid()}.tmp"
+    fd = root.open_file(dir_fd, tmp, os.path.join(where, tmp), write=True)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def shard_regions(store: Any, checkpoint_id: str, rank: int) -> List[str]:
+    """This rank's data regions of the checkpoint in its daemon."""
+    prefix = _store.region_name(checkpoint_id, f"__{rank}_")
+    return sorted(r["name"] for r in store.list(prefix)
+                  if r["name"].endswith(".distcp") and r["committed_unix"])
+
+
+def persist_shard(store: Any, durable_dir: str, checkpoint_id: str, rank: int, token: str,
+                  share: float = 1.0, direct: bool = True, piece_bytes: int = 16 << 20) -> Persisted:
+    """Writes this rank's regions of ``checkpoint_id`` into the checkpoint's
+    persisting dir, then its ``__<rank>.persisted`` record (with ``token``,
+    which the coordinator matches). Raises NotFound when the daemon no longer
+    has them."""
+    regions = shard_regions(store, checkpoint_id, rank)
+    if not regions:
+        raise errors.NotFound(f"checkpoint {checkpoint_id!r}: rank {rank}'s regions are no longer "
+                              "in the daemon (deleted by retention, or the daemon restarted)")
+    out = Persisted(checkpoint_id, rank, {})
+    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
+    with _partial(durable_dir, checkpoint_id, create=True) as (root, _, cfd):
+        done = f"__{rank}{DONE_SUFFIX}"
+        _unlink(cfd, done)
+        for region in regions:
+            name = _store.split_region_name(region)[1]  # type: ignore[index]
+            _unlink(cfd, name)  # what a killed attempt left
+            stats = store.persist(region, cfd, name, share=share, direct=direct,
+                                  piece_bytes=piece_bytes)
+            if _outcome.pause is not None:
+                _outcome.pause("w", rank)  # one of its files written, its record not
+            out.files[name] = {"bytes": int(stats["bytes"]), "crc32c": int(stats["crc32c"])}
+            out.bytes += int(stats["bytes"])
+            out.seconds += float(stats["seconds"])
+            out.busy_seconds += float(stats["busy_seconds"])
+            out.direct = out.direct or bool(stats["direct"])
+        record = {"rank": rank, "token": token, "files": out.files}
+        _write_file(root, cfd, done, json.dumps(record).encode(), where)
+        os.fsync(cfd)
+    return out
+
+
+def record_failure(durable_dir: str, checkpoint_id: str, rank: int, token: str, why: str) -> None:
+    """This rank's record saying why it wrote nothing: the coordinator
+    gives up now instead of at its timeout."""
+    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
+    with _partial(durable_dir, checkpoint_id, create=True) as (root, _, cfd):
+        record = {"rank": rank, "token": token, "files": {}, "error": why}
+        _write_file(root, cfd, f"__{rank}{DONE_SUFFIX}", json.dumps(record).encode(), where)
+
+
+def durable_metadata(metadata: Metadata, files: Dict[str, Dict[str, Any]]) -> Metadata:
+    """The node checkpoint's Metadata for its files: every item's
+    ``_RegionItem`` becomes DCP's ``_StorageInfo`` (a tensor's: its whole
+    torch.save record). Raises FailedPrecondition for a checkpoint saved
+    before records were written."""
+    storage: Dict[Any, _StorageInfo] = {}
+    empty_file = min(files) if files else ""
+    for index, info in (metadata.storage_data or {}).items():
+        if not isinstance(info, _RegionItem):
+            raise errors.FailedPrecondition(f"item {index} is not in a daemon region ({info!r})")
+        name = _store.split_region_name(info.region)[1] if info.region else empty_file
+        if info.region and name not in files:
+            raise errors.FailedPrecondition(f"item {index} is in {name}, which no rank persisted")
+        if info.dtype is None:
+            storage[index] = _StorageInfo(name, info.offset, info.length)
+        elif info.record is None:
+            raise errors.FailedPrecondition(
+                "it was saved by an older memoffload, whose regions hold no torch.save records")
+        else:
+            storage[index] = _StorageInfo(name, info.record[0], info.record[1])
+    return Metadata(state_dict_metadata=metadata.state_dict_metadata,
+                    planner_data=metadata.planner_data, storage_data=storage,
+                    storage_meta=metadata.storage_meta, version=metadata.version)
+
+
+def _records(root: _trusted_files.TrustedDir, cfd: int, where: str, world: int, token: str
+             ) -> Optional[Dict[str, Dict[str, Any]]]:
+    """Every rank's written files, once each rank's record (with ``token``)
+    is there; None while some are missing."""
+    files: Dict[str, Dict[str, Any]] = {}
+    for rank in range(world):
+        name = f"__{rank}{DONE_SUFFIX}"
+        try:
+            fd = root.open_file(cfd, name, os.path.join(where, name))
+        except FileNotFoundError:
+            return None
+        except _trusted_files.Untrusted as exc:
+            raise _trusted_files.refused(exc) from None
+        with os.fdopen(fd, "rb") as f:
+            record = json.loads(f.read(1 << 20))
+        if record.get("token") != token or record.get("rank") != rank:
+            return None  # a killed attempt's: this one's comes
+        if record.get("error"):
+            raise errors.FailedPrecondition(f"rank {rank} could not persist its shard: "
+                                            f"{record['error']}")
+        for file_name, figures in record["files"].items():
+            st = os.stat(file_name, dir_fd=cfd, follow_symlinks=False)
+            if st.st_size != figures["bytes"]:
+                raise errors.DataLoss(f"{os.path.join(where, file_name)} has {st.st_size} bytes, "
+                                      f"rank {rank} wrote {figures['bytes']}")
+            files[file_name] = figures
+    return files
+
+
+def publish(store: Any, durable_dir: str, job_id: str, checkpoint_id: str, world: int, token: str,
+            timeout_s: float, is_cancelled: Any = lambda: False) -> str:
+    """On the coordinator: waits for every rank's files, writes ``.metadata``
+    last and publishes the checkpoint (a rename); returns its path."""
+    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
+    blob_reader = store.open(_store.region_name(checkpoint_id, _store.METADATA_NAME), True)
+    try:
+        metadata: Metadata = pickle.loads(blob_reader.read_bytes(0, blob_reader.size_bytes))
+    finally:
+        blob_reader.close()
+    info = _store.stored_checkpoints(store).get(checkpoint_id)
+    committed = info.committed_unix if info is not None else time.time()
+    deadline = time.monotonic() + timeout_s
+    with _partial(durable_dir, checkpoint_id, create=True) as (root, pfd, cfd):
+        pause = 0.02
+        while True:
+            files = _records(root, cfd, where, world, token)
+            if files is not None:
+                break
+            if is_cancelled():
+                raise errors.Cancelled(f"persisting checkpoint {checkpoint_id!r} was cancelled")
+            if time.monotonic() > deadline:
+                missing = [r for r in range(world) if not _exists(cfd, f"__{r}{DONE_SUFFIX}")]
+                raise errors.DeadlineExceeded(
+                    f"checkpoint {checkpoint_id!r}: ranks {missing} did not persist their shards "
+                    f"into {where} within {timeout_s:.0f} s (is {durable_dir} shared by every "
+                    "node of the job?)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
+        if _outcome.pause is not None:
+            _outcome.pause("m", 0)  # every shard written, no .metadata
+        blob = pickle.dumps(durable_metadata(metadata, files))
+        _write_file(root, cfd, _store.METADATA_NAME, blob, where)
+        os.utime(_store.METADATA_NAME, (committed, committed), dir_fd=cfd, follow_symlinks=False)
+        _write_file(root, cfd, _store.MARKER_NAME, (job_id + "\n").encode(), where)
+        os.fsync(cfd)
+        if _outcome.pause is not None:
+            _outcome.pause("n", 0)  # .metadata written, not published
+        try:
+            os.rename(checkpoint_id, checkpoint_id, src_dir_fd=pfd, dst_dir_fd=root.fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise errors.AlreadyExists(
+                    f"{os.path.join(durable_dir, checkpoint_id)} already exists; checkpoint "
+                    f"{checkpoint_id!r} was not persisted over it") from None
+            raise
+        os.fsync(root.fd)
+    return os.path.join(durable_dir, checkpoint_id)
+
+
+def partial_ids(durable_dir: str) -> List[str]:
+    """Checkpoint ids whose persist has not been published."""
+    try:
+        with _trusted_files.open_fallback_dir(durable_dir) as root:
+            try:
+                pfd = _subdir(root.fd, PERSISTING, os.path.join(durable_dir, PERSISTING), False)
+            except FileNotFoundError:
+                return []
+            try:
+                return sorted(os.listdir(pfd))
+            finally:
+                os.close(pfd)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except _trusted_files.Untrusted as exc:
+        raise _trusted_files.refused(exc) from None
+
+
+def remove_partial(durable_dir: str, checkpoint_id: str) -> bool:
+    """Removes what an unpublished persist of ``checkpoint_id`` left; True
+    when there was something."""
+    try:
+        with _trusted_files.trusted_fallback_dir(durable_dir) as root:
+            pfd = _subdir(root.fd, PERSISTING, os.path.join(durable_dir, PERSISTING), False)
+            try:
+                _trusted_files._remove_tree(pfd, checkpoint_id)
+                return True
+            finally:
+                os.close(pfd)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def mark_persisted(store: Any, checkpoint_id: str) -> None:
+    """Commits ``dcp/<id>/.persisted`` in the daemon (what
+    ``memoffloadctl regions`` and ``CheckpointManager.status`` show); a
+    failure is only said."""
+    try:
+        writer = store.create(_store.region_name(checkpoint_id, PERSISTED_REGION), 1)
+        writer.append(b"1")
+        writer.commit()
+    except errors.AlreadyExists:
+        pass  # persisted before (a second persist of the same checkpoint)
+    except errors.Error as exc:
+        logs.log(logging.INFO, f"checkpoint {checkpoint_id!r} is persisted, but its mark in the "
+                 f"daemon could not be committed ({exc})", exc.code)
