@@ -14,12 +14,12 @@ same run, rounds alternated, median and spread:
   ``FileSystemReader`` on the same files, their pages dropped from the page
   cache before each load (``posix_fadvise(DONTNEED)``).
 - ``steps``: 2 ranks (gloo, CPU) train an MLP and save to the node every
-  ``--every`` steps; with ``durable_every`` = the same, the step time of the
-  steps that run while a persist is in flight, with the default throttle,
-  against the same steps of a run that persists nothing; and how many steps
-  a checkpoint takes to be persisted.
+  ``--every`` steps; persisting every ``--durable-every``-th, the step time
+  of the steps that run while a persist is in flight, with the default
+  throttle, against the same steps of a run that persists nothing; and how
+  many steps a checkpoint takes to be persisted.
 
-    MEMOFFLOAD_BIN_DIR=build/bin .venv/bin/python bench/tiers_bench.py [--size 512MiB] [--rounds 9]
+    MEMOFFLOAD_BIN_DIR=build/bin .venv/bin/python bench/tiers_bench.py [--size 512MiB] [--state 512MiB] [--rounds 15]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def bench_blocked_and_restore(rt: str, tmp: str, size: int, rounds: int) -> Dict
                                        keep_last_node=1, keep_last_durable=1),
         "persisted": CheckpointManager(state, "bench-durable", node_every=1, durable_every=1,
                                        durable_dir=os.path.join(tmp, "d-durable"), runtime_dir=rt,
-                                       keep_last_node=1, keep_last_durable=1),
+                                       keep_last_node=1, keep_last_durable=1, persist_share=1.0),
     }
     blocked: Dict[str, List[float]] = {m: [] for m in managers}
     persisted_s: List[float] = []
@@ -134,10 +134,15 @@ def bench_blocked_and_restore(rt: str, tmp: str, size: int, rounds: int) -> Dict
                     persisted_s.append(m.last_persisted["seconds"])
     for m in managers.values():
         m.close()
-    # Restore: the last persisted checkpoint, from files only (no daemon).
+    # Restore: the last persisted checkpoint, which the node tier no longer
+    # holds (the daemon restarted, say): from the files.
     durable = os.path.join(tmp, "d-durable")
     ckpt = f"step-{rounds + 1}"
     path = os.path.join(durable, ckpt)
+    store = _C.RegionStore(rt, "bench-durable")
+    for region in store.list(f"dcp/{ckpt}/"):
+        store.delete(region["name"])
+    store.close()
     loads: Dict[str, List[float]] = {"memoffload": [], "filesystem_reader": []}
     for i in range(rounds + 1):
         for mode in (list(loads) if i % 2 == 0 else list(reversed(loads))):
@@ -145,7 +150,7 @@ def bench_blocked_and_restore(rt: str, tmp: str, size: int, rounds: int) -> Dict
             drop_pages(path)
             t = time.perf_counter()
             if mode == "memoffload":
-                reader = MemoffloadReader(job_id="bench-durable", runtime_dir=os.path.join(tmp, "none"),
+                reader = MemoffloadReader(job_id="bench-durable", runtime_dir=rt,
                                           fallback_dir=durable)
                 dcp.load(target, storage_reader=reader, checkpoint_id=ckpt)
                 assert reader.last_mode == "filesystem"
@@ -175,13 +180,13 @@ def _rank(rank: int, cfg: Dict[str, Any], port: int, out: Any) -> None:
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(64, width)
     result = {}
-    for mode, durable_every in (("node_only", 0), ("persisted", cfg["every"])):
+    for mode, durable_every in (("node_only", 0), ("persisted", cfg["durable_every"])):
         manager = CheckpointManager(
             {"app": _Both(model, opt, rank)}, f"bench-steps-{mode}", node_every=cfg["every"],
             durable_every=durable_every, durable_dir=os.path.join(cfg["tmp"], f"steps-{mode}"),
             runtime_dir=cfg["rt"], keep_last_node=1, keep_last_durable=1)
         times, until = [], []
-        saved_at = None
+        saved_at: Any = None
         for step in range(1, cfg["steps"] + 1):
             t = time.perf_counter()
             opt.zero_grad()
@@ -192,11 +197,11 @@ def _rank(rank: int, cfg: Dict[str, Any], port: int, out: Any) -> None:
             busy = manager.persisting is not None
             times.append((step, took, busy))
             if rank == 0 and durable_every:
-                if step % durable_every == 0:
-                    saved_at = step
                 if saved_at is not None and manager.last_persisted.get("step") == saved_at:
-                    until.append(step - saved_at)
+                    until.append(step - saved_at)  # steps from its save to its publish
                     saved_at = None
+                if step % durable_every == 0 and saved_at is None:
+                    saved_at = step
         manager.close()
         result[mode] = {"times": times, "until": until}
     out.put((rank, result))
@@ -217,10 +222,12 @@ class _Both:
         raise NotImplementedError
 
 
-def bench_steps(rt: str, tmp: str, steps: int, every: int, width: int) -> Dict[str, Any]:
+def bench_steps(rt: str, tmp: str, steps: int, every: int, durable_every: int,
+                width: int) -> Dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    cfg = {"rt": rt, "tmp": tmp, "steps": steps, "every": every, "width": width}
+    cfg = {"rt": rt, "tmp": tmp, "steps": steps, "every": every, "durable_every": durable_every,
+           "width": width}
     port = torch_bench_port()
     procs = [ctx.Process(target=_rank, args=(r, cfg, port, out)) for r in range(2)]
     for p in procs:
@@ -238,7 +245,8 @@ def bench_steps(rt: str, tmp: str, steps: int, every: int, width: int) -> Dict[s
     saves = [t for s, t, _ in r0["node_only"]["times"] if s % every == 0 and s > every]
     plain = [t for s, t, _ in r0["node_only"]["times"] if s % every and s > every]
     return {
-        "steps": steps, "every": every, "steps_while_persisting": len(during),
+        "steps": steps, "every": every, "durable_every": durable_every,
+        "steps_while_persisting": len(during),
         "step_s_while_persisting": spread([mine[s] for s in during]) if during else None,
         "step_s_same_steps_node_only": spread([base[s] for s in during]) if during else None,
         "ratio_step_while_persisting_over_node_only":
@@ -262,10 +270,11 @@ def torch_bench_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="512MiB", help="persist: the region's bytes")
-    parser.add_argument("--state", default="128MiB", help="blocked/restore: the state's bytes")
+    parser.add_argument("--state", default="512MiB", help="blocked/restore: the state's bytes")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--every", type=int, default=10, help="steps: node saves")
+    parser.add_argument("--durable-every", type=int, default=50, help="steps: persisted saves")
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--only", default="persist,blocked,steps")
     parser.add_argument("--dir", default="", help="where the durable files go (a real disk)")
@@ -286,7 +295,8 @@ def main() -> None:
             if "blocked" in args.only:
                 report["blocked_restore"] = bench_blocked_and_restore(rt, tmp, state, args.rounds)
             if "steps" in args.only:
-                report["steps"] = bench_steps(rt, tmp, args.steps, args.every, args.width)
+                report["steps"] = bench_steps(rt, tmp, args.steps, args.every, args.durable_every,
+                                              args.width)
         finally:
             daemon.terminate()
             daemon.wait(timeout=30)

@@ -13,6 +13,7 @@
 
 #include "memoffload/client/region_io.h"
 #include "memoffload/client/region_persist.h"
+#include "memoffload/common/crc32c.h"
 #include "python_errors.h"
 
 namespace memoffload::torch::python {
@@ -168,9 +169,27 @@ Held<RegionStore> Attach(const std::string& runtime_dir, const std::string& job_
   return TakeHeld(WithoutGil([&] { return RegionStore::Attach(options); }));
 }
 
+py::dict PersistFigures(const client::PersistStats& stats) {
+  py::dict out;
+  out["bytes"] = stats.bytes;
+  out["crc32c"] = stats.crc32c;
+  out["direct"] = stats.direct;
+  out["busy_seconds"] = stats.busy_seconds;
+  out["seconds"] = stats.seconds;
+  return out;
+}
+
 }  // namespace
 
 void BindRegions(py::module_& m) {
+  m.def(
+      "crc32c",
+      [](const py::handle& obj, uint32_t crc) {
+        Bytes bytes(obj);
+        return WithoutGil([&] { return Crc32c(bytes.data(), bytes.size(), crc); });
+      },
+      py::arg("data"), py::arg("crc") = 0,
+      "The CRC32C of a buffer or CPU tensor's bytes, extending `crc` (the regions' checksum).");
   py::class_<RegionWriter, Held<RegionWriter>>(m, "RegionWriter")
       .def("append", &Append, py::arg("data"),
            "Copies a contiguous CPU tensor's bytes (or a buffer's) to the end; returns the "
@@ -195,6 +214,21 @@ void BindRegions(py::module_& m) {
       .def(
           "verify_rest", [](RegionReader& r) { Check(WithoutGil([&] { return r.VerifyRest(); })); },
           "With verify_as_read: checks what no in-order read checksummed (DataLoss).")
+      .def(
+          "persist",
+          [](RegionReader& r, int dir_fd, const std::string& file_name, double share, bool direct,
+             uint64_t piece_bytes) {
+            client::PersistOptions options;
+            options.share = share;
+            options.direct = direct;
+            options.piece_bytes = piece_bytes;
+            return PersistFigures(Take(
+                WithoutGil([&] { return client::PersistRegion(r, dir_fd, file_name, options); })));
+          },
+          py::arg("dir_fd"), py::arg("file_name"), py::arg("share") = 1.0, py::arg("direct") = true,
+          py::arg("piece_bytes") = 64ull << 20,
+          "Writes the whole region to new file `file_name` in directory `dir_fd`, verified "
+          "(open it with verify_as_read) and fsynced, without the GIL (region_persist.h).")
       .def("close", [](RegionReader& r) { Check(WithoutGil([&] { return r.Close(); })); })
       .def_property_readonly("name", &RegionReader::name)
       .def_property_readonly("size_bytes", &RegionReader::size_bytes);
@@ -227,18 +261,11 @@ void BindRegions(py::module_& m) {
             options.share = share;
             options.direct = direct;
             options.piece_bytes = piece_bytes;
-            client::PersistStats stats = Take(WithoutGil(
-                [&] { return client::PersistRegion(s, name, dir_fd, file_name, options); }));
-            py::dict out;
-            out["bytes"] = stats.bytes;
-            out["crc32c"] = stats.crc32c;
-            out["direct"] = stats.direct;
-            out["busy_seconds"] = stats.busy_seconds;
-            out["seconds"] = stats.seconds;
-            return out;
+            return PersistFigures(Take(WithoutGil(
+                [&] { return client::PersistRegion(s, name, dir_fd, file_name, options); })));
           },
           py::arg("name"), py::arg("dir_fd"), py::arg("file_name"), py::arg("share") = 1.0,
-          py::arg("direct") = true, py::arg("piece_bytes") = 16ull << 20,
+          py::arg("direct") = true, py::arg("piece_bytes") = 64ull << 20,
           "Writes committed region `name` to new file `file_name` in directory `dir_fd`, "
           "verified and fsynced, without the GIL (region_persist.h); returns its figures.")
       .def("list", &List, py::arg("prefix") = "")

@@ -42,7 +42,8 @@ def assert_same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor], what: st
 
 
 def run(c: Cluster, phase: str, env_of=None, **cfg) -> List[dict]:
-    c.start(phase, env_of=env_of or {}, durable_dir=str(c.base / "durable"), **cfg)
+    cfg.setdefault("durable_dir", str(c.base / "durable"))
+    c.start(phase, env_of=env_of or {}, **cfg)
     c.wait()
     results = [c.result(r) for r in range(c.world)]
     assert len({json.dumps(r["restored"]) for r in results}) == 1, results  # every rank agrees
@@ -67,6 +68,11 @@ sys.modules["memoffload"] = None
 import torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 path, out = sys.argv[1], sys.argv[2]
+if "://" in path:  # an object store: DCP's own fsspec reader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as FileSystemReader
+    import fsspec
+    _fs, _root = fsspec.core.url_to_fs(path)
+    open = lambda p, mode: _fs.open(_root + p[len(path):], mode)
 modules = set()
 class Names(pickle.Unpickler):
     def find_class(self, module, name):
@@ -82,7 +88,7 @@ torch.save({"state": sd, "modules": sorted(modules)}, out)
 """
 
 
-def plain_load(path: Path, out: Path) -> dict:
+def plain_load(path: "Path | str", out: Path) -> dict:
     done = subprocess.run([sys.executable, "-c", PLAIN_LOAD, str(path), str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -230,3 +236,59 @@ def test_a_piece_missing_from_the_node_tier_is_read_from_its_persisted_file(one_
         from_durable = [line for line in r["log"] if "is read from durable storage" in line]
         assert bool(from_durable) == (rank == 0), r["log"]
         assert_same(c.state("resume", "loaded", rank), reference(rank, 6), f"rank {rank}")
+    # The file is checked against the CRC32C its rank recorded before a byte is used.
+    import torch.distributed.checkpoint as dcp
+    from memoffload.errors import DataLoss
+    from memoffload.torch.checkpoint import MemoffloadReader
+
+    shard = c.base / "durable" / "step-6" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    reader = MemoffloadReader(job_id=c.job_id, runtime_dir=c.daemons[0].runtime_dir,
+                              fallback_dir=str(c.base / "durable"))
+    md = reader.read_metadata() if reader.reset("step-6") is None else None
+    template = {k: torch.empty(v.size, dtype=v.properties.dtype)
+                for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
+    with pytest.raises(BaseException) as raised:  # DCP's CheckpointException around it
+        dcp.load(template, storage_reader=reader, checkpoint_id="step-6", no_dist=True)
+    inner = list(getattr(raised.value, "failures", {0: raised.value}).values())[0]
+    inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, its traceback)
+    assert isinstance(inner, DataLoss) and "CRC32C" in str(inner), inner
+
+
+def test_an_object_store_as_the_durable_tier_through_fsspec(one_node):
+    c = one_node
+    url = f"file://{c.base}/bucket/run"  # fsspec's local file system: an object store's API
+    run(c, "train", durable_dir=url, steps=4, node_every=1, durable_every=2, keep_last_durable=1)
+    bucket = c.base / "bucket" / "run"
+    assert sorted(p.name for p in bucket.iterdir()) == ["step-4"]  # retention: the newest only
+    loaded = plain_load(f"{url}/step-4", c.base / "plain.pt")  # DCP's FsspecReader, no memoffload
+    for rank in range(2):
+        assert_same(as_snapshot(loaded["state"], rank), reference(rank, 4), f"rank {rank}")
+    c.daemons[0].kill()
+    c.daemons[0].start()  # the node tier gone: restored from the bucket
+    results = run(c, "resume", durable_dir=url, steps=6, node_every=1, durable_every=2,
+                  keep_last_durable=1)
+    for rank, r in enumerate(results):
+        assert r["restored"] == 4 and r["tier"] == "filesystem", r
+        assert_same(c.state("resume", "loaded", rank), reference(rank, 4), f"rank {rank} loaded")
+        assert_same(c.state("resume", "final", rank), reference(rank, 6), f"rank {rank} trained on")
+    assert sorted(p.name for p in bucket.iterdir()) == ["step-6"]
+
+
+def test_persists_that_cannot_keep_up_wait_one_at_a_time_and_the_dropped_leave_nothing(one_node):
+    c = one_node
+    # Every step durable, each persist slowed to a hundredth of its share:
+    # step-2 waits behind step-1, step-3 drops it, step-4 drops step-3.
+    results = run(c, "train", steps=4, node_every=1, durable_every=1, share=0.01, keep_last_node=4,
+                  keep_last_durable=None, async_save=False, persist_timeout_s=60)
+    log = [line for r in results for line in r["log"]]
+    dropped = [line for line in log if "is not persisted:" in line]
+    assert dropped, log
+    assert not any("within" in line for line in log), log  # nobody waited for a dropped one
+    assert "step-1" in durable_ids(c) and "step-4" in durable_ids(c), durable_ids(c)
+    assert partial_ids(c) == []
+    loaded = plain_load(c.base / "durable" / "step-4", c.base / "plain.pt")
+    for rank in range(2):
+        assert_same(as_snapshot(loaded["state"], rank), reference(rank, 4), f"rank {rank}")

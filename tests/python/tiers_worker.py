@@ -79,7 +79,8 @@ def main() -> None:
         durable_dir=cfg["durable_dir"], node_every=cfg.get("node_every", 1),
         durable_every=cfg.get("durable_every", 2), replicas=cfg.get("replicas", 0),
         keep_last_node=cfg.get("keep_last_node", 2), keep_last_durable=cfg.get("keep_last_durable", 2),
-        async_save=cfg.get("async_save", True), persist_share=cfg.get("share", 1.0))
+        async_save=cfg.get("async_save", True), persist_share=cfg.get("share", 1.0),
+        persist_timeout_s=cfg.get("persist_timeout_s", 120))
     restored = manager.restore()
     out: Dict[str, Any] = {"restored": restored, "tier": manager.last_restore.get("tier"),
                            "sources": manager.last_restore.get("sources")}

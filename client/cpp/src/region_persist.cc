@@ -70,6 +70,33 @@ Status WriteAll(int fd, const uint8_t* data, uint64_t length, uint64_t offset,
   return Status::Ok();
 }
 
+// Direct writes of [data, data + length) at `offset` (all aligned), in up to
+// kDepth parts written at once: one outstanding direct write leaves most
+// disks idle between requests.
+constexpr int kDepth = 4;
+constexpr uint64_t kMinPart = 1 << 20;
+
+Status WriteDirect(int fd, const uint8_t* data, uint64_t length, uint64_t offset,
+                   const std::string& what) {
+  const uint64_t parts = std::clamp<uint64_t>(length / kMinPart, 1, kDepth);
+  if (parts == 1) return WriteAll(fd, data, length, offset, what);
+  const uint64_t part = (length / parts + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
+  std::vector<std::thread> threads;
+  std::vector<Status> done(parts);
+  for (uint64_t i = 0; i < parts; ++i) {
+    const uint64_t from = i * part;
+    if (from >= length) break;
+    const uint64_t n = std::min(part, length - from);
+    threads.emplace_back(
+        [&, i, from, n] { done[i] = WriteAll(fd, data + from, n, offset + from, what); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : done) {
+    if (!s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
 // One span at `offset` of the file: its page-aligned middle through `direct`
 // (when open and the span's address lines up with the file offset), the
 // rest through `buffered`.
@@ -82,7 +109,7 @@ Status WriteSpan(int direct, int buffered, const uint8_t* data, uint64_t length,
   }
   const uint64_t middle = (length - lead) / kDirectAlign * kDirectAlign;
   if (Status s = WriteAll(buffered, data, lead, offset, what); !s.ok()) return s;
-  if (Status s = WriteAll(direct, data + lead, middle, offset + lead, what); !s.ok()) return s;
+  if (Status s = WriteDirect(direct, data + lead, middle, offset + lead, what); !s.ok()) return s;
   return WriteAll(buffered, data + lead + middle, length - lead - middle, offset + lead + middle,
                   what);
 }
@@ -99,7 +126,7 @@ Result<PersistStats> Persist(RegionReader& reader, int buffered, int direct,
   const uint64_t size = reader.size_bytes();
   const uint64_t piece = std::max<uint64_t>(options.piece_bytes / kDirectAlign, 1) * kDirectAlign;
   const double share = std::clamp(options.share, 0.001, 1.0);
-  if (size > 0) {
+  if (size > 0 && getenv("MO_FALLOC") != nullptr) {
     const int rc = posix_fallocate(buffered, 0, static_cast<off_t>(size));
     if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
       return FileStatus("allocating " + std::to_string(size) + " bytes for " + what, rc);
@@ -138,24 +165,30 @@ Result<PersistStats> Persist(RegionReader& reader, int buffered, int direct,
 
 }  // namespace
 
-Result<PersistStats> PersistRegion(RegionStore& store, const std::string& name, int dir_fd,
-                                   const std::string& file_name, const PersistOptions& options) {
+Result<PersistStats> PersistRegion(RegionReader& reader, int dir_fd, const std::string& file_name,
+                                   const PersistOptions& options) {
   if (file_name.empty() || file_name == "." || file_name == ".." ||
       file_name.find('/') != std::string::npos) {
     return InvalidArgument("'" + file_name + "' is not one path component");
   }
-  Result<std::unique_ptr<RegionReader>> opened =
-      store.Open(name, /*verify=*/true, /*verify_as_read=*/true);
-  if (!opened.ok()) return opened.status();
-  const std::string what = file_name + " (region " + name + ")";
+  const std::string what = file_name + " (region " + reader.name() + ")";
   const int flags = O_WRONLY | O_CLOEXEC | O_NOFOLLOW;
   Fd buffered(openat(dir_fd, file_name.c_str(), flags | O_CREAT | O_EXCL, 0600));
   if (buffered.get() < 0) return FileStatus("creating " + what, errno);
   Fd direct(options.direct ? openat(dir_fd, file_name.c_str(), flags | O_DIRECT) : -1);
-  Result<PersistStats> done = Persist(**opened, buffered.get(), direct.get(), what, options);
+  Result<PersistStats> done = Persist(reader, buffered.get(), direct.get(), what, options);
+  if (!done.ok()) unlinkat(dir_fd, file_name.c_str(), 0);  // never a partial or damaged file
+  return done;
+}
+
+Result<PersistStats> PersistRegion(RegionStore& store, const std::string& name, int dir_fd,
+                                   const std::string& file_name, const PersistOptions& options) {
+  Result<std::unique_ptr<RegionReader>> opened =
+      store.Open(name, /*verify=*/true, /*verify_as_read=*/true);
+  if (!opened.ok()) return opened.status();
+  Result<PersistStats> done = PersistRegion(**opened, dir_fd, file_name, options);
   Status closed = (*opened)->Close();
   if (done.ok() && !closed.ok()) done = closed;
-  if (!done.ok()) unlinkat(dir_fd, file_name.c_str(), 0);  // never a partial or damaged file
   return done;
 }
 

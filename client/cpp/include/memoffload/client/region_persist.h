@@ -46,6 +46,11 @@ struct PersistStats {
 // directory open as `dir_fd`, and fsyncs it (not the directory).
 Result<PersistStats> PersistRegion(RegionStore& store, const std::string& name, int dir_fd,
                                    const std::string& file_name, const PersistOptions& options);
+// The same from a region already open: opened with verify_as_read, before
+// the persist's turn, so that deleting the region meanwhile (retention)
+// keeps its bytes until the reader closes. The reader is left open.
+Result<PersistStats> PersistRegion(RegionReader& reader, int dir_fd, const std::string& file_name,
+                                   const PersistOptions& options);
 
 }  // namespace memoffload::client
 

@@ -33,7 +33,8 @@ from .store import (
 
 
 def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
-                      fallback_dir: Optional[str] = None, *, node_safe: bool = False) -> Optional[str]:
+                      fallback_dir: Optional[str] = None, *, node_safe: bool = False,
+                      _files: Optional[Dict[str, float]] = None) -> Optional[str]:
     """The newest complete checkpoint of the job (in the daemon, or in the
     fallback directory when that one is newer), or None. ``node_safe``: only
     checkpoints whose every piece has a copy on another node
@@ -50,7 +51,8 @@ def latest_checkpoint(job_id: Optional[str] = None, runtime_dir: str = "",
     store, _ = attach(runtime_dir, job, -1, True)
     problems: List[str] = []
     fallback = fallback_dir_of(fallback_dir, job)
-    files = filesystem_checkpoints(fallback, job, problems)
+    # _files: the durable tier's checkpoints when it is not a local dir (the manager's URL)
+    files = filesystem_checkpoints(fallback, job, problems) if _files is None else _files
     _trusted_files.warn_ignored(problems)
     link = _link.multi_node(runtime_dir, store) if _link.several_nodes() else None
     if link is not None:

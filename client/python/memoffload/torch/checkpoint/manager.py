@@ -22,6 +22,7 @@ docs/checkpoints.md."""
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import re
 import threading
@@ -33,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from ... import errors, logs
+from . import durable_url as _durable_url
 from . import outcome as _outcome
 from . import persist as _persist
 from . import store as _store
@@ -44,7 +46,7 @@ from .writer import MemoffloadWriter
 
 __all__ = ["CheckpointManager"]
 
-PERSIST_SHARE = 0.25
+PERSIST_SHARE = 0.1
 _STEP_ID = re.compile(r"^step-(\d+)$")
 
 
@@ -97,9 +99,13 @@ class CheckpointManager:
         self.async_save = async_save
         self.persist_share = persist_share
         self.persist_timeout_s = persist_timeout_s
+        self.url = _durable_url.is_url(self.durable_dir)  # an object store (fsspec)
+        # A save the daemon cannot take goes to the durable dir whole (a
+        # local one: the writer's fallback writes files only).
         self.writer = MemoffloadWriter(job_id=self.job_id, runtime_dir=runtime_dir,
-                                       fallback_dir=self.durable_dir, keep_last=keep_last_node,
-                                       replicas=replicas, on_error=on_error)
+                                       fallback_dir=False if self.url else self.durable_dir,
+                                       keep_last=keep_last_node, replicas=replicas,
+                                       on_error=on_error)
         self.on_error = on_error
         self._rank, self._world = _world()
         # The saves' collectives apart from training's (async_save runs them
@@ -108,10 +114,11 @@ class CheckpointManager:
                        if async_save and dist.is_available() and dist.is_initialized() else None)
         self._pending: Optional[Dict[str, Any]] = None  # the async save in flight
         self._persisting: Optional[threading.Thread] = None
-        self._persist_lock = threading.Lock()
+        self._persist_lock = threading.RLock()
+        self._queued: Optional[tuple] = None  # (id, step, token, shard): the persist waiting its turn
         self._persist_error: Optional[BaseException] = None
         self._cancel = False
-        self._piece_bytes = 16 << 20
+        self._piece_bytes = 64 << 20
         self.last_node_save: Dict[str, Any] = {}
         self.last_persisted: Dict[str, Any] = {}
         self.persisting: Optional[str] = None
@@ -124,6 +131,7 @@ class CheckpointManager:
         """Saves when ``step`` is due; returns the SaveResult of the save
         that completed in this call (a synchronous one, or with
         ``async_save`` the previous one once done), else None."""
+        self._raise_persist_error()  # with on_error="raise": the last persist's failure
         done = self._collect()
         node_due = step % self.node_every == 0
         durable_due = self.durable_every > 0 and step % self.durable_every == 0
@@ -170,39 +178,81 @@ class CheckpointManager:
 
     def _start_persist(self, checkpoint_id: str, step: int, token: str) -> None:
         self._raise_persist_error()
-        if checkpoint_id in _store.filesystem_checkpoints(self.durable_dir, self.job_id):
+        if checkpoint_id in self._durable():
             return  # persisted already (by the run that saved it, or at a restore)
-        running = self._persisting
-        if running is not None and running.is_alive():
-            logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r} is not persisted: "
-                     f"{self.persisting!r} is still being persisted (raise durable_every or "
-                     "persist_share)", errors.StatusCode.RESOURCE_EXHAUSTED)
-            return
-        self.persisting = checkpoint_id
-        self._persisting = threading.Thread(
-            target=self._persist, args=(checkpoint_id, step, token),
-            name=f"memoffload-persist-{checkpoint_id}", daemon=True)
-        self._persisting.start()
-
-    def _persist(self, checkpoint_id: str, step: int, token: str) -> None:
-        """This rank's shard, and on the coordinator the publish (a thread)."""
+        # This rank's regions, open now: node retention deleting them before
+        # their turn keeps their bytes until the persist closes them.
+        shard: Any
         try:
             store, reason = _store.attach(self.runtime_dir, self.job_id, self._rank, True)
             if store is None:
                 raise errors.Unavailable(f"checkpoint {checkpoint_id!r} cannot be persisted: {reason}")
-            shard = _persist.persist_shard(store, self.durable_dir, checkpoint_id, self._rank, token,
-                                           self.persist_share, piece_bytes=self._piece_bytes)
-            if _outcome.pause is not None:
-                _outcome.pause("p", self._rank)  # this rank's files written
+            shard = _persist.open_shard(store, checkpoint_id, self._rank)
+        except errors.Error as exc:
+            shard = exc  # raised by the persist itself, which says so (and tells the coordinator)
+        with self._persist_lock:
+            running = self._persisting
+            if running is not None and running.is_alive():
+                # One waits its turn; the one that waited is dropped (every
+                # rank drops it, or says so in its record: the coordinator
+                # then gives up on it at once).
+                if self._queued is not None:
+                    self._drop(*self._queued, because=checkpoint_id)
+                self._queued = (checkpoint_id, step, token, shard)
+                return
+            self._begin(checkpoint_id, step, token, shard)
+
+    def _begin(self, checkpoint_id: str, step: int, token: str, shard: Any) -> None:
+        self.persisting = checkpoint_id
+        self._persisting = threading.Thread(
+            target=self._persist, args=(checkpoint_id, step, token, shard),
+            name=f"memoffload-persist-{checkpoint_id}", daemon=True)
+        self._persisting.start()
+
+    def _drop(self, checkpoint_id: str, step: int, token: str, shard: Any, because: str) -> None:
+        if isinstance(shard, list):
+            _persist.close_shard(shard)
+        logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r} is not persisted: "
+                 f"{self.persisting!r} was still being persisted when {because!r} came (raise "
+                 "durable_every or persist_share)", errors.StatusCode.RESOURCE_EXHAUSTED)
+        if self._rank != 0:
+            try:
+                (_durable_url if self.url else _persist).record_failure(
+                    self.durable_dir, checkpoint_id, self._rank, token, f"rank {self._rank} "
+                    f"dropped it: {self.persisting!r} was still being persisted")
+            except (OSError, errors.Error):
+                pass  # the coordinator then gives up at its timeout
+
+    def _next(self) -> None:
+        """At the end of a persist: the one that waited, if any."""
+        with self._persist_lock:
+            queued, self._queued = self._queued, None
+            self.persisting = None
+            if queued is not None:
+                self._begin(*queued)
+
+    def _persist(self, checkpoint_id: str, step: int, token: str, opened: Any) -> None:
+        """This rank's shard, and on the coordinator the publish (a thread)."""
+        try:
+            if isinstance(opened, BaseException):
+                raise opened
+            tier = _durable_url if self.url else _persist
+            shard = tier.persist_shard(opened, self.durable_dir, checkpoint_id, self._rank, token,
+                                       self.persist_share, piece_bytes=self._piece_bytes)
             if self._rank != 0:
                 return
+            store, reason = _store.attach(self.runtime_dir, self.job_id, self._rank, True)
+            if store is None:
+                raise errors.Unavailable(f"checkpoint {checkpoint_id!r} cannot be published: {reason}")
             started = time.perf_counter()
-            path = _persist.publish(store, self.durable_dir, self.job_id, checkpoint_id,
-                                    self._world, token, self.persist_timeout_s,
-                                    lambda: self._cancel)
-            deleted = _store.retain_filesystem(self.durable_dir, self.job_id,
-                                               self.keep_last_durable, checkpoint_id)
+            path = tier.publish(store, self.durable_dir, self.job_id, checkpoint_id, self._world,
+                                token, self.persist_timeout_s, lambda: self._cancel)
+            deleted = (_durable_url.retain if self.url else _store.retain_filesystem)(
+                self.durable_dir, self.job_id, self.keep_last_durable, checkpoint_id)
             _persist.mark_persisted(store, checkpoint_id)
+            for older in self._partial_ids():  # what ranks wrote of checkpoints dropped since
+                if (step_of(older) or 0) < step:
+                    self._remove_partial(older)
             self.last_persisted = {"step": step, "path": path, "bytes": shard.bytes,
                                    "seconds": shard.seconds + time.perf_counter() - started,
                                    "direct": shard.direct, "deleted": deleted}
@@ -214,22 +264,29 @@ class CheckpointManager:
             self._persist_error = exc
             if self._rank != 0:
                 try:
-                    _persist.record_failure(self.durable_dir, checkpoint_id, self._rank, token,
-                                            str(exc))
+                    (_durable_url if self.url else _persist).record_failure(
+                        self.durable_dir, checkpoint_id, self._rank, token, str(exc))
                 except (OSError, errors.Error):
                     pass  # the coordinator then gives up at its timeout
             else:  # nothing unpublished stays (the other ranks' files included)
                 try:
-                    _persist.remove_partial(self.durable_dir, checkpoint_id)
-                except (OSError, errors.Error) as cleanup:
+                    self._remove_partial(checkpoint_id)
+                except OSError as cleanup:
+                    # Another rank still writes into it: the next publish, or
+                    # the next restore, removes it.
+                    level = logging.INFO if cleanup.errno == errno.ENOTEMPTY else logging.WARNING
+                    logs.log(level, f"what the persist of {checkpoint_id!r} left in "
+                             f"{self.durable_dir} stays for now: {cleanup}",
+                             errors.StatusCode.INTERNAL)
+                except errors.Error as cleanup:
                     logs.log(logging.WARNING, f"what the persist of {checkpoint_id!r} left in "
-                             f"{self.durable_dir} stays: {cleanup}", errors.StatusCode.INTERNAL)
+                             f"{self.durable_dir} stays for now: {cleanup}", cleanup.code)
             logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r} was not persisted: {exc}; the "
                      "node checkpoint stays, and the next durable save tries again",
                      _outcome.code_of(exc) if isinstance(exc, Exception) else
                      errors.StatusCode.CANCELLED)
         finally:
-            self.persisting = None
+            self._next()
 
     def _raise_persist_error(self) -> None:
         exc, self._persist_error = self._persist_error, None
@@ -239,9 +296,16 @@ class CheckpointManager:
     def wait_persisted(self, timeout: Optional[float] = None) -> Dict[str, Any]:
         """Waits for the persist in flight (on the coordinator, until it is
         published); returns ``last_persisted``. TimeoutError while it runs."""
-        running = self._persisting
-        if running is not None:
-            running.join(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._persist_lock:
+                running = self._persisting
+            if running is None or not running.is_alive():
+                with self._persist_lock:
+                    if self._persisting is running:  # no queued one started meanwhile
+                        break
+                continue
+            running.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if running.is_alive():
                 raise TimeoutError(f"checkpoint {self.persisting!r} is still being persisted")
         self._raise_persist_error()
@@ -255,7 +319,9 @@ class CheckpointManager:
         the durable dir), and returns its step; None when the job has none.
         First finishes persisting the newest node checkpoint that a killed
         run did not, and removes what unpublished persists left."""
-        checkpoint_id = latest_checkpoint(self.job_id, self.runtime_dir, self.durable_dir)
+        checkpoint_id = latest_checkpoint(
+            self.job_id, self.runtime_dir, None if self.url else self.durable_dir,
+            _files=self._durable() if self.url else None)
         checkpoint_id = self._agree(checkpoint_id)
         self._recover()
         if checkpoint_id is None:
@@ -311,8 +377,8 @@ class CheckpointManager:
         self._start_persist(checkpoint_id, step_of(checkpoint_id) or 0, decision["token"])
 
     def _recovery_plan(self) -> Optional[Dict[str, Any]]:
-        for partial in _persist.partial_ids(self.durable_dir):
-            _persist.remove_partial(self.durable_dir, partial)
+        for partial in self._partial_ids():
+            self._remove_partial(partial)
             logs.log(logging.INFO, f"removed what an unfinished persist of checkpoint {partial!r} "
                      f"left in {self.durable_dir}", errors.StatusCode.OK)
         if self.durable_every == 0:
@@ -320,7 +386,7 @@ class CheckpointManager:
         store, _ = _store.attach(self.runtime_dir, self.job_id, 0, True)
         if store is None:
             return None
-        durable = _store.filesystem_checkpoints(self.durable_dir, self.job_id)
+        durable = self._durable()
         newest_durable = max(durable.values(), default=0.0)
         node = [c for c in _store.stored_checkpoints(store).values()
                 if c.complete and c.checkpoint_id not in durable
@@ -330,6 +396,24 @@ class CheckpointManager:
             return None
         newest = max(node, key=lambda c: (c.committed_unix, c.checkpoint_id))
         return {"finish": newest.checkpoint_id, "token": uuid.uuid4().hex}
+
+    def _durable(self) -> Dict[str, float]:
+        """{id: its node commit time} of the durable tier's checkpoints."""
+        if self.url:
+            return _durable_url.checkpoints(self.durable_dir, self.job_id)
+        return _store.filesystem_checkpoints(self.durable_dir, self.job_id)
+
+    def _partial_ids(self) -> List[str]:
+        if self.url:
+            return _durable_url.partial_ids(self.durable_dir)
+        return _persist.partial_ids(self.durable_dir)
+
+    def _remove_partial(self, checkpoint_id: str) -> None:
+        if self.url:
+            if checkpoint_id not in self._durable():
+                _durable_url.remove(self.durable_dir, checkpoint_id)
+        else:
+            _persist.remove_partial(self.durable_dir, checkpoint_id)
 
     def _all(self, flag: bool) -> bool:
         if self._world == 1:
@@ -357,11 +441,11 @@ class CheckpointManager:
                                  "persisted": any(r.endswith("/" + _persist.PERSISTED_REGION)
                                                   for r in c.regions),
                                  "bytes": c.size_bytes})
-        durable = _store.filesystem_checkpoints(self.durable_dir, self.job_id)
+        durable = self._durable()
         return {"node": node,
                 "durable": sorted(durable, key=lambda c: durable[c], reverse=True),
                 "persisting": self.persisting,
-                "partial": _persist.partial_ids(self.durable_dir),
+                "partial": self._partial_ids(),
                 "last_node_save": dict(self.last_node_save),
                 "last_persisted": dict(self.last_persisted)}
 
@@ -378,4 +462,7 @@ class CheckpointManager:
         if running is not None and running.is_alive():
             logs.log(logging.INFO, f"waiting up to 120 s for checkpoint {self.persisting!r} to be "
                      "persisted before the process exits", errors.StatusCode.OK)
-            running.join(120)
+            try:
+                self.wait_persisted(120)
+            except Exception:  # noqa: BLE001 - its failure was said by the persist itself
+                pass

@@ -28,7 +28,7 @@ import logging
 import os
 import pickle
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
@@ -125,26 +125,57 @@ def shard_regions(store: Any, checkpoint_id: str, rank: int) -> List[str]:
                   if r["name"].endswith(".distcp") and r["committed_unix"])
 
 
-def persist_shard(store: Any, durable_dir: str, checkpoint_id: str, rank: int, token: str,
-                  share: float = 1.0, direct: bool = True, piece_bytes: int = 16 << 20) -> Persisted:
-    """Writes this rank's regions of ``checkpoint_id`` into the checkpoint's
-    persisting dir, then its ``__<rank>.persisted`` record (with ``token``,
-    which the coordinator matches). Raises NotFound when the daemon no longer
-    has them."""
+def open_shard(store: Any, checkpoint_id: str, rank: int) -> List[Tuple[str, Any]]:
+    """This rank's regions of the checkpoint, open (verified as read) so that
+    retention deleting them before their persist keeps their bytes:
+    [(file name, reader)]. Raises NotFound when the daemon no longer has
+    them."""
     regions = shard_regions(store, checkpoint_id, rank)
     if not regions:
         raise errors.NotFound(f"checkpoint {checkpoint_id!r}: rank {rank}'s regions are no longer "
                               "in the daemon (deleted by retention, or the daemon restarted)")
+    shard: List[Tuple[str, Any]] = []
+    try:
+        for region in regions:
+            shard.append((_store.split_region_name(region)[1],  # type: ignore[index]
+                          store.open(region, True, verify_as_read=True)))
+    except BaseException:
+        close_shard(shard)
+        raise
+    return shard
+
+
+def close_shard(shard: List[Tuple[str, Any]]) -> None:
+    for _, reader in shard:
+        try:
+            reader.close()
+        except errors.Error:
+            pass  # a daemon gone: nothing is held any more
+
+
+def persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, checkpoint_id: str, rank: int,
+                  token: str, share: float = 1.0, direct: bool = True,
+                  piece_bytes: int = 64 << 20) -> Persisted:
+    """Writes this rank's open regions (open_shard; closed here) into the
+    checkpoint's persisting dir, then its ``__<rank>.persisted`` record
+    (with ``token``, which the coordinator matches)."""
+    try:
+        return _persist_shard(shard, durable_dir, checkpoint_id, rank, token, share, direct,
+                              piece_bytes)
+    finally:
+        close_shard(shard)
+
+
+def _persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, checkpoint_id: str, rank: int,
+                   token: str, share: float, direct: bool, piece_bytes: int) -> Persisted:
     out = Persisted(checkpoint_id, rank, {})
     where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
     with _partial(durable_dir, checkpoint_id, create=True) as (root, _, cfd):
         done = f"__{rank}{DONE_SUFFIX}"
         _unlink(cfd, done)
-        for region in regions:
-            name = _store.split_region_name(region)[1]  # type: ignore[index]
+        for name, reader in shard:
             _unlink(cfd, name)  # what a killed attempt left
-            stats = store.persist(region, cfd, name, share=share, direct=direct,
-                                  piece_bytes=piece_bytes)
+            stats = reader.persist(cfd, name, share=share, direct=direct, piece_bytes=piece_bytes)
             if _outcome.pause is not None:
                 _outcome.pause("w", rank)  # one of its files written, its record not
             out.files[name] = {"bytes": int(stats["bytes"]), "crc32c": int(stats["crc32c"])}

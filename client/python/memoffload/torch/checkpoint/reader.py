@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import logging
 import os
 import pickle
@@ -19,7 +20,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ... import errors, logs
+from ... import _C, errors, logs
+from . import durable_url as _durable_url
 from . import store as _store
 from .nodes import link as _link
 from .nodes import load as _node_load
@@ -119,6 +121,8 @@ class MemoffloadReader(StorageReader):
             self._region_store = store
             self.last_mode = DAEMON
             return self._stamped(pickle.loads(blob))
+        if _durable_url.is_url(self.fallback_dir):  # the manager's durable tier in an object store
+            return self._from_url(why)
         path = os.path.join(self.fallback_dir, self.checkpoint_id)
         # Every file is opened through the fallback dir's verified
         # descriptor and checked before a byte is unpickled (_trusted_files).
@@ -136,6 +140,19 @@ class MemoffloadReader(StorageReader):
         _warn_fallback("load", why, path)
         self._fs = FileSystemReader(path)
         self._fs.fs = fs
+        self.last_mode = FILESYSTEM
+        return self._stamped(self._fs.read_metadata())
+
+    def _from_url(self, why: str) -> Metadata:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        assert self.checkpoint_id is not None
+        url = f"{self.fallback_dir}/{self.checkpoint_id}"
+        if self.checkpoint_id not in _durable_url.checkpoints(self.fallback_dir, self.job_id):
+            raise FileNotFoundError(f"checkpoint {self.checkpoint_id!r} not found: {why}, and {url} "
+                                    f"has no {_store.METADATA_NAME} of job {self.job_id!r}")
+        _warn_fallback("load", why, url)
+        self._fs = FsspecReader(url)
         self.last_mode = FILESYSTEM
         return self._stamped(self._fs.read_metadata())
 
@@ -197,6 +214,7 @@ class MemoffloadReader(StorageReader):
                     logs.log(logging.WARNING, f"checkpoint {self.checkpoint_id!r}: {region} "
                              f"is read from durable storage ({durable.path}): {exc}", exc.code)
                     with durable:
+                        durable.verify()  # the CRC32C its rank recorded, before a byte is used
                         self._read_items(durable, reqs, planner)
                     self.last_sources[region] = f"durable storage ({durable.path})"
         finally:
@@ -217,7 +235,7 @@ class MemoffloadReader(StorageReader):
             _read_tensor(reader, info, req.storage_offsets, req.lengths, target, req.storage_index)
             planner.commit_tensor(req, target)
 
-    def _durable_file(self, region: str) -> Optional["_DurableFile"]:
+    def _durable_file(self, region: str) -> Optional[Any]:
         """The persisted file of ``region`` in the published checkpoint of
         the durable dir (the fallback dir), opened through its verified
         descriptor, or None."""
@@ -225,18 +243,25 @@ class MemoffloadReader(StorageReader):
         if parts is None or self.checkpoint_id is None:
             return None
         name = parts[1]
+        if _durable_url.is_url(self.fallback_dir):
+            return _durable_url.open_file(self.fallback_dir, self.checkpoint_id, name)
         try:
             with _trusted_files.open_fallback_dir(self.fallback_dir) as root:
                 ckpt_fd = root.open_checkpoint(self.checkpoint_id, check_files=True)
                 try:
                     if not root.contains(self.checkpoint_id, _store.METADATA_NAME):
                         return None
+                    rank = name[2:].split("_")[0]
+                    record = json.loads(root.read(self.checkpoint_id, f"__{rank}.persisted"))
+                    expect = record["files"][name].get("crc32c")
                     path = os.path.join(self.fallback_dir, self.checkpoint_id, name)
-                    return _DurableFile(root.open_file(ckpt_fd, name, path), path)
+                    durable = _DurableFile(root.open_file(ckpt_fd, name, path), path)
+                    durable.expect = expect
+                    return durable
                 finally:
                     os.close(ckpt_fd)
-        except (OSError, _trusted_files.Untrusted):
-            return None
+        except (OSError, ValueError, KeyError, _trusted_files.Untrusted):
+            return None  # no published copy of it, or not one of ours
 
     def _fetch_across_nodes(self, plan: LoadPlan) -> Dict[str, Any]:
         """Readers of every region this rank needs, from its node or another
@@ -284,6 +309,11 @@ class _DurableFile:
     def __init__(self, fd: int, path: str) -> None:
         self.fd = fd
         self.path = path
+        self.expect: Optional[int] = None  # its CRC32C, as its rank recorded it
+
+    def verify(self) -> None:
+        """DataLoss unless the whole file has the recorded CRC32C."""
+        verify_file(self, self.expect)
 
     def __enter__(self) -> "_DurableFile":
         return self
@@ -297,6 +327,9 @@ class _DurableFile:
             raise errors.DataLoss(f"{self.path} ends before byte {offset + length}")
         return data
 
+    def read_some(self, offset: int, buf: torch.Tensor) -> int:
+        return os.preadv(self.fd, [memoryview(buf.numpy())], offset)
+
     def read_into(self, offset: int, target: torch.Tensor) -> None:
         view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
         done = 0
@@ -305,3 +338,19 @@ class _DurableFile:
             if n <= 0:
                 raise errors.DataLoss(f"{self.path} ends before byte {offset + len(view)}")
             done += n
+
+
+def verify_file(f: Any, expect: Optional[int], piece: int = 64 << 20) -> None:
+    """Reads ``f`` (``read_bytes``) whole and checks its CRC32C."""
+    if expect is None:
+        raise errors.DataLoss(f"{f.path}: no checksum was recorded for it")
+    buf = torch.empty(piece, dtype=torch.uint8)
+    crc = at = 0
+    while True:
+        n = f.read_some(at, buf)
+        if n == 0:
+            break
+        crc = _C.crc32c(buf[:n], crc)
+        at += n
+    if crc != expect:
+        raise errors.DataLoss(f"{f.path}: its CRC32C is {crc:08x}, its rank wrote {expect:08x}")

@@ -113,6 +113,8 @@ def fallback_dir_of(fallback_dir: Optional[str], job_id: str) -> str:
     value = fallback_dir or os.environ.get(FALLBACK_DIR_ENV, "")
     if not value:
         value = os.path.join("memoffload-checkpoints", job_id)
+    if "://" in os.fspath(value):  # an fsspec URL (the manager's durable tier: durable_url.py)
+        return os.fspath(value).rstrip("/")
     return os.path.abspath(os.fspath(value))
 
 

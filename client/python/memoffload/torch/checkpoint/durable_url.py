@@ -1,0 +1,290 @@
+"""The durable tier in an object store (or any fsspec file system): a
+``durable_dir`` that is a URL (``s3://bucket/ckpt/run-42``, ``gs://...``,
+``file:///...``) goes through fsspec, as DCP's ``FsspecWriter`` /
+``FsspecReader`` do, instead of the local, descriptor-checked path of
+persist.py.
+
+The layout is the same (DCP's own, readable by ``FsspecReader``). An object
+store has no rename: each rank writes its files straight into ``<url>/<id>/``
+followed by its ``__<rank>.persisted`` record; the coordinator writes the
+job's marker and then ``.metadata``, last. A checkpoint without ``.metadata``
+is not one (DCP's own rule): a persist killed before it leaves no
+checkpoint, and the next ``restore()`` removes what it left.
+
+Trust: what the bucket's access control lets write the URL can write the
+``.metadata`` pickle the loader unpickles, as for DCP's own ``FsspecReader``.
+A file read back in place of a node region (MemoffloadReader's per-piece
+fallback) is first checked against the CRC32C its rank recorded."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ... import _C, errors
+from . import outcome as _outcome
+from . import store as _store
+
+
+def is_url(path: Optional[str]) -> bool:
+    return bool(path) and "://" in str(path)
+
+
+def _fs(url: str) -> Tuple[Any, str]:
+    from fsspec.core import url_to_fs
+
+    return url_to_fs(url)
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts)
+
+
+def persist_shard(shard: List[Tuple[str, Any]], url: str, checkpoint_id: str, rank: int,
+                  token: str, share: float = 1.0, direct: bool = True,
+                  piece_bytes: int = 64 << 20) -> Any:
+    """This rank's open regions (persist.open_shard; closed here) into
+    ``<url>/<id>/``, read from the arena in pieces (verified as read) and
+    written through fsspec, then its record."""
+    from .persist import close_shard
+
+    try:
+        return _persist_shard(shard, url, checkpoint_id, rank, token, share, piece_bytes)
+    finally:
+        close_shard(shard)
+
+
+def _persist_shard(shard: List[Tuple[str, Any]], url: str, checkpoint_id: str, rank: int,
+                   token: str, share: float, piece_bytes: int) -> Any:
+    from .persist import DONE_SUFFIX, Persisted
+
+    fs, root = _fs(url)
+    where = _join(root, checkpoint_id)
+    fs.makedirs(where, exist_ok=True)
+    out = Persisted(checkpoint_id, rank, {}, path=_join(url, checkpoint_id))
+    buf = torch.empty(piece_bytes, dtype=torch.uint8)
+    started = time.perf_counter()
+    for name, reader in shard:
+        size = reader.size_bytes
+        crc = 0
+        with fs.open(_join(where, name), "wb") as f:
+            for at in range(0, size, piece_bytes):
+                busy = time.perf_counter()
+                n = min(piece_bytes, size - at)
+                reader.read_into(at, buf[:n])
+                crc = _C.crc32c(buf[:n], crc)
+                f.write(memoryview(buf[:n].numpy()))
+                took = time.perf_counter() - busy
+                out.busy_seconds += took
+                if share < 1:
+                    time.sleep(took * (1 / share - 1))
+        reader.verify_rest()  # a damaged region: its file is not recorded, never published
+        out.files[name] = {"bytes": size, "crc32c": crc}
+        out.bytes += size
+        if _outcome.pause is not None:
+            _outcome.pause("w", rank)
+    out.seconds = time.perf_counter() - started
+    with fs.open(_join(where, f"__{rank}{DONE_SUFFIX}"), "wb") as f:
+        f.write(json.dumps({"rank": rank, "token": token, "files": out.files}).encode())
+    return out
+
+
+def record_failure(url: str, checkpoint_id: str, rank: int, token: str, why: str) -> None:
+    from .persist import DONE_SUFFIX
+
+    fs, root = _fs(url)
+    where = _join(root, checkpoint_id)
+    fs.makedirs(where, exist_ok=True)
+    with fs.open(_join(where, f"__{rank}{DONE_SUFFIX}"), "wb") as f:
+        f.write(json.dumps({"rank": rank, "token": token, "files": {}, "error": why}).encode())
+
+
+def _records(fs: Any, where: str, world: int, token: str) -> Optional[Dict[str, Dict[str, Any]]]:
+    from .persist import DONE_SUFFIX
+
+    files: Dict[str, Dict[str, Any]] = {}
+    for rank in range(world):
+        path = _join(where, f"__{rank}{DONE_SUFFIX}")
+        if not fs.exists(path):
+            return None
+        with fs.open(path, "rb") as f:
+            record = json.loads(f.read(1 << 20))
+        if record.get("token") != token or record.get("rank") != rank:
+            return None
+        if record.get("error"):
+            raise errors.FailedPrecondition(f"rank {rank} could not persist its shard: "
+                                            f"{record['error']}")
+        for name, figures in record["files"].items():
+            size = fs.size(_join(where, name))
+            if size != figures["bytes"]:
+                raise errors.DataLoss(f"{_join(where, name)} has {size} bytes, rank {rank} "
+                                      f"wrote {figures['bytes']}")
+            files[name] = figures
+    return files
+
+
+def publish(store: Any, url: str, job_id: str, checkpoint_id: str, world: int, token: str,
+            timeout_s: float, is_cancelled: Any = lambda: False) -> str:
+    """On the coordinator: every rank's record, then the marker, then
+    ``.metadata`` last."""
+    from .persist import durable_metadata
+
+    fs, root = _fs(url)
+    where = _join(root, checkpoint_id)
+    reader = store.open(_store.region_name(checkpoint_id, _store.METADATA_NAME), True)
+    try:
+        metadata: Metadata = pickle.loads(reader.read_bytes(0, reader.size_bytes))
+    finally:
+        reader.close()
+    info = _store.stored_checkpoints(store).get(checkpoint_id)
+    committed = info.committed_unix if info is not None else time.time()
+    deadline = time.monotonic() + timeout_s
+    pause = 0.02
+    while True:
+        files = _records(fs, where, world, token)
+        if files is not None:
+            break
+        if is_cancelled():
+            raise errors.Cancelled(f"persisting checkpoint {checkpoint_id!r} was cancelled")
+        if time.monotonic() > deadline:
+            raise errors.DeadlineExceeded(f"checkpoint {checkpoint_id!r}: not every rank persisted "
+                                          f"its shard into {_join(url, checkpoint_id)} within "
+                                          f"{timeout_s:.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
+    if _outcome.pause is not None:
+        _outcome.pause("m", 0)
+    with fs.open(_join(where, _store.MARKER_NAME), "wb") as f:
+        f.write(f"{job_id}\n{committed!r}\n".encode())
+    with fs.open(_join(where, _store.METADATA_NAME), "wb") as f:
+        f.write(pickle.dumps(durable_metadata(metadata, files)))
+    return _join(url, checkpoint_id)
+
+
+def checkpoints(url: str, job_id: str) -> Dict[str, float]:
+    """{checkpoint id: its node commit time} of the job's published
+    checkpoints under ``url``."""
+    fs, root = _fs(url)
+    found: Dict[str, float] = {}
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return found
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        base = _join(root, name)
+        if not fs.exists(_join(base, _store.METADATA_NAME)):
+            continue
+        try:
+            with fs.open(_join(base, _store.MARKER_NAME), "rb") as f:
+                lines = f.read(4096).decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            continue
+        if lines and lines[0] == job_id:
+            found[name] = float(lines[1]) if len(lines) > 1 else 0.0
+    return found
+
+
+def partial_ids(url: str) -> List[str]:
+    """Ids with a rank's record but no ``.metadata``: unpublished persists."""
+    from .persist import DONE_SUFFIX
+
+    fs, root = _fs(url)
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        base = _join(root, name)
+        if fs.isdir(base) and not fs.exists(_join(base, _store.METADATA_NAME)) and any(
+                p.endswith(DONE_SUFFIX) or p.endswith(".distcp") for p in fs.ls(base, detail=False)):
+            out.append(name)
+    return sorted(out)
+
+
+def remove(url: str, checkpoint_id: str) -> None:
+    """``.metadata`` first (no longer a checkpoint), then the rest."""
+    fs, root = _fs(url)
+    base = _join(root, checkpoint_id)
+    if fs.exists(_join(base, _store.METADATA_NAME)):
+        fs.rm(_join(base, _store.METADATA_NAME))
+    if fs.exists(base):
+        fs.rm(base, recursive=True)
+
+
+def retain(url: str, job_id: str, keep_last: Optional[int], current_id: str) -> List[str]:
+    if keep_last is None:
+        return []
+    found = checkpoints(url, job_id)
+    if current_id not in found:
+        return []
+    newest = sorted(found, key=lambda c: (found[c], c), reverse=True)
+    doomed = [c for c in newest[keep_last:] if c != current_id]
+    for checkpoint_id in doomed:
+        remove(url, checkpoint_id)
+    return doomed
+
+
+class _UrlFile:
+    """A persisted region file in the object store, read as a region
+    reader is (MemoffloadReader's per-piece fallback)."""
+
+    def __init__(self, url: str, checkpoint_id: str, name: str) -> None:
+        fs, root = _fs(url)
+        self.path = _join(url, checkpoint_id, name)
+        self.f = fs.open(_join(root, checkpoint_id, name), "rb")
+        self.expect: Optional[int] = None
+
+    def __enter__(self) -> "_UrlFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        self.f.seek(offset)
+        data = self.f.read(length)
+        if len(data) != length:
+            raise errors.DataLoss(f"{self.path} ends before byte {offset + length}")
+        return data
+
+    def read_some(self, offset: int, buf: torch.Tensor) -> int:
+        self.f.seek(offset)
+        data = self.f.read(buf.numel())
+        if data:
+            buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        return len(data)
+
+    def verify(self) -> None:
+        from .reader import verify_file
+
+        verify_file(self, self.expect)
+
+    def read_into(self, offset: int, target: torch.Tensor) -> None:
+        data = self.read_bytes(offset, target.numel() * target.element_size())
+        target.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+
+def open_file(url: str, checkpoint_id: str, name: str) -> Optional[_UrlFile]:
+    """A published checkpoint's file, with the CRC32C its rank recorded."""
+    from .persist import DONE_SUFFIX
+
+    fs, root = _fs(url)
+    if not fs.exists(_join(root, checkpoint_id, _store.METADATA_NAME)):
+        return None
+    try:
+        rank = name[2:].split("_")[0]
+        with fs.open(_join(root, checkpoint_id, f"__{rank}{DONE_SUFFIX}"), "rb") as f:
+            record = json.loads(f.read(1 << 20))
+        out = _UrlFile(url, checkpoint_id, name)
+    except (FileNotFoundError, ValueError):
+        return None
+    out.expect = record["files"].get(name, {}).get("crc32c")
+    return out
