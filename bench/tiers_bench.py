@@ -180,7 +180,9 @@ def _rank(rank: int, cfg: Dict[str, Any], port: int, out: Any) -> None:
     opt = torch.optim.Adam(model.parameters())
     x = torch.randn(64, width)
     result = {}
-    for mode, durable_every in (("node_only", 0), ("persisted", cfg["durable_every"])):
+    # node-only before and after, so that neither order nor warm-up favours one
+    for mode, durable_every in (("node_only", 0), ("persisted", cfg["durable_every"]),
+                                ("node_only_after", 0)):
         manager = CheckpointManager(
             {"app": _Both(model, opt, rank)}, f"bench-steps-{mode}", node_every=cfg["every"],
             durable_every=durable_every, durable_dir=os.path.join(cfg["tmp"], f"steps-{mode}"),
@@ -235,28 +237,38 @@ def bench_steps(rt: str, tmp: str, steps: int, every: int, durable_every: int,
     results = dict(out.get(timeout=900) for _ in procs)
     for p in procs:
         p.join(60)
-    r0 = results[0]
-    # Steps that ran while rank 0 persisted, against the same steps of the
-    # run that persisted nothing (the first interval warms up, skipped).
-    during = [s for s, _, busy in r0["persisted"]["times"] if busy and s > every]
-    base = {s: t for s, t, _ in r0["node_only"]["times"]}
-    mine = {s: t for s, t, _ in r0["persisted"]["times"]}
-    ratios = [mine[s] / base[s] for s in during if s in base]
-    saves = [t for s, t, _ in r0["node_only"]["times"] if s % every == 0 and s > every]
-    plain = [t for s, t, _ in r0["node_only"]["times"] if s % every and s > every]
-    return {
-        "steps": steps, "every": every, "durable_every": durable_every,
-        "steps_while_persisting": len(during),
-        "step_s_while_persisting": spread([mine[s] for s in during]) if during else None,
-        "step_s_same_steps_node_only": spread([base[s] for s in during]) if during else None,
-        "ratio_step_while_persisting_over_node_only":
-            statistics.median([mine[s] for s in during]) / statistics.median([base[s] for s in during])
-            if during else None,
-        "per_step_ratio": spread(ratios) if ratios else None,
-        "plain_step_s": spread(plain), "save_step_s": spread(saves),
-        "steps_until_persisted": spread([float(u) for u in r0["persisted"]["until"]])
-        if r0["persisted"]["until"] else None,
-    }
+    out: Dict[str, Any] = {"steps": steps, "every": every, "durable_every": durable_every}
+    for rank, r in sorted(results.items()):
+        # Steps that ran while this rank persisted, against the same steps of
+        # the run that persisted nothing (the first interval warms up, skipped).
+        during = [s for s, _, busy in r["persisted"]["times"] if busy and s > every]
+        before = {s: t for s, t, _ in r["node_only"]["times"]}
+        after = {s: t for s, t, _ in r["node_only_after"]["times"]}
+        base = {s: (before[s] + after[s]) / 2 for s in before}
+        mine = {s: t for s, t, _ in r["persisted"]["times"]}
+        ratios = [mine[s] / base[s] for s in during if s in base]
+        saves = [t for s, t, _ in r["node_only"]["times"] if s % every == 0 and s > every]
+        plain = [t for s, t, _ in r["node_only"]["times"] if s % every and s > every]
+        # The same run's own steps that neither saved nor persisted.
+        idle = [t for s, t, busy in r["persisted"]["times"] if not busy and s % every and s > every]
+        out[f"rank{rank}"] = {
+            "ratio_while_persisting_over_same_run_idle":
+                statistics.median([mine[s] for s in during if s % every]) / statistics.median(idle)
+                if during and idle else None,
+            "steps_while_persisting": len(during),
+            "step_s_while_persisting": spread([mine[s] for s in during]) if during else None,
+            "step_s_same_steps_node_only": spread([base[s] for s in during]) if during else None,
+            "node_only_after_over_before": statistics.median(after.values())
+            / statistics.median(before.values()),
+            "ratio_step_while_persisting_over_node_only":
+                statistics.median([mine[s] for s in during])
+                / statistics.median([base[s] for s in during]) if during else None,
+            "per_step_ratio": spread(ratios) if ratios else None,
+            "plain_step_s": spread(plain), "save_step_s": spread(saves),
+        }
+    until = results[0]["persisted"]["until"]
+    out["steps_until_persisted"] = spread([float(u) for u in until]) if until else None
+    return out
 
 
 def torch_bench_port() -> int:

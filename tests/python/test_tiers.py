@@ -21,7 +21,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from conftest import bit_equal
+from conftest import bin_dir, bit_equal
 from nodes_cluster import Cluster
 from tiers_worker import App
 
@@ -128,6 +128,11 @@ def test_persisted_checkpoints_load_with_plain_dcp_and_each_tier_keeps_its_own(o
     assert status["last_persisted"]["step"] == 6, status
     assert any("is persisted to" in line for line in results[0]["log"]), results[0]["log"]
     assert durable_ids(c) == ["step-4", "step-6"] and partial_ids(c) == []
+    # The operator's view: which node checkpoints are persisted.
+    listed = subprocess.run([str(bin_dir() / "memoffloadctl"),
+                             "--runtime-dir", c.daemons[0].runtime_dir, "regions", "dcp/"],
+                            capture_output=True, text=True, timeout=30).stdout
+    assert "dcp/step-6/.persisted" in listed and "dcp/step-5/.persisted" not in listed, listed
     files = sorted(os.listdir(c.base / "durable" / "step-6"))
     assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(files), files
     loaded = plain_load(c.base / "durable" / "step-6", c.base / "plain.pt")
@@ -154,10 +159,9 @@ def test_a_daemon_restarted_empty_restores_from_the_durable_tier_bit_for_bit(one
 
 
 @pytest.mark.parametrize("window,daemon_kept", [
-    ("w", True),   # while the ranks write their shards
-    ("m", True),   # every shard written, no .metadata yet
-    ("n", True),   # .metadata written, not published
-    ("n", False),  # the same, and the node tier lost meanwhile
+    ("w", False),  # while the ranks write their shards, and the node tier lost meanwhile: removed
+    ("m", True),   # every shard written, no .metadata yet: finished
+    ("n", True),   # .metadata written, not published: finished
 ])
 def test_a_persist_killed_leaves_nothing_visible_and_the_next_start_finishes_or_removes_it(
         one_node, window, daemon_kept):

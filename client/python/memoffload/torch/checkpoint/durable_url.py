@@ -128,21 +128,15 @@ def _records(fs: Any, where: str, world: int, token: str) -> Optional[Dict[str, 
     return files
 
 
-def publish(store: Any, url: str, job_id: str, checkpoint_id: str, world: int, token: str,
-            timeout_s: float, is_cancelled: Any = lambda: False) -> str:
+def publish(node: Tuple[Metadata, float], url: str, job_id: str, checkpoint_id: str, world: int,
+            token: str, timeout_s: float, is_cancelled: Any = lambda: False) -> str:
     """On the coordinator: every rank's record, then the marker, then
-    ``.metadata`` last."""
+    ``.metadata`` (from ``node``: persist.node_metadata) last."""
     from .persist import durable_metadata
 
     fs, root = _fs(url)
     where = _join(root, checkpoint_id)
-    reader = store.open(_store.region_name(checkpoint_id, _store.METADATA_NAME), True)
-    try:
-        metadata: Metadata = pickle.loads(reader.read_bytes(0, reader.size_bytes))
-    finally:
-        reader.close()
-    info = _store.stored_checkpoints(store).get(checkpoint_id)
-    committed = info.committed_unix if info is not None else time.time()
+    metadata, committed = node
     deadline = time.monotonic() + timeout_s
     pause = 0.02
     while True:

@@ -187,7 +187,8 @@ class CheckpointManager:
             store, reason = _store.attach(self.runtime_dir, self.job_id, self._rank, True)
             if store is None:
                 raise errors.Unavailable(f"checkpoint {checkpoint_id!r} cannot be persisted: {reason}")
-            shard = _persist.open_shard(store, checkpoint_id, self._rank)
+            shard = (_persist.open_shard(store, checkpoint_id, self._rank),
+                     _persist.node_metadata(store, checkpoint_id) if self._rank == 0 else None)
         except errors.Error as exc:
             shard = exc  # raised by the persist itself, which says so (and tells the coordinator)
         with self._persist_lock:
@@ -210,8 +211,8 @@ class CheckpointManager:
         self._persisting.start()
 
     def _drop(self, checkpoint_id: str, step: int, token: str, shard: Any, because: str) -> None:
-        if isinstance(shard, list):
-            _persist.close_shard(shard)
+        if isinstance(shard, tuple):
+            _persist.close_shard(shard[0])
         logs.log(logging.WARNING, f"checkpoint {checkpoint_id!r} is not persisted: "
                  f"{self.persisting!r} was still being persisted when {because!r} came (raise "
                  "durable_every or persist_share)", errors.StatusCode.RESOURCE_EXHAUSTED)
@@ -236,20 +237,20 @@ class CheckpointManager:
         try:
             if isinstance(opened, BaseException):
                 raise opened
+            regions, node = opened
             tier = _durable_url if self.url else _persist
-            shard = tier.persist_shard(opened, self.durable_dir, checkpoint_id, self._rank, token,
+            shard = tier.persist_shard(regions, self.durable_dir, checkpoint_id, self._rank, token,
                                        self.persist_share, piece_bytes=self._piece_bytes)
             if self._rank != 0:
                 return
-            store, reason = _store.attach(self.runtime_dir, self.job_id, self._rank, True)
-            if store is None:
-                raise errors.Unavailable(f"checkpoint {checkpoint_id!r} cannot be published: {reason}")
             started = time.perf_counter()
-            path = tier.publish(store, self.durable_dir, self.job_id, checkpoint_id, self._world,
+            path = tier.publish(node, self.durable_dir, self.job_id, checkpoint_id, self._world,
                                 token, self.persist_timeout_s, lambda: self._cancel)
+            store, _ = _store.attach(self.runtime_dir, self.job_id, self._rank, True)
             deleted = (_durable_url.retain if self.url else _store.retain_filesystem)(
                 self.durable_dir, self.job_id, self.keep_last_durable, checkpoint_id)
-            _persist.mark_persisted(store, checkpoint_id)
+            if store is not None:
+                _persist.mark_persisted(store, checkpoint_id)
             for older in self._partial_ids():  # what ranks wrote of checkpoints dropped since
                 if (step_of(older) or 0) < step:
                     self._remove_partial(older)

@@ -252,18 +252,25 @@ def _records(root: _trusted_files.TrustedDir, cfd: int, where: str, world: int, 
     return files
 
 
-def publish(store: Any, durable_dir: str, job_id: str, checkpoint_id: str, world: int, token: str,
-            timeout_s: float, is_cancelled: Any = lambda: False) -> str:
-    """On the coordinator: waits for every rank's files, writes ``.metadata``
-    last and publishes the checkpoint (a rename); returns its path."""
-    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
-    blob_reader = store.open(_store.region_name(checkpoint_id, _store.METADATA_NAME), True)
+def node_metadata(store: Any, checkpoint_id: str) -> Tuple[Metadata, float]:
+    """The node checkpoint's Metadata and commit time, read when its persist
+    is due (node retention may delete it before the publish)."""
+    reader = store.open(_store.region_name(checkpoint_id, _store.METADATA_NAME), True)
     try:
-        metadata: Metadata = pickle.loads(blob_reader.read_bytes(0, blob_reader.size_bytes))
+        metadata: Metadata = pickle.loads(reader.read_bytes(0, reader.size_bytes))
     finally:
-        blob_reader.close()
+        reader.close()
     info = _store.stored_checkpoints(store).get(checkpoint_id)
-    committed = info.committed_unix if info is not None else time.time()
+    return metadata, (info.committed_unix if info is not None else time.time())
+
+
+def publish(node: Tuple[Metadata, float], durable_dir: str, job_id: str, checkpoint_id: str,
+            world: int, token: str, timeout_s: float, is_cancelled: Any = lambda: False) -> str:
+    """On the coordinator: waits for every rank's files, writes ``.metadata``
+    (from ``node``: node_metadata) last and publishes the checkpoint (a
+    rename); returns its path."""
+    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
+    metadata, committed = node
     deadline = time.monotonic() + timeout_s
     with _partial(durable_dir, checkpoint_id, create=True) as (root, pfd, cfd):
         pause = 0.02
