@@ -257,7 +257,7 @@ class _UrlFile:
         return len(data)
 
     def verify(self) -> None:
-        from .reader import verify_file
+        from .persist import verify_file
 
         verify_file(self, self.expect)
 

@@ -30,10 +30,11 @@ import pickle
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ... import errors, logs
+from ... import _C, errors, logs
 from . import outcome as _outcome
 from . import store as _store
 from . import trusted_files as _trusted_files
@@ -355,3 +356,19 @@ def mark_persisted(store: Any, checkpoint_id: str) -> None:
     except errors.Error as exc:
         logs.log(logging.INFO, f"checkpoint {checkpoint_id!r} is persisted, but its mark in the "
                  f"daemon could not be committed ({exc})", exc.code)
+
+
+def verify_file(f: Any, expect: Optional[int], piece: int = 64 << 20) -> None:
+    """Reads ``f`` (``read_bytes``) whole and checks its CRC32C."""
+    if expect is None:
+        raise errors.DataLoss(f"{f.path}: no checksum was recorded for it")
+    buf = torch.empty(piece, dtype=torch.uint8)
+    crc = at = 0
+    while True:
+        n = f.read_some(at, buf)
+        if n == 0:
+            break
+        crc = _C.crc32c(buf[:n], crc)
+        at += n
+    if crc != expect:
+        raise errors.DataLoss(f"{f.path}: its CRC32C is {crc:08x}, its rank wrote {expect:08x}")

@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ... import _C, errors, logs
+from ... import errors, logs
 from . import durable_url as _durable_url
+from . import persist as _persist
 from . import store as _store
 from .nodes import link as _link
 from .nodes import load as _node_load
@@ -313,7 +314,7 @@ class _DurableFile:
 
     def verify(self) -> None:
         """DataLoss unless the whole file has the recorded CRC32C."""
-        verify_file(self, self.expect)
+        _persist.verify_file(self, self.expect)
 
     def __enter__(self) -> "_DurableFile":
         return self
@@ -338,19 +339,3 @@ class _DurableFile:
             if n <= 0:
                 raise errors.DataLoss(f"{self.path} ends before byte {offset + len(view)}")
             done += n
-
-
-def verify_file(f: Any, expect: Optional[int], piece: int = 64 << 20) -> None:
-    """Reads ``f`` (``read_bytes``) whole and checks its CRC32C."""
-    if expect is None:
-        raise errors.DataLoss(f"{f.path}: no checksum was recorded for it")
-    buf = torch.empty(piece, dtype=torch.uint8)
-    crc = at = 0
-    while True:
-        n = f.read_some(at, buf)
-        if n == 0:
-            break
-        crc = _C.crc32c(buf[:n], crc)
-        at += n
-    if crc != expect:
-        raise errors.DataLoss(f"{f.path}: its CRC32C is {crc:08x}, its rank wrote {expect:08x}")
