@@ -20,6 +20,7 @@
 #include "memoffload/client/client.h"
 #include "memoffload/client/region_io.h"
 #include "memoffload/common/crc32c.h"
+#include "region_stores.h"
 
 namespace memoffload::testing {
 namespace {
@@ -30,24 +31,9 @@ using client::RegionStore;
 
 constexpr uint64_t kMiB = 1 << 20;
 
-std::unique_ptr<DaemonProcess> Daemon() {
-  DaemonProcess::Options options;
-  options.arena_size = "128MiB";
-  options.chunk_size = "4MiB";
-  std::string error;
-  auto daemon = DaemonProcess::Start(options, &error);
-  EXPECT_NE(daemon, nullptr) << error;
-  return daemon;
-}
+std::unique_ptr<DaemonProcess> Daemon() { return StartSmallChunks("128MiB"); }
 
-std::unique_ptr<RegionStore> Store(const DaemonProcess& d) {
-  client::RegionStoreOptions options;
-  options.runtime_dir = d.runtime_dir();
-  options.job_id = "train";
-  auto store = RegionStore::Attach(options);
-  EXPECT_TRUE(store.ok()) << store.status().ToString();
-  return store.ok() ? std::move(store).value() : nullptr;
-}
+std::unique_ptr<RegionStore> Store(const DaemonProcess& d) { return TrainStore(d); }
 
 std::vector<uint8_t> Pattern(uint64_t size) {
   std::vector<uint8_t> out(size);

@@ -13,6 +13,7 @@
 #include "daemon_process.h"
 #include "memoffload/client/client.h"
 #include "memoffload/client/region_io.h"
+#include "region_stores.h"
 
 namespace memoffload::testing {
 namespace {
@@ -21,24 +22,9 @@ using client::RegionStore;
 
 constexpr uint64_t kMiB = 1 << 20;
 
-std::unique_ptr<DaemonProcess> Start() {
-  DaemonProcess::Options options;
-  options.arena_size = "256MiB";
-  options.chunk_size = "4MiB";
-  std::string error;
-  auto d = DaemonProcess::Start(options, &error);
-  EXPECT_NE(d, nullptr) << error;
-  return d;
-}
+std::unique_ptr<DaemonProcess> Start() { return StartSmallChunks(); }
 
-std::unique_ptr<RegionStore> Store(const DaemonProcess& d) {
-  client::RegionStoreOptions options;
-  options.runtime_dir = d.runtime_dir();
-  options.job_id = "train";
-  auto store = RegionStore::Attach(options);
-  EXPECT_TRUE(store.ok()) << store.status().ToString();
-  return store.ok() ? std::move(store).value() : nullptr;
-}
+std::unique_ptr<RegionStore> Store(const DaemonProcess& d) { return TrainStore(d); }
 
 TEST(RegionPlace, PlacedBytesAreContiguousAlignedAndCheckedAtCommit) {
   auto daemon = Start();

@@ -216,11 +216,7 @@ def remove(url: str, checkpoint_id: str) -> None:
 def retain(url: str, job_id: str, keep_last: Optional[int], current_id: str) -> List[str]:
     if keep_last is None:
         return []
-    found = checkpoints(url, job_id)
-    if current_id not in found:
-        return []
-    newest = sorted(found, key=lambda c: (found[c], c), reverse=True)
-    doomed = [c for c in newest[keep_last:] if c != current_id]
+    doomed = _store.retention_doomed(checkpoints(url, job_id), keep_last, current_id)
     for checkpoint_id in doomed:
         remove(url, checkpoint_id)
     return doomed

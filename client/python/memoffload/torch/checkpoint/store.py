@@ -324,16 +324,21 @@ def filesystem_checkpoints(fallback_dir: str, job_id: str,
             if marked == job_id}
 
 
+def retention_doomed(found: Dict[str, float], keep_last: int, current_id: str) -> List[str]:
+    """Of ``found`` ({id: time}), those retention deletes once ``current_id``
+    is there: all but the newest ``keep_last`` (never ``current_id``)."""
+    if current_id not in found:
+        return []
+    newest = sorted(found, key=lambda c: (found[c], c), reverse=True)
+    return [c for c in newest[keep_last:] if c != current_id]
+
+
 def retain_filesystem(fallback_dir: str, job_id: str, keep_last: Optional[int], current_id: str) -> List[str]:
     """The same rule as :func:`retain` for the fallback directories (only
     those carrying this job's marker and a committed .metadata)."""
     if keep_last is None:
         return []
-    found = filesystem_checkpoints(fallback_dir, job_id)
-    if current_id not in found:
-        return []
-    newest = sorted(found, key=lambda c: (found[c], c), reverse=True)
-    doomed = [c for c in newest[keep_last:] if c != current_id]
+    doomed = retention_doomed(filesystem_checkpoints(fallback_dir, job_id), keep_last, current_id)
     if doomed:
         with _trusted_files.trusted_fallback_dir(fallback_dir) as root:
             fs = _trusted_files.TrustedFileSystem(root)
