@@ -268,3 +268,9 @@ def test_trainer_checkpoints_through_the_manager_logs_its_figures_and_resumes(da
     assert all(bit_equal(probe.at_begin[n], trained[n]) for n in trained)
     assert again.checkpoints.final["memoffload/ckpt_node_step"] == 2 * STEPS
     assert "step-4" in os.listdir(tmp_path / "durable")
+    # Without restoring, saves are numbered past the job's newest: no id is reused.
+    fresh = mot.MemoffloadCallback(min_tensor_bytes=0, runtime_dir=daemon.runtime_dir,
+                                   checkpoints={**options, "restore": False})
+    run_trainer(tiny_llama(), tmp_path / "c", [fresh])
+    assert fresh.checkpoints.restored is None
+    assert fresh.checkpoints.final["memoffload/ckpt_node_step"] == 3 * STEPS

@@ -56,8 +56,8 @@ def durable_ids(c: Cluster) -> List[str]:
 
 
 def partial_ids(c: Cluster) -> List[str]:
-    d = c.base / "durable" / ".memoffload-persisting"
-    return sorted(os.listdir(d)) if d.exists() else []
+    d = c.base / "durable" / ".memoffload-persisting"  # a dir per job in it
+    return sorted(n for job in d.iterdir() for n in os.listdir(job)) if d.exists() else []
 
 
 # Loads a persisted checkpoint with DCP's plain FileSystemReader in a process
@@ -161,7 +161,7 @@ def test_a_daemon_restarted_empty_restores_from_the_durable_tier_bit_for_bit(one
 @pytest.mark.parametrize("window,daemon_kept", [
     ("w", False),  # while the ranks write their shards, and the node tier lost meanwhile: removed
     ("m", True),   # every shard written, no .metadata yet: finished
-    ("n", True),   # .metadata written, not published: finished
+    ("n", True),   # .metadata written, not published: published by the rename
 ])
 def test_a_persist_killed_leaves_nothing_visible_and_the_next_start_finishes_or_removes_it(
         one_node, window, daemon_kept):
@@ -193,6 +193,10 @@ def test_a_persist_killed_leaves_nothing_visible_and_the_next_start_finishes_or_
     if not daemon_kept:  # nothing to finish it from: removed; the job starts over
         assert results[0]["restored"] is None, results[0]
         assert any("removed what an unfinished persist of checkpoint 'step-2'" in line
+                   for line in results[0]["log"]), results[0]["log"]
+    elif window == "n":  # its .metadata was written: published with its rename
+        assert results[0]["restored"] == 2, results[0]
+        assert any("published checkpoint 'step-2', which a killed persist had finished" in line
                    for line in results[0]["log"]), results[0]["log"]
     else:
         assert results[0]["restored"] == 2 and results[0]["tier"] == "daemon", results[0]

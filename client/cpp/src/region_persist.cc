@@ -2,6 +2,7 @@
 #include "memoffload/client/region_persist.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -126,17 +127,8 @@ Result<PersistStats> Persist(RegionReader& reader, int buffered, int direct,
   const uint64_t size = reader.size_bytes();
   const uint64_t piece = std::max<uint64_t>(options.piece_bytes / kDirectAlign, 1) * kDirectAlign;
   const double share = std::clamp(options.share, 0.001, 1.0);
-  if (size > 0 && getenv("MO_FALLOC") != nullptr) {
-    const int rc = posix_fallocate(buffered, 0, static_cast<off_t>(size));
-    if (rc != 0 && rc != EOPNOTSUPP && rc != EINVAL) {
-      return FileStatus("allocating " + std::to_string(size) + " bytes for " + what, rc);
-    }
-  }
   std::vector<ArenaSpan> spans;
   for (uint64_t offset = 0; offset < size; offset += piece) {
-    if (options.cancel != nullptr && options.cancel->load()) {
-      return Status(StatusCode::kCancelled, "persisting " + what + " was cancelled");
-    }
     const auto busy_from = std::chrono::steady_clock::now();
     const uint64_t n = std::min(piece, size - offset);
     uint32_t crc = 0;
@@ -176,6 +168,14 @@ Result<PersistStats> PersistRegion(RegionReader& reader, int dir_fd, const std::
   Fd buffered(openat(dir_fd, file_name.c_str(), flags | O_CREAT | O_EXCL, 0600));
   if (buffered.get() < 0) return FileStatus("creating " + what, errno);
   Fd direct(options.direct ? openat(dir_fd, file_name.c_str(), flags | O_DIRECT) : -1);
+  if (direct.get() >= 0) {  // the file just made, not one swapped in under its name since
+    struct stat made, reopened;
+    if (fstat(buffered.get(), &made) != 0 || fstat(direct.get(), &reopened) != 0 ||
+        made.st_ino != reopened.st_ino || made.st_dev != reopened.st_dev) {
+      unlinkat(dir_fd, file_name.c_str(), 0);
+      return PermissionDenied(what + ": the file changed under its name while it was opened");
+    }
+  }
   Result<PersistStats> done = Persist(reader, buffered.get(), direct.get(), what, options);
   if (!done.ok()) unlinkat(dir_fd, file_name.c_str(), 0);  // never a partial or damaged file
   return done;

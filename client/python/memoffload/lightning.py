@@ -110,7 +110,7 @@ class MemoffloadCallback(Callback):
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.end()  # the save and the persist in flight finish
+            self.checkpoints.end(failed=True)  # the save in flight finishes; nothing raised here
         self._remove()
 
     def _remove(self) -> None:

@@ -16,7 +16,6 @@
 #ifndef MEMOFFLOAD_CLIENT_REGION_PERSIST_H_
 #define MEMOFFLOAD_CLIENT_REGION_PERSIST_H_
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -28,9 +27,8 @@ namespace memoffload::client {
 struct PersistOptions {
   // Of one core's and the disk's time, in (0, 1]; 1 is unthrottled.
   double share = 1.0;
-  uint64_t piece_bytes = 16ull << 20;         // per write
-  bool direct = true;                         // try O_DIRECT
-  const std::atomic<bool>* cancel = nullptr;  // set: stop between pieces (CANCELLED)
+  uint64_t piece_bytes = 16ull << 20;  // per write
+  bool direct = true;                  // try O_DIRECT
 };
 
 struct PersistStats {

@@ -19,6 +19,7 @@ fallback) is first checked against the CRC32C its rank recorded."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -45,8 +46,8 @@ def _join(*parts: str) -> str:
     return "/".join(p.rstrip("/") for p in parts)
 
 
-def persist_shard(shard: List[Tuple[str, Any]], url: str, checkpoint_id: str, rank: int,
-                  token: str, share: float = 1.0, direct: bool = True,
+def persist_shard(shard: List[Tuple[str, Any]], url: str, job_id: str, checkpoint_id: str,
+                  rank: int, token: str, share: float = 1.0, direct: bool = True,
                   piece_bytes: int = 64 << 20) -> Any:
     """This rank's open regions (persist.open_shard; closed here) into
     ``<url>/<id>/``, read from the arena in pieces (verified as read) and
@@ -54,17 +55,52 @@ def persist_shard(shard: List[Tuple[str, Any]], url: str, checkpoint_id: str, ra
     from .persist import close_shard
 
     try:
-        return _persist_shard(shard, url, checkpoint_id, rank, token, share, piece_bytes)
+        return _persist_shard(shard, url, job_id, checkpoint_id, rank, token, share, piece_bytes)
     finally:
         close_shard(shard)
 
 
-def _persist_shard(shard: List[Tuple[str, Any]], url: str, checkpoint_id: str, rank: int,
-                   token: str, share: float, piece_bytes: int) -> Any:
+def _owner(fs: Any, where: str) -> Optional[str]:
+    """The job whose files are in ``where``: its marker's, else any rank's
+    record's; None when there is nothing."""
+    try:
+        with fs.open(_join(where, _store.MARKER_NAME), "rb") as f:
+            return f.read(4096).decode(errors="replace").splitlines()[0]
+    except (FileNotFoundError, IndexError):
+        pass
+    from .persist import DONE_SUFFIX
+
+    try:
+        names = fs.ls(where, detail=False)
+    except FileNotFoundError:
+        return None
+    for name in names:
+        if name.endswith(DONE_SUFFIX):
+            with fs.open(name, "rb") as f:
+                try:
+                    return str(json.loads(f.read(1 << 20)).get("job"))
+                except ValueError:
+                    continue
+    return None
+
+
+def _claim(fs: Any, where: str, url: str, job_id: str, checkpoint_id: str) -> None:
+    """Refuses to write into another job's checkpoint dir (an object store
+    has no per-job partial dir: both would write the same files)."""
+    owner = _owner(fs, where)
+    if owner is not None and owner != job_id:
+        raise errors.AlreadyExists(f"{_join(url, checkpoint_id)} holds job {owner!r}'s files; "
+                                   f"checkpoint {checkpoint_id!r} of job {job_id!r} was not "
+                                   "persisted over them: give each job a durable dir of its own")
+
+
+def _persist_shard(shard: List[Tuple[str, Any]], url: str, job_id: str, checkpoint_id: str,
+                   rank: int, token: str, share: float, piece_bytes: int) -> Any:
     from .persist import DONE_SUFFIX, Persisted
 
     fs, root = _fs(url)
     where = _join(root, checkpoint_id)
+    _claim(fs, where, url, job_id, checkpoint_id)
     fs.makedirs(where, exist_ok=True)
     out = Persisted(checkpoint_id, rank, {}, path=_join(url, checkpoint_id))
     buf = torch.empty(piece_bytes, dtype=torch.uint8)
@@ -90,18 +126,22 @@ def _persist_shard(shard: List[Tuple[str, Any]], url: str, checkpoint_id: str, r
             _outcome.pause("w", rank)
     out.seconds = time.perf_counter() - started
     with fs.open(_join(where, f"__{rank}{DONE_SUFFIX}"), "wb") as f:
-        f.write(json.dumps({"rank": rank, "token": token, "files": out.files}).encode())
+        f.write(json.dumps({"rank": rank, "token": token, "job": job_id,
+                            "files": out.files}).encode())
     return out
 
 
-def record_failure(url: str, checkpoint_id: str, rank: int, token: str, why: str) -> None:
+def record_failure(url: str, job_id: str, checkpoint_id: str, rank: int, token: str,
+                   why: str) -> None:
     from .persist import DONE_SUFFIX
 
     fs, root = _fs(url)
     where = _join(root, checkpoint_id)
+    _claim(fs, where, url, job_id, checkpoint_id)
     fs.makedirs(where, exist_ok=True)
     with fs.open(_join(where, f"__{rank}{DONE_SUFFIX}"), "wb") as f:
-        f.write(json.dumps({"rank": rank, "token": token, "files": {}, "error": why}).encode())
+        f.write(json.dumps({"rank": rank, "token": token, "job": job_id, "files": {},
+                            "error": why}).encode())
 
 
 def _records(fs: Any, where: str, world: int, token: str) -> Optional[Dict[str, Dict[str, Any]]]:
@@ -129,7 +169,7 @@ def _records(fs: Any, where: str, world: int, token: str) -> Optional[Dict[str, 
 
 
 def publish(node: Tuple[Metadata, float], url: str, job_id: str, checkpoint_id: str, world: int,
-            token: str, timeout_s: float, is_cancelled: Any = lambda: False) -> str:
+            token: str, timeout_s: float) -> str:
     """On the coordinator: every rank's record, then the marker, then
     ``.metadata`` (from ``node``: persist.node_metadata) last."""
     from .persist import durable_metadata
@@ -143,8 +183,6 @@ def publish(node: Tuple[Metadata, float], url: str, job_id: str, checkpoint_id: 
         files = _records(fs, where, world, token)
         if files is not None:
             break
-        if is_cancelled():
-            raise errors.Cancelled(f"persisting checkpoint {checkpoint_id!r} was cancelled")
         if time.monotonic() > deadline:
             raise errors.DeadlineExceeded(f"checkpoint {checkpoint_id!r}: not every rank persisted "
                                           f"its shard into {_join(url, checkpoint_id)} within "
@@ -153,11 +191,19 @@ def publish(node: Tuple[Metadata, float], url: str, job_id: str, checkpoint_id: 
         pause = min(pause * 2, 0.5)
     if _outcome.pause is not None:
         _outcome.pause("m", 0)
-    with fs.open(_join(where, _store.MARKER_NAME), "wb") as f:
-        f.write(f"{job_id}\n{committed!r}\n".encode())
-    with fs.open(_join(where, _store.METADATA_NAME), "wb") as f:
-        f.write(pickle.dumps(durable_metadata(metadata, files)))
+    blob = pickle.dumps(durable_metadata(metadata, files))  # before any file: a failure leaves none
+    _put(fs, _join(where, _store.MARKER_NAME), f"{job_id}\n{committed!r}\n".encode())
+    _put(fs, _join(where, _store.METADATA_NAME), blob)
     return _join(url, checkpoint_id)
+
+
+def _put(fs: Any, path: str, data: bytes) -> None:
+    """``data`` at ``path`` whole or not at all: written under another name,
+    then moved (a rename on a local file system; an object store's copy
+    makes the object appear whole)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fs.pipe_file(tmp, data)
+    fs.mv(tmp, path)
 
 
 def checkpoints(url: str, job_id: str) -> Dict[str, float]:
@@ -172,7 +218,10 @@ def checkpoints(url: str, job_id: str) -> Dict[str, float]:
     for entry in entries:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         base = _join(root, name)
-        if not fs.exists(_join(base, _store.METADATA_NAME)):
+        try:
+            if fs.size(_join(base, _store.METADATA_NAME)) == 0:
+                continue  # never a checkpoint (a writer that did not finish it)
+        except (FileNotFoundError, OSError):
             continue
         try:
             with fs.open(_join(base, _store.MARKER_NAME), "rb") as f:
@@ -184,10 +233,9 @@ def checkpoints(url: str, job_id: str) -> Dict[str, float]:
     return found
 
 
-def partial_ids(url: str) -> List[str]:
-    """Ids with a rank's record but no ``.metadata``: unpublished persists."""
-    from .persist import DONE_SUFFIX
-
+def partial_ids(url: str, job_id: str) -> List[str]:
+    """The job's ids with a rank's record but no ``.metadata``: unpublished
+    persists."""
     fs, root = _fs(url)
     try:
         entries = fs.ls(root, detail=False)
@@ -197,8 +245,8 @@ def partial_ids(url: str) -> List[str]:
     for entry in entries:
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         base = _join(root, name)
-        if fs.isdir(base) and not fs.exists(_join(base, _store.METADATA_NAME)) and any(
-                p.endswith(DONE_SUFFIX) or p.endswith(".distcp") for p in fs.ls(base, detail=False)):
+        if (fs.isdir(base) and not fs.exists(_join(base, _store.METADATA_NAME))
+                and _owner(fs, base) == job_id):
             out.append(name)
     return sorted(out)
 
@@ -211,6 +259,15 @@ def remove(url: str, checkpoint_id: str) -> None:
         fs.rm(_join(base, _store.METADATA_NAME))
     if fs.exists(base):
         fs.rm(base, recursive=True)
+
+
+def remove_partial(url: str, job_id: str, checkpoint_id: str) -> None:
+    """What an unpublished persist of the job left (never another job's)."""
+    fs, root = _fs(url)
+    base = _join(root, checkpoint_id)
+    if not fs.exists(_join(base, _store.METADATA_NAME)) and _owner(fs, base) in (None, job_id):
+        if fs.exists(base):
+            fs.rm(base, recursive=True)
 
 
 def retain(url: str, job_id: str, keep_last: Optional[int], current_id: str) -> List[str]:

@@ -82,7 +82,7 @@ class FileWrites:
                               why=f"its .metadata could not be written ({exc})",
                               code=_outcome.code_of(exc))
         self.last_deleted = _store.retain_filesystem(
-            self.fallback_dir, self.job_id, self.keep_last, self.checkpoint_id)
+            self.fallback_dir, self.job_id, self.keep_last_files, self.checkpoint_id)
         return SaveResult(self.checkpoint_id, FILESYSTEM,
                           os.path.join(self.fallback_dir, self.checkpoint_id), first.why, first.code)
 

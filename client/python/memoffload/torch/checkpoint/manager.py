@@ -106,6 +106,8 @@ class CheckpointManager:
                                        fallback_dir=False if self.url else self.durable_dir,
                                        keep_last=keep_last_node, replicas=replicas,
                                        on_error=on_error)
+        # A save that went to the durable dir (no daemon) counts in its retention.
+        self.writer.keep_last_files = keep_last_durable
         self.on_error = on_error
         self._rank, self._world = _world()
         # The saves' collectives apart from training's (async_save runs them
@@ -115,9 +117,9 @@ class CheckpointManager:
         self._pending: Optional[Dict[str, Any]] = None  # the async save in flight
         self._persisting: Optional[threading.Thread] = None
         self._persist_lock = threading.RLock()
+        self._busy = False  # a persist thread runs (set and cleared under _persist_lock)
         self._queued: Optional[tuple] = None  # (id, step, token, shard): the persist waiting its turn
         self._persist_error: Optional[BaseException] = None
-        self._cancel = False
         self._piece_bytes = 64 << 20
         self.last_node_save: Dict[str, Any] = {}
         self.last_persisted: Dict[str, Any] = {}
@@ -131,7 +133,6 @@ class CheckpointManager:
         """Saves when ``step`` is due; returns the SaveResult of the save
         that completed in this call (a synchronous one, or with
         ``async_save`` the previous one once done), else None."""
-        self._raise_persist_error()  # with on_error="raise": the last persist's failure
         done = self._collect()
         node_due = step % self.node_every == 0
         durable_due = self.durable_every > 0 and step % self.durable_every == 0
@@ -141,6 +142,8 @@ class CheckpointManager:
         started = time.perf_counter()
         if self.async_save:
             done = self._collect(wait=True) or done  # one save in flight at a time
+        self._raise_persist_errors()
+        if self.async_save:
             future = dcp.async_save(self.state, storage_writer=self.writer,
                                     checkpoint_id=checkpoint_id, process_group=self._group)
             self._pending = {"future": future, "step": step, "durable": durable_due,
@@ -177,7 +180,6 @@ class CheckpointManager:
     # -- persisting -----------------------------------------------------------
 
     def _start_persist(self, checkpoint_id: str, step: int, token: str) -> None:
-        self._raise_persist_error()
         if checkpoint_id in self._durable():
             return  # persisted already (by the run that saved it, or at a restore)
         # This rank's regions, open now: node retention deleting them before
@@ -192,8 +194,7 @@ class CheckpointManager:
         except errors.Error as exc:
             shard = exc  # raised by the persist itself, which says so (and tells the coordinator)
         with self._persist_lock:
-            running = self._persisting
-            if running is not None and running.is_alive():
+            if self._busy:
                 # One waits its turn; the one that waited is dropped (every
                 # rank drops it, or says so in its record: the coordinator
                 # then gives up on it at once).
@@ -204,6 +205,8 @@ class CheckpointManager:
             self._begin(checkpoint_id, step, token, shard)
 
     def _begin(self, checkpoint_id: str, step: int, token: str, shard: Any) -> None:
+        """Under _persist_lock: the persist thread (busy until _next)."""
+        self._busy = True
         self.persisting = checkpoint_id
         self._persisting = threading.Thread(
             target=self._persist, args=(checkpoint_id, step, token, shard),
@@ -219,8 +222,9 @@ class CheckpointManager:
         if self._rank != 0:
             try:
                 (_durable_url if self.url else _persist).record_failure(
-                    self.durable_dir, checkpoint_id, self._rank, token, f"rank {self._rank} "
-                    f"dropped it: {self.persisting!r} was still being persisted")
+                    self.durable_dir, self.job_id, checkpoint_id, self._rank, token,
+                    f"rank {self._rank} dropped it: {self.persisting!r} was still being "
+                    "persisted")
             except (OSError, errors.Error):
                 pass  # the coordinator then gives up at its timeout
 
@@ -229,6 +233,7 @@ class CheckpointManager:
         with self._persist_lock:
             queued, self._queued = self._queued, None
             self.persisting = None
+            self._busy = False
             if queued is not None:
                 self._begin(*queued)
 
@@ -239,17 +244,18 @@ class CheckpointManager:
                 raise opened
             regions, node = opened
             tier = _durable_url if self.url else _persist
-            shard = tier.persist_shard(regions, self.durable_dir, checkpoint_id, self._rank, token,
-                                       self.persist_share, piece_bytes=self._piece_bytes)
+            shard = tier.persist_shard(regions, self.durable_dir, self.job_id, checkpoint_id,
+                                       self._rank, token, self.persist_share,
+                                       piece_bytes=self._piece_bytes)
             if self._rank != 0:
                 return
             started = time.perf_counter()
             path = tier.publish(node, self.durable_dir, self.job_id, checkpoint_id, self._world,
-                                token, self.persist_timeout_s, lambda: self._cancel)
+                                token, self.persist_timeout_s)
             store, _ = _store.attach(self.runtime_dir, self.job_id, self._rank, True)
             deleted = (_durable_url.retain if self.url else _store.retain_filesystem)(
                 self.durable_dir, self.job_id, self.keep_last_durable, checkpoint_id)
-            if store is not None:
+            if store is not None:  # while the node still holds it (retention may not have)
                 _persist.mark_persisted(store, checkpoint_id)
             for older in self._partial_ids():  # what ranks wrote of checkpoints dropped since
                 if (step_of(older) or 0) < step:
@@ -266,7 +272,7 @@ class CheckpointManager:
             if self._rank != 0:
                 try:
                     (_durable_url if self.url else _persist).record_failure(
-                        self.durable_dir, checkpoint_id, self._rank, token, str(exc))
+                        self.durable_dir, self.job_id, checkpoint_id, self._rank, token, str(exc))
                 except (OSError, errors.Error):
                     pass  # the coordinator then gives up at its timeout
             else:  # nothing unpublished stays (the other ranks' files included)
@@ -289,6 +295,20 @@ class CheckpointManager:
         finally:
             self._next()
 
+    def _raise_persist_errors(self) -> None:
+        """With on_error="raise", at a save (no save in flight): a persist
+        that failed on any rank raises on every rank, so that none goes on
+        into the save's collectives alone."""
+        if self.on_error != "raise":
+            return
+        exc, self._persist_error = self._persist_error, None
+        everyone = self._all(exc is None)
+        if exc is not None and isinstance(exc, Exception):
+            raise exc
+        if not everyone:
+            raise errors.FailedPrecondition("a checkpoint was not persisted: another rank's "
+                                            "persist failed (its log says why)")
+
     def _raise_persist_error(self) -> None:
         exc, self._persist_error = self._persist_error, None
         if exc is not None and self.on_error == "raise" and isinstance(exc, Exception):
@@ -300,12 +320,10 @@ class CheckpointManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._persist_lock:
+                if not self._busy:
+                    break
                 running = self._persisting
-            if running is None or not running.is_alive():
-                with self._persist_lock:
-                    if self._persisting is running:  # no queued one started meanwhile
-                        break
-                continue
+            assert running is not None
             running.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if running.is_alive():
                 raise TimeoutError(f"checkpoint {self.persisting!r} is still being persisted")
@@ -320,11 +338,8 @@ class CheckpointManager:
         the durable dir), and returns its step; None when the job has none.
         First finishes persisting the newest node checkpoint that a killed
         run did not, and removes what unpublished persists left."""
-        checkpoint_id = latest_checkpoint(
-            self.job_id, self.runtime_dir, None if self.url else self.durable_dir,
-            _files=self._durable() if self.url else None)
-        checkpoint_id = self._agree(checkpoint_id)
-        self._recover()
+        self._recover()  # first: a finished persist it publishes counts below
+        checkpoint_id = self._newest()
         if checkpoint_id is None:
             logs.log(logging.INFO, f"job {self.job_id!r} has no checkpoint yet: starting from the "
                      "beginning", errors.StatusCode.OK)
@@ -342,6 +357,17 @@ class CheckpointManager:
         self.last_restore = {"checkpoint_id": checkpoint_id, "tier": reader.last_mode,
                              "sources": dict(reader.last_sources)}
         return step_of(checkpoint_id)
+
+    def _newest(self) -> Optional[str]:
+        """The newest checkpoint every rank can load, the same on every rank."""
+        return self._agree(latest_checkpoint(
+            self.job_id, self.runtime_dir, None if self.url else self.durable_dir,
+            _files=self._durable() if self.url else None))
+
+    def newest_step(self) -> Optional[int]:
+        """The step of the job's newest checkpoint (any tier), without
+        loading it; None when it has none. A collective, as ``restore``."""
+        return step_of(self._newest())
 
     def _agree(self, value: Any) -> Any:
         """Rank 0's ``value`` on every rank."""
@@ -379,6 +405,10 @@ class CheckpointManager:
 
     def _recovery_plan(self) -> Optional[Dict[str, Any]]:
         for partial in self._partial_ids():
+            if not self.url and _persist.finish_partial(self.durable_dir, self.job_id, partial):
+                logs.log(logging.INFO, f"published checkpoint {partial!r}, which a killed persist "
+                         f"had finished, in {self.durable_dir}", errors.StatusCode.OK)
+                continue
             self._remove_partial(partial)
             logs.log(logging.INFO, f"removed what an unfinished persist of checkpoint {partial!r} "
                      f"left in {self.durable_dir}", errors.StatusCode.OK)
@@ -405,16 +435,11 @@ class CheckpointManager:
         return _store.filesystem_checkpoints(self.durable_dir, self.job_id)
 
     def _partial_ids(self) -> List[str]:
-        if self.url:
-            return _durable_url.partial_ids(self.durable_dir)
-        return _persist.partial_ids(self.durable_dir)
+        return (_durable_url if self.url else _persist).partial_ids(self.durable_dir, self.job_id)
 
     def _remove_partial(self, checkpoint_id: str) -> None:
-        if self.url:
-            if checkpoint_id not in self._durable():
-                _durable_url.remove(self.durable_dir, checkpoint_id)
-        else:
-            _persist.remove_partial(self.durable_dir, checkpoint_id)
+        (_durable_url if self.url else _persist).remove_partial(self.durable_dir, self.job_id,
+                                                                 checkpoint_id)
 
     def _all(self, flag: bool) -> bool:
         if self._world == 1:
@@ -450,13 +475,15 @@ class CheckpointManager:
                 "last_node_save": dict(self.last_node_save),
                 "last_persisted": dict(self.last_persisted)}
 
-    def close(self) -> None:
-        """Waits for the save and the persist in flight; then the writer's
-        close."""
+    def close(self, wait_persist: bool = True) -> None:
+        """Waits for the save and (``wait_persist``) the persist in flight;
+        then the writer's close. Without waiting, a persist in flight goes
+        on in its thread (the process's exit waits for it up to 120 s)."""
         self._collect(wait=True)
-        self.wait_persisted()
+        if wait_persist:
+            self.wait_persisted()
+            atexit.unregister(self._at_exit)
         self.writer.close()
-        atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
         running = self._persisting

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -75,20 +76,40 @@ def _subdir(parent_fd: int, name: str, where: str, create: bool) -> int:
     return fd
 
 
+def job_dir(job_id: str) -> str:
+    """The job's own dir below .memoffload-persisting: jobs sharing a
+    durable dir never touch each other's unpublished persists."""
+    return "job-" + hashlib.sha256(job_id.encode()).hexdigest()[:16]
+
+
+def _where(durable_dir: str, job_id: str, checkpoint_id: str = "") -> str:
+    return os.path.join(durable_dir, PERSISTING, job_dir(job_id), checkpoint_id)
+
+
 @contextlib.contextmanager
-def _partial(durable_dir: str, checkpoint_id: str, create: bool):
-    """(root, descriptor of .memoffload-persisting, descriptor of its <id>)."""
+def _jobs(durable_dir: str, job_id: str, create: bool):
+    """(root, descriptor of .memoffload-persisting/<job>)."""
     with _trusted_files.trusted_fallback_dir(durable_dir, create=create) as root:
         pfd = _subdir(root.fd, PERSISTING, os.path.join(durable_dir, PERSISTING), create)
         try:
-            cfd = _subdir(pfd, checkpoint_id, os.path.join(durable_dir, PERSISTING, checkpoint_id),
-                          create)
-            try:
-                yield root, pfd, cfd
-            finally:
-                os.close(cfd)
+            jfd = _subdir(pfd, job_dir(job_id), _where(durable_dir, job_id), create)
         finally:
             os.close(pfd)
+        try:
+            yield root, jfd
+        finally:
+            os.close(jfd)
+
+
+@contextlib.contextmanager
+def _partial(durable_dir: str, job_id: str, checkpoint_id: str, create: bool):
+    """(root, descriptor of .memoffload-persisting/<job>, of its <id>)."""
+    with _jobs(durable_dir, job_id, create) as (root, jfd):
+        cfd = _subdir(jfd, checkpoint_id, _where(durable_dir, job_id, checkpoint_id), create)
+        try:
+            yield root, jfd, cfd
+        finally:
+            os.close(cfd)
 
 
 def _unlink(dir_fd: int, name: str) -> None:
@@ -154,24 +175,24 @@ def close_shard(shard: List[Tuple[str, Any]]) -> None:
             pass  # a daemon gone: nothing is held any more
 
 
-def persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, checkpoint_id: str, rank: int,
-                  token: str, share: float = 1.0, direct: bool = True,
+def persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, job_id: str, checkpoint_id: str,
+                  rank: int, token: str, share: float = 1.0, direct: bool = True,
                   piece_bytes: int = 64 << 20) -> Persisted:
     """Writes this rank's open regions (open_shard; closed here) into the
     checkpoint's persisting dir, then its ``__<rank>.persisted`` record
     (with ``token``, which the coordinator matches)."""
     try:
-        return _persist_shard(shard, durable_dir, checkpoint_id, rank, token, share, direct,
-                              piece_bytes)
+        return _persist_shard(shard, durable_dir, job_id, checkpoint_id, rank, token, share,
+                              direct, piece_bytes)
     finally:
         close_shard(shard)
 
 
-def _persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, checkpoint_id: str, rank: int,
-                   token: str, share: float, direct: bool, piece_bytes: int) -> Persisted:
+def _persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, job_id: str, checkpoint_id: str,
+                   rank: int, token: str, share: float, direct: bool, piece_bytes: int) -> Persisted:
     out = Persisted(checkpoint_id, rank, {})
-    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
-    with _partial(durable_dir, checkpoint_id, create=True) as (root, _, cfd):
+    where = _where(durable_dir, job_id, checkpoint_id)
+    with _partial(durable_dir, job_id, checkpoint_id, create=True) as (root, _, cfd):
         done = f"__{rank}{DONE_SUFFIX}"
         _unlink(cfd, done)
         for name, reader in shard:
@@ -190,11 +211,12 @@ def _persist_shard(shard: List[Tuple[str, Any]], durable_dir: str, checkpoint_id
     return out
 
 
-def record_failure(durable_dir: str, checkpoint_id: str, rank: int, token: str, why: str) -> None:
+def record_failure(durable_dir: str, job_id: str, checkpoint_id: str, rank: int, token: str,
+                   why: str) -> None:
     """This rank's record saying why it wrote nothing: the coordinator
     gives up now instead of at its timeout."""
-    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
-    with _partial(durable_dir, checkpoint_id, create=True) as (root, _, cfd):
+    where = _where(durable_dir, job_id, checkpoint_id)
+    with _partial(durable_dir, job_id, checkpoint_id, create=True) as (root, _, cfd):
         record = {"rank": rank, "token": token, "files": {}, "error": why}
         _write_file(root, cfd, f"__{rank}{DONE_SUFFIX}", json.dumps(record).encode(), where)
 
@@ -266,21 +288,19 @@ def node_metadata(store: Any, checkpoint_id: str) -> Tuple[Metadata, float]:
 
 
 def publish(node: Tuple[Metadata, float], durable_dir: str, job_id: str, checkpoint_id: str,
-            world: int, token: str, timeout_s: float, is_cancelled: Any = lambda: False) -> str:
+            world: int, token: str, timeout_s: float) -> str:
     """On the coordinator: waits for every rank's files, writes ``.metadata``
     (from ``node``: node_metadata) last and publishes the checkpoint (a
     rename); returns its path."""
-    where = os.path.join(durable_dir, PERSISTING, checkpoint_id)
+    where = _where(durable_dir, job_id, checkpoint_id)
     metadata, committed = node
     deadline = time.monotonic() + timeout_s
-    with _partial(durable_dir, checkpoint_id, create=True) as (root, pfd, cfd):
+    with _partial(durable_dir, job_id, checkpoint_id, create=True) as (root, jfd, cfd):
         pause = 0.02
         while True:
             files = _records(root, cfd, where, world, token)
             if files is not None:
                 break
-            if is_cancelled():
-                raise errors.Cancelled(f"persisting checkpoint {checkpoint_id!r} was cancelled")
             if time.monotonic() > deadline:
                 missing = [r for r in range(world) if not _exists(cfd, f"__{r}{DONE_SUFFIX}")]
                 raise errors.DeadlineExceeded(
@@ -298,47 +318,57 @@ def publish(node: Tuple[Metadata, float], durable_dir: str, job_id: str, checkpo
         os.fsync(cfd)
         if _outcome.pause is not None:
             _outcome.pause("n", 0)  # .metadata written, not published
-        try:
-            os.rename(checkpoint_id, checkpoint_id, src_dir_fd=pfd, dst_dir_fd=root.fd)
-        except OSError as exc:
-            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise errors.AlreadyExists(
-                    f"{os.path.join(durable_dir, checkpoint_id)} already exists; checkpoint "
-                    f"{checkpoint_id!r} was not persisted over it") from None
-            raise
-        os.fsync(root.fd)
+        _rename_out(root, jfd, durable_dir, checkpoint_id)
     return os.path.join(durable_dir, checkpoint_id)
 
 
-def partial_ids(durable_dir: str) -> List[str]:
-    """Checkpoint ids whose persist has not been published."""
+def _rename_out(root: _trusted_files.TrustedDir, jfd: int, durable_dir: str,
+                checkpoint_id: str) -> None:
+    """Publishes the job's finished partial dir: one rename into the root."""
     try:
-        with _trusted_files.open_fallback_dir(durable_dir) as root:
-            try:
-                pfd = _subdir(root.fd, PERSISTING, os.path.join(durable_dir, PERSISTING), False)
-            except FileNotFoundError:
-                return []
-            try:
-                return sorted(os.listdir(pfd))
-            finally:
-                os.close(pfd)
+        os.rename(checkpoint_id, checkpoint_id, src_dir_fd=jfd, dst_dir_fd=root.fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        try:
+            owner = root.read(checkpoint_id, _store.MARKER_NAME).decode(errors="replace").strip()
+        except (OSError, _trusted_files.Untrusted):
+            owner = "?"
+        raise errors.AlreadyExists(
+            f"{os.path.join(durable_dir, checkpoint_id)} already exists (job {owner!r}); "
+            f"checkpoint {checkpoint_id!r} was not persisted over it: give each job a durable "
+            "dir of its own") from None
+    os.fsync(root.fd)
+
+
+def finish_partial(durable_dir: str, job_id: str, checkpoint_id: str) -> bool:
+    """Publishes a partial dir whose ``.metadata`` was written (a persist
+    killed between its last fsync and its rename); False when it has none."""
+    with _partial(durable_dir, job_id, checkpoint_id, create=False) as (root, jfd, cfd):
+        if not _exists(cfd, _store.METADATA_NAME) or not _exists(cfd, _store.MARKER_NAME):
+            return False
+        _rename_out(root, jfd, durable_dir, checkpoint_id)
+        return True
+
+
+def partial_ids(durable_dir: str, job_id: str) -> List[str]:
+    """The job's checkpoint ids whose persist has not been published."""
+    try:
+        with _jobs(durable_dir, job_id, create=False) as (_, jfd):
+            return sorted(os.listdir(jfd))
     except (FileNotFoundError, NotADirectoryError):
         return []
     except _trusted_files.Untrusted as exc:
         raise _trusted_files.refused(exc) from None
 
 
-def remove_partial(durable_dir: str, checkpoint_id: str) -> bool:
+def remove_partial(durable_dir: str, job_id: str, checkpoint_id: str) -> bool:
     """Removes what an unpublished persist of ``checkpoint_id`` left; True
     when there was something."""
     try:
-        with _trusted_files.trusted_fallback_dir(durable_dir) as root:
-            pfd = _subdir(root.fd, PERSISTING, os.path.join(durable_dir, PERSISTING), False)
-            try:
-                _trusted_files._remove_tree(pfd, checkpoint_id)
-                return True
-            finally:
-                os.close(pfd)
+        with _jobs(durable_dir, job_id, create=False) as (_, jfd):
+            _trusted_files._remove_tree(jfd, checkpoint_id)
+            return True
     except (FileNotFoundError, NotADirectoryError):
         return False
 
@@ -348,6 +378,9 @@ def mark_persisted(store: Any, checkpoint_id: str) -> None:
     ``memoffloadctl regions`` and ``CheckpointManager.status`` show); a
     failure is only said."""
     try:
+        found = _store.stored_checkpoints(store).get(checkpoint_id)
+        if found is None or not found.complete:
+            return  # node retention deleted it meanwhile: no mark of nothing
         writer = store.create(_store.region_name(checkpoint_id, PERSISTED_REGION), 1)
         writer.append(b"1")
         writer.commit()

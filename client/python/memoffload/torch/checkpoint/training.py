@@ -9,15 +9,19 @@ manager's keyword arguments (``job_id``, ``node_every``, ``durable_every``,
 into the model and the optimizers (``restore=False`` in the dict skips
 that) and numbers the saves from the restored step on, so a resumed run
 never reuses a checkpoint id; after each optimizer step it calls
-``manager.step``; at train end it closes the manager. The data position
-stays the framework's (docs/checkpoints.md)."""
+``manager.step``; at train end it closes the manager. With ``"restore":
+False`` the saves are numbered on past the job's newest checkpoint. The data
+position, the LR scheduler and the framework's own step counters stay the
+framework's (docs/torch_frameworks.md)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Dict, List, Optional
 
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from ... import errors, logs
 from .manager import CheckpointManager
 
 # The keys the callbacks log (absent until the first save / persist).
@@ -72,8 +76,11 @@ class Checkpoints:
         """Makes the manager (on every rank) and restores; returns the
         restored step, or None."""
         self.manager = CheckpointManager({"train": TrainState(model, optimizers)}, **self.options)
-        self.restored = self.manager.restore() if self.restore else None
-        self.offset = self.restored or 0
+        if self.restore:
+            self.restored = self.manager.restore()
+            self.offset = self.restored or 0
+        else:  # numbered on past the job's newest checkpoint: never an id that exists
+            self.offset = self.manager.newest_step() or 0
         return self.restored
 
     def step(self, step: int) -> None:
@@ -83,10 +90,20 @@ class Checkpoints:
     def figures(self) -> Dict[str, float]:
         return figures(self.manager) if self.manager is not None else dict(self.final)
 
-    def end(self) -> None:
+    def end(self, failed: bool = False) -> None:
         """Closes the manager (the save and the persist in flight finish);
-        ``final`` keeps its last figures."""
+        ``final`` keeps its last figures. ``failed``: training raised: the
+        save in flight finishes, the persist goes on in its thread, and what
+        fails here is logged, not raised over the training's own error."""
         manager, self.manager = self.manager, None
-        if manager is not None:
+        if manager is None:
+            return
+        if not failed:
             manager.close()
-            self.final = figures(manager)
+        else:
+            try:
+                manager.close(wait_persist=False)
+            except Exception as exc:  # noqa: BLE001 - the training's error is the one raised
+                logs.log(logging.WARNING, f"closing the checkpoint manager after training failed: "
+                         f"{exc}", errors.StatusCode.INTERNAL)
+        self.final = figures(manager)

@@ -114,6 +114,8 @@ class MemoffloadWriter(RegionWrites, FileWrites, StorageWriter):
         self.fallback_dir: Optional[str] = (
             None if fallback_dir is False else _store.fallback_dir_of(fallback_dir, self.job_id))
         self.keep_last = keep_last
+        # The fallback dir's own retention (CheckpointManager: its durable tier's).
+        self.keep_last_files = keep_last
         self.checksums = checksums
         self.ttl_seconds = ttl_seconds
         self.sync_files = sync_files
