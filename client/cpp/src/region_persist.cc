@@ -2,7 +2,6 @@
 #include "memoffload/client/region_persist.h"
 
 #include <fcntl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -167,15 +166,10 @@ Result<PersistStats> PersistRegion(RegionReader& reader, int dir_fd, const std::
   const int flags = O_WRONLY | O_CLOEXEC | O_NOFOLLOW;
   Fd buffered(openat(dir_fd, file_name.c_str(), flags | O_CREAT | O_EXCL, 0600));
   if (buffered.get() < 0) return FileStatus("creating " + what, errno);
-  Fd direct(options.direct ? openat(dir_fd, file_name.c_str(), flags | O_DIRECT) : -1);
-  if (direct.get() >= 0) {  // the file just made, not one swapped in under its name since
-    struct stat made, reopened;
-    if (fstat(buffered.get(), &made) != 0 || fstat(direct.get(), &reopened) != 0 ||
-        made.st_ino != reopened.st_ino || made.st_dev != reopened.st_dev) {
-      unlinkat(dir_fd, file_name.c_str(), 0);
-      return PermissionDenied(what + ": the file changed under its name while it was opened");
-    }
-  }
+  // The same open file again with O_DIRECT, through its descriptor (never
+  // its name, which could be swapped meanwhile); where that fails, buffered.
+  const std::string self = "/proc/self/fd/" + std::to_string(buffered.get());
+  Fd direct(options.direct ? open(self.c_str(), O_WRONLY | O_CLOEXEC | O_DIRECT) : -1);
   Result<PersistStats> done = Persist(reader, buffered.get(), direct.get(), what, options);
   if (!done.ok()) unlinkat(dir_fd, file_name.c_str(), 0);  // never a partial or damaged file
   return done;

@@ -279,49 +279,10 @@ def retain(url: str, job_id: str, keep_last: Optional[int], current_id: str) -> 
     return doomed
 
 
-class _UrlFile:
-    """A persisted region file in the object store, read as a region
-    reader is (MemoffloadReader's per-piece fallback)."""
-
-    def __init__(self, url: str, checkpoint_id: str, name: str) -> None:
-        fs, root = _fs(url)
-        self.path = _join(url, checkpoint_id, name)
-        self.f = fs.open(_join(root, checkpoint_id, name), "rb")
-        self.expect: Optional[int] = None
-
-    def __enter__(self) -> "_UrlFile":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.f.close()
-
-    def read_bytes(self, offset: int, length: int) -> bytes:
-        self.f.seek(offset)
-        data = self.f.read(length)
-        if len(data) != length:
-            raise errors.DataLoss(f"{self.path} ends before byte {offset + length}")
-        return data
-
-    def read_some(self, offset: int, buf: torch.Tensor) -> int:
-        self.f.seek(offset)
-        data = self.f.read(buf.numel())
-        if data:
-            buf[:len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        return len(data)
-
-    def verify(self) -> None:
-        from .persist import verify_file
-
-        verify_file(self, self.expect)
-
-    def read_into(self, offset: int, target: torch.Tensor) -> None:
-        data = self.read_bytes(offset, target.numel() * target.element_size())
-        target.reshape(-1).view(torch.uint8).copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-
-
-def open_file(url: str, checkpoint_id: str, name: str) -> Optional[_UrlFile]:
-    """A published checkpoint's file, with the CRC32C its rank recorded."""
-    from .persist import DONE_SUFFIX
+def open_file(url: str, checkpoint_id: str, name: str) -> Optional[Any]:
+    """A published checkpoint's file, with the CRC32C its rank recorded
+    (persist.DurableFile)."""
+    from .persist import DONE_SUFFIX, DurableFile
 
     fs, root = _fs(url)
     if not fs.exists(_join(root, checkpoint_id, _store.METADATA_NAME)):
@@ -330,8 +291,8 @@ def open_file(url: str, checkpoint_id: str, name: str) -> Optional[_UrlFile]:
         rank = name[2:].split("_")[0]
         with fs.open(_join(root, checkpoint_id, f"__{rank}{DONE_SUFFIX}"), "rb") as f:
             record = json.loads(f.read(1 << 20))
-        out = _UrlFile(url, checkpoint_id, name)
+        expect = record["files"].get(name, {}).get("crc32c")
+        return DurableFile(fs.open(_join(root, checkpoint_id, name), "rb"),
+                           _join(url, checkpoint_id, name), expect)
     except (FileNotFoundError, ValueError):
         return None
-    out.expect = record["files"].get(name, {}).get("crc32c")
-    return out

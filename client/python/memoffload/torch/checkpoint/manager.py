@@ -116,8 +116,8 @@ class CheckpointManager:
                        if async_save and dist.is_available() and dist.is_initialized() else None)
         self._pending: Optional[Dict[str, Any]] = None  # the async save in flight
         self._persisting: Optional[threading.Thread] = None
-        self._persist_lock = threading.RLock()
-        self._busy = False  # a persist thread runs (set and cleared under _persist_lock)
+        # persisting (the id in flight), _persisting and _queued change under it
+        self._persist_lock = threading.Lock()
         self._queued: Optional[tuple] = None  # (id, step, token, shard): the persist waiting its turn
         self._persist_error: Optional[BaseException] = None
         self._piece_bytes = 64 << 20
@@ -194,7 +194,7 @@ class CheckpointManager:
         except errors.Error as exc:
             shard = exc  # raised by the persist itself, which says so (and tells the coordinator)
         with self._persist_lock:
-            if self._busy:
+            if self.persisting is not None:
                 # One waits its turn; the one that waited is dropped (every
                 # rank drops it, or says so in its record: the coordinator
                 # then gives up on it at once).
@@ -205,8 +205,7 @@ class CheckpointManager:
             self._begin(checkpoint_id, step, token, shard)
 
     def _begin(self, checkpoint_id: str, step: int, token: str, shard: Any) -> None:
-        """Under _persist_lock: the persist thread (busy until _next)."""
-        self._busy = True
+        """Under _persist_lock: the persist thread (``persisting`` until _next)."""
         self.persisting = checkpoint_id
         self._persisting = threading.Thread(
             target=self._persist, args=(checkpoint_id, step, token, shard),
@@ -233,7 +232,6 @@ class CheckpointManager:
         with self._persist_lock:
             queued, self._queued = self._queued, None
             self.persisting = None
-            self._busy = False
             if queued is not None:
                 self._begin(*queued)
 
@@ -320,7 +318,7 @@ class CheckpointManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._persist_lock:
-                if not self._busy:
+                if self.persisting is None:
                     break
                 running = self._persisting
             assert running is not None

@@ -143,8 +143,7 @@ def _write_file(root: _trusted_files.TrustedDir, dir_fd: int, name: str, data: b
 def shard_regions(store: Any, checkpoint_id: str, rank: int) -> List[str]:
     """This rank's data regions of the checkpoint in its daemon."""
     prefix = _store.region_name(checkpoint_id, f"__{rank}_")
-    return sorted(r["name"] for r in store.list(prefix)
-                  if r["name"].endswith(".distcp") and r["committed_unix"])
+    return sorted(r["name"] for r in store.list(prefix) if r["name"].endswith(".distcp"))
 
 
 def open_shard(store: Any, checkpoint_id: str, rank: int) -> List[Tuple[str, Any]]:
@@ -391,17 +390,57 @@ def mark_persisted(store: Any, checkpoint_id: str) -> None:
                  f"daemon could not be committed ({exc})", exc.code)
 
 
-def verify_file(f: Any, expect: Optional[int], piece: int = 64 << 20) -> None:
-    """Reads ``f`` (``read_bytes``) whole and checks its CRC32C."""
-    if expect is None:
-        raise errors.DataLoss(f"{f.path}: no checksum was recorded for it")
-    buf = torch.empty(piece, dtype=torch.uint8)
-    crc = at = 0
-    while True:
-        n = f.read_some(at, buf)
-        if n == 0:
-            break
-        crc = _C.crc32c(buf[:n], crc)
-        at += n
-    if crc != expect:
-        raise errors.DataLoss(f"{f.path}: its CRC32C is {crc:08x}, its rank wrote {expect:08x}")
+
+class DurableFile:
+    """A persisted region file (a binary file object, local or fsspec's),
+    read as a region reader is: the same bytes at the same offsets. Used
+    by MemoffloadReader in place of a node region that is missing or
+    damaged, after :meth:`verify`."""
+
+    def __init__(self, f: Any, path: str, expect: Optional[int]) -> None:
+        self.f = f
+        self.path = path
+        self.expect = expect  # its CRC32C, as its rank recorded it
+
+    def __enter__(self) -> "DurableFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def _read(self, offset: int, view: memoryview) -> int:
+        self.f.seek(offset)
+        done = 0
+        while done < len(view):
+            n = self.f.readinto(view[done:])
+            if not n:
+                break
+            done += n
+        return done
+
+    def verify(self, piece: int = 64 << 20) -> None:
+        """DataLoss unless the whole file has the recorded CRC32C."""
+        if self.expect is None:
+            raise errors.DataLoss(f"{self.path}: no checksum was recorded for it")
+        buf = torch.empty(piece, dtype=torch.uint8)
+        crc = at = 0
+        while True:
+            n = self._read(at, memoryview(buf.numpy()))
+            if n == 0:
+                break
+            crc = _C.crc32c(buf[:n], crc)
+            at += n
+        if crc != self.expect:
+            raise errors.DataLoss(f"{self.path}: its CRC32C is {crc:08x}, its rank wrote "
+                                  f"{self.expect:08x}")
+
+    def read_bytes(self, offset: int, length: int) -> bytes:
+        data = bytearray(length)
+        if self._read(offset, memoryview(data)) != length:
+            raise errors.DataLoss(f"{self.path} ends before byte {offset + length}")
+        return bytes(data)
+
+    def read_into(self, offset: int, target: torch.Tensor) -> None:
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        if self._read(offset, view) != len(view):
+            raise errors.DataLoss(f"{self.path} ends before byte {offset + len(view)}")

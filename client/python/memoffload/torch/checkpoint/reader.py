@@ -256,9 +256,8 @@ class MemoffloadReader(StorageReader):
                     record = json.loads(root.read(self.checkpoint_id, f"__{rank}.persisted"))
                     expect = record["files"][name].get("crc32c")
                     path = os.path.join(self.fallback_dir, self.checkpoint_id, name)
-                    durable = _DurableFile(root.open_file(ckpt_fd, name, path), path)
-                    durable.expect = expect
-                    return durable
+                    return _persist.DurableFile(
+                        os.fdopen(root.open_file(ckpt_fd, name, path), "rb"), path, expect)
                 finally:
                     os.close(ckpt_fd)
         except (OSError, ValueError, KeyError, _trusted_files.Untrusted):
@@ -302,40 +301,3 @@ def _read_tensor(reader: Any, info: _RegionItem, offsets: Any, lengths: Any,
         raise AssertionError(f"req {index} mismatch sizes {target.size()} vs {chunk.size()}")
     target.copy_(chunk)
 
-
-class _DurableFile:
-    """A persisted region file, read as a region reader is (the same bytes
-    at the same offsets)."""
-
-    def __init__(self, fd: int, path: str) -> None:
-        self.fd = fd
-        self.path = path
-        self.expect: Optional[int] = None  # its CRC32C, as its rank recorded it
-
-    def verify(self) -> None:
-        """DataLoss unless the whole file has the recorded CRC32C."""
-        _persist.verify_file(self, self.expect)
-
-    def __enter__(self) -> "_DurableFile":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
-
-    def read_bytes(self, offset: int, length: int) -> bytes:
-        data = os.pread(self.fd, length, offset)
-        if len(data) != length:
-            raise errors.DataLoss(f"{self.path} ends before byte {offset + length}")
-        return data
-
-    def read_some(self, offset: int, buf: torch.Tensor) -> int:
-        return os.preadv(self.fd, [memoryview(buf.numpy())], offset)
-
-    def read_into(self, offset: int, target: torch.Tensor) -> None:
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            n = os.preadv(self.fd, [view[done:]], offset + done)
-            if n <= 0:
-                raise errors.DataLoss(f"{self.path} ends before byte {offset + len(view)}")
-            done += n
