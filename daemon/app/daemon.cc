@@ -23,6 +23,7 @@
 #include "app/notifier.h"
 #include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
+#include "app/state_recovery.h"
 #include "base/log.h"
 #include "core/link_keys.h"
 #include "core/session_table.h"
@@ -96,11 +97,28 @@ class Daemon {
     ArmRegionTimer();
     io_.run();
     StopServing();
+    KeepState();
     claim_->RemoveOwned();
     MO_LOG_INFO("stopped cleanly");
   }
 
  private:
+  // At exit: a snapshot of the regions for the next start (state_store.h).
+  void KeepState() {
+    if (state_store_ == nullptr) return;
+    if (Status st = state_store_->Compact(); !st.ok()) {
+      MO_LOG_ERROR("cannot write the state snapshot: %s; the next start replays the journal",
+                   st.ToString().c_str());
+      return;
+    }
+    const ArenaSnapshot s = table_->Snapshot();
+    MO_LOG_INFO(
+        "state kept in %s: %u checkpoint region%s (%s) for the next start (a restart takes "
+        "them back; a full stop of the store releases them)",
+        state_store_->Describe().c_str(), s.committed_regions, s.committed_regions == 1 ? "" : "s",
+        FormatSize(s.committed_region_bytes).c_str());
+  }
+
   // Every listener is bound before the arena is built: a busy port or a bad
   // address is found in milliseconds, not after pre-faulting the arena.
   Status Listen() {
@@ -164,6 +182,9 @@ class Daemon {
     options.hugepages = config_.hugepages;
     options.mlock = config_.mlock;
     options.numa_node = config_.numa_node;
+    Result<StateLoad> kept = LoadKeptState(config_, &options);
+    if (!kept.ok()) return kept.status();
+    kept_ = std::move(kept).value();
     MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
                 FormatSize(config_.arena_size_bytes).c_str(),
                 FormatSize(config_.chunk_size_bytes).c_str(), config_.prefault_threads);
@@ -199,8 +220,14 @@ class Daemon {
     fresh_backing_ = std::make_unique<FreshBacking>(fresh);
     table_ = std::make_unique<SessionTable>(arena_.get(), config_.policy, *tenant_mode,
                                             fresh_backing_.get());
-    const uint64_t instance_id = RandomInstanceId();
+    // The node's identity for replication survives a restart with its state.
+    const uint64_t instance_id = kept_.state.found ? kept_.state.instance_id : RandomInstanceId();
     MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
+    MetricsInfo state_info;
+    Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
+        &kept_, *arena_, table_.get(), config_.prefault_threads, instance_id, &state_info);
+    if (!store.ok()) return store.status();
+    state_store_ = std::move(store).value();
     MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys());
 
     Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
@@ -208,7 +235,10 @@ class Daemon {
     metrics_ = std::make_unique<Metrics>(
         table_.get(),
         MetricsInfo{DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(),
-                    arena_->mlocked(), *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes()});
+                    arena_->mlocked(), *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes(),
+                    state_info.state_store, state_info.recovered_regions,
+                    state_info.recovered_bytes, state_info.dropped_regions,
+                    state_info.unverified_regions, state_info.recovery_seconds});
     if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
     if (!metrics_port_.problem().empty()) {
       metrics_port_.RetryUntilBound(
@@ -455,7 +485,7 @@ class Daemon {
       } else {
         MO_LOG_INFO("drained: no groups held");
       }
-      if (s.regions != 0) {
+      if (s.regions != 0 && state_store_ == nullptr) {
         MO_LOG_WARN(
             "%u checkpoint region%s (%s) end with the daemon; jobs load from their "
             "durable checkpoints after it restarts",
@@ -509,6 +539,8 @@ class Daemon {
   ArenaBuildReport report_;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<FreshBacking> fresh_backing_;
+  StateLoad kept_;                           // what the start took back
+  std::unique_ptr<StateStore> state_store_;  // outlives table_, which records into it
   std::unique_ptr<SessionTable> table_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<OffloadService> service_;

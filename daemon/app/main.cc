@@ -3,8 +3,10 @@
 
 #include <csignal>
 #include <cstdio>
+#include <string>
 
 #include "app/daemon.h"
+#include "app/fd_store.h"
 #include "base/log.h"
 #include "config/config.h"
 
@@ -16,6 +18,13 @@ int main(int argc, char** argv) {
   // a debugging aid that cost the request path some 5% of the daemon's CPU
   // under load (perf: GraphCycles::GetId/InsertEdge/RemoveNode). Off.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  // `memoffloadd keeper [--runtime-dir DIR]`: holds the daemon's memfds
+  // across its restarts where there is no systemd (app/fd_store.h).
+  const bool keeper = argc > 1 && std::string(argv[1]) == "keeper";
+  if (keeper) {
+    --argc;
+    ++argv;
+  }
   memoffload::Result<DaemonConfig> config = LoadConfig(argc, argv, ProcessEnvironment());
   if (!config.ok()) {
     std::fprintf(stderr, "memoffloadd: %s\n", config.status().message().c_str());
@@ -32,6 +41,13 @@ int main(int argc, char** argv) {
   if (memoffload::Status st = ResolveAndValidate(&*config); !st.ok()) {
     std::fprintf(stderr, "memoffloadd: %s\n", st.message().c_str());
     return 2;
+  }
+  if (keeper) {
+    if (memoffload::Status st = RunKeeper(config->runtime_dir); !st.ok()) {
+      std::fprintf(stderr, "memoffloadd keeper: %s\n", st.message().c_str());
+      return 1;
+    }
+    return 0;
   }
   if (config->print_config) {
     std::fputs(FormatConfig(*config).c_str(), stdout);

@@ -109,6 +109,9 @@ struct DaemonConfig {
   // [lifecycle]
   uint64_t drain_timeout_ms = 30000;
   uint64_t hello_timeout_ms = 10000;
+  // Where the arena and the regions outlive a restart (app/state_store.h):
+  // auto, systemd, keeper or none.
+  std::string state_store = "auto";
 
   std::string config_file;  // "" when none
   // Where each key's value came from: "default", "file", "env" or "flag".

@@ -422,6 +422,18 @@ const std::vector<Setting>& Settings() {
       U64Setting("lifecycle", "drain_timeout", Kind::kDuration,
                  "on SIGTERM, how long to wait for sessions to release (default 30s)",
                  [](DaemonConfig* c) { return &c->drain_timeout_ms; }),
+      {"lifecycle", "state_store", Kind::kString,
+       "where the arena and its checkpoint regions outlive a restart of the daemon: systemd "
+       "(its fd store), keeper (memoffloadd keeper, for containers), none, or auto (default: "
+       "systemd under systemd, else the keeper when its socket is in the runtime dir)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "auto" && v != "systemd" && v != "keeper" && v != "none") {
+           return InvalidArgument("'" + v + "' is not one of auto, systemd, keeper, none");
+         }
+         c->state_store = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.state_store; }},
       U64Setting("lifecycle", "hello_timeout", Kind::kDuration,
                  "drop a broker connection that sends no hello in this time",
                  [](DaemonConfig* c) { return &c->hello_timeout_ms; }),

@@ -66,6 +66,7 @@ struct Region {
   std::chrono::milliseconds ttl{0};
   Clock::time_point expires_at;
   double committed_unix = 0;
+  bool recovered = false;  // kept across a restart of the daemon
 };
 struct JobRegions {
   uint64_t held_bytes = 0;

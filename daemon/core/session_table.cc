@@ -153,6 +153,19 @@ QuotaUsage SessionTable::UsageOf(const Session& s) const {
   return u;
 }
 
+std::string SessionTable::TenantFor(uid_t uid, const std::string& job_id) const {
+  switch (tenant_chunks_.mode()) {
+    case TenantMode::kUid:
+      return "uid:" + std::to_string(uid);
+    case TenantMode::kJob:
+      // The uid keeps another user who names the same job id out of its chunks.
+      return "job:" + std::to_string(uid) + ":" + job_id;
+    case TenantMode::kNone:
+      break;
+  }
+  return "";
+}
+
 Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredentials& peer,
                                         std::shared_ptr<RankSeries> series) {
   Result<std::string> token = NewSessionToken();
@@ -164,17 +177,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
   s.hello = hello;
-  switch (tenant_chunks_.mode()) {
-    case TenantMode::kUid:
-      s.tenant = "uid:" + std::to_string(peer.uid);
-      break;
-    case TenantMode::kJob:
-      // The uid keeps another user who names the same job id out of its chunks.
-      s.tenant = "job:" + std::to_string(peer.uid) + ":" + hello.job_id;
-      break;
-    case TenantMode::kNone:
-      break;
-  }
+  s.tenant = TenantFor(peer.uid, hello.job_id);
 
   s.job_key = JobKey(peer.uid, hello.job_id);
   s.grant.limit_bytes = quota_.SessionLimit(hello.max_bytes);

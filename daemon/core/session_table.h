@@ -36,6 +36,8 @@
 #include "core/session_records.h"
 #include "core/session_token.h"
 #include "core/session_types.h"
+#include "core/state_format.h"
+#include "core/state_recorder.h"
 #include "core/tenant_chunks.h"
 #include "memoffload/common/status.h"
 #include "memoffload/shared_mem/attach_wire.h"
@@ -43,6 +45,10 @@
 #include "memory/fresh_backing.h"
 
 namespace memoffload::daemon {
+
+// A region name: 1-255 printable ASCII characters, no space
+// (INVALID_ARGUMENT otherwise).
+Status CheckRegionName(const std::string& name);
 
 class SessionTable {
  public:
@@ -224,6 +230,25 @@ class SessionTable {
   // The session's snapshot, nullopt once it is gone.
   std::optional<SessionSnapshot> FindSession(uint64_t session_id) const ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Tells `recorder` (not owned; null: nothing is recorded) each region
+  // committed or deleted and each chunk given a new memfd, under the table's
+  // lock, before the change is answered. Set before serving.
+  void SetRecorder(StateRecorder* recorder) ABSL_LOCKS_EXCLUDED(mu_);
+  // Before serving, on an empty table: places the regions a restart kept
+  // (their bytes already in their chunks, session_table_recover.cc). Each
+  // region's chunks go to its tenant; a region whose extents are out of the
+  // arena, overlap another's or lie in another tenant's chunk is not placed
+  // and its name, with why, goes to *dropped. `unverified`: the regions
+  // saved without checksums (shown so in ListAllRegions).
+  struct Recovered {
+    uint32_t regions = 0;
+    uint64_t bytes = 0;
+  };
+  Recovered Recover(const std::vector<RegionRecord>& regions, std::vector<std::string>* dropped)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Every committed region as the state store keeps it (a snapshot).
+  std::vector<RegionRecord> CommittedRegions() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Runs the allocator's invariant check plus the table's own accounting.
   Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -245,6 +270,9 @@ class SessionTable {
   GroupNode NewGroupNode(uint64_t group_id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Keeps a node taken out of a session's map for reuse.
   void RecycleGroupNode(GroupNode node) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The chunk tenant of a session or region of (uid, job id); "" with
+  // TenantMode::kNone. tenant_chunks_'s mode never changes.
+  std::string TenantFor(uid_t uid, const std::string& job_id) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // "<uid>:<job_id>": the key of jobs_ and regions_.
   static std::string JobKey(uid_t uid, const std::string& job_id);
   // The session's job's regions (created on demand). FAILED_PRECONDITION
@@ -440,6 +468,9 @@ class SessionTable {
   Status CheckRegionRecords(uint64_t* region_held) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The chunks regions pin (with tenants only) against the regions.
   Status CheckRegionChunks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The record of a committed region, for the recorder.
+  static RegionRecord RecordOf(const Region& region);
+  StateRecorder* recorder_ ABSL_GUARDED_BY(mu_) = nullptr;
   TenantChunks tenant_chunks_ ABSL_GUARDED_BY(mu_);
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ ABSL_GUARDED_BY(mu_) = 0;

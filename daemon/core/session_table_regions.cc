@@ -13,6 +13,12 @@ namespace {
 constexpr size_t kMaxRegionName = 255;
 constexpr long kMaxOpensPerSession = 64;
 
+double UnixNow() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
 Status CheckRegionName(const std::string& name) {
   if (name.empty() || name.size() > kMaxRegionName) {
     return InvalidArgument("region name must be 1 to " + std::to_string(kMaxRegionName) +
@@ -26,12 +32,6 @@ Status CheckRegionName(const std::string& name) {
   }
   return Status::Ok();
 }
-
-double UnixNow() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-}  // namespace
 
 void SessionTable::CountRegionChunks(uid_t uid, const std::vector<Extent>& extents, int delta) {
   if (tenant_chunks_.mode() == TenantMode::kNone) return;  // nothing is pinned
@@ -139,6 +139,7 @@ RegionSnapshot SessionTable::SnapshotOf(const Region& r, Clock::time_point now) 
   snap.ttl_seconds = std::chrono::duration<double>(r.ttl).count();
   snap.checksummed = !r.extent_crc32c.empty();
   snap.readers = static_cast<uint32_t>(r.readers.size());
+  snap.recovered = r.recovered;
   if (r.state == RegionState::kCommitted) {
     snap.committed_unix = r.committed_unix;
     snap.expires_in_seconds =
@@ -278,6 +279,10 @@ Result<CommitResult> SessionTable::CommitRegion(uint64_t session_id, const std::
     node.mapped().name = rename_to;
     own->job->by_name.insert(std::move(node));
   }
+  if (recorder_ != nullptr) {
+    recorder_->RegionCommitted(
+        RecordOf(own->job->by_name.at(rename_to.empty() ? name : rename_to)));
+  }
   Completions done;
   if (returned != 0) DispatchWaiters(&done);
   lock.Release();
@@ -332,6 +337,7 @@ uint64_t SessionTable::DropRegion(JobRegions* job, std::map<std::string, Region>
   if (!r.deleted && r.state == RegionState::kCommitted) {
     --committed_region_count_;
     committed_region_bytes_ -= r.held_bytes;
+    if (recorder_ != nullptr) recorder_->RegionDeleted(RegionKey{r.uid, r.job_id, r.name});
   }
   r.deleted = true;
   if (!r.readers.empty()) return 0;

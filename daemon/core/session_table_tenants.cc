@@ -179,6 +179,7 @@ Status SessionTable::Claim(uint32_t chunk, const std::string& tenant, uid_t uid)
       return fresh.status();
     }
     std::shared_ptr<Chunk> old = arena_->ReplaceBacking(chunk, std::move(fresh).value());
+    if (recorder_ != nullptr) recorder_->BackingReplaced(chunk, arena_->backing(chunk));
     if (fresh_backing_ != nullptr) {
       fresh_backing_->Retire(std::move(old), tenant_chunks_.recipients(chunk));
     }

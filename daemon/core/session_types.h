@@ -58,6 +58,7 @@ struct RegionSnapshot {
   double ttl_seconds = 0;
   bool checksummed = false;
   uint32_t readers = 0;
+  bool recovered = false;  // kept across a restart of the daemon
 };
 
 // Why a session ended; a label of the sessions-closed metric.

@@ -308,6 +308,34 @@ Status ExtentAllocator::Free(const Extent& extent) {
   return Status::Ok();
 }
 
+Status ExtentAllocator::TakeExact(const Extent& e) {
+  if (e.chunk >= chunk_pages_.size() || e.length == 0 ||
+      ((e.offset | e.length) & (page_bytes_ - 1)) != 0 ||
+      (e.offset >> page_shift_) >= chunk_pages_[e.chunk] ||
+      (e.length >> page_shift_) > chunk_pages_[e.chunk] - (e.offset >> page_shift_)) {
+    return FailedPrecondition("extent [chunk " + std::to_string(e.chunk) + " offset " +
+                              std::to_string(e.offset) + " length " + std::to_string(e.length) +
+                              "] is not a page-aligned range of the arena");
+  }
+  const uint64_t offset = e.offset >> page_shift_;
+  const uint64_t pages = e.length >> page_shift_;
+  uint32_t i = e.chunk;  // the chunk's first node: walk it in address order
+  while (nodes_[i].offset + nodes_[i].length <= offset) i = nodes_[i].next_phys;
+  if (!nodes_[i].is_free || offset + pages > nodes_[i].offset + nodes_[i].length) {
+    return FailedPrecondition("extent " + Describe(e.chunk, offset, pages) +
+                              " overlaps an allocated one");
+  }
+  if (nodes_[i].offset < offset) {
+    RemoveFree(i);
+    const uint32_t right = SplitAt(i, offset - nodes_[i].offset);
+    InsertFree(i);
+    InsertFree(right);
+    i = right;
+  }
+  Carve(i, pages);
+  return Status::Ok();
+}
+
 Result<std::vector<Extent>> ExtentAllocator::Trim(const std::vector<Extent>& extents,
                                                   uint64_t keep_bytes) {
   // Validate everything first so that a bad list changes nothing.

@@ -92,6 +92,10 @@ class ExtentAllocator {
   bool FitsInPool(uint64_t bytes, bool single_extent, uint32_t pool);
 
   Status Free(const Extent& extent);
+  // Allocates exactly `extent` (page-aligned, inside its chunk), which must
+  // be free: a restart placing what its predecessor had allocated (the
+  // state store). FAILED_PRECONDITION, changing nothing, otherwise.
+  Status TakeExact(const Extent& extent);
 
   // Keeps the first `keep_bytes` (rounded up to a page) of an allocation
   // given as `extents` and frees the rest; returns the kept extents.

@@ -147,6 +147,19 @@ Status CreateChunks(const ArenaOptions& options, std::vector<Chunk>* chunks,
     const uint64_t size = std::min(left, options.chunk_size_bytes);
     const uint32_t index = static_cast<uint32_t>(sizes->size());
     const std::string name = "memoffload-chunk-" + std::to_string(index);
+    if (index < options.adopt_fds.size() && options.adopt_fds[index] >= 0) {
+      // Kept across a restart (app/state_store.h): mapped, its bytes as they are.
+      Result<Chunk> kept = Chunk::Map(options.adopt_fds[index], size, false);
+      if (!kept.ok()) {
+        return Status(kept.status().code(), "mapping kept chunk " + std::to_string(index) + ": " +
+                                                kept.status().message());
+      }
+      ++report->adopted_chunks;
+      chunks->push_back(std::move(kept).value());
+      sizes->push_back(size);
+      left -= size;
+      continue;
+    }
     bool huge = use_hugepages && size % huge_bytes == 0;
     if (use_hugepages && !huge) {
       // Only the last chunk can be shorter than the chunk size.

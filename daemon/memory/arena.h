@@ -33,6 +33,10 @@ struct ArenaOptions {
   bool hugepages = false;
   bool mlock = true;
   int numa_node = -1;  // bind chunk memory to this node; -1: no binding
+  // By chunk index: a memfd a restart kept (taken, and closed on failure),
+  // mapped as it is instead of a new one; -1 (or past the end): a new one.
+  // Pre-faulting keeps its bytes.
+  std::vector<int> adopt_fds;
 };
 
 struct ArenaBuildReport {
@@ -40,6 +44,7 @@ struct ArenaBuildReport {
   bool mlocked = false;
   std::string mlock_problem;      // why mlock was skipped or failed, "" if ok
   uint32_t hugepage_chunks = 0;   // chunks backed by hugepages
+  uint32_t adopted_chunks = 0;    // chunks kept across a restart (adopt_fds)
   std::string hugepage_fallback;  // why hugepages were not (all) used, "" if ok
   // What the kernel gave after the pre-fault (/proc/self/smaps): bytes on
   // hugetlbfs pages, and on shared-memory transparent huge pages (2 MiB).

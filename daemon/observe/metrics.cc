@@ -95,6 +95,7 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
     AddGauge(&uptime,
              std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count());
     out.push_back(std::move(uptime));
+    AddStateFamilies(&out);
     auto build = GaugeFamily("memoffload_build_info", "Always 1; labels carry the version.");
     AddGauge(&build, 1, {{"version", info_.version}});
     out.push_back(std::move(build));
@@ -102,6 +103,32 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
   }
 
  private:
+  // What this start took back from the state a restart kept.
+  void AddStateFamilies(std::vector<prometheus::MetricFamily>* out) const {
+    auto store = GaugeFamily("memoffload_state_store_info",
+                             "Always 1; the label says where the arena and its regions outlive a "
+                             "restart of the daemon (none: they do not).");
+    AddGauge(&store, 1, {{"store", info_.state_store}});
+    out->push_back(std::move(store));
+    auto regions = GaugeFamily("memoffload_state_recovered_regions",
+                               "Checkpoint regions this start took back from the kept state, by "
+                               "outcome: kept (CRC32C-verified), unverified (saved without "
+                               "checksums, kept), dropped (failed, named in the log).");
+    AddGauge(&regions, info_.recovered_regions - info_.unverified_regions, {{"outcome", "kept"}});
+    AddGauge(&regions, info_.unverified_regions, {{"outcome", "unverified"}});
+    AddGauge(&regions, info_.dropped_regions, {{"outcome", "dropped"}});
+    out->push_back(std::move(regions));
+    auto bytes = GaugeFamily("memoffload_state_recovered_bytes",
+                             "Arena bytes of the regions this start took back.");
+    AddGauge(&bytes, static_cast<double>(info_.recovered_bytes));
+    out->push_back(std::move(bytes));
+    auto seconds = GaugeFamily("memoffload_state_recovery_seconds",
+                               "Seconds this start spent taking the kept state back (reading, "
+                               "verifying and placing; the arena build not included).");
+    AddGauge(&seconds, info_.recovery_seconds);
+    out->push_back(std::move(seconds));
+  }
+
   // The arena's bytes by state, its shape, its sessions and groups.
   void AddArenaFamilies(const ArenaSnapshot& s, std::vector<prometheus::MetricFamily>* out) const {
     auto capacity =

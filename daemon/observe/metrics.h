@@ -68,6 +68,13 @@ struct MetricsInfo {
   JobLabels job_labels = JobLabels::kPlain;
   uint64_t hugetlb_bytes = 0;  // the arena on huge pages, as the kernel gave them at start
   uint64_t thp_bytes = 0;
+  // What the last start took back from the kept state (app/state_store.h).
+  std::string state_store = "none";  // none, systemd's fd store, the keeper
+  uint32_t recovered_regions = 0;
+  uint64_t recovered_bytes = 0;
+  uint32_t dropped_regions = 0;     // failed their CRC32Cs or could not be placed
+  uint32_t unverified_regions = 0;  // saved without checksums
+  double recovery_seconds = 0;
 };
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,

@@ -19,8 +19,6 @@ namespace {
 
 using client::Client;
 
-Status DataLoss(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
-
 // What an arena view's DataPtr holds: its group, whose space stays reserved
 // (and mapped, through g->client) while the view lives.
 struct ArenaViewRef {

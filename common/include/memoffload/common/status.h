@@ -72,6 +72,7 @@ inline Status PermissionDenied(std::string m) {
 }
 inline Status Unavailable(std::string m) { return Status(StatusCode::kUnavailable, std::move(m)); }
 inline Status Internal(std::string m) { return Status(StatusCode::kInternal, std::move(m)); }
+inline Status DataLoss(std::string m) { return Status(StatusCode::kDataLoss, std::move(m)); }
 inline Status DeadlineExceeded(std::string m) {
   return Status(StatusCode::kDeadlineExceeded, std::move(m));
 }

@@ -1,0 +1,116 @@
+#include "app/state_recovery.h"
+
+#include <chrono>
+
+#include "base/log.h"
+#include "memoffload/common/units.h"
+
+namespace memoffload::daemon {
+
+Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options) {
+  Result<StateLoad> load = LoadState(config.state_store, config.runtime_dir);
+  if (!load.ok()) {
+    return Status(load.status().code(), "lifecycle.state_store: " + load.status().message());
+  }
+  for (const std::string& problem : load->problems) MO_LOG_WARN("kept state: %s", problem.c_str());
+  if (load->refused) {
+    CloseChunkFds(&*load);
+    return FailedPrecondition(
+        "the kept state was written by a newer memoffloadd (above); refusing to start so as "
+        "not to drop it: start the newer version, or release the state (systemctl stop, or "
+        "stop the keeper) to start empty");
+  }
+  if (load->store == nullptr) {
+    MO_LOG_INFO(
+        "state store: none: a restart of the daemon empties the node (run it under systemd "
+        "with FileDescriptorStoreMax=, or beside 'memoffloadd keeper'; docs/deploy.md)");
+    return load;
+  }
+  const ArenaLayout& kept = load->state.layout;
+  if (!load->state.found) {
+    MO_LOG_INFO("state store: %s: nothing kept, starting empty", load->store->Describe().c_str());
+    load->chunk_fds.clear();
+    return load;
+  }
+  if (kept.capacity_bytes != config.arena_size_bytes ||
+      kept.chunk_bytes != config.chunk_size_bytes) {
+    MO_LOG_WARN(
+        "the kept arena is %s in %s chunks; the configuration asks for %s in %s chunks: the "
+        "kept one is used, with its checkpoint regions. The new size applies after a start "
+        "with nothing kept (systemctl stop, then start: which drops the node's regions)",
+        FormatSize(kept.capacity_bytes).c_str(), FormatSize(kept.chunk_bytes).c_str(),
+        FormatSize(config.arena_size_bytes).c_str(), FormatSize(config.chunk_size_bytes).c_str());
+    options->size_bytes = kept.capacity_bytes;
+    options->chunk_size_bytes = kept.chunk_bytes;
+  }
+  options->adopt_fds = load->chunk_fds;
+  // The arena owns them from here (Arena::Build maps or closes each).
+  for (int& fd : load->chunk_fds) fd = fd >= 0 ? -2 : -1;
+  return load;
+}
+
+Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena& arena,
+                                                    SessionTable* table, int threads,
+                                                    uint64_t instance_id, MetricsInfo* info) {
+  if (load->store == nullptr) return std::unique_ptr<StateStore>();
+  const auto start = std::chrono::steady_clock::now();
+  const std::string where = load->store->Describe();
+  info->state_store = load->store->Kind();
+  std::vector<bool> adopted(arena.chunk_count(), false);
+  for (size_t i = 0; i < load->chunk_fds.size() && i < adopted.size(); ++i) {
+    adopted[i] = load->chunk_fds[i] == -2;
+  }
+  std::vector<RegionRecord> regions;
+  std::vector<std::string> dropped, unverified;
+  const size_t kept_count = load->state.regions.size();
+  for (auto& [key, region] : load->state.regions) {
+    bool whole = true;
+    for (const Extent& e : region.extents) whole &= e.chunk < adopted.size() && adopted[e.chunk];
+    if (!whole) {
+      dropped.push_back("region " + region.name + " of job " + region.job_id + " (uid " +
+                        std::to_string(region.uid) + "): its chunk's memfd was not kept");
+      continue;
+    }
+    regions.push_back(std::move(region));
+  }
+  VerifyRegions(arena, threads, &regions, &dropped, &unverified);
+  const SessionTable::Recovered placed = table->Recover(regions, &dropped);
+  // Only what was placed is kept from now on.
+  std::vector<RegionRecord> kept = table->CommittedRegions();
+  auto store =
+      std::make_unique<StateStore>(std::move(load->store),
+                                   ArenaLayout{arena.capacity_bytes(), arena.chunk_size_bytes(),
+                                               static_cast<uint32_t>(arena.page_bytes())},
+                                   instance_id);
+  if (Status st = store->Begin(arena, load->state.last_seq, kept, adopted, load->old_names);
+      !st.ok()) {
+    return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
+  }
+  table->SetRecorder(store.get());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  info->recovered_regions = placed.regions;
+  info->recovered_bytes = placed.bytes;
+  info->dropped_regions = static_cast<uint32_t>(dropped.size());
+  info->unverified_regions = static_cast<uint32_t>(unverified.size());
+  info->recovery_seconds = seconds;
+  if (load->state.found) {
+    MO_LOG_INFO(
+        "recovered the node from %s: %u of %zu checkpoint regions (%s) in %.3f s, instance id "
+        "%016lx, state through record %lu (%lu journal records after the snapshot); %zu "
+        "unverified (saved without checksums), %zu dropped",
+        where.c_str(), placed.regions, kept_count, FormatSize(placed.bytes).c_str(), seconds,
+        static_cast<unsigned long>(instance_id), static_cast<unsigned long>(load->state.last_seq),
+        static_cast<unsigned long>(load->state.journal_records), unverified.size(), dropped.size());
+    for (const std::string& note : load->state.notes) MO_LOG_WARN("kept state: %s", note.c_str());
+    for (const std::string& d : dropped) MO_LOG_WARN("kept state: dropped %s", d.c_str());
+    for (const std::string& u : unverified) {
+      MO_LOG_INFO("kept state: %s is unverified (saved without checksums)", u.c_str());
+    }
+  }
+  MO_LOG_INFO("state store: %s: the arena and its checkpoint regions outlive a restart",
+              store->Describe().c_str());
+  return store;
+}
+
+}  // namespace memoffload::daemon

@@ -1,0 +1,32 @@
+// Taking the kept state back at start (app/state_store.h), in two steps
+// around the arena's build, and the one log line an operator reads.
+#ifndef MEMOFFLOAD_DAEMON_STATE_RECOVERY_H_
+#define MEMOFFLOAD_DAEMON_STATE_RECOVERY_H_
+
+#include <memory>
+
+#include "app/state_store.h"
+#include "config/config.h"
+#include "core/session_table.h"
+#include "memory/arena.h"
+#include "observe/metrics.h"
+
+namespace memoffload::daemon {
+
+// Before the arena is built: takes the stored fds and replays the state.
+// The kept layout wins over the configured one (a warning says so): the
+// new size applies once the store is released. *options gets the layout
+// and the chunks to adopt. FAILED_PRECONDITION when the state is of a
+// newer format (nothing is released: the newer daemon can still take it).
+Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options);
+
+// After the table is made, before serving: checks and places the kept
+// regions, logs what came back, and starts keeping state again (null when
+// the store is "none"). *info gets the figures for the metrics.
+Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena& arena,
+                                                    SessionTable* table, int threads,
+                                                    uint64_t instance_id, MetricsInfo* info);
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_STATE_RECOVERY_H_

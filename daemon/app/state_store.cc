@@ -1,0 +1,374 @@
+#include "app/state_store.h"
+
+#include <fcntl.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "base/log.h"
+#include "memoffload/common/crc32c.h"
+#include "memoffload/common/units.h"
+
+namespace memoffload::daemon {
+namespace {
+
+constexpr char kChunkPrefix[] = "mo-chunk-";
+constexpr char kJournalPrefix[] = "mo-journal@";
+constexpr char kSnapshotPrefix[] = "mo-snapshot@";
+
+bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+
+// Why `fd` is not a memfd of `size` bytes with the seals `seals` ("" if it is).
+std::string MemfdProblem(int fd, uint64_t size, int seals) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return "not a regular file";
+  char link[64];
+  const std::string proc = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = readlink(proc.c_str(), link, sizeof link - 1);
+  if (n <= 0 || std::string(link, static_cast<size_t>(n)).rfind("/memfd:", 0) != 0) {
+    return "not a memfd";
+  }
+  if (size != 0 && static_cast<uint64_t>(st.st_size) != size) {
+    return "holds " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
+  }
+  struct statfs fs {};
+  const bool hugetlb = fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
+  const int have = fcntl(fd, F_GET_SEALS);
+  if (!hugetlb && (have < 0 || (have & seals) != seals)) return "lacks its seals";
+  return "";
+}
+
+// A read-only view of a kept memfd.
+struct Mapped {
+  explicit Mapped(int fd) {
+    struct stat st {};
+    if (fstat(fd, &st) != 0 || st.st_size <= 0) return;
+    size = static_cast<size_t>(st.st_size);
+    void* p = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    data = p == MAP_FAILED ? nullptr : p;
+  }
+  ~Mapped() {
+    if (data != nullptr) munmap(data, size);
+  }
+  void* data = nullptr;
+  size_t size = 0;
+};
+
+uint64_t NameSeq(const std::string& name, const char* prefix) {
+  return std::strtoull(name.c_str() + std::strlen(prefix), nullptr, 10);
+}
+
+Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode,
+                                           const std::string& runtime_dir) {
+  const std::string keeper = runtime_dir + "/" + kKeeperSocketName;
+  const bool under_systemd = std::getenv("NOTIFY_SOCKET") != nullptr;
+  if (mode == "none") return std::unique_ptr<FdStore>();
+  if (mode == "systemd" || (mode == "auto" && under_systemd)) {
+    if (!under_systemd) {
+      return FailedPrecondition("lifecycle.state_store = systemd, but NOTIFY_SOCKET is not set");
+    }
+    return SystemdFdStore();
+  }
+  if (mode == "keeper" || (mode == "auto" && access(keeper.c_str(), F_OK) == 0)) {
+    return ConnectKeeper(keeper);
+  }
+  return std::unique_ptr<FdStore>();
+}
+
+}  // namespace
+
+void CloseChunkFds(StateLoad* load) {
+  for (int& fd : load->chunk_fds) {
+    if (fd >= 0) close(fd);
+    fd = -1;
+  }
+}
+
+Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_dir) {
+  StateLoad load;
+  Result<std::unique_ptr<FdStore>> store = OpenStore(mode, runtime_dir);
+  if (!store.ok()) return store.status();
+  load.store = std::move(store).value();
+  if (load.store == nullptr) return load;
+  Result<std::vector<StoredFd>> taken = load.store->Take();
+  if (!taken.ok()) return taken.status();
+  std::vector<StoredFd> fds = std::move(taken).value();
+  // The snapshots, newest first; the first readable one is used.
+  std::vector<StoredFd*> snapshots;
+  std::vector<JournalContents> journals;
+  std::map<uint32_t, StoredFd*> chunks;
+  for (StoredFd& f : fds) {
+    load.old_names.push_back(f.name);
+    if (StartsWith(f.name, kSnapshotPrefix)) {
+      if (std::string why = MemfdProblem(f.fd, 0, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
+          !why.empty()) {
+        load.problems.push_back(f.name + " refused: " + why);
+        continue;
+      }
+      snapshots.push_back(&f);
+    } else if (StartsWith(f.name, kJournalPrefix)) {
+      if (std::string why = MemfdProblem(f.fd, kJournalBytes, F_SEAL_SHRINK | F_SEAL_GROW);
+          !why.empty()) {
+        load.problems.push_back(f.name + " refused: " + why);
+        continue;
+      }
+      Mapped m(f.fd);
+      Result<JournalContents> j =
+          m.data == nullptr ? DataLoss("cannot map it") : DecodeJournal(m.data, m.size);
+      if (!j.ok()) {
+        load.problems.push_back(f.name + ": " + j.status().message());
+        load.refused |= j.status().code() == StatusCode::kFailedPrecondition;
+        continue;
+      }
+      journals.push_back(std::move(j).value());
+    } else if (StartsWith(f.name, kChunkPrefix)) {
+      const uint64_t index = std::strtoull(f.name.c_str() + std::strlen(kChunkPrefix), nullptr, 10);
+      if (index < (1u << 20) && chunks.count(static_cast<uint32_t>(index)) == 0) {
+        chunks[static_cast<uint32_t>(index)] = &f;
+      }
+    } else {
+      load.problems.push_back("an fd named '" + f.name + "' is not the daemon's; closed");
+    }
+  }
+  std::sort(snapshots.begin(), snapshots.end(), [](const StoredFd* a, const StoredFd* b) {
+    return NameSeq(a->name, kSnapshotPrefix) > NameSeq(b->name, kSnapshotPrefix);
+  });
+  std::optional<SnapshotContents> snapshot;
+  for (StoredFd* f : snapshots) {
+    Mapped m(f->fd);
+    Result<SnapshotContents> s =
+        m.data == nullptr ? DataLoss("cannot map it") : DecodeSnapshot(m.data, m.size);
+    if (s.ok()) {
+      snapshot = std::move(s).value();
+      break;
+    }
+    load.problems.push_back(f->name + ": " + s.status().message());
+    load.refused |= s.status().code() == StatusCode::kFailedPrecondition;
+  }
+  load.state = Replay(snapshot ? &*snapshot : nullptr, journals);
+  // The chunks the kept regions lie in, checked against the kept layout.
+  const ArenaLayout& layout = load.state.layout;
+  load.chunk_fds.assign(layout.chunk_count(), -1);
+  std::vector<bool> needed(layout.chunk_count(), false);
+  for (const auto& [key, region] : load.state.regions) {
+    for (const Extent& e : region.extents) {
+      if (e.chunk < needed.size()) needed[e.chunk] = true;
+    }
+  }
+  for (auto& [index, f] : chunks) {
+    if (index >= needed.size() || !needed[index]) continue;
+    const uint64_t size =
+        std::min(layout.chunk_bytes, layout.capacity_bytes - index * layout.chunk_bytes);
+    if (std::string why = MemfdProblem(f->fd, size, F_SEAL_SHRINK | F_SEAL_GROW); !why.empty()) {
+      load.problems.push_back(f->name + " refused: " + why);
+      continue;
+    }
+    load.chunk_fds[index] = std::exchange(f->fd, -1);
+  }
+  CloseStored(&fds);
+  return load;
+}
+
+void VerifyRegions(const Arena& arena, int threads, std::vector<RegionRecord>* regions,
+                   std::vector<std::string>* dropped, std::vector<std::string>* unverified) {
+  std::vector<std::string> why(regions->size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < regions->size();) {
+      const RegionRecord& r = (*regions)[i];
+      uint64_t start = 0;
+      for (size_t k = 0; k < r.extent_crc32c.size() && k < r.extents.size(); ++k) {
+        const Extent& e = r.extents[k];
+        if (e.chunk >= arena.chunk_count() || e.offset > arena.chunk_bytes(e.chunk) ||
+            e.length > arena.chunk_bytes(e.chunk) - e.offset) {
+          why[i] = "extent " + std::to_string(k) + " lies past its chunk";
+          break;
+        }
+        const uint64_t used = std::min(e.length, r.used_bytes > start ? r.used_bytes - start : 0);
+        const uint32_t crc = Crc32c(arena.chunk(e.chunk).data() + e.offset, used);
+        if (crc != r.extent_crc32c[k]) {
+          char buf[80];
+          std::snprintf(buf, sizeof buf, "extent %zu fails its CRC32C (expected %08x, read %08x)",
+                        k, r.extent_crc32c[k], crc);
+          why[i] = buf;
+          break;
+        }
+        start += e.length;
+      }
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < std::max(threads, 1); ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  std::vector<RegionRecord> kept;
+  for (size_t i = 0; i < regions->size(); ++i) {
+    RegionRecord& r = (*regions)[i];
+    const std::string what =
+        "region " + r.name + " of job " + r.job_id + " (uid " + std::to_string(r.uid) + ")";
+    if (!why[i].empty()) {
+      dropped->push_back(what + ": " + why[i]);
+      continue;
+    }
+    if (r.extent_crc32c.empty() && r.used_bytes > 0) unverified->push_back(what);
+    kept.push_back(std::move(r));
+  }
+  *regions = std::move(kept);
+}
+
+StateStore::StateStore(std::unique_ptr<FdStore> store, ArenaLayout layout, uint64_t instance_id)
+    : store_(std::move(store)), layout_(layout), instance_id_(instance_id) {}
+
+StateStore::~StateStore() = default;
+
+void StateStore::RemoveName(const std::string& name) {
+  if (Status st = store_->Remove(name); !st.ok()) Failed("cannot remove " + name, st);
+}
+
+void StateStore::Failed(const std::string& what, const Status& status) {
+  ++stats_.errors;
+  MO_LOG_WARN_LIMITED("state store: %s: %s; the next restart may not keep it", what.c_str(),
+                      status.ToString().c_str());
+}
+
+Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
+                         const std::vector<RegionRecord>& regions, const std::vector<bool>& adopted,
+                         const std::vector<std::string>& old_names) {
+  absl::MutexLock lock(&mu_);
+  for (const RegionRecord& r : regions) regions_[KeyOf(r)] = r;
+  // One past the kept state's last record: this snapshot differs from a
+  // kept one of that number (regions that were dropped are not in it).
+  seq_ = last_seq + 1;
+  for (const std::string& name : old_names) {
+    if (StartsWith(name, kChunkPrefix) && std::strtoull(name.c_str() + std::strlen(kChunkPrefix),
+                                                        nullptr, 10) >= arena.chunk_count()) {
+      RemoveName(name);
+    }
+  }
+  for (uint32_t i = 0; i < arena.chunk_count(); ++i) {
+    if (i < adopted.size() && adopted[i]) continue;  // the same memfd is there already
+    const std::string name = kChunkPrefix + std::to_string(i);
+    if (std::find(old_names.begin(), old_names.end(), name) != old_names.end()) {
+      RemoveName(name);
+    }
+    if (Status st = store_->Put(name, arena.chunk(i).fd()); !st.ok()) return st;
+  }
+  const std::string old_journal = journal_name_, old_snapshot = snapshot_name_;
+  MEMOFFLOAD_RETURN_IF_ERROR(CompactLocked());
+  for (const std::string& name : old_names) {
+    if ((StartsWith(name, kJournalPrefix) || StartsWith(name, kSnapshotPrefix)) &&
+        name != journal_name_ && name != snapshot_name_) {
+      RemoveName(name);
+    }
+  }
+  return Status::Ok();
+}
+
+Status StateStore::Compact() {
+  absl::MutexLock lock(&mu_);
+  return CompactLocked();
+}
+
+Status StateStore::CompactLocked() {
+  SnapshotContents s;
+  s.last_seq = seq_;
+  s.instance_id = instance_id_;
+  s.layout = layout_;
+  s.regions = regions_;
+  const std::string bytes = EncodeSnapshot(s);
+  const int fd = memfd_create("memoffload-snapshot", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Unavailable(std::string("memfd_create: ") + std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
+    if (n <= 0 && errno != EINTR) {
+      close(fd);
+      return Unavailable(std::string("writing the snapshot: ") + std::strerror(errno));
+    }
+    if (n > 0) done += static_cast<size_t>(n);
+  }
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+    close(fd);
+    return Unavailable(std::string("sealing the snapshot: ") + std::strerror(errno));
+  }
+  Result<Chunk> journal = Chunk::Create("memoffload-journal", kJournalBytes, false);
+  if (!journal.ok()) {
+    close(fd);
+    return journal.status();
+  }
+  const std::string header = EncodeJournalHeader(layout_, instance_id_, seq_ + 1);
+  std::memcpy(journal->data(), header.data(), header.size());
+  // The snapshot first: a start that finds it ignores the journals' records
+  // up to its last_seq, and finds the records after it in the new journal.
+  const std::string snapshot_name = kSnapshotPrefix + std::to_string(seq_);
+  const std::string journal_name = kJournalPrefix + std::to_string(seq_ + 1);
+  Status put = Status::Ok();
+  if (snapshot_name != snapshot_name_) put = store_->Put(snapshot_name, fd);
+  close(fd);
+  MEMOFFLOAD_RETURN_IF_ERROR(put);
+  if (journal_name == journal_name_) RemoveName(journal_name_);  // nothing after the last
+  MEMOFFLOAD_RETURN_IF_ERROR(store_->Put(journal_name, journal->fd()));
+  if (!snapshot_name_.empty() && snapshot_name_ != snapshot_name) RemoveName(snapshot_name_);
+  if (!journal_name_.empty() && journal_name_ != journal_name) RemoveName(journal_name_);
+  snapshot_name_ = snapshot_name;
+  journal_name_ = journal_name;
+  journal_ = std::make_unique<Chunk>(std::move(journal).value());
+  journal_used_ = header.size();
+  ++stats_.snapshots;
+  return Status::Ok();
+}
+
+void StateStore::Append(const std::string& record) {
+  if (journal_ == nullptr) return;  // Begin failed: nothing is kept
+  if (journal_used_ + record.size() > kJournalBytes) {
+    // The record's seq is in it; the snapshot must not include it yet.
+    --seq_;
+    Status st = CompactLocked();
+    ++seq_;
+    if (!st.ok()) {
+      Failed("cannot compact the full journal", st);
+      return;
+    }
+  }
+  std::memcpy(journal_->data() + journal_used_, record.data(), record.size());
+  journal_used_ += record.size();
+  ++stats_.records;
+}
+
+void StateStore::RegionCommitted(const RegionRecord& region) {
+  absl::MutexLock lock(&mu_);
+  regions_[KeyOf(region)] = region;
+  Append(EncodeRegionCommitted(++seq_, region));
+}
+
+void StateStore::RegionDeleted(const RegionKey& key) {
+  absl::MutexLock lock(&mu_);
+  regions_.erase(key);
+  Append(EncodeRegionDeleted(++seq_, key));
+}
+
+void StateStore::BackingReplaced(uint32_t index, const std::shared_ptr<const Chunk>& backing) {
+  absl::MutexLock lock(&mu_);
+  // The old backing held no region (only empty chunks change tenant), so
+  // losing it between these two calls loses nothing.
+  const std::string name = kChunkPrefix + std::to_string(index);
+  RemoveName(name);
+  if (Status st = store_->Put(name, backing->fd()); !st.ok()) Failed("chunk " + name, st);
+}
+
+StateStoreStats StateStore::Stats() const {
+  absl::MutexLock lock(&mu_);
+  StateStoreStats s = stats_;
+  s.journal_bytes = journal_used_;
+  return s;
+}
+
+}  // namespace memoffload::daemon

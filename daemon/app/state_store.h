@@ -1,0 +1,115 @@
+// StateStore: the node's state kept across a restart of the daemon
+// (docs/deploy.md, "Restarts keep the node").
+//
+// Every arena chunk's memfd, a journal memfd and a snapshot memfd live in an
+// FdStore (systemd's, or the keeper's). Each committed or deleted region is
+// appended to the journal (core/state_format.h) under the table's lock,
+// before the commit is answered: a memcpy into a shared mapping, which the
+// kernel keeps when the process dies, so a SIGKILL loses nothing that was
+// answered. A snapshot (the regions, written whole and sealed) is taken at
+// SIGTERM and when the journal fills; a new journal follows it.
+//
+// At start (LoadState): the stored fds are taken and checked (each a memfd
+// of the expected size and seals, else closed and named in the log), the
+// newest readable snapshot and the journals after it are replayed, and the
+// chunks that hold the kept regions are adopted by the new arena. Every
+// region's bytes are then checked against its CRC32Cs (VerifyRegions): one
+// that fails is dropped and named; one saved without checksums is kept and
+// called unverified. Chunks that hold none get new memfds, so what a dead
+// daemon's sessions may still map is never handed to anyone.
+//
+// Thread-safe (one mutex; the recorder calls come under the table's lock).
+#ifndef MEMOFFLOAD_DAEMON_STATE_STORE_H_
+#define MEMOFFLOAD_DAEMON_STATE_STORE_H_
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "app/fd_store.h"
+#include "core/state_format.h"
+#include "core/state_recorder.h"
+#include "memory/arena.h"
+
+namespace memoffload::daemon {
+
+// The journal's size: compacted into a snapshot when full (some 80,000
+// region records).
+inline constexpr uint64_t kJournalBytes = 16ull << 20;
+
+struct StateLoad {
+  std::unique_ptr<FdStore> store;  // null: state is not kept ("none")
+  ReplayedState state;
+  std::vector<int> chunk_fds;          // by chunk index, -1: none kept (owned)
+  std::vector<std::string> old_names;  // every name found, to remove once replaced
+  std::vector<std::string> problems;   // fds refused, formats refused
+  bool refused = false;  // a snapshot or journal of a newer version: the start must not go on
+};
+// `mode`: "auto" (systemd's store under systemd, else the keeper when its
+// socket is in the runtime dir, else none), "systemd", "keeper", "none".
+Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_dir);
+void CloseChunkFds(StateLoad* load);
+
+// Checks the kept regions' bytes in `arena` against their CRC32Cs, with up
+// to `threads` threads. Drops (from *regions, into *dropped with why) those
+// that fail; names those without checksums in *unverified.
+void VerifyRegions(const Arena& arena, int threads, std::vector<RegionRecord>* regions,
+                   std::vector<std::string>* dropped, std::vector<std::string>* unverified);
+
+struct StateStoreStats {
+  uint64_t records = 0;        // journal records written by this process
+  uint64_t journal_bytes = 0;  // used of kJournalBytes
+  uint64_t snapshots = 0;      // written by this process
+  uint64_t errors = 0;         // records or fds that could not be kept
+};
+
+class StateStore : public StateRecorder {
+ public:
+  StateStore(std::unique_ptr<FdStore> store, ArenaLayout layout, uint64_t instance_id);
+  ~StateStore() override;
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  std::string Describe() const { return store_->Describe(); }
+  // After the recovered regions are placed: a snapshot of them at
+  // `last_seq`, a new journal, every chunk not `adopted` put in the store;
+  // then the `old_names` not reused are removed.
+  Status Begin(const Arena& arena, uint64_t last_seq, const std::vector<RegionRecord>& regions,
+               const std::vector<bool>& adopted, const std::vector<std::string>& old_names)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A snapshot of every region now, and a new journal after it (SIGTERM).
+  Status Compact() ABSL_LOCKS_EXCLUDED(mu_);
+
+  void RegionCommitted(const RegionRecord& region) override ABSL_LOCKS_EXCLUDED(mu_);
+  void RegionDeleted(const RegionKey& key) override ABSL_LOCKS_EXCLUDED(mu_);
+  void BackingReplaced(uint32_t index, const std::shared_ptr<const Chunk>& backing) override
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  StateStoreStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  Status CompactLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Append(const std::string& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RemoveName(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Failed(const std::string& what, const Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const std::unique_ptr<FdStore> store_;
+  const ArenaLayout layout_;
+  const uint64_t instance_id_;
+  mutable absl::Mutex mu_;
+  std::map<RegionKey, RegionRecord> regions_ ABSL_GUARDED_BY(mu_);  // the mirror
+  uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;                           // the last record's
+  std::unique_ptr<Chunk> journal_ ABSL_GUARDED_BY(mu_);
+  uint64_t journal_used_ ABSL_GUARDED_BY(mu_) = 0;
+  std::string journal_name_ ABSL_GUARDED_BY(mu_);
+  std::string snapshot_name_ ABSL_GUARDED_BY(mu_);
+  StateStoreStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace memoffload::daemon
+
+#endif  // MEMOFFLOAD_DAEMON_STATE_STORE_H_
