@@ -122,3 +122,40 @@ write("fuzz_link_frames", "blob", bytes([0x80]) + link_hello(3, 7, 2, 1) + link_
       frame(LINK_BLOB, b"z" * 3000) + frame(LINK_END))
 write("fuzz_link_frames", "gloo_first", bytes([0x05]) + b"\0" * 8)
 write("fuzz_link_frames", "too_long_piece", bytes([0x05]) + struct.pack("<BI", LINK_PIECE, 1 << 30))
+
+# fuzz_state: the kept state (daemon/core/state_format.h): the v1 snapshot
+# fixture, and a journal with a commit, a delete and a torn third record.
+
+
+def crc32c(data):
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def journal_record(seq, kind, payload):
+    tail = struct.pack("<QH", seq, kind) + b"\0" * 6 + payload
+    rec = struct.pack("<II", len(payload), crc32c(tail)) + tail
+    return rec + b"\0" * (-len(rec) % 8)
+
+
+def region_payload(uid, job, name, extents, crcs):
+    out = struct.pack("<I", uid) + s(job) + s("uid:%d" % uid) + s(name)
+    out += struct.pack("<QQd", 4096, 60000, 1795000000.0) + struct.pack("<I", len(extents))
+    out += b"".join(struct.pack("<IQQ", *e) for e in extents)
+    return out + struct.pack("<I", len(crcs)) + b"".join(struct.pack("<I", c) for c in crcs)
+
+
+head = b"MOJOURNL" + struct.pack("<IQQQQI", 1, 1, 0x1234, 4 << 20, 1 << 20, 4096)
+head += b"\0" * (60 - len(head))
+head += struct.pack("<I", crc32c(head))
+records = journal_record(1, 1, region_payload(1000, "job", "a", [(0, 0, 4096)], [7]))
+records += journal_record(2, 1, region_payload(1000, "job", "b", [(1, 8192, 8192)], []))
+records += journal_record(3, 2, struct.pack("<I", 1000) + s("job") + s("a"))
+torn = journal_record(4, 1, region_payload(1001, "job2", "c", [(2, 0, 4096)], []))[:40]
+write("fuzz_state", "journal", head + records + torn + b"\0" * 64)
+with open(os.path.join(HERE, "..", "daemon", "core", "data", "state_v1.snapshot"), "rb") as f:
+    write("fuzz_state", "snapshot_v1", f.read())

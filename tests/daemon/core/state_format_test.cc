@@ -1,0 +1,203 @@
+// The kept state's formats (core/state_format.h): round trips, a journal
+// cut short or damaged anywhere keeps its readable prefix, newer versions
+// are refused by name, and the checked-in v1 snapshot still decodes.
+#include "core/state_format.h"
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+namespace memoffload::daemon {
+namespace {
+
+RegionRecord Region(const std::string& name, uint32_t chunk, uint64_t offset) {
+  RegionRecord r;
+  r.uid = 1000;
+  r.job_id = "job-a";
+  r.tenant = "uid:1000";
+  r.name = name;
+  r.used_bytes = 4096 + 100;
+  r.ttl_ms = 3600000;
+  r.committed_unix = 1795000000.25;
+  r.extents = {Extent{chunk, offset, 4096}, Extent{chunk, offset + 8192, 4096}};
+  r.extent_crc32c = {0x11223344, 0x55667788};
+  return r;
+}
+
+void ExpectSame(const RegionRecord& a, const RegionRecord& b) {
+  EXPECT_EQ(KeyOf(a), KeyOf(b));
+  EXPECT_EQ(a.tenant, b.tenant);
+  EXPECT_EQ(a.used_bytes, b.used_bytes);
+  EXPECT_EQ(a.ttl_ms, b.ttl_ms);
+  EXPECT_EQ(a.committed_unix, b.committed_unix);
+  ASSERT_EQ(a.extents.size(), b.extents.size());
+  for (size_t i = 0; i < a.extents.size(); ++i) {
+    EXPECT_EQ(a.extents[i].chunk, b.extents[i].chunk);
+    EXPECT_EQ(a.extents[i].offset, b.extents[i].offset);
+    EXPECT_EQ(a.extents[i].length, b.extents[i].length);
+  }
+  EXPECT_EQ(a.extent_crc32c, b.extent_crc32c);
+}
+
+const ArenaLayout kLayout{64ull << 20, 16ull << 20, 4096};
+
+// A journal of kJournalBytes-like size holding header + records.
+std::string Journal(uint64_t first_seq, const std::vector<std::string>& records,
+                    size_t size = 1 << 16) {
+  std::string j = EncodeJournalHeader(kLayout, 0xabcdef, first_seq);
+  for (const std::string& r : records) j += r;
+  j.resize(size, '\0');
+  return j;
+}
+
+TEST(StateFormat, SnapshotRoundTrips) {
+  SnapshotContents s;
+  s.last_seq = 41;
+  s.instance_id = 0x1234567890abcdefull;
+  s.layout = kLayout;
+  for (const RegionRecord& r : {Region("a", 0, 0), Region("b", 1, 4096)}) s.regions[KeyOf(r)] = r;
+  const std::string bytes = EncodeSnapshot(s);
+  Result<SnapshotContents> back = DecodeSnapshot(bytes.data(), bytes.size());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->last_seq, 41u);
+  EXPECT_EQ(back->instance_id, s.instance_id);
+  EXPECT_TRUE(back->layout == kLayout);
+  ASSERT_EQ(back->regions.size(), 2u);
+  for (const auto& [key, r] : s.regions) ExpectSame(r, back->regions.at(key));
+}
+
+TEST(StateFormat, SnapshotWithAnyByteFlippedIsRefused) {
+  SnapshotContents s;
+  s.layout = kLayout;
+  s.regions[KeyOf(Region("a", 0, 0))] = Region("a", 0, 0);
+  const std::string bytes = EncodeSnapshot(s);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    std::string bad = bytes;
+    bad[i] ^= 0x01;
+    Result<SnapshotContents> back = DecodeSnapshot(bad.data(), bad.size());
+    EXPECT_FALSE(back.ok()) << "byte " << i;
+  }
+  for (size_t n = 0; n < bytes.size(); ++n) {
+    EXPECT_FALSE(DecodeSnapshot(bytes.data(), n).ok()) << "cut at " << n;
+  }
+}
+
+TEST(StateFormat, JournalReplaysInSequence) {
+  const std::string j = Journal(
+      5, {EncodeRegionCommitted(5, Region("a", 0, 0)), EncodeRegionCommitted(6, Region("b", 1, 0)),
+          EncodeRegionDeleted(7, KeyOf(Region("a", 0, 0)))});
+  Result<JournalContents> got = DecodeJournal(j.data(), j.size());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->stopped, "");
+  ASSERT_EQ(got->entries.size(), 3u);
+  ReplayedState state = Replay(nullptr, {*got});
+  EXPECT_TRUE(state.found);
+  EXPECT_EQ(state.instance_id, 0xabcdefu);
+  EXPECT_EQ(state.last_seq, 7u);
+  ASSERT_EQ(state.regions.size(), 1u);
+  ExpectSame(state.regions.begin()->second, Region("b", 1, 0));
+}
+
+TEST(StateFormat, AJournalCutAnywhereKeepsItsWholeRecords) {
+  const std::vector<std::string> records = {EncodeRegionCommitted(1, Region("a", 0, 0)),
+                                            EncodeRegionCommitted(2, Region("b", 1, 0)),
+                                            EncodeRegionCommitted(3, Region("c", 2, 0))};
+  const std::string full = Journal(1, records, 0);
+  size_t whole_end[4] = {kJournalHeaderBytes, 0, 0, 0};
+  for (int i = 0; i < 3; ++i) whole_end[i + 1] = whole_end[i] + records[i].size();
+  // A SIGKILL in the middle of a record: the bytes written so far, zeros after.
+  for (size_t cut = kJournalHeaderBytes; cut <= full.size(); ++cut) {
+    std::string j = full.substr(0, cut);
+    j.resize(full.size() + 64, '\0');
+    Result<JournalContents> got = DecodeJournal(j.data(), j.size());
+    ASSERT_TRUE(got.ok()) << got.status().ToString();
+    size_t whole = 0;
+    while (whole < 3 && whole_end[whole + 1] <= cut) ++whole;
+    EXPECT_EQ(got->entries.size(), whole) << "cut at " << cut;
+    EXPECT_EQ(got->end_offset, whole_end[whole]) << "cut at " << cut;
+  }
+}
+
+TEST(StateFormat, ADamagedRecordEndsThePrefixAndSaysWhere) {
+  const std::string r1 = EncodeRegionCommitted(1, Region("a", 0, 0));
+  const std::string r2 = EncodeRegionCommitted(2, Region("b", 1, 0));
+  std::string j = Journal(1, {r1, r2, EncodeRegionCommitted(3, Region("c", 2, 0))});
+  j[kJournalHeaderBytes + r1.size() + 30] ^= 0x40;  // inside record 2's payload
+  Result<JournalContents> got = DecodeJournal(j.data(), j.size());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->entries.size(), 1u);
+  EXPECT_NE(got->stopped.find("fails its CRC32C"), std::string::npos) << got->stopped;
+  EXPECT_NE(got->stopped.find(std::to_string(kJournalHeaderBytes + r1.size())), std::string::npos);
+}
+
+TEST(StateFormat, ASequenceGapEndsTheReplay) {
+  const std::string j = Journal(1, {EncodeRegionCommitted(1, Region("a", 0, 0)),
+                                    EncodeRegionCommitted(3, Region("b", 1, 0))});
+  Result<JournalContents> got = DecodeJournal(j.data(), j.size());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->entries.size(), 1u);
+  EXPECT_NE(got->stopped.find("expected 2"), std::string::npos) << got->stopped;
+}
+
+TEST(StateFormat, ReplayAppliesOnlyRecordsAfterTheSnapshot) {
+  SnapshotContents s;
+  s.last_seq = 10;
+  s.instance_id = 0xabcdef;
+  s.layout = kLayout;
+  s.regions[KeyOf(Region("a", 0, 0))] = Region("a", 0, 0);
+  // An old journal (records up to 10, already in the snapshot) and the new one.
+  const std::string old_j = Journal(9, {EncodeRegionDeleted(9, KeyOf(Region("a", 0, 0))),
+                                        EncodeRegionCommitted(10, Region("a", 0, 0))});
+  const std::string new_j = Journal(11, {EncodeRegionCommitted(11, Region("b", 1, 0))});
+  Result<JournalContents> a = DecodeJournal(old_j.data(), old_j.size());
+  Result<JournalContents> b = DecodeJournal(new_j.data(), new_j.size());
+  ASSERT_TRUE(a.ok() && b.ok());
+  ReplayedState state = Replay(&s, {*b, *a});
+  EXPECT_EQ(state.last_seq, 11u);
+  EXPECT_EQ(state.journal_records, 1u);
+  EXPECT_EQ(state.regions.size(), 2u);
+}
+
+TEST(StateFormat, ANewerVersionIsRefusedByName) {
+  SnapshotContents s;
+  s.layout = kLayout;
+  std::string snap = EncodeSnapshot(s);
+  snap[8] = 2;  // version 2, CRC left as it was: the version is read first
+  Result<SnapshotContents> got = DecodeSnapshot(snap.data(), snap.size());
+  EXPECT_EQ(got.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(got.status().message().find("v2"), std::string::npos) << got.status().message();
+  std::string j = Journal(1, {});
+  j[8] = 7;
+  Result<JournalContents> jg = DecodeJournal(j.data(), j.size());
+  EXPECT_EQ(jg.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(jg.status().message().find("reads up to v1"), std::string::npos);
+}
+
+// tests/daemon/core/data/state_v1.snapshot: written by the first version of
+// this format (regions "dcp/step-100/__0_0.distcp" and "scratch"); every later
+// daemon must read it (make it again only with a new version, beside it).
+TEST(StateFormat, TheV1FixtureStillDecodes) {
+  std::ifstream in(std::string(MEMOFFLOAD_TEST_DATA_DIR) + "/state_v1.snapshot", std::ios::binary);
+  ASSERT_TRUE(in.good()) << "fixture missing";
+  std::stringstream buf;
+  buf << in.rdbuf();
+  const std::string bytes = buf.str();
+  Result<SnapshotContents> got = DecodeSnapshot(bytes.data(), bytes.size());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->version, 1u);
+  EXPECT_EQ(got->last_seq, 17u);
+  EXPECT_EQ(got->instance_id, 0x5eed5eed5eed5eedull);
+  EXPECT_EQ(got->layout.capacity_bytes, 64ull << 20);
+  EXPECT_EQ(got->layout.chunk_bytes, 16ull << 20);
+  ASSERT_EQ(got->regions.size(), 2u);
+  const RegionRecord& r = got->regions.at(RegionKey{1000, "job-a", "dcp/step-100/__0_0.distcp"});
+  EXPECT_EQ(r.used_bytes, 4196u);
+  EXPECT_EQ(r.extents.size(), 2u);
+  EXPECT_EQ(r.extent_crc32c.size(), 2u);
+  const RegionRecord& u = got->regions.at(RegionKey{1001, "job-b", "scratch"});
+  EXPECT_TRUE(u.extent_crc32c.empty());
+}
+
+}  // namespace
+}  // namespace memoffload::daemon
