@@ -44,8 +44,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (s.ok()) {
     const std::string again = EncodeSnapshot(*s);
     Result<SnapshotContents> back = DecodeSnapshot(again.data(), again.size());
-    Check(back.ok() && back->regions.size() == s->regions.size() &&
-              back->last_seq == s->last_seq && back->instance_id == s->instance_id,
+    Check(back.ok() && back->regions.size() == s->regions.size() && back->last_seq == s->last_seq &&
+              back->instance_id == s->instance_id,
           "a decoded snapshot does not survive re-encoding");
     memoffload::fuzz::PlaceAndCheck(s->regions);
   } else {

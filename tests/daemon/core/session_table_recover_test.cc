@@ -64,7 +64,8 @@ TEST(RecoverTest, EveryCommitAndDeleteIsRecordedAndANewTablePlacesThemExactly) {
     Save(table, bob, "b1", 200 * kKiB, 150 * kKiB);
     Save(table, alice, "gone", 4 * kKiB, 4 * kKiB);
     // A region being written is never recorded; a deleted one is forgotten.
-    ASSERT_TRUE(table.CreateRegion(bob.session_id, bob.token, "half", 4 * kKiB, milliseconds(0)).ok());
+    ASSERT_TRUE(
+        table.CreateRegion(bob.session_id, bob.token, "half", 4 * kKiB, milliseconds(0)).ok());
     ASSERT_TRUE(table.DeleteRegion(alice.session_id, alice.token, "gone").ok());
     EXPECT_EQ(mirror.regions.size(), 3u);
     std::vector<RegionRecord> listed = table.CommittedRegions();
@@ -111,7 +112,8 @@ TEST(RecoverTest, EveryCommitAndDeleteIsRecordedAndANewTablePlacesThemExactly) {
   ASSERT_TRUE(g.ok()) << g.status().ToString();
   for (const Extent& e : g->extents) {
     for (const RegionRecord& p : placed) {
-      for (const Extent& r : p.extents) EXPECT_NE(e.chunk, r.chunk) << "shares chunk with " << p.name;
+      for (const Extent& r : p.extents)
+        EXPECT_NE(e.chunk, r.chunk) << "shares chunk with " << p.name;
     }
   }
   ASSERT_TRUE(table.CheckInvariants().ok());
@@ -162,10 +164,9 @@ TEST(RecoverTest, TheTtlRunsFromTheCommitAcrossTheRestart) {
   r.name = "old";
   r.used_bytes = 4096;
   r.ttl_ms = 3600 * 1000;
-  r.committed_unix = std::chrono::duration<double>(
-                         std::chrono::system_clock::now().time_since_epoch())
-                         .count() -
-                     1800;  // half its TTL ago
+  r.committed_unix =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count() -
+      1800;  // half its TTL ago
   r.extents = {Extent{0, 0, 4096}};
   std::vector<std::string> dropped;
   ASSERT_EQ(table.Recover({r}, &dropped).regions, 1u);
@@ -179,10 +180,10 @@ TEST(RecoverTest, TheTtlRunsFromTheCommitAcrossTheRestart) {
 TEST(TakeExactTest, TakesOnlyAFreeRangeAndFreesLikeAnyExtent) {
   ExtentAllocator a({1 * kMiB, 1 * kMiB}, 4096);
   ASSERT_TRUE(a.TakeExact(Extent{0, 8192, 16384}).ok());
-  ASSERT_TRUE(a.TakeExact(Extent{0, 0, 8192}).ok());   // right before it
+  ASSERT_TRUE(a.TakeExact(Extent{0, 0, 8192}).ok());                // right before it
   ASSERT_TRUE(a.TakeExact(Extent{1, 1 * kMiB - 4096, 4096}).ok());  // a chunk's last page
-  EXPECT_FALSE(a.TakeExact(Extent{0, 12288, 4096}).ok());  // inside a taken one
-  EXPECT_FALSE(a.TakeExact(Extent{0, 20480, 8192}).ok());  // straddles its end
+  EXPECT_FALSE(a.TakeExact(Extent{0, 12288, 4096}).ok());           // inside a taken one
+  EXPECT_FALSE(a.TakeExact(Extent{0, 20480, 8192}).ok());           // straddles its end
   EXPECT_FALSE(a.TakeExact(Extent{1, 1 * kMiB, 4096}).ok());
   EXPECT_FALSE(a.TakeExact(Extent{2, 0, 4096}).ok());
   EXPECT_FALSE(a.TakeExact(Extent{1, 0, 100}).ok());
