@@ -99,10 +99,11 @@ def _configure(box: Machine) -> None:
            "systemctl daemon-reload")
     box.sh(f"useradd -m {TRAINER_IN_GROUP} && usermod -aG memoffload {TRAINER_IN_GROUP} && "
            f"useradd -m {TRAINER_OUTSIDE}")
-    worker = dc.bin_dir() / "offload_worker"
-    if not worker.is_file():
-        pytest.fail(f"{worker} not built: scripts/build.sh builds offload_worker")
-    box.podman.run("cp", str(worker), f"{box.name}:/usr/local/bin/offload_worker")
+    for tool in ("offload_worker", "region_loop"):
+        worker = dc.bin_dir() / tool
+        if not worker.is_file():
+            pytest.fail(f"{worker} not built: scripts/build.sh builds {tool}")
+        box.podman.run("cp", str(worker), f"{box.name}:/usr/local/bin/{tool}")
 
 
 def test_unit_is_installed_where_the_docs_say(machine):
@@ -206,6 +207,59 @@ def test_user_in_the_socket_group_attaches(machine):
     assert "verified 10 groups" in alice.stdout, alice.stdout
 
 
+AS_ALICE = f"setpriv --reuid {TRAINER_IN_GROUP} --regid {TRAINER_IN_GROUP} --init-groups"
+
+
+def _kept_regions(machine: Machine) -> set[str]:
+    """The job's regions, each read back and compared (region_loop check)."""
+    out = machine.sh(f"{AS_ALICE} region_loop check {RUNTIME_DIR} job", check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+    names = out.stdout.split()
+    assert names[-2] == "checked", out.stdout
+    return set(names[:-2])
+
+
+def test_a_crash_during_commits_keeps_every_answered_commit(machine):
+    """SIGKILL while two ranks commit regions: Restart=on-failure starts the
+    daemon again, which takes the arena back from systemd's fd store."""
+    before = machine.show("MainPID", "NRestarts")
+    for i in range(2):
+        machine.sh(f"{AS_ALICE} sh -c 'region_loop loop {RUNTIME_DIR} job w{i} > /tmp/w{i}.log "
+                   "2>&1 &'")
+    cc.wait_for("both ranks to commit 40 regions", lambda: all(
+        int(machine.sh(f"wc -l < /tmp/w{i}.log").stdout) >= 40 for i in range(2)), timeout_s=60)
+    machine.sh("systemctl kill -s KILL memoffloadd")
+    cc.wait_for("the ranks to stop", lambda: all(
+        "stopped" in machine.sh(f"tail -n 1 /tmp/w{i}.log").stdout for i in range(2)),
+        timeout_s=60)
+    cc.wait_for("the restarted daemon", lambda: machine.show(
+        "ActiveState", "MainPID")["MainPID"] not in ("0", before["MainPID"]) and
+        machine.show("ActiveState")["ActiveState"] == "active", timeout_s=60)
+    after = machine.show("NRestarts")
+    assert int(after["NRestarts"]) == int(before["NRestarts"]) + 1, (before, after)
+    answered, maybe_gone = set(), set()
+    for i in range(2):
+        lines = machine.sh(f"cat /tmp/w{i}.log").stdout.splitlines()
+        answered |= {n for n in lines if n.startswith("w")}
+        maybe_gone |= {n.split()[1] for n in lines if n.startswith("deleting ")}
+    kept = _kept_regions(machine)
+    assert answered - maybe_gone <= kept, sorted(answered - maybe_gone - kept)[:5]
+    assert len(kept - answered) <= 2, sorted(kept - answered)
+    journal = machine.journal()
+    assert re.search(rf"recovered the node from systemd's fd store: {len(kept)} of {len(kept)} "
+                     "checkpoint regions", journal), journal[-3000:]
+    machine.kept = kept
+
+
+def test_a_restart_keeps_them(machine):
+    """`systemctl restart`: the SIGTERM's snapshot, read by the next start."""
+    machine.sh("systemctl restart memoffloadd", timeout_s=120)
+    assert _kept_regions(machine) == machine.kept
+    journal = machine.journal()
+    assert "state kept in systemd's fd store" in journal, journal[-3000:]
+    assert "(0 journal records after the snapshot)" in journal, journal[-3000:]
+
+
 def test_stop_drains_and_exits_zero(machine):
     machine.sh("systemctl stop memoffloadd", timeout_s=90)
     state = machine.show("ActiveState", "Result", "ExecMainStatus")
@@ -216,3 +270,12 @@ def test_stop_drains_and_exits_zero(machine):
                  "memoffloadd.service: Deactivated successfully"):
         assert line in journal, journal[-3000:]
     print(state, journal[-1500:], sep="\n")
+
+
+def test_a_full_stop_releases_the_store(machine):
+    """systemd 252 has no FileDescriptorStorePreserve=: after a stop, the
+    next start begins empty (docs/deploy.md says so)."""
+    machine.sh("systemctl start memoffloadd", timeout_s=120)
+    assert _kept_regions(machine) == set()
+    assert "systemd's fd store: nothing kept, starting empty" in machine.journal()
+    machine.sh("systemctl stop memoffloadd", timeout_s=90)
