@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cstring>
 #include <thread>
@@ -21,6 +22,8 @@ namespace memoffload::daemon {
 namespace {
 
 constexpr char kChunkPrefix[] = "mo-chunk-";
+// How long lifecycle.state_store = "keeper" waits for the keeper's socket.
+constexpr std::chrono::seconds kKeeperWait{10};
 constexpr char kJournalPrefix[] = "mo-journal@";
 constexpr char kSnapshotPrefix[] = "mo-snapshot@";
 
@@ -77,9 +80,20 @@ Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode,
     }
     return SystemdFdStore();
   }
-  if (mode == "keeper" || (mode == "auto" && access(keeper.c_str(), F_OK) == 0)) {
+  if (mode == "keeper") {
+    // A keeper started beside the daemon (a pod's sidecar) may still be
+    // coming up: wait for its socket a while.
+    const auto until = std::chrono::steady_clock::now() + kKeeperWait;
+    if (access(keeper.c_str(), F_OK) != 0) {
+      MO_LOG_INFO("state store: waiting up to %lld s for the keeper at %s",
+                  static_cast<long long>(kKeeperWait.count()), keeper.c_str());
+    }
+    while (access(keeper.c_str(), F_OK) != 0 && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     return ConnectKeeper(keeper);
   }
+  if (mode == "auto" && access(keeper.c_str(), F_OK) == 0) return ConnectKeeper(keeper);
   return std::unique_ptr<FdStore>();
 }
 

@@ -57,14 +57,15 @@ class DaemonContainer:
     daemon runs as the image's user: host trainers name it in
     MEMOFFLOAD_DAEMON_UID (TRAINER_ENV), as docs/deploy.md says."""
 
-    def __init__(self, podman: cc.Podman, image: str, runtime_dir):
+    def __init__(self, podman: cc.Podman, image: str, runtime_dir, name: str = "daemon"):
         self.podman = podman
-        self.name = f"{cc.RUN_PREFIX}-daemon"
+        self.name = f"{cc.RUN_PREFIX}-{name}"
         self.runtime_dir = runtime_dir
         self.metrics_port = cc.free_tcp_port()
         # As docs/deploy.md says: the directory belongs to the image's user.
-        runtime_dir.mkdir(mode=0o750)
-        os.chown(runtime_dir, IMAGE_UID, IMAGE_UID)
+        if not runtime_dir.exists():
+            runtime_dir.mkdir(mode=0o750)
+            os.chown(runtime_dir, IMAGE_UID, IMAGE_UID)
         podman.run("run", "-d", "--name", self.name, "--network=host",
                    "-v", f"{runtime_dir}:{runtime_dir}", image,
                    f"--runtime-dir={runtime_dir}",
@@ -180,3 +181,54 @@ def test_podman_stop_drains_and_exits_zero(podman, daemon):
     assert "drained: no groups held" in logs, logs[-2000:]
     assert "stopped cleanly" in logs, logs[-2000:]
     print(f"podman stop: {out.strip()}; exit code {state['ExitCode']}\n{logs[-1200:]}")
+
+
+def _region_loop(runtime_dir, *args: str, **kwargs):
+    return subprocess.run([_tool("region_loop"), *args[:1], str(runtime_dir), *args[1:]],
+                          env=TRAINER_ENV, capture_output=True, text=True, timeout=120, **kwargs)
+
+
+def test_a_daemon_crash_beside_the_keeper_keeps_the_regions(podman, images, tmp_path_factory):
+    """The keeper (a second container sharing the runtime dir, as the
+    DaemonSet's sidecar) holds the arena while the daemon's container is
+    killed and started again: every region a host rank committed comes back."""
+    rt = tmp_path_factory.mktemp("rt-keeper") / "rt"
+    rt.mkdir(mode=0o750)
+    os.chown(rt, IMAGE_UID, IMAGE_UID)
+    keeper = f"{cc.RUN_PREFIX}-keeper"
+    podman.run("run", "-d", "--name", keeper, "--network=host", "-v", f"{rt}:{rt}",
+               images["app"], "keeper", f"--runtime-dir={rt}")
+    daemon = None
+    try:
+        cc.wait_for("the keeper's socket", lambda: (rt / "keeper.sock").exists(), timeout_s=60)
+        daemon = DaemonContainer(podman, images["app"], rt, name="kept-daemon")
+        broker, _ = dc.socket_names()
+        cc.wait_for("the daemon", lambda: (rt / broker).exists() and
+                    "arena ready" in daemon.logs(), timeout_s=120)
+        assert "state store: the keeper at" in daemon.logs()
+        log = rt.parent / "w.log"
+        with open(log, "w") as out:
+            rank = subprocess.Popen([_tool("region_loop"), "loop", str(rt), "job", "w"],
+                                    env=TRAINER_ENV, stdout=out, stderr=subprocess.STDOUT)
+        cc.wait_for("40 commits", lambda: log.read_text().count("\n") >= 40, timeout_s=60)
+        podman.run("kill", "-s", "KILL", daemon.name)
+        assert rank.wait(timeout=60) == 0
+        lines = log.read_text().splitlines()
+        assert lines[-1].startswith("stopped"), lines[-3:]
+        answered = {n for n in lines if n.startswith("w")}
+        maybe_gone = {n.split()[1] for n in lines if n.startswith("deleting ")}
+        # The container is started again, as kubelet restarts a crashed one.
+        podman.run("start", daemon.name)
+        cc.wait_for("the restarted daemon", lambda: "recovered the node" in daemon.logs(),
+                    timeout_s=120)
+        check = _region_loop(rt, "check", "job")
+        assert check.returncode == 0, check.stdout + check.stderr
+        kept = set(check.stdout.split()[:-2])
+        assert answered - maybe_gone <= kept, sorted(answered - maybe_gone - kept)[:5]
+        assert len(kept - answered) <= 1
+        print(daemon.logs()[-2000:])
+    finally:
+        if daemon is not None:
+            print(daemon.logs()[-3000:])
+            daemon.remove()
+        podman.remove_container(keeper)

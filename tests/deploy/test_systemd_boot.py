@@ -223,11 +223,18 @@ def test_a_crash_during_commits_keeps_every_answered_commit(machine):
     """SIGKILL while two ranks commit regions: Restart=on-failure starts the
     daemon again, which takes the arena back from systemd's fd store."""
     before = machine.show("MainPID", "NRestarts")
+    # Each rank a transient unit of alice's (a process started by podman exec
+    # would end with the exec).
     for i in range(2):
-        machine.sh(f"{AS_ALICE} sh -c 'region_loop loop {RUNTIME_DIR} job w{i} > /tmp/w{i}.log "
-                   "2>&1 &'")
+        machine.sh(f"systemd-run --unit=rank{i} --uid={TRAINER_IN_GROUP} "
+                   f"--gid={TRAINER_IN_GROUP} -p SupplementaryGroups=memoffload "
+                   f"sh -c 'exec region_loop loop {RUNTIME_DIR} job w{i} > /tmp/w{i}.log 2>&1'")
     cc.wait_for("both ranks to commit 40 regions", lambda: all(
-        int(machine.sh(f"wc -l < /tmp/w{i}.log").stdout) >= 40 for i in range(2)), timeout_s=60)
+        int(machine.sh(f"wc -l < /tmp/w{i}.log", check=False).stdout or 0) >= 40
+        for i in range(2)), timeout_s=60)
+    for i in range(2):
+        assert machine.sh(f"systemctl is-active rank{i}", check=False).stdout.strip() == \
+            "active", machine.sh(f"tail -n 3 /tmp/w{i}.log").stdout
     machine.sh("systemctl kill -s KILL memoffloadd")
     cc.wait_for("the ranks to stop", lambda: all(
         "stopped" in machine.sh(f"tail -n 1 /tmp/w{i}.log").stdout for i in range(2)),
@@ -240,6 +247,8 @@ def test_a_crash_during_commits_keeps_every_answered_commit(machine):
     answered, maybe_gone = set(), set()
     for i in range(2):
         lines = machine.sh(f"cat /tmp/w{i}.log").stdout.splitlines()
+        # Stopped by the kill, not by anything before it.
+        assert "UNAVAILABLE" in lines[-1] or "NOT_FOUND" in lines[-1], lines[-3:]
         answered |= {n for n in lines if n.startswith("w")}
         maybe_gone |= {n.split()[1] for n in lines if n.startswith("deleting ")}
     kept = _kept_regions(machine)
