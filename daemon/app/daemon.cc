@@ -18,12 +18,16 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <future>
+#include <map>
+#include <thread>
 
 #include "app/config_changes.h"
 #include "app/notifier.h"
 #include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
 #include "app/state_recovery.h"
+#include "app/takeover.h"
 #include "base/log.h"
 #include "core/link_keys.h"
 #include "core/session_table.h"
@@ -74,13 +78,24 @@ class Daemon {
                        config_.max_connections_per_uid),
         health_(io_, [this] { return Probe(); }),
         metrics_port_(io_, config_.metrics_address, kMetricsRetryMs) {}
-  ~Daemon() { StopServing(); }
+  ~Daemon() {
+    StopServing();
+    if (takeover_fd_ >= 0) close(takeover_fd_);
+  }
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
 
   // Claims the runtime dir, binds every listener, builds the arena and starts
   // serving. One clear error otherwise.
   Status Start() {
+    if (config_.take_over) {
+      // The serving daemon drains and hands on its state; its sockets come
+      // once this one has built its arena from the handed chunks.
+      MEMOFFLOAD_RETURN_IF_ERROR(RequestTakeover());
+      MEMOFFLOAD_RETURN_IF_ERROR(BuildArena());
+      MEMOFFLOAD_RETURN_IF_ERROR(TakeListeners());
+      return Serve();
+    }
     MEMOFFLOAD_RETURN_IF_ERROR(Listen());
     MEMOFFLOAD_RETURN_IF_ERROR(BuildArena());
     return Serve();
@@ -96,8 +111,13 @@ class Daemon {
     if (notifier_.Enabled()) ArmNotifyTimer();
     ArmRegionTimer();
     io_.run();
+    takeover_server_.reset();
     StopServing();
     KeepState();
+    if (handed_over_) {
+      MO_LOG_INFO("handed over: stopped, leaving the runtime dir to the new daemon");
+      return;
+    }
     claim_->RemoveOwned();
     MO_LOG_INFO("stopped cleanly");
   }
@@ -129,6 +149,19 @@ class Daemon {
         RuntimeDirClaim::Claim(config_.runtime_dir, per_user ? 0700 : 0755);
     if (!claim.ok()) return claim.status();
     claim_ = std::move(claim).value();
+    MEMOFFLOAD_RETURN_IF_ERROR(PrepareListening());
+    Result<int> grpc_fd = claim_->ListenUnix(grpc_path_, config_.socket_mode, socket_gid_);
+    if (!grpc_fd.ok()) return grpc_fd.status();
+    Result<int> broker_fd = claim_->ListenUnix(broker_path_, config_.socket_mode, socket_gid_);
+    if (!broker_fd.ok()) {
+      close(*grpc_fd);
+      return broker_fd.status();
+    }
+    return ListenOn(*grpc_fd, *broker_fd);
+  }
+
+  // The socket group, the policy and the paths: before any listener.
+  Status PrepareListening() {
     Result<gid_t> socket_gid = ResolveGroup(config_.socket_group);
     if (!socket_gid.ok()) return socket_gid.status();
     socket_gid_ = *socket_gid;
@@ -141,18 +174,27 @@ class Daemon {
 
     grpc_path_ = GrpcSocketPath(config_.runtime_dir);
     broker_path_ = BrokerSocketPath(config_.runtime_dir);
-    Result<int> grpc_fd = claim_->ListenUnix(grpc_path_, config_.socket_mode, socket_gid_);
-    if (!grpc_fd.ok()) return grpc_fd.status();
+    return Status::Ok();
+  }
+
+  // Adopts the listening sockets (bound here, or handed on by a take-over),
+  // then binds the rest: the take-over socket, health, metrics, the admin token.
+  Status ListenOn(int grpc_fd, int broker_fd) {
     // Listening fds move into their owners right away, so any return closes them.
-    MEMOFFLOAD_RETURN_IF_ERROR(grpc_listener_.Adopt(*grpc_fd));
-    Result<int> broker_fd = claim_->ListenUnix(broker_path_, config_.socket_mode, socket_gid_);
-    if (!broker_fd.ok()) return broker_fd.status();
+    if (Status st = grpc_listener_.Adopt(grpc_fd); !st.ok()) {
+      close(broker_fd);
+      return st;
+    }
     boost::system::error_code ec;
-    broker_acceptor_.assign(asio::local::stream_protocol(), *broker_fd, ec);
+    broker_acceptor_.assign(asio::local::stream_protocol(), broker_fd, ec);
     if (ec) {
-      close(*broker_fd);
+      close(broker_fd);
       return Internal("cannot watch the broker socket: " + ec.message());
     }
+    Result<int> takeover = claim_->ListenUnix(config_.runtime_dir + "/" + kTakeoverSocketName, 0600,
+                                              static_cast<gid_t>(-1));
+    if (!takeover.ok()) return takeover.status();
+    takeover_fd_ = *takeover;
     // From here the sockets accept (into their backlog), and a SIGTERM or
     // SIGINT that arrives during the pre-fault is handled once the event
     // loop runs, as a clean stop.
@@ -182,9 +224,20 @@ class Daemon {
     options.hugepages = config_.hugepages;
     options.mlock = config_.mlock;
     options.numa_node = config_.numa_node;
-    Result<StateLoad> kept = LoadKeptState(config_, &options);
-    if (!kept.ok()) return kept.status();
-    kept_ = std::move(kept).value();
+    if (takeover_client_ != nullptr) {
+      // The handed-on arena, as it is (its layout wins over the configuration).
+      options.size_bytes = takeover_client_->snapshot().layout.capacity_bytes;
+      options.chunk_size_bytes = takeover_client_->snapshot().layout.chunk_bytes;
+      options.adopt_fds = std::move(takeover_client_->chunk_fds());
+      takeover_client_->chunk_fds().clear();
+      for (size_t i = 0; i < options.adopt_fds.size(); ++i) {
+        kept_.chunk_fds.push_back(options.adopt_fds[i] >= 0 ? -2 : -1);
+      }
+    } else {
+      Result<StateLoad> kept = LoadKeptState(config_, &options);
+      if (!kept.ok()) return kept.status();
+      kept_ = std::move(kept).value();
+    }
     MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
                 FormatSize(config_.arena_size_bytes).c_str(),
                 FormatSize(config_.chunk_size_bytes).c_str(), config_.prefault_threads);
@@ -221,13 +274,15 @@ class Daemon {
     table_ = std::make_unique<SessionTable>(arena_.get(), config_.policy, *tenant_mode,
                                             fresh_backing_.get());
     // The node's identity for replication survives a restart with its state.
-    const uint64_t instance_id = kept_.state.found ? kept_.state.instance_id : RandomInstanceId();
+    instance_id_ = kept_.state.found ? kept_.state.instance_id : RandomInstanceId();
+    const uint64_t instance_id = instance_id_;
     MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
     MetricsInfo state_info;
     Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
         &kept_, *arena_, table_.get(), config_.prefault_threads, instance_id, &state_info);
     if (!store.ok()) return store.status();
     state_store_ = std::move(store).value();
+    if (takeover_client_ != nullptr) table_->AdoptChunkOwners(takeover_client_->owners());
     MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys());
 
     Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
@@ -300,9 +355,154 @@ class Daemon {
       });
     });
     MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
+    takeover_host_ = std::make_unique<Host>(this);
+    takeover_server_ = std::make_unique<TakeoverServer>(
+        std::exchange(takeover_fd_, -1), takeover_host_.get(), config_.drain_timeout_ms);
+    if (takeover_client_ != nullptr) {
+      const ArenaSnapshot s = table_->Snapshot();
+      MO_LOG_INFO(
+          "took over the node: %u checkpoint regions (%s), %u chunks adopted, %.3f s "
+          "after the request",
+          s.committed_regions, FormatSize(s.committed_region_bytes).c_str(), report_.adopted_chunks,
+          std::chrono::duration<double>(Clock::now() - takeover_started_).count());
+      takeover_client_.reset();
+    }
     LogListening();
     return Status::Ok();
   }
+
+  // --take-over, first part: the serving daemon's state (after its drain).
+  Status RequestTakeover() {
+    takeover_started_ = Clock::now();
+    MEMOFFLOAD_RETURN_IF_ERROR(PrepareListening());
+    MO_LOG_INFO("taking over the node from the daemon serving %s (it drains first, up to %lu ms)",
+                config_.runtime_dir.c_str(), static_cast<unsigned long>(config_.drain_timeout_ms));
+    Result<std::unique_ptr<TakeoverClient>> client =
+        TakeoverClient::Request(config_.runtime_dir, config_.drain_timeout_ms);
+    if (!client.ok()) return client.status();
+    takeover_client_ = std::move(client).value();
+    // The store this daemon keeps state in (what the old one put there is
+    // replaced by Begin).
+    Result<StateLoad> load = LoadState(config_.state_store, config_.runtime_dir);
+    if (!load.ok()) {
+      takeover_client_->Refuse("cannot open the state store: " + load.status().message());
+      return load.status();
+    }
+    kept_ = std::move(load).value();
+    CloseChunkFds(&kept_);
+    kept_.chunk_fds.clear();
+    const SnapshotContents& snapshot = takeover_client_->snapshot();
+    kept_.state = ReplayedState{};
+    kept_.state.found = true;
+    kept_.state.instance_id = takeover_client_->instance_id();
+    kept_.state.layout = snapshot.layout;
+    kept_.state.last_seq = snapshot.last_seq;
+    kept_.state.regions = snapshot.regions;
+    return Status::Ok();
+  }
+
+  // --take-over, second part: "ready", then the serving daemon's listeners.
+  Status TakeListeners() {
+    Result<HandoffListeners> l = takeover_client_->Ready(
+        broker_path_, grpc_path_, config_.runtime_dir + "/" + kInstanceLockName);
+    if (!l.ok()) return l.status();
+    Result<std::unique_ptr<RuntimeDirClaim>> claim =
+        RuntimeDirClaim::Adopt(config_.runtime_dir, l->lock_fd);
+    if (!claim.ok()) {
+      close(l->grpc_fd);
+      close(l->broker_fd);
+      return claim.status();
+    }
+    claim_ = std::move(claim).value();
+    claim_->Own(grpc_path_);
+    claim_->Own(broker_path_);
+    return ListenOn(l->grpc_fd, l->broker_fd);
+  }
+
+  // The serving side of a take-over (takeover.h): each call runs on the
+  // event loop, the caller (the take-over's thread) waiting.
+  class Host : public TakeoverHost {
+   public:
+    explicit Host(Daemon* d) : d_(d) {}
+    void DrainForTakeover(pid_t pid) override {
+      OnLoop([&] {
+        d_->region_timer_.cancel();
+        if (Status st = d_->table_->SetDraining(true); !st.ok()) {
+          MO_LOG_WARN("take-over: %s", st.ToString().c_str());
+        }
+        MO_LOG_INFO("take-over by pid %d: draining (up to %lu ms)", static_cast<int>(pid),
+                    static_cast<unsigned long>(d_->config_.drain_timeout_ms));
+      });
+      const auto until = Clock::now() + std::chrono::milliseconds(d_->config_.drain_timeout_ms);
+      while (Clock::now() < until) {
+        const ArenaSnapshot s = d_->table_->Snapshot();
+        if (s.capacity_bytes - s.free_bytes - s.region_bytes == 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      OnLoop([&] { d_->broker_->CloseAll(); });
+    }
+    Result<HandoffState> Freeze() override {
+      HandoffState out;
+      out.instance_id = d_->instance_id_;
+      SnapshotContents snapshot;
+      snapshot.instance_id = d_->instance_id_;
+      snapshot.layout = ArenaLayout{d_->arena_->capacity_bytes(), d_->arena_->chunk_size_bytes(),
+                                    static_cast<uint32_t>(d_->arena_->page_bytes())};
+      snapshot.last_seq = d_->state_store_ != nullptr ? d_->state_store_->last_seq() : 0;
+      for (RegionRecord& r : d_->table_->CommittedRegions()) snapshot.regions[KeyOf(r)] = r;
+      out.snapshot = EncodeSnapshot(snapshot);
+      std::map<uint32_t, SessionTable::ChunkOwner> owners;
+      for (const auto& o : d_->table_->ChunkOwners()) owners[o.chunk] = o;
+      for (uint32_t i = 0; i < d_->arena_->chunk_count(); ++i) {
+        const auto it = owners.find(i);
+        out.chunks.push_back(HandoffState::Chunk{i, d_->arena_->chunk(i).fd(),
+                                                 it != owners.end() ? it->second.tenant : "",
+                                                 it != owners.end() ? it->second.uid : 0});
+      }
+      return out;
+    }
+    void ServeOn(const std::string& why) override {
+      OnLoop([&] {
+        MO_LOG_WARN("take-over did not happen: %s; serving on", why.c_str());
+        if (Status st = d_->table_->SetDraining(false); !st.ok()) {
+          MO_LOG_WARN("take-over: %s", st.ToString().c_str());
+        }
+        d_->ArmRegionTimer();
+      });
+    }
+    Result<HandoffListeners> Release() override {
+      Result<HandoffListeners> out = Internal("the event loop stopped");
+      OnLoop([&] {
+        d_->health_.Stop();
+        d_->metrics_port_.Stop();
+        if (d_->metrics_ != nullptr) d_->metrics_->StopServing();
+        HandoffListeners l{d_->broker_->ReleaseListener(), d_->grpc_listener_.ReleaseListener(),
+                           d_->claim_->lock_fd()};
+        d_->claim_->Disown();
+        d_->handed_over_ = true;
+        out = l;
+      });
+      return out;
+    }
+    void Exit() override {
+      asio::post(d_->io_, [d = d_] { d->StopLoop(); });
+    }
+
+   private:
+    // Runs `f` on the event loop and waits for it (not once the loop stopped).
+    void OnLoop(const std::function<void()>& f) {
+      auto done = std::make_shared<std::promise<void>>();
+      std::future<void> waited = done->get_future();
+      asio::post(d_->io_, [f, done] {
+        f();
+        done->set_value();
+      });
+      while (waited.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
+        if (d_->io_.stopped()) return;
+      }
+    }
+    Daemon* const d_;
+  };
 
   void LogListening() const {
     MO_LOG_INFO("listening: runtime dir %s", config_.runtime_dir.c_str());
@@ -539,7 +739,14 @@ class Daemon {
   ArenaBuildReport report_;
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<FreshBacking> fresh_backing_;
-  StateLoad kept_;                           // what the start took back
+  StateLoad kept_;  // what the start took back
+  uint64_t instance_id_ = 0;
+  // Take-over: the request this daemon made (until it serves), and its
+  // listening socket until the server that answers others' takes it.
+  std::unique_ptr<TakeoverClient> takeover_client_;
+  Clock::time_point takeover_started_;
+  int takeover_fd_ = -1;
+  bool handed_over_ = false;
   std::unique_ptr<StateStore> state_store_;  // outlives table_, which records into it
   std::unique_ptr<SessionTable> table_;
   std::unique_ptr<Metrics> metrics_;
@@ -547,6 +754,8 @@ class Daemon {
   std::unique_ptr<grpc::Server> server_;
   LinkKeys link_keys_;  // before broker_, which points at it
   std::unique_ptr<Broker> broker_;
+  std::unique_ptr<Host> takeover_host_;
+  std::unique_ptr<TakeoverServer> takeover_server_;  // its thread uses what is above
   Notifier notifier_;
   asio::steady_timer notify_timer_{io_};
   asio::steady_timer drain_timer_{io_};

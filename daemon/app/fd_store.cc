@@ -213,35 +213,41 @@ void CloseStored(std::vector<StoredFd>* fds) {
 
 std::unique_ptr<FdStore> SystemdFdStore() { return std::make_unique<Systemd>(); }
 
-Result<std::unique_ptr<FdStore>> ConnectKeeper(const std::string& socket_path) {
+Result<int> ConnectOwnSocket(const std::string& socket_path, const std::string& what) {
   struct stat st {};
-  if (lstat(socket_path.c_str(), &st) != 0) return Errno("no keeper at " + socket_path);
+  if (lstat(socket_path.c_str(), &st) != 0) return Errno("no " + what + " at " + socket_path);
   if (!S_ISSOCK(st.st_mode) || st.st_uid != geteuid() || (st.st_mode & 0077) != 0) {
-    return PermissionDenied("refusing the keeper socket " + socket_path +
+    return PermissionDenied("refusing the " + what + " socket " + socket_path +
                             ": it must be a socket of this user (uid " + std::to_string(geteuid()) +
                             "), mode 0600");
   }
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket_path.size() >= sizeof addr.sun_path) {
-    return InvalidArgument("keeper socket path too long: " + socket_path);
+    return InvalidArgument(what + " socket path too long: " + socket_path);
   }
   std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
   const int sock = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (sock < 0) return Errno("socket");
   if (connect(sock, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    Status st = Errno("cannot connect to the keeper at " + socket_path);
+    Status st = Errno("cannot connect to the " + what + " at " + socket_path);
     close(sock);
     return st;
   }
   Result<ucred> peer = PeerOf(sock);
   if (!peer.ok() || peer->uid != geteuid()) {
     close(sock);
-    return PermissionDenied("the keeper at " + socket_path + " runs as uid " +
+    return PermissionDenied("the " + what + " at " + socket_path + " runs as uid " +
                             (peer.ok() ? std::to_string(peer->uid) : "?") +
                             ", not this daemon's uid " + std::to_string(geteuid()));
   }
-  return std::unique_ptr<FdStore>(std::make_unique<KeeperClient>(socket_path, sock));
+  return sock;
+}
+
+Result<std::unique_ptr<FdStore>> ConnectKeeper(const std::string& socket_path) {
+  Result<int> sock = ConnectOwnSocket(socket_path, "keeper");
+  if (!sock.ok()) return sock.status();
+  return std::unique_ptr<FdStore>(std::make_unique<KeeperClient>(socket_path, *sock));
 }
 
 Status RunKeeper(const std::string& runtime_dir) {

@@ -60,6 +60,11 @@ std::unique_ptr<FdStore> SystemdFdStore();
 // uid's, mode 0600, and the listening process of the same uid.
 Result<std::unique_ptr<FdStore>> ConnectKeeper(const std::string& socket_path);
 
+// Connects to the Unix socket at `socket_path`, which must be this uid's,
+// mode 0600, with a listening process of this uid (`what` names it in
+// errors: "keeper", "serving daemon"). Returns the connected socket.
+Result<int> ConnectOwnSocket(const std::string& socket_path, const std::string& what);
+
 // `memoffloadd keeper`: keeps fds for the daemon of `runtime_dir` until
 // SIGTERM or SIGINT. Returns an error when it cannot start.
 Status RunKeeper(const std::string& runtime_dir);

@@ -96,6 +96,30 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::strin
   return claim;
 }
 
+Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Adopt(const std::string& dir,
+                                                                int lock_fd) {
+  std::unique_ptr<RuntimeDirClaim> claim(new RuntimeDirClaim());
+  claim->dir_ = dir;
+  claim->lock_fd_ = lock_fd;
+  // The flock is the open file's: the serving daemon's exit leaves it held here.
+  if (flock(lock_fd, LOCK_EX | LOCK_NB) != 0) {
+    return FailedPrecondition("the handed-on instance lock of " + dir +
+                              " is not held: " + std::strerror(errno));
+  }
+  const std::string pid = std::to_string(getpid()) + "\n";
+  if (ftruncate(lock_fd, 0) != 0 ||
+      pwrite(lock_fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    MO_LOG_WARN("cannot write the pid into the instance lock of %s: %s", dir.c_str(),
+                std::strerror(errno));
+  }
+  return claim;
+}
+
+void RuntimeDirClaim::Disown() {
+  owned_.clear();
+  created_dir_ = false;
+}
+
 RuntimeDirClaim::~RuntimeDirClaim() {
   RemoveOwned();
   if (lock_fd_ >= 0) close(lock_fd_);

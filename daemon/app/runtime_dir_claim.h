@@ -34,12 +34,20 @@ class RuntimeDirClaim {
   // per-user default dir, which clients accept only so).
   static Result<std::unique_ptr<RuntimeDirClaim>> Claim(const std::string& dir,
                                                         mode_t create_mode = 0755);
+  // The claim a serving daemon handed on in a take-over (app/takeover.h):
+  // its open instance lock, whose flock this process now holds.
+  static Result<std::unique_ptr<RuntimeDirClaim>> Adopt(const std::string& dir, int lock_fd);
+  // Forgets the files this instance created (a take-over: the new daemon
+  // uses them), so that neither they nor the dir are removed.
+  void Disown();
   // Removes what this instance created (see above) and drops the lock.
   ~RuntimeDirClaim();
   RuntimeDirClaim(const RuntimeDirClaim&) = delete;
   RuntimeDirClaim& operator=(const RuntimeDirClaim&) = delete;
 
   const std::string& dir() const { return dir_; }
+  // The open instance lock (a take-over hands it on).
+  int lock_fd() const { return lock_fd_; }
 
   // Binds a Unix stream socket at `path` (replacing a stale file: the lock
   // says no live daemon uses it), sets its mode and group (gid -1 keeps the

@@ -52,10 +52,12 @@ Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* option
 Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena& arena,
                                                     SessionTable* table, int threads,
                                                     uint64_t instance_id, MetricsInfo* info) {
-  if (load->store == nullptr) return std::unique_ptr<StateStore>();
+  if (load->store == nullptr && !load->state.found) return std::unique_ptr<StateStore>();
   const auto start = std::chrono::steady_clock::now();
-  const std::string where = load->store->Describe();
-  info->state_store = load->store->Kind();
+  // A take-over hands the state on without a store.
+  const std::string where =
+      load->store != nullptr ? load->store->Describe() : std::string("the serving daemon");
+  if (load->store != nullptr) info->state_store = load->store->Kind();
   std::vector<bool> adopted(arena.chunk_count(), false);
   for (size_t i = 0; i < load->chunk_fds.size() && i < adopted.size(); ++i) {
     adopted[i] = load->chunk_fds[i] == -2;
@@ -75,18 +77,21 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena
   }
   VerifyRegions(arena, threads, &regions, &dropped, &unverified);
   const SessionTable::Recovered placed = table->Recover(regions, &dropped);
-  // Only what was placed is kept from now on.
-  std::vector<RegionRecord> kept = table->CommittedRegions();
-  auto store =
-      std::make_unique<StateStore>(std::move(load->store),
-                                   ArenaLayout{arena.capacity_bytes(), arena.chunk_size_bytes(),
-                                               static_cast<uint32_t>(arena.page_bytes())},
-                                   instance_id);
-  if (Status st = store->Begin(arena, load->state.last_seq, kept, adopted, load->old_names);
-      !st.ok()) {
-    return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
+  std::unique_ptr<StateStore> store;
+  if (load->store != nullptr) {
+    // Only what was placed is kept from now on.
+    std::vector<RegionRecord> kept = table->CommittedRegions();
+    store =
+        std::make_unique<StateStore>(std::move(load->store),
+                                     ArenaLayout{arena.capacity_bytes(), arena.chunk_size_bytes(),
+                                                 static_cast<uint32_t>(arena.page_bytes())},
+                                     instance_id);
+    if (Status st = store->Begin(arena, load->state.last_seq, kept, adopted, load->old_names);
+        !st.ok()) {
+      return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
+    }
+    table->SetRecorder(store.get());
   }
-  table->SetRecorder(store.get());
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   info->recovered_regions = placed.regions;
@@ -108,8 +113,12 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena
       MO_LOG_INFO("kept state: %s is unverified (saved without checksums)", u.c_str());
     }
   }
-  MO_LOG_INFO("state store: %s: the arena and its checkpoint regions outlive a restart",
-              store->Describe().c_str());
+  if (store == nullptr) {
+    MO_LOG_INFO("state store: none: a restart of the daemon empties the node (docs/restarts.md)");
+  } else {
+    MO_LOG_INFO("state store: %s: the arena and its checkpoint regions outlive a restart",
+                store->Describe().c_str());
+  }
   return store;
 }
 

@@ -9,8 +9,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -28,26 +28,6 @@ constexpr char kJournalPrefix[] = "mo-journal@";
 constexpr char kSnapshotPrefix[] = "mo-snapshot@";
 
 bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
-
-// Why `fd` is not a memfd of `size` bytes with the seals `seals` ("" if it is).
-std::string MemfdProblem(int fd, uint64_t size, int seals) {
-  struct stat st {};
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return "not a regular file";
-  char link[64];
-  const std::string proc = "/proc/self/fd/" + std::to_string(fd);
-  const ssize_t n = readlink(proc.c_str(), link, sizeof link - 1);
-  if (n <= 0 || std::string(link, static_cast<size_t>(n)).rfind("/memfd:", 0) != 0) {
-    return "not a memfd";
-  }
-  if (size != 0 && static_cast<uint64_t>(st.st_size) != size) {
-    return "holds " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
-  }
-  struct statfs fs {};
-  const bool hugetlb = fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
-  const int have = fcntl(fd, F_GET_SEALS);
-  if (!hugetlb && (have < 0 || (have & seals) != seals)) return "lacks its seals";
-  return "";
-}
 
 // A read-only view of a kept memfd.
 struct Mapped {
@@ -98,6 +78,52 @@ Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode,
 }
 
 }  // namespace
+
+std::string MemfdProblem(int fd, uint64_t size, int seals) {
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return "not a regular file";
+  char link[64];
+  const std::string proc = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = readlink(proc.c_str(), link, sizeof link - 1);
+  if (n <= 0 || std::string(link, static_cast<size_t>(n)).rfind("/memfd:", 0) != 0) {
+    return "not a memfd";
+  }
+  if (size != 0 && static_cast<uint64_t>(st.st_size) != size) {
+    return "holds " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
+  }
+  struct statfs fs {};
+  const bool hugetlb = fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
+  const int have = fcntl(fd, F_GET_SEALS);
+  if (!hugetlb && (have < 0 || (have & seals) != seals)) return "lacks its seals";
+  return "";
+}
+
+Result<int> SealedMemfd(const std::string& name, const std::string& bytes) {
+  const int fd = memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return Unavailable(std::string("memfd_create: ") + std::strerror(errno));
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
+    if (n <= 0 && errno != EINTR) {
+      const int e = errno;
+      close(fd);
+      return Unavailable(std::string("writing ") + name + ": " + std::strerror(e));
+    }
+    if (n > 0) done += static_cast<size_t>(n);
+  }
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
+    const int e = errno;
+    close(fd);
+    return Unavailable(std::string("sealing ") + name + ": " + std::strerror(e));
+  }
+  return fd;
+}
+
+Result<SnapshotContents> DecodeSnapshotFd(int fd) {
+  Mapped m(fd);
+  if (m.data == nullptr) return DataLoss("cannot map the snapshot");
+  return DecodeSnapshot(m.data, m.size);
+}
 
 void CloseChunkFds(StateLoad* load) {
   for (int& fd : load->chunk_fds) {
@@ -268,9 +294,12 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
     }
   }
   for (uint32_t i = 0; i < arena.chunk_count(); ++i) {
-    if (i < adopted.size() && adopted[i]) continue;  // the same memfd is there already
+    // An adopted chunk is put again (a take-over's store may not have it;
+    // systemd and the keeper keep one copy of the same memfd), never
+    // removed first: it holds kept regions.
+    const bool same = i < adopted.size() && adopted[i];
     const std::string name = kChunkPrefix + std::to_string(i);
-    if (std::find(old_names.begin(), old_names.end(), name) != old_names.end()) {
+    if (!same && std::find(old_names.begin(), old_names.end(), name) != old_names.end()) {
       RemoveName(name);
     }
     if (Status st = store_->Put(name, arena.chunk(i).fd()); !st.ok()) return st;
@@ -297,22 +326,9 @@ Status StateStore::CompactLocked() {
   s.instance_id = instance_id_;
   s.layout = layout_;
   s.regions = regions_;
-  const std::string bytes = EncodeSnapshot(s);
-  const int fd = memfd_create("memoffload-snapshot", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-  if (fd < 0) return Unavailable(std::string("memfd_create: ") + std::strerror(errno));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = write(fd, bytes.data() + done, bytes.size() - done);
-    if (n <= 0 && errno != EINTR) {
-      close(fd);
-      return Unavailable(std::string("writing the snapshot: ") + std::strerror(errno));
-    }
-    if (n > 0) done += static_cast<size_t>(n);
-  }
-  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) != 0) {
-    close(fd);
-    return Unavailable(std::string("sealing the snapshot: ") + std::strerror(errno));
-  }
+  Result<int> sealed = SealedMemfd("memoffload-snapshot", EncodeSnapshot(s));
+  if (!sealed.ok()) return sealed.status();
+  const int fd = *sealed;
   Result<Chunk> journal = Chunk::Create("memoffload-journal", kJournalBytes, false);
   if (!journal.ok()) {
     close(fd);
@@ -376,6 +392,11 @@ void StateStore::BackingReplaced(uint32_t index, const std::shared_ptr<const Chu
   const std::string name = kChunkPrefix + std::to_string(index);
   RemoveName(name);
   if (Status st = store_->Put(name, backing->fd()); !st.ok()) Failed("chunk " + name, st);
+}
+
+uint64_t StateStore::last_seq() const {
+  absl::MutexLock lock(&mu_);
+  return seq_;
 }
 
 StateStoreStats StateStore::Stats() const {

@@ -53,6 +53,13 @@ struct StateLoad {
 // socket is in the runtime dir, else none), "systemd", "keeper", "none".
 Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_dir);
 void CloseChunkFds(StateLoad* load);
+// Why `fd` is not a memfd of `size` bytes (0: any) with the seals `seals`
+// (a hugetlbfs memfd has none), "" if it is.
+std::string MemfdProblem(int fd, uint64_t size, int seals);
+// The snapshot in memfd `fd` (DecodeSnapshot's errors).
+Result<SnapshotContents> DecodeSnapshotFd(int fd);
+// A memfd holding `bytes`, sealed against any change (a snapshot).
+Result<int> SealedMemfd(const std::string& name, const std::string& bytes);
 
 // Checks the kept regions' bytes in `arena` against their CRC32Cs, with up
 // to `threads` threads. Drops (from *regions, into *dropped with why) those
@@ -90,6 +97,8 @@ class StateStore : public StateRecorder {
       ABSL_LOCKS_EXCLUDED(mu_);
 
   StateStoreStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The last record's sequence number (a take-over continues from it).
+  uint64_t last_seq() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   Status CompactLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

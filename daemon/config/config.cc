@@ -180,8 +180,8 @@ Result<std::vector<ParsedFlag>> SplitFlags(int argc, const char* const* argv) {
     } else {
       f.name = std::string(arg);
     }
-    const bool action =
-        f.name == "help" || f.name == "version" || f.name == "print-config" || f.name == "no-mlock";
+    const bool action = f.name == "help" || f.name == "version" || f.name == "print-config" ||
+                        f.name == "no-mlock" || f.name == "take-over";
     const Setting* s = FindByFlag(f.name);
     if (!action && f.name != "config" && s == nullptr) {
       return InvalidArgument("unknown flag '--" + f.name + "' (see --help)");
@@ -243,6 +243,8 @@ Result<DaemonConfig> Build(int argc, const char* const* argv, const std::vector<
       c.show_version = true;
     else if (f.name == "print-config")
       c.print_config = true;
+    else if (f.name == "take-over")
+      c.take_over = true;
     else if (f.name == "no-mlock") {
       c.mlock = false;
       c.sources["arena.mlock"] = "flag";
@@ -368,6 +370,9 @@ std::string FlagsHelp() {
     out += std::string(32, ' ') + "[" + s.section + "] " + s.key + ", env " + s.Env() + "\n";
   }
   line("  --no-mlock", "same as --mlock=false");
+  line("  --take-over",
+       "take the node from the daemon serving the runtime dir: it drains and "
+       "hands on its arena, checkpoint regions and sockets, then exits (docs/restarts.md)");
   line("  --print-config", "print the effective configuration as TOML and exit");
   line("  --version", "print the version and exit");
   line("  --help", "print this help and exit");

@@ -121,6 +121,9 @@ struct DaemonConfig {
   bool show_help = false;
   bool show_version = false;
   bool print_config = false;
+  // --take-over: start by taking the node from the daemon serving the
+  // runtime dir (app/takeover.h), not by claiming an idle one.
+  bool take_over = false;
 };
 
 // Builds the config from all sources. `env` is the process environment

@@ -248,6 +248,18 @@ class SessionTable {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Every committed region as the state store keeps it (a snapshot).
   std::vector<RegionRecord> CommittedRegions() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Which tenant owns each owned chunk (a take-over hands them on, so that a
+  // chunk old processes still map changes tenant only with a new memfd).
+  struct ChunkOwner {
+    uint32_t chunk = 0;
+    std::string tenant;
+    uid_t uid = 0;
+  };
+  std::vector<ChunkOwner> ChunkOwners() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Before serving, after Recover: gives each chunk nobody owns yet to its
+  // owner in `owners` (out-of-range chunks and a mode without tenants are
+  // ignored).
+  void AdoptChunkOwners(const std::vector<ChunkOwner>& owners) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs the allocator's invariant check plus the table's own accounting.
   Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -273,6 +285,8 @@ class SessionTable {
   // The chunk tenant of a session or region of (uid, job id); "" with
   // TenantMode::kNone. tenant_chunks_'s mode never changes.
   std::string TenantFor(uid_t uid, const std::string& job_id) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
+  // Whether `tenant` is a tenant of `uid` in this table's mode.
+  bool TenantOfUid(const std::string& tenant, uid_t uid) const ABSL_NO_THREAD_SAFETY_ANALYSIS;
   // "<uid>:<job_id>": the key of jobs_ and regions_.
   static std::string JobKey(uid_t uid, const std::string& job_id);
   // The session's job's regions (created on demand). FAILED_PRECONDITION

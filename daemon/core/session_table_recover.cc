@@ -138,4 +138,40 @@ SessionTable::Recovered SessionTable::Recover(const std::vector<RegionRecord>& r
   return out;
 }
 
+std::vector<SessionTable::ChunkOwner> SessionTable::ChunkOwners() const {
+  absl::MutexLock lock(&mu_);
+  std::vector<ChunkOwner> out;
+  if (tenant_chunks_.mode() == TenantMode::kNone) return out;
+  for (uint32_t c = 0; c < tenant_chunks_.chunk_count(); ++c) {
+    const std::string& tenant = tenant_chunks_.OwnerOf(c);
+    if (tenant.empty()) continue;
+    const TenantChunks::Owned* owned = tenant_chunks_.Find(tenant);
+    out.push_back(ChunkOwner{c, tenant, owned != nullptr ? owned->uid : 0});
+  }
+  return out;
+}
+
+bool SessionTable::TenantOfUid(const std::string& tenant, uid_t uid) const {
+  // A tenant names its uid first: "uid:<uid>" or "job:<uid>:<job id>".
+  return tenant_chunks_.mode() == TenantMode::kUid ? tenant == TenantFor(uid, "")
+                                                   : tenant.rfind(TenantFor(uid, ""), 0) == 0;
+}
+
+void SessionTable::AdoptChunkOwners(const std::vector<ChunkOwner>& owners) {
+  absl::MutexLock lock(&mu_);
+  if (tenant_chunks_.mode() == TenantMode::kNone) return;
+  for (const ChunkOwner& o : owners) {
+    if (o.chunk >= tenant_chunks_.chunk_count() || o.tenant.empty() ||
+        !tenant_chunks_.OwnerOf(o.chunk).empty() || !TenantOfUid(o.tenant, o.uid)) {
+      continue;
+    }
+    tenant_chunks_.Join(o.tenant, o.uid);
+    if (Status st = Claim(o.chunk, o.tenant, o.uid); !st.ok()) {
+      MO_LOG_ERROR("internal error: chunk %u not given to %s: %s", o.chunk, o.tenant.c_str(),
+                   st.ToString().c_str());
+    }
+    tenant_chunks_.Leave(o.tenant);
+  }
+}
+
 }  // namespace memoffload::daemon

@@ -130,6 +130,14 @@ void Broker::StopAccepting() {
   acceptor_.close(ignored);
 }
 
+int Broker::ReleaseListener() {
+  if (!acceptor_.is_open()) return -1;
+  accept_retry_.cancel();
+  error_code ignored;
+  acceptor_.cancel(ignored);
+  return acceptor_.release(ignored);
+}
+
 void Broker::AskToLeave(const std::string& why) {
   for (auto& [id, conn] : connections_) conn->AskToLeave(why);
 }

@@ -88,6 +88,9 @@ class Broker {
   Status Start(int listen_fd);
   // Stops accepting; the socket file is the caller's. Sessions stay.
   void StopAccepting();
+  // Stops accepting and gives up the listening socket, still open with its
+  // backlog (a take-over hands it on); -1 when there is none.
+  int ReleaseListener();
   // Closes every connection and its session (reason kShutdown).
   void CloseAll();
   // Asks every state session to leave (the daemon drains: `why`): each is

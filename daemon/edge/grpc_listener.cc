@@ -67,6 +67,15 @@ void GrpcListener::Stop() {
   acceptor_.close(ignored);
 }
 
+int GrpcListener::ReleaseListener() {
+  if (stopped_ || !acceptor_.is_open()) return -1;
+  stopped_ = true;
+  retry_.cancel();
+  error_code ignored;
+  acceptor_.cancel(ignored);
+  return acceptor_.release(ignored);
+}
+
 void GrpcListener::WaitForConnection() {
   acceptor_.async_wait(asio::socket_base::wait_read, [this](error_code ec) {
     if (stopped_ || ec == asio::error::operation_aborted) return;

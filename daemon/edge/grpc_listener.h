@@ -58,6 +58,9 @@ class GrpcListener {
   // Closes the listening socket; admitted connections keep being served
   // (through the relay) until the listener is destroyed.
   void Stop();
+  // Stops accepting and gives up the listening socket, still open with its
+  // backlog (a take-over hands it on); -1 when there is none.
+  int ReleaseListener();
   // Called (on the event loop's thread) for each connection the relay
   // closed because its peer broke an HTTP/2 rule (the daemon counts them).
   void OnViolation(std::function<void(H2Violation)> count) { count_violation_ = std::move(count); }

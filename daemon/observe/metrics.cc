@@ -409,6 +409,8 @@ Result<std::unique_ptr<prometheus::Exposer>> Metrics::Listen(const std::string& 
   return exposer;
 }
 
+void Metrics::StopServing() { exposer_.reset(); }
+
 void Metrics::Serve(std::unique_ptr<prometheus::Exposer> exposer) {
   exposer_ = std::move(exposer);
   exposer_->RegisterCollectable(registry_);

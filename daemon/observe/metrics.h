@@ -115,6 +115,8 @@ class Metrics {
   static Result<std::unique_ptr<prometheus::Exposer>> Listen(const std::string& address,
                                                              std::string* bound);
   // Serves this daemon's series on a listener from Listen.
+  // Closes the metrics port (a take-over: the new daemon binds it next).
+  void StopServing();
   void Serve(std::unique_ptr<prometheus::Exposer> exposer);
 
   void RecordRequest(Method method, StatusCode code, double seconds);

@@ -98,6 +98,21 @@ class Daemon:
         self.log = runtime_dir.parent / f"memoffloadd-{runtime_dir.name}.log"
 
     def start(self) -> "Daemon":
+        self.spawn()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"memoffloadd exited with {self.proc.returncode}: {self.log.read_text()}")
+            try:
+                mot.daemon_status(self.runtime_dir)
+                return self
+            except memoffload.Unavailable:
+                time.sleep(0.05)
+        pytest.fail("memoffloadd did not answer within 20 s")
+
+    def spawn(self) -> "Daemon":
+        """Starts the process without waiting for it to answer (a take-over:
+        the daemon it takes over answers meanwhile)."""
         exe = bin_dir() / "memoffloadd"
         if not exe.exists():
             pytest.fail(f"{exe} not found: build it or set MEMOFFLOAD_BIN_DIR")
@@ -115,16 +130,7 @@ class Daemon:
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
         )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"memoffloadd exited with {self.proc.returncode}: {self.log.read_text()}")
-            try:
-                mot.daemon_status(self.runtime_dir)
-                return self
-            except memoffload.Unavailable:
-                time.sleep(0.05)
-        pytest.fail("memoffloadd did not answer within 20 s")
+        return self
 
     def kill(self) -> None:
         assert self.proc is not None

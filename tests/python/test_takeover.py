@@ -1,0 +1,299 @@
+"""`memoffloadd --take-over` against a real serving daemon (docs/restarts.md,
+"Take-over"): the serving daemon drains, hands on its arena, its checkpoint
+regions, its instance id and its listening sockets, and exits; training
+goes on across it bit for bit. Only a process of the daemon's uid may ask,
+a state the new daemon cannot read is refused (the old one serves on), and
+a new daemon never takes a forged state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401
+
+from memoffload import _C
+from memoffload.torch.state import rehome
+
+import keeper_wire as kw
+from conftest import Daemon, bin_dir, free_port
+from restart_writer import SIZE, content
+from test_state_moves import Pair, step_until_moved, step_until_placed
+
+NOBODY = 65534
+
+
+def write(rt: Path, job: str, names) -> int:
+    store = _C.RegionStore(runtime_dir=str(rt), job_id=job, rank=0)
+    try:
+        for name in names:
+            w = store.create(name, SIZE)
+            w.append(content(name))
+            w.commit()
+        return store.instance_id
+    finally:
+        store.close()
+
+
+def read_back(rt: Path, job: str, names) -> int:
+    store = _C.RegionStore(runtime_dir=str(rt), job_id=job, rank=0)
+    try:
+        assert sorted(r["name"] for r in store.list("")) == sorted(names)
+        for name in names:
+            r = store.open(name, verify=True)
+            assert r.read_bytes(0, SIZE - 7) == content(name), name
+            r.close()
+        return store.instance_id
+    finally:
+        store.close()
+
+
+def metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+@pytest.fixture
+def rt(tmp_path):
+    d = tmp_path / "rt"
+    d.mkdir(mode=0o700)
+    return d
+
+
+def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatch, caplog):
+    monkeypatch.setattr(rehome, "REATTACH_S", 0.0)
+    caplog.set_level(logging.INFO, logger="memoffload")
+    port = free_port()
+    args = ["--log-level=info", f"--metrics-address=127.0.0.1:{port}", "--drain-timeout=30s"]
+    old = Daemon(rt, "256MiB", "16MiB", args).start()
+    instance = write(rt, "ckpt", ["a", "b"])
+    pair = Pair(str(rt), "takeover")
+    for _ in range(2):
+        pair.step()
+    assert pair.placed() == pair.states() > 0
+    assert "memoffload_uptime_seconds" in metrics(port)
+
+    new = Daemon(rt, "256MiB", "16MiB", [*args, "--take-over"]).spawn()
+    # The old daemon drains: the placed state moves into this process at the
+    # next step, and the hand-over follows without waiting for the deadline.
+    step_until_moved(pair)
+    assert old.proc.wait(timeout=20) == 0, old.log.read_text()
+    log = old.log.read_text()
+    assert f"take-over: the node is pid {new.proc.pid}'s now; exiting" in log, log
+    assert "handed over: stopped, leaving the runtime dir to the new daemon" in log
+    # The new one serves on the same sockets, with the same node identity.
+    assert read_back(rt, "ckpt", ["a", "b"]) == instance
+    assert new.proc.poll() is None
+    assert f"memoffloadd[{new.proc.pid}] INFO took over the node: 2 checkpoint regions" in \
+        new.log.read_text()
+    step_until_placed(pair)
+    assert pair.placed() == pair.states()
+    for _ in range(2):
+        pair.step()
+    assert pair.mismatches == [], pair.mismatches[:10]
+    # Its metrics on the same port, and the sockets, lock and token still there.
+    assert "memoffload_state_recovered_regions" in metrics(port)
+    for name in ("broker.sock", "memoffload.sock", "memoffloadd.lock", "admin.token",
+                 "takeover.sock"):
+        assert (rt / name).exists(), name
+    # And a later take-over of the new one works the same way.
+    third = Daemon(rt, "256MiB", "16MiB", [*args, "--take-over"]).spawn()
+    step_until_moved_again(pair)
+    assert new.proc.wait(timeout=20) == 0
+    assert read_back(rt, "ckpt", ["a", "b"]) == instance
+    third.stop()
+    assert third.proc.returncode == 0
+    assert not (rt / "broker.sock").exists()  # the last one cleans up after itself
+
+
+def step_until_moved_again(pair: Pair) -> None:
+    moves = pair.placement.stats()["moves"]
+    deadline = time.monotonic() + 20
+    while pair.placement.stats()["moves"] == moves and time.monotonic() < deadline:
+        pair.step()
+        time.sleep(0.01)
+    assert pair.placement.stats()["moves"] == moves + 1
+
+
+def test_only_the_daemon_s_uid_may_ask(tmp_path):
+    # A runtime dir every uid can reach, and the take-over socket opened to
+    # everyone: the serving daemon still checks the peer's uid.
+    rt = Path(tempfile.mkdtemp(prefix="mo-takeover-"))
+    try:
+        os.chmod(rt, 0o755)
+        d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+        try:
+            os.chmod(rt / "takeover.sock", 0o666)
+            probe = (
+                "import os, socket, struct\n"
+                f"os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+                "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(5)\n"
+                f"s.connect({str(rt / 'takeover.sock')!r})\n"
+                "try:\n"
+                "    s.sendall(struct.pack('<I', 10) + b'takeover 9')\n"
+                "    print(repr(s.recv(64)))\n"
+                "except (ConnectionResetError, BrokenPipeError):\n"
+                "    print('closed')\n"
+            )
+            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                 timeout=30)
+            assert out.returncode == 0 and out.stdout.strip() in ("b''", "closed"), out
+            log = d.log.read_text()
+            assert f"take-over: refused a request from uid {NOBODY}" in log, log
+            assert "draining" not in log
+            write(rt, "job", ["still-served"])
+            # A new daemon of another uid is refused the same way.
+            other = subprocess.run(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+                 str(bin_dir() / "memoffloadd"), f"--runtime-dir={rt}", "--take-over",
+                 "--arena-size=64MiB", "--chunk-size=16MiB", "--metrics-address=none"],
+                capture_output=True, text=True, timeout=60)
+            assert other.returncode != 0
+            assert "must be a socket of this user" in other.stderr, other.stderr
+        finally:
+            d.stop()
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
+
+
+def _ask(rt: Path, version: int = 1):
+    """Asks the serving daemon for the node as a new daemon would; returns
+    the socket after its state (frames and fds read)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(str(rt / "takeover.sock"))
+    kw.send(s, f"takeover {version}".encode())
+    head, fds = kw.recv(s)
+    assert head is not None and head.startswith(b"state "), head
+    frames = [(head, fds)]
+    while True:
+        payload, fds = kw.recv(s)
+        frames.append((payload, fds))
+        if payload == b"end":
+            return s, frames
+
+
+def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
+    d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    try:
+        write(rt, "job", ["kept"])
+        # Refused: the new daemon could not use the state.
+        s, frames = _ask(rt)
+        assert sum(len(f) for _, f in frames) == 1 + 4  # the snapshot and 4 chunks
+        for _, fds in frames:
+            for fd in fds:
+                os.close(fd)
+        kw.send(s, b"refuse cannot read it")
+        time.sleep(0.5)
+        s.close()
+        log = d.log.read_text()
+        assert "take-over did not happen: the new daemon refused the state: cannot read it; " \
+               "serving on" in log, log
+        write(rt, "job", ["after-refusal"])  # new regions: no longer draining
+        # Abandoned: the new daemon died after the state came.
+        s, frames = _ask(rt)
+        for _, fds in frames:
+            for fd in fds:
+                os.close(fd)
+        s.close()
+        deadline = time.monotonic() + 10
+        while "the new daemon went away" not in d.log.read_text():
+            assert time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.05)
+        write(rt, "job", ["after-abandon"])
+        read_back(rt, "job", ["kept", "after-refusal", "after-abandon"])
+        # One that reads an older format only is refused before any drain.
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(10)
+        s.connect(str(rt / "takeover.sock"))
+        kw.send(s, b"takeover 0")
+        payload, _ = kw.recv(s)
+        assert payload.startswith(b"refused it reads state formats up to v0"), payload
+        s.close()
+        assert d.proc.poll() is None
+    finally:
+        d.stop()
+
+
+class FakeServingDaemon:
+    """A process of the daemon's uid listening on takeover.sock, answering
+    a take-over with what the test gives it (a forged state)."""
+
+    def __init__(self, rt: Path):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(rt / "takeover.sock"))
+        os.chmod(rt / "takeover.sock", 0o600)
+        self.sock.listen(1)
+        self.sock.settimeout(30)
+
+    def answer(self, frames) -> bytes:
+        conn, _ = self.sock.accept()
+        conn.settimeout(30)
+        request, _ = kw.recv(conn)
+        assert request == b"takeover 1", request
+        for payload, fds in frames:
+            kw.send(conn, payload, fds)
+        reply, _ = kw.recv(conn)
+        conn.close()
+        return reply
+
+
+def _take_over(rt: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([str(bin_dir() / "memoffloadd"), f"--runtime-dir={rt}", "--take-over",
+                           "--arena-size=64MiB", "--chunk-size=16MiB", "--metrics-address=none"],
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("forgery", ["newer_snapshot", "damaged_snapshot", "chunk_not_a_memfd",
+                                     "chunk_of_another_size"])
+def test_a_new_daemon_refuses_a_forged_state(rt, forgery):
+    import threading
+
+    fake = FakeServingDaemon(rt)
+    snapshot = Path(__file__).parents[1] / "daemon/core/data/state_v1.snapshot"
+    body = snapshot.read_bytes()
+    if forgery == "newer_snapshot":
+        body = body[:8] + struct.pack("<I", 2) + body[12:]
+    elif forgery == "damaged_snapshot":
+        body = body[:40] + bytes([body[40] ^ 1]) + body[41:]
+    snap_fd = kw.sealed_memfd(body)
+    chunk_fds = []
+    for i in range(4):
+        if forgery == "chunk_not_a_memfd" and i == 1:
+            path = rt.parent / "not-a-memfd"
+            path.write_bytes(b"\0" * (16 << 20))
+            chunk_fds.append(os.open(path, os.O_RDWR))
+            continue
+        fd = os.memfd_create(f"chunk-{i}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        size = (8 << 20) if forgery == "chunk_of_another_size" and i == 2 else (16 << 20)
+        os.ftruncate(fd, size)
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        chunk_fds.append(fd)
+    frames = [(b"state 5eed5eed5eed5eed 4", [snap_fd])]
+    frames += [(f"chunk {i} uid:1000 1000".encode(), [fd]) for i, fd in enumerate(chunk_fds)]
+    frames.append((b"end", []))
+    replies = []
+    t = threading.Thread(target=lambda: replies.append(fake.answer(frames)))
+    t.start()
+    out = _take_over(rt)
+    t.join(timeout=60)
+    assert out.returncode != 0, out.stdout
+    expected = {"newer_snapshot": "format v2 was written by a newer memoffloadd",
+                "damaged_snapshot": "fails its CRC32C",
+                "chunk_not_a_memfd": "chunk 1: not a memfd",
+                "chunk_of_another_size": "chunk 2: holds 8388608 bytes"}[forgery]
+    assert expected in out.stderr, out.stderr
+    assert replies and replies[0].startswith(b"refuse "), replies
+    assert not (rt / "broker.sock").exists()  # it never served
