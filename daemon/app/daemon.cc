@@ -278,22 +278,27 @@ class Daemon {
     const uint64_t instance_id = instance_id_;
     MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
     MetricsInfo state_info;
-    Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
-        &kept_, *arena_, table_.get(), config_.prefault_threads, instance_id, &state_info);
+    Result<std::unique_ptr<StateStore>> store =
+        ResumeKeptState(&kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
+                        takeover_client_ != nullptr ? takeover_client_->owners()
+                                                    : std::vector<SessionTable::ChunkOwner>{},
+                        &state_info);
     if (!store.ok()) return store.status();
     state_store_ = std::move(store).value();
-    if (takeover_client_ != nullptr) table_->AdoptChunkOwners(takeover_client_->owners());
+
     MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys());
 
     Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
     if (!job_labels.ok()) return job_labels.status();
     metrics_ = std::make_unique<Metrics>(
         table_.get(),
-        MetricsInfo{DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(),
-                    arena_->mlocked(), *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes(),
-                    state_info.state_store, state_info.recovered_regions,
-                    state_info.recovered_bytes, state_info.dropped_regions,
-                    state_info.unverified_regions, state_info.recovery_seconds});
+        MetricsInfo{
+            DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(), arena_->mlocked(),
+            *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes(), state_info.state_store,
+            state_info.recovered_regions, state_info.recovered_bytes, state_info.dropped_regions,
+            state_info.unverified_regions, state_info.recovery_seconds, [this]() -> uint64_t {
+              return state_store_ != nullptr ? state_store_->Stats().errors : 0;
+            }});
     if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
     if (!metrics_port_.problem().empty()) {
       metrics_port_.RetryUntilBound(

@@ -10,6 +10,7 @@
 #include <systemd/sd-daemon.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -97,7 +98,16 @@ class Systemd : public FdStore {
 
 class KeeperClient : public FdStore {
  public:
-  KeeperClient(std::string path, int sock) : path_(std::move(path)), sock_(sock) {}
+  // A keeper that stops reading holds a put at most this long (the calls
+  // come under the session table's lock); after one such failure the store
+  // is given up (every later call fails at once, and says so).
+  static constexpr long kSendWaitSeconds = 2;
+  static constexpr long kTakeWaitSeconds = 10;
+  KeeperClient(std::string path, int sock) : path_(std::move(path)), sock_(sock) {
+    timeval send{kSendWaitSeconds, 0}, recv{kTakeWaitSeconds, 0};
+    setsockopt(sock_, SOL_SOCKET, SO_SNDTIMEO, &send, sizeof send);
+    setsockopt(sock_, SOL_SOCKET, SO_RCVTIMEO, &recv, sizeof recv);
+  }
   ~KeeperClient() override { close(sock_); }
   std::string Describe() const override { return "the keeper at " + path_; }
   std::string Kind() const override { return "keeper"; }
@@ -108,6 +118,7 @@ class KeeperClient : public FdStore {
       std::string payload;
       std::vector<int> fds;
       if (Status st = RecvFrame(sock_, &payload, &fds); !st.ok()) {
+        CloseFds(&fds);
         CloseStored(&out);
         return Unavailable("the keeper at " + path_ + " stopped answering: " + st.message());
       }
@@ -126,16 +137,27 @@ class KeeperClient : public FdStore {
   }
   Status Put(const std::string& name, int fd) override {
     MEMOFFLOAD_RETURN_IF_ERROR(CheckName(name));
-    return SendFrame(sock_, "put " + name, {fd});
+    return Send("put " + name, {fd});
   }
   Status Remove(const std::string& name) override {
     MEMOFFLOAD_RETURN_IF_ERROR(CheckName(name));
-    return SendFrame(sock_, "del " + name);
+    return Send("del " + name, {});
   }
 
  private:
+  Status Send(const std::string& frame, const std::vector<int>& fds) {
+    if (broken_) return Unavailable("the keeper at " + path_ + " stopped taking fds earlier");
+    Status st = SendFrame(sock_, frame, fds);
+    if (!st.ok()) {
+      broken_ = true;
+      return Unavailable("the keeper at " + path_ + " does not take fds (" + st.message() +
+                         "): the node's state is no longer kept");
+    }
+    return st;
+  }
   const std::string path_;
   const int sock_;
+  bool broken_ = false;  // under the caller's lock (the state store's)
 };
 
 // ---- the keeper process ----
@@ -168,7 +190,10 @@ Status TrustKeeperDir(const std::string& dir) {
 bool Serve(int sock, std::map<std::string, int>* kept) {
   std::string payload;
   std::vector<int> fds;
-  if (!RecvFrame(sock, &payload, &fds).ok()) return false;
+  if (!RecvFrame(sock, &payload, &fds).ok()) {
+    CloseFds(&fds);  // those of a frame cut short
+    return false;
+  }
   bool ok = true;
   if (payload.rfind("put ", 0) == 0 && fds.size() == 1 && ValidName(payload.substr(4))) {
     const std::string name = payload.substr(4);
@@ -281,17 +306,28 @@ Status RunKeeper(const std::string& runtime_dir) {
   MO_LOG_INFO("keeper: holding the daemon's memfds at %s (uid %u only)", path.c_str(), geteuid());
   std::map<std::string, int> kept;
   std::vector<int> conns;
-  constexpr size_t kMaxConnections = 8;
+  // Same-uid peers only; a daemon keeps one open for its life.
+  constexpr size_t kMaxConnections = 64;
   while (!g_keeper_stop) {
     std::vector<pollfd> fds{{listener, POLLIN, 0}};
     for (int c : conns) fds.push_back({c, POLLIN, 0});
     if (poll(fds.data(), fds.size(), 1000) < 0) continue;  // EINTR: look at the flag
-    for (size_t i = fds.size() - 1; i >= 1; --i) {
+    // Oldest connection first, each read to its last frame: what a daemon
+    // that died sent before its successor asks to take is done first.
+    std::vector<int> closed;
+    for (size_t i = 1; i < fds.size(); ++i) {
       if (fds[i].revents == 0) continue;
-      if ((fds[i].revents & POLLIN) == 0 || !Serve(fds[i].fd, &kept)) {
-        close(fds[i].fd);
-        conns.erase(conns.begin() + static_cast<long>(i - 1));
+      bool open = (fds[i].revents & POLLIN) != 0;
+      while (open) {
+        open = Serve(fds[i].fd, &kept);
+        pollfd more{fds[i].fd, POLLIN, 0};
+        if (open && (poll(&more, 1, 0) != 1 || (more.revents & POLLIN) == 0)) break;
       }
+      if (!open) closed.push_back(fds[i].fd);
+    }
+    for (int c : closed) {
+      close(c);
+      conns.erase(std::find(conns.begin(), conns.end(), c));
     }
     if ((fds[0].revents & POLLIN) != 0) {
       const int c = accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);

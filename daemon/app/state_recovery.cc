@@ -49,9 +49,25 @@ Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* option
   return load;
 }
 
-Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena& arena,
-                                                    SessionTable* table, int threads,
-                                                    uint64_t instance_id, MetricsInfo* info) {
+namespace {
+
+// A new, pre-faulted memfd behind chunk `index` (locked when the arena is).
+Status FreshChunk(Arena* arena, uint32_t index) {
+  Result<Chunk> fresh =
+      Chunk::Create("memoffload-chunk-" + std::to_string(index), arena->chunk_bytes(index), false);
+  if (!fresh.ok()) return fresh.status();
+  if (arena->mlocked()) (void)!fresh->LockOnFault().ok();
+  MEMOFFLOAD_RETURN_IF_ERROR(fresh->Prefault(0, fresh->size_bytes(), Chunk::kMmapLockPiece));
+  arena->ReplaceBacking(index, std::make_shared<Chunk>(std::move(fresh).value()));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<std::unique_ptr<StateStore>> ResumeKeptState(
+    StateLoad* load, Arena* arena_ptr, SessionTable* table, int threads, uint64_t instance_id,
+    const std::vector<SessionTable::ChunkOwner>& owners, MetricsInfo* info) {
+  Arena& arena = *arena_ptr;
   if (load->store == nullptr && !load->state.found) return std::unique_ptr<StateStore>();
   const auto start = std::chrono::steady_clock::now();
   // A take-over hands the state on without a store.
@@ -77,6 +93,34 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena
   }
   VerifyRegions(arena, threads, &regions, &dropped, &unverified);
   const SessionTable::Recovered placed = table->Recover(regions, &dropped);
+  table->AdoptChunkOwners(owners);
+  // An adopted chunk left with no region and no owner would be handed to
+  // the next tenant as it is: old processes may still map it, and it holds
+  // their bytes (a dropped region's, a dead session's).
+  std::vector<bool> owned(arena.chunk_count(), false);
+  for (const SessionTable::ChunkOwner& o : table->ChunkOwners()) {
+    if (o.chunk < owned.size()) owned[o.chunk] = true;
+  }
+  for (const RegionRecord& r : table->CommittedRegions()) {
+    for (const Extent& e : r.extents) {
+      if (e.chunk < owned.size()) owned[e.chunk] = true;  // tenant none: no owners
+    }
+  }
+  uint32_t renewed = 0;
+  for (uint32_t i = 0; i < arena.chunk_count(); ++i) {
+    // With tenant = none every session maps every chunk anyway.
+    if (!adopted[i] || owned[i] || table->tenant_mode() == TenantMode::kNone) continue;
+    if (Status st = FreshChunk(&arena, i); !st.ok()) {
+      return Status(st.code(), "cannot give kept chunk " + std::to_string(i) +
+                                   " a new memfd: " + st.message());
+    }
+    adopted[i] = false;
+    ++renewed;
+  }
+  if (renewed != 0) {
+    MO_LOG_INFO("kept state: %u kept chunk%s with no region left got new memfds", renewed,
+                renewed == 1 ? "" : "s");
+  }
   std::unique_ptr<StateStore> store;
   if (load->store != nullptr) {
     // Only what was placed is kept from now on.

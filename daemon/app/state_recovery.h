@@ -21,11 +21,14 @@ namespace memoffload::daemon {
 Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options);
 
 // After the table is made, before serving: checks and places the kept
-// regions, logs what came back, and starts keeping state again (null when
-// the store is "none"). *info gets the figures for the metrics.
-Result<std::unique_ptr<StateStore>> ResumeKeptState(StateLoad* load, const Arena& arena,
-                                                    SessionTable* table, int threads,
-                                                    uint64_t instance_id, MetricsInfo* info);
+// regions, gives the chunks their owners (`owners`: a take-over's), gives
+// every adopted chunk that ends with no region and no owner a new memfd
+// (processes of the dead daemon may still map the old one, and it holds
+// their bytes), logs what came back, and starts keeping state again (null
+// when the store is "none"). *info gets the figures for the metrics.
+Result<std::unique_ptr<StateStore>> ResumeKeptState(
+    StateLoad* load, Arena* arena, SessionTable* table, int threads, uint64_t instance_id,
+    const std::vector<SessionTable::ChunkOwner>& owners, MetricsInfo* info);
 
 }  // namespace memoffload::daemon
 

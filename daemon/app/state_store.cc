@@ -275,8 +275,8 @@ void StateStore::RemoveName(const std::string& name) {
 
 void StateStore::Failed(const std::string& what, const Status& status) {
   ++stats_.errors;
-  MO_LOG_WARN_LIMITED("state store: %s: %s; the next restart may not keep it", what.c_str(),
-                      status.ToString().c_str());
+  MO_LOG_LIMITED(LogLevel::kError, "state store: %s: %s; a restart may lose what changed since",
+                 what.c_str(), status.ToString().c_str());
 }
 
 Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
@@ -357,7 +357,10 @@ Status StateStore::CompactLocked() {
 }
 
 void StateStore::Append(const std::string& record) {
-  if (journal_ == nullptr) return;  // Begin failed: nothing is kept
+  if (journal_ == nullptr) {  // Begin failed
+    Failed("no journal to record a change in", Unavailable("the state store did not start"));
+    return;
+  }
   if (journal_used_ + record.size() > kJournalBytes) {
     // The record's seq is in it; the snapshot must not include it yet.
     --seq_;

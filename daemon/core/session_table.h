@@ -256,6 +256,7 @@ class SessionTable {
     uid_t uid = 0;
   };
   std::vector<ChunkOwner> ChunkOwners() const ABSL_LOCKS_EXCLUDED(mu_);
+  TenantMode tenant_mode() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return tenant_chunks_.mode(); }
   // Before serving, after Recover: gives each chunk nobody owns yet to its
   // owner in `owners` (out-of-range chunks and a mode without tenants are
   // ignored).

@@ -136,6 +136,15 @@ bool GetRegion(Reader* r, RegionRecord* region) {
   return r->ok();
 }
 
+// Whether a decoded layout is one a daemon could have built (bounds what a
+// start allocates from it: one entry per chunk, at most 65536 chunks).
+bool LayoutSane(const ArenaLayout& l) {
+  return l.page_bytes >= 4096 && (l.page_bytes & (l.page_bytes - 1)) == 0 &&
+         l.chunk_bytes >= l.page_bytes && l.chunk_bytes % l.page_bytes == 0 &&
+         l.capacity_bytes > 0 && l.capacity_bytes % l.page_bytes == 0 &&
+         l.capacity_bytes / l.chunk_bytes < (1u << 16);
+}
+
 Status NewerVersion(const char* what, uint32_t version) {
   return FailedPrecondition(std::string(what) + " format v" + std::to_string(version) +
                             " was written by a newer memoffloadd; this one reads up to v" +
@@ -229,6 +238,7 @@ Result<SnapshotContents> DecodeSnapshot(const void* data, size_t size) {
     }
   }
   if (!body.ok() || !body.done()) return DataLoss("snapshot body is malformed");
+  if (!LayoutSane(s.layout)) return DataLoss("snapshot names an arena layout no daemon builds");
   return s;
 }
 
@@ -247,6 +257,7 @@ Result<JournalContents> DecodeJournal(const void* data, size_t size) {
   j.first_seq = h.U64();
   j.instance_id = h.U64();
   j.layout = GetLayout(&h);
+  if (!LayoutSane(j.layout)) return DataLoss("journal names an arena layout no daemon builds");
   size_t at = kJournalHeaderBytes;
   uint64_t expect = j.first_seq;
   while (true) {

@@ -18,6 +18,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -75,6 +76,9 @@ struct MetricsInfo {
   uint32_t dropped_regions = 0;     // failed their CRC32Cs or could not be placed
   uint32_t unverified_regions = 0;  // saved without checksums
   double recovery_seconds = 0;
+  // Changes the store could not keep since the start (journal records, fds);
+  // null: none is kept.
+  std::function<uint64_t()> state_errors = nullptr;
 };
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,

@@ -153,36 +153,49 @@ def test_sigterm_writes_a_snapshot_and_the_next_start_reads_it(node):
 
 
 def test_a_damaged_region_is_dropped_and_named_the_others_kept(node):
+    # tenant = job: the damaged region's job has a chunk of its own.
     rt, start, _ = node
-    d = start()
-    names = ["good-a", "bad", "good-b"]
-    write(rt, "job", names)
+    d = start("--tenant=job", "--regions-uid-max-bytes=0")
+    write(rt, "job", ["good-a", "good-b"])
+    write(rt, "other", ["bad"])
     d.kill()
     # Flip one byte of "bad" in its chunk, as a stray write would.
     import mmap
 
     held = kw.take(str(rt))
+    bad_chunk = None
     try:
-        flipped = False
         needle = content("bad")[:4096]
         for name, fd in held.items():
             if not name.startswith("mo-chunk-"):
                 continue
-            size = os.fstat(fd).st_size
-            with mmap.mmap(fd, size) as m:
+            with mmap.mmap(fd, os.fstat(fd).st_size) as m:
                 at = m.find(needle)
                 if at >= 0:
                     m[at + 100] ^= 0xFF
-                    flipped = True
-        assert flipped
+                    bad_chunk = (name, os.fstat(fd).st_ino, at)
+        assert bad_chunk is not None
     finally:
         for fd in held.values():
             os.close(fd)
-    d2 = start()
+    d2 = start("--tenant=job", "--regions-uid-max-bytes=0")
     assert set(regions(rt, "job")) == {"good-a", "good-b"}
+    assert regions(rt, "other") == {}
     read_back(rt, "job", ["good-a", "good-b"])
     log = d2.log.read_text()
-    assert "dropped region bad of job job" in log and "fails its CRC32C" in log, log
+    assert "dropped region bad of job other" in log and "fails its CRC32C" in log, log
+    # Its chunk, left with no region, got a new memfd: what old processes may
+    # still map (and the dropped bytes) is never handed to the next tenant.
+    assert "kept chunk with no region left got new memfds" in log, log
+    held = kw.take(str(rt))
+    try:
+        name, inode, at = bad_chunk
+        assert os.fstat(held[name]).st_ino != inode
+        with mmap.mmap(held[name], os.fstat(held[name]).st_size) as m:
+            assert m[at:at + SIZE] == bytes(SIZE)
+    finally:
+        for fd in held.values():
+            os.close(fd)
 
 
 def test_another_uid_cannot_reach_the_keeper(tmp_path):
