@@ -10,6 +10,10 @@ measured in the same run, rounds alternated, median and spread:
   from its log line).
 - ``empty``: the same daemon (same arena size, ``--state-store=none``)
   started with nothing to keep: what every restart cost before.
+- ``takeover``: ``memoffloadd --take-over`` takes the node (idle sessions,
+  no groups to drain) from the daemon serving it: the time from the new
+  process's exec until the old one exited, and the longest gap a client
+  polling the daemon's status every millisecond saw (the node's pause).
 
 Every kept region is then read back and compared.
 
@@ -28,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -39,6 +44,7 @@ import torch  # noqa: E402,F401  (loads libtorch for memoffload._C)
 
 from async_save_bench import parse_size  # noqa: E402
 from memoffload import _C  # noqa: E402
+import memoffload.torch as mot  # noqa: E402
 
 MiB = 1 << 20
 REGION = 64 * MiB
@@ -65,6 +71,41 @@ def start(rt: Path, log: Path, arena: str, *extra: str) -> tuple[subprocess.Pope
         time.sleep(0.01)
 
 
+def take_over(old: subprocess.Popen, rt: Path, log: Path, arena: str):
+    """Runs a take-over of `old` while a client polls; returns ((the new
+    daemon, seconds until the old one exited), the longest polling gap)."""
+    stamps: List[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        while not stop.is_set():
+            try:
+                mot.daemon_status(str(rt), timeout_ms=5000)
+                stamps.append(time.monotonic())
+            except Exception:
+                pass
+            time.sleep(0.001)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    new = subprocess.Popen([str(BIN / "memoffloadd"), f"--runtime-dir={rt}", f"--arena-size={arena}",
+                            "--chunk-size=256MiB", "--metrics-address=none",
+                            "--prefault-threads=2", f"--regions-max-bytes={arena}",
+                            "--regions-uid-max-bytes=0", "--state-store=keeper", "--take-over"],
+                           stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    assert old.wait(timeout=120) == 0, log.read_text()[-2000:]
+    seconds = time.monotonic() - t0
+    time.sleep(0.3)
+    stop.set()
+    poller.join()
+    assert new.poll() is None, log.read_text()[-2000:]
+    window = [t for t in stamps if t >= t0 - 0.1]
+    gap = max(b - a for a, b in zip(window, window[1:]))
+    return (new, seconds), gap
+
+
 def pattern(i: int) -> bytes:
     return bytes([(i * 37 + 11) % 256]) * REGION
 
@@ -82,7 +123,8 @@ def main() -> None:
     empty_rt.mkdir(mode=0o700)
     keeper = subprocess.Popen([str(BIN / "memoffloadd"), "keeper", f"--runtime-dir={kept_rt}"],
                               stdout=open(tmp / "keeper.log", "ab"), stderr=subprocess.STDOUT)
-    out: Dict[str, List[float]] = {"kept_start_s": [], "recovery_s": [], "empty_start_s": []}
+    out: Dict[str, List[float]] = {"kept_start_s": [], "recovery_s": [], "empty_start_s": [],
+                                   "takeover_s": [], "takeover_gap_s": []}
     try:
         while not (kept_rt / "keeper.sock").exists():
             time.sleep(0.01)
@@ -107,6 +149,11 @@ def main() -> None:
             out["empty_start_s"].append(seconds)
             empty.terminate()
             empty.wait()
+        for _ in range(args.rounds):
+            seconds, gap = take_over(daemon, kept_rt, tmp / "kept.log", args.arena)
+            daemon = seconds[0]
+            out["takeover_s"].append(seconds[1])
+            out["takeover_gap_s"].append(gap)
         store = _C.RegionStore(runtime_dir=str(kept_rt), job_id="bench", rank=0)
         for i in range(regions):
             r = store.open(f"r{i}", verify=True)
@@ -124,6 +171,7 @@ def main() -> None:
     result["regions"] = regions
     result["kept_bytes"] = kept_bytes
     result["verify_gb_per_s"] = kept_bytes / 1e9 / result["recovery_s"]["median"]
+    result["takeover_gap_ms"] = {k: v * 1000 for k, v in result.pop("takeover_gap_s").items()}
     result["kept_vs_empty_start"] = spread(
         [k / e for k, e in zip(out["kept_start_s"], out["empty_start_s"])])
     print(json.dumps(result, indent=2))
