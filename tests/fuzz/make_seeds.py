@@ -8,6 +8,7 @@ change: python3 tests/fuzz/make_seeds.py
 """
 import os
 import struct
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAGIC, VERSION = 0x4C464F4D, 3
@@ -127,13 +128,8 @@ write("fuzz_link_frames", "too_long_piece", bytes([0x05]) + struct.pack("<BI", L
 # fixture, and a journal with a commit, a delete and a torn third record.
 
 
-def crc32c(data):
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc ^= byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
-    return crc ^ 0xFFFFFFFF
+sys.path.insert(0, os.path.join(HERE, "..", "daemon", "core", "data"))
+from make_state_v1 import crc32c  # noqa: E402  (the fixture's, one definition)
 
 
 def journal_record(seq, kind, payload):

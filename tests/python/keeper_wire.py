@@ -97,3 +97,26 @@ def sealed_memfd(data: bytes) -> int:
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                 fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
     return fd
+
+
+def probe_as(uid: int, socket_path: Path, payload: bytes) -> str:
+    """Connects to `socket_path` as `uid` (a child that drops to it), sends
+    one frame and says what came back: "b''" or "closed" when the other end
+    hung up without answering."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import os, socket, struct\n"
+        f"os.setgid({uid}); os.setuid({uid})\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(5)\n"
+        f"s.connect({str(socket_path)!r})\n"
+        "try:\n"
+        f"    s.sendall(struct.pack('<I', {len(payload)}) + {payload!r})\n"
+        "    print(repr(s.recv(64)))\n"
+        "except (ConnectionResetError, BrokenPipeError):\n"
+        "    print('closed')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out
+    return out.stdout.strip()

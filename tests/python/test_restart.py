@@ -208,20 +208,7 @@ def test_another_uid_cannot_reach_the_keeper(tmp_path):
         keeper = kw.start_keeper(str(rt), tmp_path / "keeper.log")
         try:
             os.chmod(rt / "keeper.sock", 0o666)
-            probe = (
-                "import os, socket, struct\n"
-                f"os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-                "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(5)\n"
-                f"s.connect({str(rt / 'keeper.sock')!r})\n"
-                "try:\n"
-                "    s.sendall(struct.pack('<I', 4) + b'take')\n"
-                "    print(repr(s.recv(64)))\n"
-                "except (ConnectionResetError, BrokenPipeError):\n"
-                "    print('closed')\n"
-            )
-            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                 timeout=30)
-            assert out.returncode == 0 and out.stdout.strip() in ("b''", "closed"), out
+            assert kw.probe_as(NOBODY, rt / "keeper.sock", b'take') in ("b''", "closed")
             assert f"refused a connection from uid {NOBODY}" in (tmp_path / "keeper.log").read_text()
         finally:
             keeper.terminate()

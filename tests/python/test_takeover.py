@@ -13,7 +13,6 @@ import shutil
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -134,20 +133,7 @@ def test_only_the_daemon_s_uid_may_ask(tmp_path):
         d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
         try:
             os.chmod(rt / "takeover.sock", 0o666)
-            probe = (
-                "import os, socket, struct\n"
-                f"os.setgid({NOBODY}); os.setuid({NOBODY})\n"
-                "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.settimeout(5)\n"
-                f"s.connect({str(rt / 'takeover.sock')!r})\n"
-                "try:\n"
-                "    s.sendall(struct.pack('<I', 10) + b'takeover 9')\n"
-                "    print(repr(s.recv(64)))\n"
-                "except (ConnectionResetError, BrokenPipeError):\n"
-                "    print('closed')\n"
-            )
-            out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                 timeout=30)
-            assert out.returncode == 0 and out.stdout.strip() in ("b''", "closed"), out
+            assert kw.probe_as(NOBODY, rt / "takeover.sock", b'takeover 9') in ("b''", "closed")
             log = d.log.read_text()
             assert f"take-over: refused a request from uid {NOBODY}" in log, log
             assert "draining" not in log
