@@ -31,6 +31,7 @@
 #include "base/log.h"
 #include "core/link_keys.h"
 #include "core/session_table.h"
+#include "core/session_token.h"
 #include "edge/broker.h"
 #include "edge/grpc_listener.h"
 #include "edge/service.h"
@@ -91,14 +92,21 @@ class Daemon {
     if (config_.take_over) {
       // The serving daemon drains and hands on its state; its sockets come
       // once this one has built its arena from the handed chunks.
+      // Everything that can fail is done before "ready": after it the node
+      // is this daemon's.
       MEMOFFLOAD_RETURN_IF_ERROR(RequestTakeover());
       MEMOFFLOAD_RETURN_IF_ERROR(BuildArena());
+      if (Status st = BuildService(); !st.ok()) {
+        takeover_client_->Refuse(st.message());
+        return st;
+      }
       MEMOFFLOAD_RETURN_IF_ERROR(TakeListeners());
-      return Serve();
+      return StartServing();
     }
     MEMOFFLOAD_RETURN_IF_ERROR(Listen());
     MEMOFFLOAD_RETURN_IF_ERROR(BuildArena());
-    return Serve();
+    MEMOFFLOAD_RETURN_IF_ERROR(BuildService());
+    return StartServing();
   }
 
   // Runs the event loop until a signal stops it, then stops serving.
@@ -113,7 +121,7 @@ class Daemon {
     io_.run();
     takeover_server_.reset();
     StopServing();
-    KeepState();
+    if (!handed_over_) KeepState();  // the new daemon keeps the state now
     if (handed_over_) {
       MO_LOG_INFO("handed over: stopped, leaving the runtime dir to the new daemon");
       return;
@@ -157,7 +165,10 @@ class Daemon {
       close(*grpc_fd);
       return broker_fd.status();
     }
-    return ListenOn(*grpc_fd, *broker_fd);
+    Result<std::string> token = NewSessionToken();
+    if (!token.ok()) return token.status();
+    admin_token_ = *token;
+    return ListenOn(*grpc_fd, *broker_fd, /*lenient=*/false);
   }
 
   // The socket group, the policy and the paths: before any listener.
@@ -179,7 +190,9 @@ class Daemon {
 
   // Adopts the listening sockets (bound here, or handed on by a take-over),
   // then binds the rest: the take-over socket, health, metrics, the admin token.
-  Status ListenOn(int grpc_fd, int broker_fd) {
+  // With `lenient` (a take-over, after "ready": the node is this daemon's
+  // whatever happens), what fails past the listeners is logged, not fatal.
+  Status ListenOn(int grpc_fd, int broker_fd, bool lenient) {
     // Listening fds move into their owners right away, so any return closes them.
     if (Status st = grpc_listener_.Adopt(grpc_fd); !st.ok()) {
       close(broker_fd);
@@ -191,27 +204,30 @@ class Daemon {
       close(broker_fd);
       return Internal("cannot watch the broker socket: " + ec.message());
     }
-    Result<int> takeover = claim_->ListenUnix(config_.runtime_dir + "/" + kTakeoverSocketName, 0600,
-                                              static_cast<gid_t>(-1));
-    if (!takeover.ok()) return takeover.status();
-    takeover_fd_ = *takeover;
     // From here the sockets accept (into their backlog), and a SIGTERM or
     // SIGINT that arrives during the pre-fault is handled once the event
     // loop runs, as a clean stop.
     signals_.add(SIGINT);
     signals_.add(SIGTERM);
     signals_.add(SIGHUP);
-
+    auto fail = [lenient](const Status& st) {
+      if (lenient) MO_LOG_ERROR("after the take-over: %s", st.ToString().c_str());
+      return lenient ? Status::Ok() : st;
+    };
+    Result<int> takeover = claim_->ListenUnix(config_.runtime_dir + "/" + kTakeoverSocketName, 0600,
+                                              static_cast<gid_t>(-1));
+    if (!takeover.ok()) MEMOFFLOAD_RETURN_IF_ERROR(fail(takeover.status()));
+    if (takeover.ok()) takeover_fd_ = *takeover;
     if (!config_.health_address.empty()) {
       Result<std::string> bound = health_.Start(config_.health_address);
-      if (!bound.ok()) return bound.status();
-      health_bound_ = *bound;
+      if (!bound.ok()) MEMOFFLOAD_RETURN_IF_ERROR(fail(bound.status()));
+      if (bound.ok()) health_bound_ = *bound;
     }
     // A taken metrics port does not stop the daemon (metrics_port.h).
     if (!config_.metrics_address.empty()) metrics_port_.TryBind();
-    Result<std::string> admin_token = WriteAdminToken(config_.runtime_dir);
-    if (!admin_token.ok()) return admin_token.status();
-    admin_token_ = *admin_token;
+    if (Status st = WriteAdminToken(config_.runtime_dir, admin_token_); !st.ok()) {
+      MEMOFFLOAD_RETURN_IF_ERROR(fail(st));
+    }
     claim_->Own(config_.runtime_dir + "/" + kAdminTokenName);
     return Status::Ok();
   }
@@ -261,7 +277,9 @@ class Daemon {
     return Status::Ok();
   }
 
-  Status Serve() {
+  // The table (with what the start took back), the metrics, the service and
+  // the gRPC server: everything but the listeners.
+  Status BuildService() {
     Result<TenantMode> tenant_mode = ParseTenantMode(config_.tenant);
     if (!tenant_mode.ok()) return tenant_mode.status();
     FreshBackingOptions fresh;
@@ -299,14 +317,6 @@ class Daemon {
             state_info.unverified_regions, state_info.recovery_seconds, [this]() -> uint64_t {
               return state_store_ != nullptr ? state_store_->Stats().errors : 0;
             }});
-    if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
-    if (!metrics_port_.problem().empty()) {
-      metrics_port_.RetryUntilBound(
-          [this](std::unique_ptr<prometheus::Exposer> exposer, const std::string& bound) {
-            metrics_->Serve(std::move(exposer));
-            service_->SetMetricsAddress(bound);
-          });
-    }
     service_ = std::make_unique<OffloadService>(
         arena_.get(), table_.get(), metrics_.get(),
         ServiceInfo{DaemonVersion(), config_.runtime_dir, metrics_port_.bound(), admin_token_,
@@ -336,6 +346,21 @@ class Daemon {
     for (int v = 1; v < kH2ViolationCount; ++v) {
       metrics_->DeclareGrpcCloseReason(H2ViolationName(static_cast<H2Violation>(v)));
     }
+    return Status::Ok();
+  }
+
+  // Starts accepting: the metrics port, the gRPC listener, the broker, the
+  // take-over socket.
+  Status StartServing() {
+    if (auto exposer = metrics_port_.take()) metrics_->Serve(std::move(exposer));
+    service_->SetMetricsAddress(metrics_port_.bound());
+    if (!metrics_port_.problem().empty()) {
+      metrics_port_.RetryUntilBound(
+          [this](std::unique_ptr<prometheus::Exposer> exposer, const std::string& bound) {
+            metrics_->Serve(std::move(exposer));
+            service_->SetMetricsAddress(bound);
+          });
+    }
     grpc_listener_.OnViolation(
         [this](H2Violation why) { metrics_->GrpcConnectionClosed(H2ViolationName(why)); });
     grpc_listener_.Start(server_.get());
@@ -346,7 +371,7 @@ class Daemon {
     broker.socket_mode = config_.socket_mode;
     broker.socket_gid = socket_gid_;
     broker.hello_timeout_ms = static_cast<int>(config_.hello_timeout_ms);
-    broker.instance_id = instance_id;
+    broker.instance_id = instance_id_;
     broker.max_connections = config_.max_connections;
     broker.max_connections_per_uid = config_.max_connections_per_uid;
     broker.link_keys = &link_keys_;
@@ -361,8 +386,10 @@ class Daemon {
     });
     MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
     takeover_host_ = std::make_unique<Host>(this);
-    takeover_server_ = std::make_unique<TakeoverServer>(
-        std::exchange(takeover_fd_, -1), takeover_host_.get(), config_.drain_timeout_ms);
+    if (takeover_fd_ >= 0) {
+      takeover_server_ =
+          std::make_unique<TakeoverServer>(std::exchange(takeover_fd_, -1), takeover_host_.get());
+    }
     if (takeover_client_ != nullptr) {
       const ArenaSnapshot s = table_->Snapshot();
       MO_LOG_INFO(
@@ -379,6 +406,14 @@ class Daemon {
   // --take-over, first part: the serving daemon's state (after its drain).
   Status RequestTakeover() {
     takeover_started_ = Clock::now();
+    if (notifier_.Enabled()) {
+      return FailedPrecondition(
+          "--take-over under systemd: restart the unit instead (systemctl restart memoffloadd; "
+          "its fd store keeps the checkpoint regions)");
+    }
+    Result<std::string> token = NewSessionToken();
+    if (!token.ok()) return token.status();
+    admin_token_ = *token;
     MEMOFFLOAD_RETURN_IF_ERROR(PrepareListening());
     MO_LOG_INFO("taking over the node from the daemon serving %s (it drains first, up to %lu ms)",
                 config_.runtime_dir.c_str(), static_cast<unsigned long>(config_.drain_timeout_ms));
@@ -421,7 +456,7 @@ class Daemon {
     claim_ = std::move(claim).value();
     claim_->Own(grpc_path_);
     claim_->Own(broker_path_);
-    return ListenOn(l->grpc_fd, l->broker_fd);
+    return ListenOn(l->grpc_fd, l->broker_fd, /*lenient=*/true);
   }
 
   // The serving side of a take-over (takeover.h): each call runs on the
@@ -429,9 +464,10 @@ class Daemon {
   class Host : public TakeoverHost {
    public:
     explicit Host(Daemon* d) : d_(d) {}
-    void DrainForTakeover(pid_t pid) override {
+    bool DrainForTakeover(pid_t pid, const std::function<bool()>& gone) override {
       OnLoop([&] {
         d_->region_timer_.cancel();
+        was_draining_ = d_->table_->draining();
         if (Status st = d_->table_->SetDraining(true); !st.ok()) {
           MO_LOG_WARN("take-over: %s", st.ToString().c_str());
         }
@@ -439,12 +475,17 @@ class Daemon {
                     static_cast<unsigned long>(d_->config_.drain_timeout_ms));
       });
       const auto until = Clock::now() + std::chrono::milliseconds(d_->config_.drain_timeout_ms);
-      while (Clock::now() < until) {
+      while (Clock::now() < until && !gone()) {
         const ArenaSnapshot s = d_->table_->Snapshot();
         if (s.capacity_bytes - s.free_bytes - s.region_bytes == 0) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      OnLoop([&] { d_->broker_->CloseAll(); });
+      if (gone()) return false;
+      OnLoop([&] {
+        d_->broker_->CloseAll();
+        d_->table_->SetFrozen(true);
+      });
+      return true;
     }
     Result<HandoffState> Freeze() override {
       HandoffState out;
@@ -469,7 +510,8 @@ class Daemon {
     void ServeOn(const std::string& why) override {
       OnLoop([&] {
         MO_LOG_WARN("take-over did not happen: %s; serving on", why.c_str());
-        if (Status st = d_->table_->SetDraining(false); !st.ok()) {
+        d_->table_->SetFrozen(false);
+        if (Status st = d_->table_->SetDraining(was_draining_); !st.ok()) {
           MO_LOG_WARN("take-over: %s", st.ToString().c_str());
         }
         d_->ArmRegionTimer();
@@ -484,6 +526,7 @@ class Daemon {
         HandoffListeners l{d_->broker_->ReleaseListener(), d_->grpc_listener_.ReleaseListener(),
                            d_->claim_->lock_fd()};
         d_->claim_->Disown();
+        d_->table_->SetRecorder(nullptr);
         d_->handed_over_ = true;
         out = l;
       });
@@ -507,6 +550,7 @@ class Daemon {
       }
     }
     Daemon* const d_;
+    bool was_draining_ = false;  // an operator's drain, restored by ServeOn
   };
 
   void LogListening() const {

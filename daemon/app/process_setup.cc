@@ -48,17 +48,20 @@ void RaiseDescriptorLimit(const DaemonConfig& config) {
   }
 }
 
-Result<std::string> WriteAdminToken(const std::string& dir) {
-  Result<std::string> token = NewSessionToken();
-  if (!token.ok()) return token.status();
+Status WriteAdminToken(const std::string& dir, const std::string& token) {
   const std::string path = dir + "/" + kAdminTokenName;
-  unlink(path.c_str());
-  int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return ErrnoStatus("creating " + path, errno);
-  const bool ok = write(fd, token->data(), token->size()) == static_cast<ssize_t>(token->size());
+  const std::string temp = path + ".new";
+  unlink(temp.c_str());
+  int fd = open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return ErrnoStatus("creating " + temp, errno);
+  const bool ok = write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
   close(fd);
-  if (!ok) return Internal("writing " + path + " failed");
-  return token;
+  // Whole or not at all: a reader never sees a missing or empty token.
+  if (!ok || rename(temp.c_str(), path.c_str()) != 0) {
+    unlink(temp.c_str());
+    return Internal("writing " + path + " failed");
+  }
+  return Status::Ok();
 }
 
 uint64_t RandomInstanceId() {

@@ -24,9 +24,9 @@ Result<gid_t> ResolveGroup(const std::string& name);
 // connection limits of the two sockets could still exhaust it.
 void RaiseDescriptorLimit(const DaemonConfig& config);
 
-// Writes a fresh random admin token to dir/kAdminTokenName, readable by the
-// daemon's user only, and returns it.
-Result<std::string> WriteAdminToken(const std::string& dir);
+// Writes `token` (NewSessionToken's) to dir/kAdminTokenName, readable by the
+// daemon's user only, replacing the file whole (a rename).
+Status WriteAdminToken(const std::string& dir, const std::string& token);
 
 // Random per start, never 0: tells clients and logs a restart from a reclaim.
 uint64_t RandomInstanceId();

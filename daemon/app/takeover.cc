@@ -8,9 +8,10 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cinttypes>
+#include <cstdlib>
 #include <cstring>
-#include <sstream>
 
 #include "app/fd_store.h"
 #include "app/state_store.h"
@@ -21,7 +22,7 @@ namespace memoffload::daemon {
 namespace {
 
 // How long the new daemon may take to build its arena from the chunks.
-constexpr int kReadyWaitSeconds = 600;
+constexpr int kReadyWaitSeconds = 300;
 
 void SetWait(int sock, long seconds) {
   timeval t{seconds, 0};
@@ -43,6 +44,39 @@ std::string ListeningPath(int fd) {
   return std::string(addr.sun_path, strnlen(addr.sun_path, sizeof addr.sun_path));
 }
 
+// Whether two paths name the same file: their dirs resolved ("/run/x/" and
+// "/run/x" alike), their names equal.
+bool SamePath(const std::string& a, const std::string& b) {
+  auto split = [](const std::string& p) {
+    const size_t slash = p.find_last_of('/');
+    const std::string dir = slash == std::string::npos ? "." : p.substr(0, slash + 1);
+    char* real = realpath(dir.c_str(), nullptr);
+    std::string out = real != nullptr ? std::string(real) : dir;
+    std::free(real);
+    return out + "/" + (slash == std::string::npos ? p : p.substr(slash + 1));
+  };
+  return !a.empty() && split(a) == split(b);
+}
+
+// Waits until `sock` is readable or `stop` is (true only for the first).
+bool WaitReadable(int sock, int stop, int seconds) {
+  pollfd fds[2] = {{sock, POLLIN, 0}, {stop, POLLIN, 0}};
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+  while (std::chrono::steady_clock::now() < until) {
+    const int n = poll(fds, 2, 200);
+    if (n < 0 && errno != EINTR) return false;
+    if (n > 0) return fds[1].revents == 0 && fds[0].revents != 0;
+  }
+  return false;
+}
+
+// Whether the peer of `sock` hung up (it sends nothing during a drain).
+bool HungUp(int sock) {
+  char c;
+  const ssize_t n = recv(sock, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 bool SameFile(int fd, const std::string& path) {
   struct stat a {
   }, b{};
@@ -54,8 +88,8 @@ bool SameFile(int fd, const std::string& path) {
 
 // ---- the serving daemon ----
 
-TakeoverServer::TakeoverServer(int listen_fd, TakeoverHost* host, uint64_t drain_timeout_ms)
-    : listen_fd_(listen_fd), host_(host), drain_timeout_ms_(drain_timeout_ms) {
+TakeoverServer::TakeoverServer(int listen_fd, TakeoverHost* host)
+    : listen_fd_(listen_fd), host_(host) {
   if (pipe2(stop_pipe_, O_CLOEXEC) != 0) stop_pipe_[0] = stop_pipe_[1] = -1;
   thread_ = std::thread([this] { Run(); });
 }
@@ -102,22 +136,37 @@ bool TakeoverServer::Converse(int sock, pid_t pid) {
   SetWait(sock, 10);
   std::string payload;
   std::vector<int> fds;
-  if (!RecvFrame(sock, &payload, &fds).ok() || !fds.empty() || payload.rfind("takeover ", 0) != 0) {
+  if (!WaitReadable(sock, stop_pipe_[0], 10) || !RecvFrame(sock, &payload, &fds).ok() ||
+      !fds.empty() || payload.rfind("takeover ", 0) != 0) {
     CloseFds(&fds);
     MO_LOG_WARN("take-over: pid %d sent no valid request; serving on", static_cast<int>(pid));
     return false;
   }
   const uint32_t reads = static_cast<uint32_t>(std::strtoul(payload.c_str() + 9, nullptr, 10));
-  if (reads < kStateFormatVersion) {
-    const std::string why = "it reads state formats up to v" + std::to_string(reads) +
-                            ", this daemon's is v" + std::to_string(kStateFormatVersion);
+  std::string why;
+  if (std::getenv("NOTIFY_SOCKET") != nullptr) {
+    why =
+        "this daemon runs under systemd: restart the unit instead (its fd store keeps the "
+        "checkpoint regions; the unit would stop when this process exits)";
+  } else if (reads < kStateFormatVersion) {
+    why = "it reads state formats up to v" + std::to_string(reads) + ", this daemon's is v" +
+          std::to_string(kStateFormatVersion);
+  }
+  if (!why.empty()) {
     (void)!SendFrame(sock, "refused " + why).ok();
     MO_LOG_WARN("take-over by pid %d refused: %s; serving on", static_cast<int>(pid), why.c_str());
     return false;
   }
   MO_LOG_INFO("take-over requested by pid %d: draining, then handing on the arena",
               static_cast<int>(pid));
-  host_->DrainForTakeover(pid);
+  const int stop = stop_pipe_[0];
+  if (!host_->DrainForTakeover(pid, [sock, stop] {
+        pollfd p{stop, POLLIN, 0};
+        return HungUp(sock) || poll(&p, 1, 0) == 1;
+      })) {
+    host_->ServeOn("the new daemon went away during the drain");
+    return false;
+  }
   Result<HandoffState> state = host_->Freeze();
   if (!state.ok()) {
     host_->ServeOn("cannot hand on the state: " + state.status().message());
@@ -135,12 +184,16 @@ bool TakeoverServer::Converse(int sock, pid_t pid) {
   for (size_t i = 0; sent.ok() && i < state->chunks.size(); ++i) {
     const HandoffState::Chunk& c = state->chunks[i];
     sent = SendFrame(sock,
-                     "chunk " + std::to_string(c.index) + " " +
-                         (c.tenant.empty() ? "-" : c.tenant) + " " + std::to_string(c.uid),
+                     "chunk " + std::to_string(c.index) + " " + std::to_string(c.uid) + " " +
+                         (c.tenant.empty() ? "-" : c.tenant),
                      {c.fd});
   }
   if (sent.ok()) sent = SendFrame(sock, "end");
   SetWait(sock, kReadyWaitSeconds);
+  if (sent.ok() && !WaitReadable(sock, stop_pipe_[0], kReadyWaitSeconds)) {
+    sent = Unavailable("no answer within " + std::to_string(kReadyWaitSeconds) +
+                       " s, or this daemon is stopping");
+  }
   if (sent.ok()) sent = RecvFrame(sock, &payload, &fds);
   CloseFds(&fds);
   if (!sent.ok() || payload != "ready") {
@@ -211,13 +264,17 @@ Result<std::unique_ptr<TakeoverClient>> TakeoverClient::Request(const std::strin
       return Unavailable("the serving daemon stopped handing on its chunks: " + st.message());
     }
     if (payload == "end" && fds.empty() && i == chunks) break;
-    std::istringstream in(payload);
-    std::string word, tenant;
     uint64_t index = UINT64_MAX;
     uint64_t uid = 0;
-    in >> word >> index >> tenant >> uid;
-    if (word != "chunk" || fds.size() != 1 || index >= c->chunk_fds_.size() ||
-        c->chunk_fds_[index] >= 0) {
+    int tenant_at = -1;
+    std::string tenant;
+    if (std::sscanf(payload.c_str(), "chunk %" SCNu64 " %" SCNu64 " %n", &index, &uid,
+                    &tenant_at) == 2 &&
+        tenant_at > 0 && static_cast<size_t>(tenant_at) < payload.size()) {
+      tenant = payload.substr(static_cast<size_t>(tenant_at));
+    }
+    if (tenant.empty() || fds.size() != 1 || index >= c->chunk_fds_.size() ||
+        c->chunk_fds_[index] >= 0 || uid > UINT32_MAX) {
       CloseFds(&fds);
       c->Refuse("malformed chunk frame");
       return DataLoss("the serving daemon sent a malformed chunk frame");
@@ -259,8 +316,8 @@ Result<HandoffListeners> TakeoverClient::Ready(const std::string& broker_path,
   if (Status st = RecvFrame(sock_, &payload, &fds); !st.ok()) {
     return Unavailable("the serving daemon did not hand on its listeners: " + st.message());
   }
-  if (payload != "listeners" || fds.size() != 3 || ListeningPath(fds[0]) != broker_path ||
-      ListeningPath(fds[1]) != grpc_path || !SameFile(fds[2], lock_path)) {
+  if (payload != "listeners" || fds.size() != 3 || !SamePath(ListeningPath(fds[0]), broker_path) ||
+      !SamePath(ListeningPath(fds[1]), grpc_path) || !SameFile(fds[2], lock_path)) {
     CloseFds(&fds);
     return DataLoss("the serving daemon handed on listeners that are not " + broker_path + ", " +
                     grpc_path + " and " + lock_path);

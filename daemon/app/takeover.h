@@ -10,13 +10,20 @@
 //               groups are waited for up to lifecycle.drain_timeout), then
 //               closes every session
 //   old -> new  "state <instance id> <chunks>" + the snapshot memfd
-//               "chunk <index> <tenant or -> <uid>" + the chunk's memfd, each
+//               "chunk <index> <uid> <tenant or ->" + the chunk's memfd, each
+//               (the tenant last: a job id may hold spaces)
 //               "end"
 //   new -> old  "ready" once its arena and table are built from them, or
 //               "refuse <why>": the old one undrains and serves on
 //   old -> new  "listeners" + the broker's and gRPC's listening sockets and
 //               the instance lock; it stops its metrics and health ports
 //               first, and exits without removing a file the new one uses.
+//
+// A requester that hangs up during the drain ends it: the old daemon
+// undrains (to the drain state it had) and keeps its sessions. A daemon run
+// by systemd refuses to be taken over, and `--take-over` refuses to run
+// under systemd: there the unit's restart keeps the regions (fd store), and
+// the unit would stop when its main process exits.
 //
 // Every fd the new daemon receives is checked (a memfd of its chunk's size
 // and seals, sockets listening at their paths, the lock the runtime dir's)
@@ -65,9 +72,11 @@ struct HandoffListeners {
 class TakeoverHost {
  public:
   virtual ~TakeoverHost() = default;
-  // Drains (a take-over by `pid`); returns when no group is held or at the
-  // deadline, then closes every session.
-  virtual void DrainForTakeover(pid_t pid) = 0;
+  // Drains (a take-over by `pid`) until no group is held or the deadline,
+  // then closes every session and freezes the table (no region changes),
+  // unless `gone()` says the requester hung up: then it returns false,
+  // having closed nothing (the caller then calls ServeOn).
+  virtual bool DrainForTakeover(pid_t pid, const std::function<bool()>& gone) = 0;
   // The state to hand on (valid until Release or ServeOn).
   virtual Result<HandoffState> Freeze() = 0;
   // The new daemon refused (or went away): undrain and serve on.
@@ -82,7 +91,7 @@ class TakeoverHost {
 class TakeoverServer {
  public:
   // Takes `listen_fd`; runs its own thread.
-  TakeoverServer(int listen_fd, TakeoverHost* host, uint64_t drain_timeout_ms);
+  TakeoverServer(int listen_fd, TakeoverHost* host);
   ~TakeoverServer();
   TakeoverServer(const TakeoverServer&) = delete;
   TakeoverServer& operator=(const TakeoverServer&) = delete;
@@ -94,7 +103,6 @@ class TakeoverServer {
 
   const int listen_fd_;
   TakeoverHost* const host_;
-  const uint64_t drain_timeout_ms_;
   int stop_pipe_[2] = {-1, -1};
   std::thread thread_;
 };

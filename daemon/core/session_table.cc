@@ -79,6 +79,11 @@ void SessionTable::SetPolicy(const Policy& policy) {
   Run(&done);
 }
 
+void SessionTable::SetFrozen(bool frozen) {
+  absl::MutexLock lock(&mu_);
+  frozen_ = frozen;
+}
+
 Status SessionTable::SetDraining(bool draining) {
   Completions done;
   bool started = false;
@@ -88,6 +93,10 @@ Status SessionTable::SetDraining(bool draining) {
       return FailedPrecondition(
           "memoffloadd is shutting down (SIGTERM drain): undrain is refused; it exits once "
           "sessions release or the drain deadline passes");
+    }
+    if (!draining && frozen_) {
+      return FailedPrecondition(
+          "memoffloadd is handing the node to a new daemon (--take-over): undrain is refused");
     }
     started = draining && !draining_;
     draining_ = draining;

@@ -210,6 +210,9 @@ class SessionTable {
   // may still be committed, prefetched and released. Undrain is
   // FAILED_PRECONDITION once BeginShutdown was called.
   Status SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
+  // A take-over froze the table (app/takeover.h): region deletes and
+  // undrain are refused until it is unfrozen (the take-over did not happen).
+  void SetFrozen(bool frozen) ABSL_LOCKS_EXCLUDED(mu_);
   // Drain for exit (SIGTERM): like SetDraining(true), for good; refusals say
   // the daemon is shutting down.
   void BeginShutdown() ABSL_LOCKS_EXCLUDED(mu_);
@@ -457,6 +460,7 @@ class SessionTable {
   std::function<void(const std::string&)> drain_listener_;  // set before serving
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool shutting_down_ ABSL_GUARDED_BY(mu_) = false;
+  bool frozen_ ABSL_GUARDED_BY(mu_) = false;
   ReserveQueue queue_ ABSL_GUARDED_BY(mu_);
   std::unordered_map<uint64_t, PendingReserve> pending_ ABSL_GUARDED_BY(mu_);  // by ticket
   absl::CondVar deadline_changed_;  // a waiter was queued, or stopping_

@@ -378,6 +378,11 @@ Result<uint64_t> SessionTable::DeleteRegionOf(uid_t uid, const std::string& job_
   uint64_t freed = 0;
   {
     absl::MutexLock lock(&mu_);
+    if (frozen_) {
+      return Unavailable(
+          "memoffloadd is handing the node to a new daemon (--take-over); delete the region "
+          "on the new one");
+    }
     MEMOFFLOAD_RETURN_IF_ERROR(CheckRegionName(name));
     auto job = regions_.find(JobKey(uid, job_id));
     auto it = job == regions_.end() ? std::map<std::string, Region>::iterator{}

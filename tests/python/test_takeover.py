@@ -170,9 +170,48 @@ def _ask(rt: Path, version: int = 1):
 
 
 def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
-    d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info", "--drain-timeout=20s"]).start()
+    holder = None
     try:
         write(rt, "job", ["kept"])
+        # A requester that hangs up during the drain (a rank holds groups, so
+        # the drain waits): the old daemon undrains and closes no session.
+        holder = subprocess.Popen([str(bin_dir() / "offload_worker"), "hold", str(rt), "2",
+                                   str(1 << 20)], stdout=subprocess.PIPE, text=True)
+        assert holder.stdout.readline().startswith("HELD")
+        store = _C.RegionStore(runtime_dir=str(rt), job_id="job", rank=0)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(rt / "takeover.sock"))
+        kw.send(s, b"takeover 1")
+        deadline = time.monotonic() + 10
+        while "draining (up to" not in d.log.read_text():
+            assert time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.02)
+        s.close()
+        while "the new daemon went away during the drain; serving on" not in d.log.read_text():
+            assert time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.02)
+        assert [r["name"] for r in store.list("")] == ["kept"]  # its session lives on
+        store.close()
+        assert holder.poll() is None and len(d.sessions()) == 1
+        holder.kill()
+        holder.wait()
+        # An operator's drain outlives a refused take-over.
+        subprocess.run([str(bin_dir() / "memoffloadctl"), "--runtime-dir", str(rt), "drain"],
+                       check=True, capture_output=True, timeout=30)
+        s, frames = _ask(rt)
+        for _, fds in frames:
+            for fd in fds:
+                os.close(fd)
+        kw.send(s, b"refuse not now")
+        deadline = time.monotonic() + 10
+        while "refused the state: not now" not in d.log.read_text():
+            assert time.monotonic() < deadline, d.log.read_text()
+            time.sleep(0.02)
+        s.close()
+        assert d.status()["draining"] is True
+        subprocess.run([str(bin_dir() / "memoffloadctl"), "--runtime-dir", str(rt), "undrain"],
+                       check=True, capture_output=True, timeout=30)
         # Refused: the new daemon could not use the state.
         s, frames = _ask(rt)
         assert sum(len(f) for _, f in frames) == 1 + 4  # the snapshot and 4 chunks
@@ -207,6 +246,38 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
         assert payload.startswith(b"refused it reads state formats up to v0"), payload
         s.close()
         assert d.proc.poll() is None
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+        d.stop()
+
+
+def test_chunk_owners_are_handed_on_whole_job_ids_with_spaces_too(rt):
+    d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info", "--tenant=job"]).start()
+    try:
+        write(rt, "my job", ["r"])
+        s, frames = _ask(rt)
+        chunks = [p for p, _ in frames if p.startswith(b"chunk ")]
+        assert any(p.endswith(b" 0 job:0:my job") for p in chunks), chunks
+        for _, fds in frames:
+            for fd in fds:
+                os.close(fd)
+        kw.send(s, b"refuse only looking")
+        s.close()
+    finally:
+        d.stop()
+
+
+def test_a_take_over_is_refused_under_systemd(rt, tmp_path):
+    d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    try:
+        out = subprocess.run([str(bin_dir() / "memoffloadd"), f"--runtime-dir={rt}", "--take-over",
+                              "--arena-size=64MiB", "--chunk-size=16MiB",
+                              "--metrics-address=none"],
+                             env=dict(os.environ, NOTIFY_SOCKET=str(tmp_path / "nobody-listens")),
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "restart the unit instead" in out.stderr, out.stderr
+        assert d.proc.poll() is None and "draining" not in d.log.read_text()
     finally:
         d.stop()
 
@@ -268,7 +339,7 @@ def test_a_new_daemon_refuses_a_forged_state(rt, forgery):
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         chunk_fds.append(fd)
     frames = [(b"state 5eed5eed5eed5eed 4", [snap_fd])]
-    frames += [(f"chunk {i} uid:1000 1000".encode(), [fd]) for i, fd in enumerate(chunk_fds)]
+    frames += [(f"chunk {i} 1000 uid:1000".encode(), [fd]) for i, fd in enumerate(chunk_fds)]
     frames.append((b"end", []))
     replies = []
     t = threading.Thread(target=lambda: replies.append(fake.answer(frames)))
