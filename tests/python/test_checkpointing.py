@@ -112,7 +112,10 @@ def test_checkpoint_around_offloaded_layer_stays_in_force(daemon, reentrant, cap
     s = handle.stats()
     handle.remove()
     assert s["stepped_aside"] > 0
-    warnings = [r for r in caplog.records if r.name == "memoffload"]
+    # This handle's warnings (an earlier module's stager may log its abort
+    # from a finalizer while this test runs).
+    warnings = [r for r in caplog.records
+                if r.name == "memoffload" and "staging/" not in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
 
 
