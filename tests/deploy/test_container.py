@@ -207,9 +207,10 @@ def test_a_daemon_crash_beside_the_keeper_keeps_the_regions(podman, images, tmp_
                     "arena ready" in daemon.logs(), timeout_s=120)
         assert "state store: the keeper at" in daemon.logs()
         log = rt.parent / "w.log"
-        with open(log, "w") as out:
+        # stdout only: the client's own log lines (an abort after the kill) go to w.err.
+        with open(log, "w") as out, open(rt.parent / "w.err", "w") as err:
             rank = subprocess.Popen([_tool("region_loop"), "loop", str(rt), "job", "w"],
-                                    env=TRAINER_ENV, stdout=out, stderr=subprocess.STDOUT)
+                                    env=TRAINER_ENV, stdout=out, stderr=err)
         cc.wait_for("40 commits", lambda: log.read_text().count("\n") >= 40, timeout_s=60)
         podman.run("kill", "-s", "KILL", daemon.name)
         assert rank.wait(timeout=60) == 0

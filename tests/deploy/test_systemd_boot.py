@@ -228,7 +228,7 @@ def test_a_crash_during_commits_keeps_every_answered_commit(machine):
     for i in range(2):
         machine.sh(f"systemd-run --unit=rank{i} --uid={TRAINER_IN_GROUP} "
                    f"--gid={TRAINER_IN_GROUP} -p SupplementaryGroups=memoffload "
-                   f"sh -c 'exec region_loop loop {RUNTIME_DIR} job w{i} > /tmp/w{i}.log 2>&1'")
+                   f"sh -c 'exec region_loop loop {RUNTIME_DIR} job w{i} > /tmp/w{i}.log 2> /tmp/w{i}.err'")
     cc.wait_for("both ranks to commit 40 regions", lambda: all(
         int(machine.sh(f"wc -l < /tmp/w{i}.log", check=False).stdout or 0) >= 40
         for i in range(2)), timeout_s=60)
@@ -238,7 +238,7 @@ def test_a_crash_during_commits_keeps_every_answered_commit(machine):
     machine.sh("systemctl kill -s KILL memoffloadd")
     cc.wait_for("the ranks to stop", lambda: all(
         "stopped" in machine.sh(f"tail -n 1 /tmp/w{i}.log").stdout for i in range(2)),
-        timeout_s=60)
+        timeout_s=60)  # stdout only: the client's log lines go to /tmp/w*.err
     cc.wait_for("the restarted daemon", lambda: machine.show(
         "ActiveState", "MainPID")["MainPID"] not in ("0", before["MainPID"]) and
         machine.show("ActiveState")["ActiveState"] == "active", timeout_s=60)
