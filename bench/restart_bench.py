@@ -55,6 +55,10 @@ def spread(values: List[float]) -> Dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+# Every daemon the bench started (killed at the end, whatever happened).
+started: List[subprocess.Popen] = []
+
+
 def start(rt: Path, log: Path, arena: str, *extra: str) -> tuple[subprocess.Popen, float]:
     """Starts a daemon; returns it and the seconds until it answered."""
     t0 = time.monotonic()
@@ -62,6 +66,7 @@ def start(rt: Path, log: Path, arena: str, *extra: str) -> tuple[subprocess.Pope
                              "--chunk-size=256MiB", "--metrics-address=none", "--prefault-threads=2",
                              f"--regions-max-bytes={arena}", "--regions-uid-max-bytes=0",
                              *extra], stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    started.append(proc)
     while True:
         assert proc.poll() is None, log.read_text()[-2000:]
         probe = subprocess.run([str(BIN / "memoffloadctl"), "--runtime-dir", str(rt), "status"],
@@ -95,6 +100,7 @@ def take_over(old: subprocess.Popen, rt: Path, log: Path, arena: str):
                             "--prefault-threads=2", f"--regions-max-bytes={arena}",
                             "--regions-uid-max-bytes=0", "--state-store=keeper", "--take-over"],
                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    started.append(new)
     assert old.wait(timeout=120) == 0, log.read_text()[-2000:]
     seconds = time.monotonic() - t0
     time.sleep(0.3)
@@ -163,6 +169,10 @@ def main() -> None:
         daemon.terminate()
         daemon.wait()
     finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         keeper.terminate()
         keeper.wait()
         shutil.rmtree(tmp, ignore_errors=True)
