@@ -127,16 +127,11 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                                "verifying and placing; the arena build not included).");
     AddGauge(&seconds, info_.recovery_seconds);
     out->push_back(std::move(seconds));
-    prometheus::MetricFamily errors;
-    errors.name = "memoffload_state_store_errors_total";
-    errors.help =
+    out->push_back(CounterOf(
+        "memoffload_state_store_errors_total",
         "Changes (journal records, chunk memfds) the state store could not keep since the "
-        "start: a restart may lose what changed since (the log says what).";
-    errors.type = prometheus::MetricType::Counter;
-    prometheus::ClientMetric m;
-    m.counter.value = info_.state_errors ? static_cast<double>(info_.state_errors()) : 0;
-    errors.metric.push_back(std::move(m));
-    out->push_back(std::move(errors));
+        "start: a restart may lose what changed since (the log says what).",
+        info_.state_errors ? static_cast<double>(info_.state_errors()) : 0));
   }
 
   // The arena's bytes by state, its shape, its sessions and groups.
