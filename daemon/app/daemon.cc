@@ -1,9 +1,6 @@
 #include "app/daemon.h"
 
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/health_check_service_interface.h>
-#include <grpcpp/resource_quota.h>
 #include <prometheus/exposer.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -18,16 +15,15 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <future>
-#include <map>
-#include <thread>
 
 #include "app/config_changes.h"
+#include "app/daemon_parts.h"
 #include "app/notifier.h"
 #include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
 #include "app/state_recovery.h"
 #include "app/takeover.h"
+#include "app/takeover_host.h"
 #include "base/log.h"
 #include "core/link_keys.h"
 #include "core/session_table.h"
@@ -52,11 +48,6 @@ namespace {
 namespace asio = boost::asio;
 using Clock = std::chrono::steady_clock;
 
-// Threads of gRPC's synchronous pool (only reflection's: every other method is a callback).
-constexpr int kMaxSyncThreads = 64;
-// Calls one gRPC connection may have open at once (a rank may have a
-// thousand waiting Reserves; a stalled call costs memory, not a thread).
-constexpr int kMaxStreamsPerConnection = 4096;
 // How often a taken metrics port is tried again (metrics_port.h).
 constexpr int kMetricsRetryMs = 5000;
 
@@ -246,9 +237,7 @@ class Daemon {
       options.chunk_size_bytes = takeover_client_->snapshot().layout.chunk_bytes;
       options.adopt_fds = std::move(takeover_client_->chunk_fds());
       takeover_client_->chunk_fds().clear();
-      for (size_t i = 0; i < options.adopt_fds.size(); ++i) {
-        kept_.chunk_fds.push_back(options.adopt_fds[i] >= 0 ? -2 : -1);
-      }
+      for (int fd : options.adopt_fds) kept_.adopted.push_back(fd >= 0);
     } else {
       Result<StateLoad> kept = LoadKeptState(config_, &options);
       if (!kept.ok()) return kept.status();
@@ -304,7 +293,7 @@ class Daemon {
     if (!store.ok()) return store.status();
     state_store_ = std::move(store).value();
 
-    MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys());
+    MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys(config_, &link_keys_));
 
     Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
     if (!job_labels.ok()) return job_labels.status();
@@ -322,26 +311,7 @@ class Daemon {
         ServiceInfo{DaemonVersion(), config_.runtime_dir, metrics_port_.bound(), admin_token_,
                     instance_id},
         config_);
-    grpc::EnableDefaultHealthCheckService(true);
-    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-    grpc::ServerBuilder builder;
-    // No listening port: GrpcListener accepts and hands each admitted
-    // connection to the server.
-    builder.RegisterService(service_.get());
-    // A call whose reply the peer never takes (its HTTP/2 window at 0) is
-    // held until the peer goes. Our service's methods and health are
-    // callbacks (no thread per call); on the synchronous pool, now only
-    // reflection's, each such call holds a thread: bound the pool (past it
-    // a call is refused, RESOURCE_EXHAUSTED) and the calls one connection
-    // may have open at once.
-    grpc::ResourceQuota sync_threads("memoffloadd-sync");
-    sync_threads.SetMaxThreads(kMaxSyncThreads);
-    builder.SetResourceQuota(sync_threads);
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, kMaxStreamsPerConnection);
-    // What gRPC advertises is what the edge relay's guard enforces.
-    builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_FRAME_SIZE,
-                               static_cast<int>(H2Limits{}.max_frame_bytes));
-    server_ = builder.BuildAndStart();
+    server_ = BuildGrpcServer(service_.get());
     if (server_ == nullptr) return Unavailable("cannot start the gRPC server for " + grpc_path_);
     for (int v = 1; v < kH2ViolationCount; ++v) {
       metrics_->DeclareGrpcCloseReason(H2ViolationName(static_cast<H2Violation>(v)));
@@ -385,7 +355,22 @@ class Daemon {
       });
     });
     MEMOFFLOAD_RETURN_IF_ERROR(broker_->Start(broker_acceptor_.release()));
-    takeover_host_ = std::make_unique<Host>(this);
+    takeover_host_ = std::make_unique<LoopTakeoverHost>(
+        TakeoverParts{&io_, table_.get(), arena_.get(), instance_id_, config_.drain_timeout_ms,
+                      [this] { return state_store_ != nullptr ? state_store_->last_seq() : 0; },
+                      [this] { region_timer_.cancel(); }, [this] { ArmRegionTimer(); },
+                      [this] { broker_->CloseAll(); },
+                      [this] {
+                        health_.Stop();
+                        metrics_port_.Stop();
+                        metrics_->StopServing();
+                        HandoffListeners l{broker_->ReleaseListener(),
+                                           grpc_listener_.ReleaseListener(), claim_->lock_fd()};
+                        claim_->Disown();
+                        handed_over_ = true;
+                        return l;
+                      },
+                      [this] { StopLoop(); }});
     if (takeover_fd_ >= 0) {
       takeover_server_ =
           std::make_unique<TakeoverServer>(std::exchange(takeover_fd_, -1), takeover_host_.get());
@@ -429,15 +414,7 @@ class Daemon {
       return load.status();
     }
     kept_ = std::move(load).value();
-    CloseChunkFds(&kept_);
-    kept_.chunk_fds.clear();
-    const SnapshotContents& snapshot = takeover_client_->snapshot();
-    kept_.state = ReplayedState{};
-    kept_.state.found = true;
-    kept_.state.instance_id = takeover_client_->instance_id();
-    kept_.state.layout = snapshot.layout;
-    kept_.state.last_seq = snapshot.last_seq;
-    kept_.state.regions = snapshot.regions;
+    UseHandedState(*takeover_client_, &kept_);
     return Status::Ok();
   }
 
@@ -458,100 +435,6 @@ class Daemon {
     claim_->Own(broker_path_);
     return ListenOn(l->grpc_fd, l->broker_fd, /*lenient=*/true);
   }
-
-  // The serving side of a take-over (takeover.h): each call runs on the
-  // event loop, the caller (the take-over's thread) waiting.
-  class Host : public TakeoverHost {
-   public:
-    explicit Host(Daemon* d) : d_(d) {}
-    bool DrainForTakeover(pid_t pid, const std::function<bool()>& gone) override {
-      OnLoop([&] {
-        d_->region_timer_.cancel();
-        was_draining_ = d_->table_->draining();
-        if (Status st = d_->table_->SetDraining(true); !st.ok()) {
-          MO_LOG_WARN("take-over: %s", st.ToString().c_str());
-        }
-        MO_LOG_INFO("take-over by pid %d: draining (up to %lu ms)", static_cast<int>(pid),
-                    static_cast<unsigned long>(d_->config_.drain_timeout_ms));
-      });
-      const auto until = Clock::now() + std::chrono::milliseconds(d_->config_.drain_timeout_ms);
-      while (Clock::now() < until && !gone()) {
-        const ArenaSnapshot s = d_->table_->Snapshot();
-        if (s.capacity_bytes - s.free_bytes - s.region_bytes == 0) break;
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-      }
-      if (gone()) return false;
-      OnLoop([&] {
-        d_->broker_->CloseAll();
-        d_->table_->SetFrozen(true);
-      });
-      return true;
-    }
-    Result<HandoffState> Freeze() override {
-      HandoffState out;
-      out.instance_id = d_->instance_id_;
-      SnapshotContents snapshot;
-      snapshot.instance_id = d_->instance_id_;
-      snapshot.layout = ArenaLayout{d_->arena_->capacity_bytes(), d_->arena_->chunk_size_bytes(),
-                                    static_cast<uint32_t>(d_->arena_->page_bytes())};
-      snapshot.last_seq = d_->state_store_ != nullptr ? d_->state_store_->last_seq() : 0;
-      for (RegionRecord& r : d_->table_->CommittedRegions()) snapshot.regions[KeyOf(r)] = r;
-      out.snapshot = EncodeSnapshot(snapshot);
-      std::map<uint32_t, SessionTable::ChunkOwner> owners;
-      for (const auto& o : d_->table_->ChunkOwners()) owners[o.chunk] = o;
-      for (uint32_t i = 0; i < d_->arena_->chunk_count(); ++i) {
-        const auto it = owners.find(i);
-        out.chunks.push_back(HandoffState::Chunk{i, d_->arena_->chunk(i).fd(),
-                                                 it != owners.end() ? it->second.tenant : "",
-                                                 it != owners.end() ? it->second.uid : 0});
-      }
-      return out;
-    }
-    void ServeOn(const std::string& why) override {
-      OnLoop([&] {
-        MO_LOG_WARN("take-over did not happen: %s; serving on", why.c_str());
-        d_->table_->SetFrozen(false);
-        if (Status st = d_->table_->SetDraining(was_draining_); !st.ok()) {
-          MO_LOG_WARN("take-over: %s", st.ToString().c_str());
-        }
-        d_->ArmRegionTimer();
-      });
-    }
-    Result<HandoffListeners> Release() override {
-      Result<HandoffListeners> out = Internal("the event loop stopped");
-      OnLoop([&] {
-        d_->health_.Stop();
-        d_->metrics_port_.Stop();
-        if (d_->metrics_ != nullptr) d_->metrics_->StopServing();
-        HandoffListeners l{d_->broker_->ReleaseListener(), d_->grpc_listener_.ReleaseListener(),
-                           d_->claim_->lock_fd()};
-        d_->claim_->Disown();
-        d_->table_->SetRecorder(nullptr);
-        d_->handed_over_ = true;
-        out = l;
-      });
-      return out;
-    }
-    void Exit() override {
-      asio::post(d_->io_, [d = d_] { d->StopLoop(); });
-    }
-
-   private:
-    // Runs `f` on the event loop and waits for it (not once the loop stopped).
-    void OnLoop(const std::function<void()>& f) {
-      auto done = std::make_shared<std::promise<void>>();
-      std::future<void> waited = done->get_future();
-      asio::post(d_->io_, [f, done] {
-        f();
-        done->set_value();
-      });
-      while (waited.wait_for(std::chrono::milliseconds(100)) != std::future_status::ready) {
-        if (d_->io_.stopped()) return;
-      }
-    }
-    Daemon* const d_;
-    bool was_draining_ = false;  // an operator's drain, restored by ServeOn
-  };
 
   void LogListening() const {
     MO_LOG_INFO("listening: runtime dir %s", config_.runtime_dir.c_str());
@@ -626,39 +509,6 @@ class Daemon {
     signals_.async_wait([this](const boost::system::error_code& e, int n) { OnSignal(e, n); });
   }
 
-  // The replication key file (replication.key_file, else systemd's
-  // credential), read at start and at SIGHUP; the start fails on an error,
-  // a reload keeps the keys it had.
-  Status LoadLinkKeys() {
-    std::string path = config_.replication_key_file;
-    const auto source = config_.sources.find("replication.key_file");
-    const bool defaulted = source == config_.sources.end() || source->second == "default";
-    bool credential = false;
-    std::string missing;  // systemd gave credentials, but not this one
-    if (path.empty() && defaulted) {
-      if (const char* creds = std::getenv("CREDENTIALS_DIRECTORY"); creds != nullptr && *creds) {
-        const std::string candidate = std::string(creds) + "/replication-key";
-        credential = access(candidate.c_str(), F_OK) == 0;
-        if (credential) {
-          path = candidate;
-        } else {
-          missing = "; " + candidate + " does not exist";
-        }
-      }
-    }
-    link_keys_.SetRequired(config_.replication_require_key);
-    MEMOFFLOAD_RETURN_IF_ERROR(link_keys_.Load(path, credential));
-    if (path.empty()) {
-      MO_LOG_INFO("replication keys: none (replication.key_file)%s%s", missing.c_str(),
-                  config_.replication_require_key
-                      ? "; required: no checkpoint is replicated from or to this node"
-                      : "; jobs on several nodes make a key of their own in their store");
-    } else {
-      MO_LOG_INFO("replication keys: %s from %s", link_keys_.Ids().c_str(), path.c_str());
-    }
-    return Status::Ok();
-  }
-
   // SIGHUP: access, quotas, region limits and replication keys change live;
   // the rest waits for a restart.
   void Reload() {
@@ -668,36 +518,18 @@ class Daemon {
                    fresh.status().message().c_str());
       return;
     }
-    if (fresh->policy.node_reserve_bytes >= arena_->capacity_bytes()) {
-      // The file is validated against the arena size it names; the reserve
-      // must fit the arena that is actually running.
-      MO_LOG_ERROR(
-          "config reload rejected, keeping the previous configuration: "
-          "quotas.node_reserve_bytes %s (%llu bytes) leaves nothing of the running "
-          "%s (%llu bytes) arena; it must be smaller than the running arena (arena.size "
-          "changes take effect at restart)",
-          FormatSize(fresh->policy.node_reserve_bytes).c_str(),
-          static_cast<unsigned long long>(fresh->policy.node_reserve_bytes),
-          FormatSize(arena_->capacity_bytes()).c_str(),
-          static_cast<unsigned long long>(arena_->capacity_bytes()));
+    if (std::string problem = ReloadProblem(*fresh, arena_->capacity_bytes()); !problem.empty()) {
+      MO_LOG_ERROR("config reload rejected, keeping the previous configuration: %s",
+                   problem.c_str());
       return;
     }
     LogConfigChanges(config_, *fresh);
-    const int64_t socket_gid = config_.policy.socket_gid;  // fixed at start
-    config_.policy = fresh->policy;
-    config_.policy.socket_gid = socket_gid;
-    // Sources of the applied settings only: the others keep the value (and
-    // so the source) they started with.
-    for (const auto& [key, source] : fresh->sources) {
-      if (IsLiveSetting(key)) config_.sources[key] = source;
-    }
+    ApplyLiveSettings(*fresh, &config_);
     table_->SetPolicy(config_.policy);
     broker_->SetPolicy(config_.policy);
     grpc_listener_.SetPolicy(config_.policy);
     service_->SetConfig(config_);
-    config_.replication_key_file = fresh->replication_key_file;
-    config_.replication_require_key = fresh->replication_require_key;
-    if (Status keys = LoadLinkKeys(); !keys.ok()) {
+    if (Status keys = LoadLinkKeys(config_, &link_keys_); !keys.ok()) {
       MO_LOG_ERROR("replication keys not reloaded, keeping the previous ones: %s",
                    keys.message().c_str());
     }
@@ -713,7 +545,7 @@ class Daemon {
     MO_LOG_INFO(
         "received SIGTERM: draining (%u sessions, %s held in groups; deadline %lu ms; "
         "%u checkpoint region%s (%s) not waited for)",
-        s.sessions, FormatSize(s.capacity_bytes - s.free_bytes - s.region_bytes).c_str(),
+        s.sessions, FormatSize(s.group_bytes()).c_str(),
         static_cast<unsigned long>(config_.drain_timeout_ms), s.regions, s.regions == 1 ? "" : "s",
         FormatSize(s.region_bytes).c_str());
     table_->BeginShutdown();
@@ -725,7 +557,7 @@ class Daemon {
     const ArenaSnapshot s = table_->Snapshot();
     // Groups are what sessions still need to hand back; checkpoint regions
     // do not survive the exit whatever the wait, so they are not waited for.
-    const uint64_t groups_bytes = s.capacity_bytes - s.free_bytes - s.region_bytes;
+    const uint64_t groups_bytes = s.group_bytes();
     const bool empty = groups_bytes == 0;
     if (empty || Clock::now() >= drain_deadline_) {
       if (!empty) {
@@ -803,7 +635,7 @@ class Daemon {
   std::unique_ptr<grpc::Server> server_;
   LinkKeys link_keys_;  // before broker_, which points at it
   std::unique_ptr<Broker> broker_;
-  std::unique_ptr<Host> takeover_host_;
+  std::unique_ptr<LoopTakeoverHost> takeover_host_;
   std::unique_ptr<TakeoverServer> takeover_server_;  // its thread uses what is above
   Notifier notifier_;
   asio::steady_timer notify_timer_{io_};

@@ -43,9 +43,10 @@ Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* option
     options->size_bytes = kept.capacity_bytes;
     options->chunk_size_bytes = kept.chunk_bytes;
   }
-  options->adopt_fds = load->chunk_fds;
   // The arena owns them from here (Arena::Build maps or closes each).
-  for (int& fd : load->chunk_fds) fd = fd >= 0 ? -2 : -1;
+  for (int fd : load->chunk_fds) load->adopted.push_back(fd >= 0);
+  options->adopt_fds = std::move(load->chunk_fds);
+  load->chunk_fds.clear();
   return load;
 }
 
@@ -75,8 +76,8 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
       load->store != nullptr ? load->store->Describe() : std::string("the serving daemon");
   if (load->store != nullptr) info->state_store = load->store->Kind();
   std::vector<bool> adopted(arena.chunk_count(), false);
-  for (size_t i = 0; i < load->chunk_fds.size() && i < adopted.size(); ++i) {
-    adopted[i] = load->chunk_fds[i] == -2;
+  for (size_t i = 0; i < load->adopted.size() && i < adopted.size(); ++i) {
+    adopted[i] = load->adopted[i];
   }
   std::vector<RegionRecord> regions;
   std::vector<std::string> dropped, unverified;
@@ -101,7 +102,9 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   for (const SessionTable::ChunkOwner& o : table->ChunkOwners()) {
     if (o.chunk < owned.size()) owned[o.chunk] = true;
   }
-  for (const RegionRecord& r : table->CommittedRegions()) {
+  // Only what was placed is kept from now on.
+  const std::vector<RegionRecord> kept = table->CommittedRegions();
+  for (const RegionRecord& r : kept) {
     for (const Extent& e : r.extents) {
       if (e.chunk < owned.size()) owned[e.chunk] = true;  // tenant none: no owners
     }
@@ -123,8 +126,6 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   }
   std::unique_ptr<StateStore> store;
   if (load->store != nullptr) {
-    // Only what was placed is kept from now on.
-    std::vector<RegionRecord> kept = table->CommittedRegions();
     store =
         std::make_unique<StateStore>(std::move(load->store),
                                      ArenaLayout{arena.capacity_bytes(), arena.chunk_size_bytes(),

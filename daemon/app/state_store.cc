@@ -183,9 +183,7 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_
   });
   std::optional<SnapshotContents> snapshot;
   for (StoredFd* f : snapshots) {
-    Mapped m(f->fd);
-    Result<SnapshotContents> s =
-        m.data == nullptr ? DataLoss("cannot map it") : DecodeSnapshot(m.data, m.size);
+    Result<SnapshotContents> s = DecodeSnapshotFd(f->fd);
     if (s.ok()) {
       snapshot = std::move(s).value();
       break;
@@ -362,7 +360,9 @@ void StateStore::Append(const std::string& record) {
     return;
   }
   if (journal_used_ + record.size() > kJournalBytes) {
-    // The record's seq is in it; the snapshot must not include it yet.
+    // The new journal starts at this record's seq. The mirror holds its
+    // change already, so the snapshot (through seq - 1) has it too:
+    // replaying the record over it changes nothing.
     --seq_;
     Status st = CompactLocked();
     ++seq_;

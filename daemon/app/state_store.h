@@ -45,6 +45,7 @@ struct StateLoad {
   std::unique_ptr<FdStore> store;  // null: state is not kept ("none")
   ReplayedState state;
   std::vector<int> chunk_fds;          // by chunk index, -1: none kept (owned)
+  std::vector<bool> adopted;           // by chunk index: its kept memfd went to the arena
   std::vector<std::string> old_names;  // every name found, to remove once replaced
   std::vector<std::string> problems;   // fds refused, formats refused
   bool refused = false;  // a snapshot or journal of a newer version: the start must not go on

@@ -139,6 +139,9 @@ struct ArenaSnapshot {
   uint64_t committed_region_bytes = 0;
   uint64_t region_max_bytes = 0;
   uint64_t regions_expired = 0;  // deleted by their TTL, total
+  // What sessions still hold in groups (a drain waits for it): all but the
+  // free bytes and the regions'.
+  uint64_t group_bytes() const { return capacity_bytes - free_bytes - region_bytes; }
 };
 
 // One chunk fd handed to a session: the chunk, the generation of its backing

@@ -57,6 +57,13 @@ def read_back(rt: Path, job: str, names) -> int:
         store.close()
 
 
+def wait_for_log(d: Daemon, text: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in d.log.read_text():
+        assert time.monotonic() < deadline, f"no {text!r} in: {d.log.read_text()}"
+        time.sleep(0.02)
+
+
 def metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         return reply.read().decode()
@@ -183,14 +190,9 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(str(rt / "takeover.sock"))
         kw.send(s, b"takeover 1")
-        deadline = time.monotonic() + 10
-        while "draining (up to" not in d.log.read_text():
-            assert time.monotonic() < deadline, d.log.read_text()
-            time.sleep(0.02)
+        wait_for_log(d, "draining (up to")
         s.close()
-        while "the new daemon went away during the drain; serving on" not in d.log.read_text():
-            assert time.monotonic() < deadline, d.log.read_text()
-            time.sleep(0.02)
+        wait_for_log(d, "the new daemon went away during the drain; serving on")
         assert [r["name"] for r in store.list("")] == ["kept"]  # its session lives on
         store.close()
         assert holder.poll() is None and len(d.sessions()) == 1
@@ -204,10 +206,7 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
             for fd in fds:
                 os.close(fd)
         kw.send(s, b"refuse not now")
-        deadline = time.monotonic() + 10
-        while "refused the state: not now" not in d.log.read_text():
-            assert time.monotonic() < deadline, d.log.read_text()
-            time.sleep(0.02)
+        wait_for_log(d, "refused the state: not now")
         s.close()
         assert d.status()["draining"] is True
         subprocess.run([str(bin_dir() / "memoffloadctl"), "--runtime-dir", str(rt), "undrain"],
@@ -231,10 +230,7 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
             for fd in fds:
                 os.close(fd)
         s.close()
-        deadline = time.monotonic() + 10
-        while "the new daemon went away" not in d.log.read_text():
-            assert time.monotonic() < deadline, d.log.read_text()
-            time.sleep(0.05)
+        wait_for_log(d, "the new daemon went away")
         write(rt, "job", ["after-abandon"])
         read_back(rt, "job", ["kept", "after-refusal", "after-abandon"])
         # One that reads an older format only is refused before any drain.
