@@ -17,6 +17,8 @@ int RunAttachBench(int argc, char** argv);
 int RunLoadBench(int argc, char** argv);
 // The hidden `load-worker` subcommand: one client process of RunLoadBench.
 int RunLoadWorker(int argc, char** argv);
+// The hidden `pause-worker` subcommand: one client of takeover_pause_bench.py.
+int RunPauseWorker(int argc, char** argv);
 int RunCrcBench(int argc, char** argv);
 int RunZeroingBench(int argc, char** argv);
 // The HTTP/2 attacks of issue 29 against a running daemon (edge_bench.cc).

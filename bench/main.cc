@@ -60,6 +60,10 @@ int main(int argc, char** argv) {
   if (std::strcmp(argv[1], "load-worker") == 0) {
     return memoffload::bench::RunLoadWorker(argc - 1, argv + 1);
   }
+  // Hidden: one client of bench/takeover_pause_bench.py.
+  if (std::strcmp(argv[1], "pause-worker") == 0) {
+    return memoffload::bench::RunPauseWorker(argc - 1, argv + 1);
+  }
   std::fprintf(stderr, "memoffload-bench: unknown subcommand '%s'\n", argv[1]);
   PrintUsage();
   return 2;

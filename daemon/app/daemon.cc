@@ -81,7 +81,8 @@ class Daemon {
   // serving. One clear error otherwise.
   Status Start() {
     if (config_.take_over) {
-      // The serving daemon drains and hands on its state; its sockets come
+      // The serving daemon pauses its sessions and hands on its state (its
+      // sessions too); its sockets come
       // once this one has built its arena from the handed chunks.
       // Everything that can fail is done before "ready": after it the node
       // is this daemon's.
@@ -378,9 +379,10 @@ class Daemon {
     if (takeover_client_ != nullptr) {
       const ArenaSnapshot s = table_->Snapshot();
       MO_LOG_INFO(
-          "took over the node: %u checkpoint regions (%s), %u chunks adopted, %.3f s "
-          "after the request",
-          s.committed_regions, FormatSize(s.committed_region_bytes).c_str(), report_.adopted_chunks,
+          "took over the node: %u checkpoint regions (%s), %u sessions to resume (%s in "
+          "groups), %u chunks adopted, %.3f s after the request",
+          s.committed_regions, FormatSize(s.committed_region_bytes).c_str(), s.handed_waiting,
+          FormatSize(s.group_bytes()).c_str(), report_.adopted_chunks,
           std::chrono::duration<double>(Clock::now() - takeover_started_).count());
       takeover_client_.reset();
     }
@@ -471,6 +473,9 @@ class Daemon {
     region_timer_.expires_after(std::chrono::seconds(1));
     region_timer_.async_wait([this](const boost::system::error_code& ec) {
       if (ec) return;
+      for (const std::string& line : table_->CloseUnresumed(Clock::now())) {
+        MO_LOG_WARN("take-over: %s", line.c_str());
+      }
       if (uint64_t expired = table_->ExpireRegions(Clock::now()); expired != 0) {
         MO_LOG_INFO("deleted %lu checkpoint region%s past %s TTL",
                     static_cast<unsigned long>(expired), expired == 1 ? "" : "s",

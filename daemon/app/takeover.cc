@@ -148,19 +148,21 @@ bool TakeoverServer::Converse(int sock, pid_t pid) {
     why =
         "this daemon runs under systemd: restart the unit instead (its fd store keeps the "
         "checkpoint regions; the unit would stop when this process exits)";
-  } else if (reads < kStateFormatVersion) {
-    why = "it reads state formats up to v" + std::to_string(reads) + ", this daemon's is v" +
-          std::to_string(kStateFormatVersion);
+  } else if (reads < 1) {
+    why = "it names no state format it reads";
   }
   if (!why.empty()) {
     (void)!SendFrame(sock, "refused " + why).ok();
     MO_LOG_WARN("take-over by pid %d refused: %s; serving on", static_cast<int>(pid), why.c_str());
     return false;
   }
-  MO_LOG_INFO("take-over requested by pid %d: draining, then handing on the arena",
-              static_cast<int>(pid));
+  // A daemon that reads v2 takes the sessions too; an older one gets the
+  // regions, after a drain.
+  const bool keep_sessions = reads >= 2;
+  MO_LOG_INFO("take-over requested by pid %d: %s, then handing on the arena", static_cast<int>(pid),
+              keep_sessions ? "pausing the sessions" : "draining (it cannot resume sessions)");
   const int stop = stop_pipe_[0];
-  if (!host_->DrainForTakeover(pid, [sock, stop] {
+  if (!host_->PauseForTakeover(pid, keep_sessions, [sock, stop] {
         pollfd p{stop, POLLIN, 0};
         return HungUp(sock) || poll(&p, 1, 0) == 1;
       })) {

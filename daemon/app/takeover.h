@@ -6,10 +6,14 @@
 // side checks the other's SO_PEERCRED uid is its own. Frames (fd_passing.h):
 //
 //   new -> old  "takeover <version>"   the newest state format it reads
-//   old         drains as for SIGTERM (placed state is asked to leave,
+//   old         v2 and later: freezes its table (every session's call is
+//               answered UNAVAILABLE kTakeoverPause, which clients retry);
+//               the sessions go with the state and resume on the new one.
+//               v1: drains as for SIGTERM (placed state is asked to leave,
 //               groups are waited for up to lifecycle.drain_timeout), then
 //               closes every session
-//   old -> new  "state <instance id> <chunks>" + the snapshot memfd
+//   old -> new  "state <instance id> <chunks>" + the snapshot memfd (v2 with
+//               the sessions when the new one reads v2)
 //               "chunk <index> <uid> <tenant or ->" + the chunk's memfd, each
 //               (the tenant last: a job id may hold spaces)
 //               "end"
@@ -34,6 +38,7 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -48,6 +53,9 @@
 namespace memoffload::daemon {
 
 inline constexpr char kTakeoverSocketName[] = "takeover.sock";
+// How long a handed session waits for its process to resume it on the new
+// daemon before it is closed (its process ended during the take-over).
+inline constexpr std::chrono::seconds kResumeWithin{30};
 
 // What the serving daemon hands on.
 struct HandoffState {
@@ -72,12 +80,16 @@ struct HandoffListeners {
 class TakeoverHost {
  public:
   virtual ~TakeoverHost() = default;
-  // Drains (a take-over by `pid`) until no group is held or the deadline,
-  // then closes every session and freezes the table (no region changes),
-  // unless `gone()` says the requester hung up: then it returns false,
-  // having closed nothing (the caller then calls ServeOn).
-  virtual bool DrainForTakeover(pid_t pid, const std::function<bool()>& gone) = 0;
-  // The state to hand on (valid until Release or ServeOn).
+  // Stops the node for a take-over by `pid`: with `keep_sessions` it
+  // freezes the table at once (sessions go with the state); without, it
+  // drains until no group is held or the deadline, then closes every
+  // session and freezes the table, unless `gone()` says the requester hung
+  // up: then it returns false, having closed nothing (the caller then calls
+  // ServeOn).
+  virtual bool PauseForTakeover(pid_t pid, bool keep_sessions,
+                                const std::function<bool()>& gone) = 0;
+  // The state to hand on (valid until Release or ServeOn): the sessions too
+  // when they were kept.
   virtual Result<HandoffState> Freeze() = 0;
   // The new daemon refused (or went away): undrain and serve on.
   virtual void ServeOn(const std::string& why) = 0;

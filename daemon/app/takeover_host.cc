@@ -26,9 +26,19 @@ bool LoopTakeoverHost::OnLoop(const std::function<void()>& f) {
   return true;
 }
 
-bool LoopTakeoverHost::DrainForTakeover(pid_t pid, const std::function<bool()>& gone) {
+bool LoopTakeoverHost::PauseForTakeover(pid_t pid, bool keep_sessions,
+                                        const std::function<bool()>& gone) {
   OnLoop(p_.pause_timers);
+  keep_sessions_ = keep_sessions;
   was_draining_ = p_.table->draining();
+  if (keep_sessions) {
+    // Under the table's lock: every call answered from here on is refused
+    // (and sent again by its client), so the records below are the last word.
+    p_.table->SetFrozen(true);
+    MO_LOG_INFO("take-over by pid %d: sessions paused (%zu)", static_cast<int>(pid),
+                p_.table->ListSessions().size());
+    return true;
+  }
   if (Status st = p_.table->SetDraining(true); !st.ok()) {
     MO_LOG_WARN("take-over: %s", st.ToString().c_str());
   }
@@ -55,6 +65,7 @@ Result<HandoffState> LoopTakeoverHost::Freeze() {
                                 static_cast<uint32_t>(p_.arena->page_bytes())};
   snapshot.last_seq = p_.last_seq();
   for (RegionRecord& r : p_.table->CommittedRegions()) snapshot.regions[KeyOf(r)] = r;
+  if (keep_sessions_) snapshot.sessions = p_.table->SessionRecords();
   out.snapshot = EncodeSnapshot(snapshot);
   std::map<uint32_t, SessionTable::ChunkOwner> owners;
   for (const auto& o : p_.table->ChunkOwners()) owners[o.chunk] = o;
@@ -97,6 +108,7 @@ void UseHandedState(const TakeoverClient& client, StateLoad* load) {
   load->state.layout = snapshot.layout;
   load->state.last_seq = snapshot.last_seq;
   load->state.regions = snapshot.regions;
+  load->state.sessions = snapshot.sessions;
 }
 
 }  // namespace memoffload::daemon

@@ -37,7 +37,7 @@ struct TakeoverParts {
 class LoopTakeoverHost : public TakeoverHost {
  public:
   explicit LoopTakeoverHost(TakeoverParts parts) : p_(std::move(parts)) {}
-  bool DrainForTakeover(pid_t pid, const std::function<bool()>& gone) override;
+  bool PauseForTakeover(pid_t pid, bool keep_sessions, const std::function<bool()>& gone) override;
   Result<HandoffState> Freeze() override;
   void ServeOn(const std::string& why) override;
   Result<HandoffListeners> Release() override;
@@ -49,6 +49,7 @@ class LoopTakeoverHost : public TakeoverHost {
   bool OnLoop(const std::function<void()>& f);
   const TakeoverParts p_;
   bool was_draining_ = false;  // an operator's drain, restored by ServeOn
+  bool keep_sessions_ = false;
 };
 
 // The state a take-over handed on, as a start's StateLoad: `load` keeps the

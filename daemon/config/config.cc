@@ -371,8 +371,9 @@ std::string FlagsHelp() {
   }
   line("  --no-mlock", "same as --mlock=false");
   line("  --take-over",
-       "take the node from the daemon serving the runtime dir: it drains and "
-       "hands on its arena, checkpoint regions and sockets, then exits (docs/restarts.md)");
+       "take the node from the daemon serving the runtime dir: it pauses its sessions and "
+       "hands on its arena, checkpoint regions, sessions and sockets, then exits; the "
+       "sessions resume here (docs/restarts.md)");
   line("  --print-config", "print the effective configuration as TOML and exit");
   line("  --version", "print the version and exit");
   line("  --help", "print this help and exit");

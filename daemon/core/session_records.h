@@ -48,6 +48,11 @@ struct Session {
   Clock::time_point opened_at;
   GroupMap groups;
   std::shared_ptr<RankSeries> series;  // may be null
+  // Handed on by a take-over and not resumed yet by its process: its calls
+  // are refused until then, and it is closed at resume_by.
+  bool detached = false;
+  Clock::time_point handed_at;
+  Clock::time_point resume_by;
 };
 
 struct Region {

@@ -80,8 +80,17 @@ void SessionTable::SetPolicy(const Policy& policy) {
 }
 
 void SessionTable::SetFrozen(bool frozen) {
-  absl::MutexLock lock(&mu_);
-  frozen_ = frozen;
+  Completions done;
+  {
+    absl::MutexLock lock(&mu_);
+    frozen_ = frozen;
+    if (frozen) {
+      FailAllWaiters(Unavailable(std::string(kTakeoverPause) +
+                                 ": this waiting reserve was answered; nothing was reserved"),
+                     RejectReason::kDraining, &done);
+    }
+  }
+  Run(&done);
 }
 
 Status SessionTable::SetDraining(bool draining) {
@@ -182,6 +191,7 @@ Result<SessionGrant> SessionTable::Open(const Hello& hello, const PeerCredential
   Completions done;
   absl::ReleasableMutexLock lock(&mu_);
   if (draining_) return DrainingRefusal("new sessions are refused");  // shutting down too
+  if (frozen_) return Unavailable(std::string(kTakeoverPause) + ": attach again in a moment");
   Session s;
   s.grant.session_id = next_session_id_++;
   s.grant.token = std::move(token).value();
@@ -244,6 +254,11 @@ Result<SessionTable::Closed> SessionTable::Close(uint64_t session_id, CloseReaso
 
 Result<SessionTable::Session*> SessionTable::Authenticate(uint64_t session_id,
                                                           const std::string& token) {
+  // First: a daemon that handed its sessions on (and closes them as it
+  // exits) must not answer NOT_FOUND for one its successor holds.
+  if (frozen_) {
+    return Unavailable(std::string(kTakeoverPause) + ": nothing was done; send it again");
+  }
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) {
     return NotFound("session " + std::to_string(session_id) +
@@ -251,6 +266,11 @@ Result<SessionTable::Session*> SessionTable::Authenticate(uint64_t session_id,
   }
   if (!ConstantTimeEquals(it->second.grant.token, token)) {
     return Unauthenticated("session token does not match session " + std::to_string(session_id));
+  }
+  if (it->second.detached) {
+    return Unavailable(std::string(kTakeoverPause) + ": session " + std::to_string(session_id) +
+                       " was handed on and waits for its process to resume it over the "
+                       "broker socket");
   }
   return &it->second;
 }
@@ -396,6 +416,11 @@ ArenaSnapshot SessionTable::Snapshot() const {
   a.read_bytes = totals.read_bytes;
   a.node_reserve_bytes = quota_.policy().node_reserve_bytes;
   a.sessions = static_cast<uint32_t>(sessions_.size());
+  a.handed_waiting = handed_waiting_;
+  a.handed_resumed = handed_resumed_;
+  a.handed_not_resumed = handed_not_resumed_;
+  a.handed_dropped = handed_dropped_;
+  a.longest_resume_wait_seconds = std::chrono::duration<double>(longest_resume_wait_).count();
   // A state session's groups are its placed blocks: counted apart.
   const Ledger::KindTotals& state = ledger_.kind(SessionKind::kState);
   a.groups = totals.groups - state.groups;

@@ -210,8 +210,11 @@ class SessionTable {
   // may still be committed, prefetched and released. Undrain is
   // FAILED_PRECONDITION once BeginShutdown was called.
   Status SetDraining(bool draining) ABSL_LOCKS_EXCLUDED(mu_);
-  // A take-over froze the table (app/takeover.h): region deletes and
-  // undrain are refused until it is unfrozen (the take-over did not happen).
+  // A take-over froze the table (app/takeover.h): until it is unfrozen (the
+  // take-over did not happen) every session's call and every new session is
+  // answered UNAVAILABLE starting with kTakeoverPause (the client waits and
+  // sends it again, to this daemon or the new one), waiting reserves too,
+  // and undrain is refused. Nothing the table holds changes meanwhile.
   void SetFrozen(bool frozen) ABSL_LOCKS_EXCLUDED(mu_);
   // Drain for exit (SIGTERM): like SetDraining(true), for good; refusals say
   // the daemon is shutting down.
@@ -264,6 +267,40 @@ class SessionTable {
   // owner in `owners` (out-of-range chunks and a mode without tenants are
   // ignored).
   void AdoptChunkOwners(const std::vector<ChunkOwner>& owners) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Sessions across a take-over (session_table_resume.cc). Every live
+  // session as a take-over hands it on: its peer, hello, token and limit,
+  // its groups (placed blocks too), the regions it is writing and those it
+  // has open. Call on a frozen table (nothing changes meanwhile).
+  std::vector<SessionRecord> SessionRecords() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Before serving, after Recover and AdoptChunkOwners: takes the handed
+  // sessions back with their groups at their offsets, each waiting for its
+  // process to resume it (Resume) within `resume_within`. A session whose
+  // record is malformed, whose extents lie outside the arena or another
+  // tenant's chunk, or overlap what is placed already, is not taken and goes
+  // to *dropped with why (its bytes stay free).
+  struct Adopted {
+    uint32_t sessions = 0;
+    uint64_t groups = 0;
+    uint64_t bytes = 0;  // its groups and the regions being written
+  };
+  Adopted AdoptSessions(const std::vector<SessionRecord>& sessions,
+                        std::chrono::milliseconds resume_within, std::vector<std::string>* dropped)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The session's process resumes it over a new broker connection: `peer`
+  // (SO_PEERCRED of that connection) must be its uid and pid
+  // (PERMISSION_DENIED), the token its own (UNAUTHENTICATED); NOT_FOUND
+  // when no session of that id awaits a resume here. *hello gets its hello,
+  // *waited how long it waited since it was taken over.
+  Result<SessionGrant> Resume(uint64_t session_id, const std::string& token,
+                              const PeerCredentials& peer, Hello* hello,
+                              std::chrono::milliseconds* waited) ABSL_LOCKS_EXCLUDED(mu_);
+  // The resumed session's metrics series (Metrics::SeriesFor of its hello).
+  void SetSeries(uint64_t session_id, std::shared_ptr<RankSeries> series) ABSL_LOCKS_EXCLUDED(mu_);
+  // Closes the handed sessions not resumed by their time (their process
+  // died during the take-over); returns a line per session closed.
+  std::vector<std::string> CloseUnresumed(std::chrono::steady_clock::time_point now)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs the allocator's invariant check plus the table's own accounting.
   Status CheckInvariants() const ABSL_LOCKS_EXCLUDED(mu_);
@@ -493,6 +530,12 @@ class SessionTable {
   TenantChunks tenant_chunks_ ABSL_GUARDED_BY(mu_);
   FreshBacking* const fresh_backing_;
   uint64_t replaced_backings_ ABSL_GUARDED_BY(mu_) = 0;
+  // A take-over's sessions (ArenaSnapshot's handed_*).
+  uint32_t handed_waiting_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t handed_resumed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t handed_not_resumed_ ABSL_GUARDED_BY(mu_) = 0;
+  uint32_t handed_dropped_ ABSL_GUARDED_BY(mu_) = 0;
+  std::chrono::milliseconds longest_resume_wait_ ABSL_GUARDED_BY(mu_){0};
 
   uint64_t next_session_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::node_hash_map<uint64_t, Session> sessions_ ABSL_GUARDED_BY(mu_);

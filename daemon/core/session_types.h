@@ -139,6 +139,14 @@ struct ArenaSnapshot {
   uint64_t committed_region_bytes = 0;
   uint64_t region_max_bytes = 0;
   uint64_t regions_expired = 0;  // deleted by their TTL, total
+  // Sessions this start took from a take-over (SessionTable::AdoptSessions):
+  // resumed by their process, waiting for it, closed as not resumed in time,
+  // and records refused; the longest a resumed one waited.
+  uint32_t handed_resumed = 0;
+  uint32_t handed_waiting = 0;
+  uint32_t handed_not_resumed = 0;
+  uint32_t handed_dropped = 0;
+  double longest_resume_wait_seconds = 0;
   // What sessions still hold in groups (a drain waits for it): all but the
   // free bytes and the regions'.
   uint64_t group_bytes() const { return capacity_bytes - free_bytes - region_bytes; }

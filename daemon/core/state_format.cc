@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 
 #include "memoffload/common/crc32c.h"
 
@@ -96,6 +97,34 @@ ArenaLayout GetLayout(Reader* r) {
   return layout;
 }
 
+// Extents, then their CRC32Cs (at most one per extent).
+void PutExtents(std::string* out, const std::vector<Extent>& extents,
+                const std::vector<uint32_t>& crcs) {
+  PutU32(out, static_cast<uint32_t>(extents.size()));
+  for (const Extent& e : extents) {
+    PutU32(out, e.chunk);
+    PutU64(out, e.offset);
+    PutU64(out, e.length);
+  }
+  PutU32(out, static_cast<uint32_t>(crcs.size()));
+  for (uint32_t crc : crcs) PutU32(out, crc);
+}
+bool GetExtents(Reader* r, std::vector<Extent>* extents, std::vector<uint32_t>* crcs) {
+  const uint32_t n = r->U32();
+  if (!r->ok() || n > kMaxStateExtents) return false;
+  for (uint32_t i = 0; i < n && r->ok(); ++i) {
+    Extent e;
+    e.chunk = r->U32();
+    e.offset = r->U64();
+    e.length = r->U64();
+    extents->push_back(e);
+  }
+  const uint32_t count = r->U32();
+  if (!r->ok() || count > n) return false;
+  for (uint32_t i = 0; i < count && r->ok(); ++i) crcs->push_back(r->U32());
+  return r->ok();
+}
+
 void PutRegion(std::string* out, const RegionRecord& region) {
   PutU32(out, region.uid);
   PutString(out, region.job_id);
@@ -104,14 +133,7 @@ void PutRegion(std::string* out, const RegionRecord& region) {
   PutU64(out, region.used_bytes);
   PutU64(out, region.ttl_ms);
   PutU64(out, DoubleBits(region.committed_unix));
-  PutU32(out, static_cast<uint32_t>(region.extents.size()));
-  for (const Extent& e : region.extents) {
-    PutU32(out, e.chunk);
-    PutU64(out, e.offset);
-    PutU64(out, e.length);
-  }
-  PutU32(out, static_cast<uint32_t>(region.extent_crc32c.size()));
-  for (uint32_t crc : region.extent_crc32c) PutU32(out, crc);
+  PutExtents(out, region.extents, region.extent_crc32c);
 }
 bool GetRegion(Reader* r, RegionRecord* region) {
   region->uid = r->U32();
@@ -121,18 +143,67 @@ bool GetRegion(Reader* r, RegionRecord* region) {
   region->used_bytes = r->U64();
   region->ttl_ms = r->U64();
   region->committed_unix = BitsDouble(r->U64());
-  const uint32_t extents = r->U32();
-  if (!r->ok() || extents > kMaxStateExtents) return false;
-  for (uint32_t i = 0; i < extents && r->ok(); ++i) {
-    Extent e;
-    e.chunk = r->U32();
-    e.offset = r->U64();
-    e.length = r->U64();
-    region->extents.push_back(e);
+  return GetExtents(r, &region->extents, &region->extent_crc32c);
+}
+
+void PutSession(std::string* out, const SessionRecord& s) {
+  PutU64(out, s.id);
+  PutString(out, s.token);
+  PutU32(out, s.uid);
+  PutU32(out, s.gid);
+  PutU32(out, static_cast<uint32_t>(s.pid));
+  PutString(out, s.job_id);
+  PutU32(out, static_cast<uint32_t>(s.rank));
+  PutU32(out, static_cast<uint32_t>(s.local_rank));
+  PutU64(out, s.max_bytes);
+  PutU64(out, s.job_max_bytes);
+  PutU16(out, s.kind);
+  PutU64(out, s.limit_bytes);
+  PutU32(out, static_cast<uint32_t>(s.groups.size()));
+  for (const GroupRecord& g : s.groups) {
+    PutU64(out, g.id);
+    PutU16(out, g.state);
+    PutU64(out, g.used_bytes);
+    PutExtents(out, g.extents, g.extent_crc32c);
   }
-  const uint32_t crcs = r->U32();
-  if (!r->ok() || crcs > extents) return false;
-  for (uint32_t i = 0; i < crcs && r->ok(); ++i) region->extent_crc32c.push_back(r->U32());
+  PutU32(out, static_cast<uint32_t>(s.writing.size()));
+  for (const RegionRecord& r : s.writing) PutRegion(out, r);
+  PutU32(out, static_cast<uint32_t>(s.opened.size()));
+  for (const std::string& name : s.opened) PutString(out, name);
+}
+bool GetSession(Reader* r, SessionRecord* s) {
+  s->id = r->U64();
+  s->token = r->String();
+  s->uid = r->U32();
+  s->gid = r->U32();
+  s->pid = static_cast<int32_t>(r->U32());
+  s->job_id = r->String();
+  s->rank = static_cast<int32_t>(r->U32());
+  s->local_rank = static_cast<int32_t>(r->U32());
+  s->max_bytes = r->U64();
+  s->job_max_bytes = r->U64();
+  s->kind = r->U16();
+  s->limit_bytes = r->U64();
+  const uint32_t groups = r->U32();
+  if (!r->ok() || groups > kMaxStateExtents) return false;
+  for (uint32_t i = 0; i < groups && r->ok(); ++i) {
+    GroupRecord g;
+    g.id = r->U64();
+    g.state = r->U16();
+    g.used_bytes = r->U64();
+    if (!GetExtents(r, &g.extents, &g.extent_crc32c)) return false;
+    s->groups.push_back(std::move(g));
+  }
+  const uint32_t writing = r->U32();
+  if (!r->ok() || writing > kMaxStateExtents) return false;
+  for (uint32_t i = 0; i < writing && r->ok(); ++i) {
+    RegionRecord region;
+    if (!GetRegion(r, &region)) return false;
+    s->writing.push_back(std::move(region));
+  }
+  const uint32_t opened = r->U32();
+  if (!r->ok() || opened > kMaxStateExtents) return false;
+  for (uint32_t i = 0; i < opened && r->ok(); ++i) s->opened.push_back(r->String());
   return r->ok();
 }
 
@@ -175,7 +246,7 @@ uint64_t RegionRecord::held_bytes() const {
 std::string EncodeJournalHeader(const ArenaLayout& layout, uint64_t instance_id,
                                 uint64_t first_seq) {
   std::string out(kJournalMagic, 8);
-  PutU32(&out, kStateFormatVersion);
+  PutU32(&out, 1);  // the journal is as v1 wrote it (v2 added sessions to snapshots only)
   PutU64(&out, first_seq);
   PutU64(&out, instance_id);
   PutLayout(&out, layout);
@@ -200,12 +271,18 @@ std::string EncodeRegionDeleted(uint64_t seq, const RegionKey& key) {
 
 std::string EncodeSnapshot(const SnapshotContents& snapshot) {
   std::string out(kSnapshotMagic, 8);
-  PutU32(&out, kStateFormatVersion);
+  // Without sessions, v1: a daemon of either version reads it.
+  const uint32_t version = snapshot.sessions.empty() ? 1 : 2;
+  PutU32(&out, version);
   PutU64(&out, snapshot.last_seq);
   PutU64(&out, snapshot.instance_id);
   PutLayout(&out, snapshot.layout);
   PutU32(&out, static_cast<uint32_t>(snapshot.regions.size()));
   for (const auto& [key, region] : snapshot.regions) PutRegion(&out, region);
+  if (version >= 2) {
+    PutU32(&out, static_cast<uint32_t>(snapshot.sessions.size()));
+    for (const SessionRecord& s : snapshot.sessions) PutSession(&out, s);
+  }
   PutU32(&out, Crc32c(out.data(), out.size()));
   return out;
 }
@@ -235,6 +312,19 @@ Result<SnapshotContents> DecodeSnapshot(const void* data, size_t size) {
     const std::string name = region.name;
     if (!s.regions.emplace(std::move(key), std::move(region)).second) {
       return DataLoss("snapshot names region " + name + " twice");
+    }
+  }
+  if (s.version >= 2 && body.ok()) {
+    const uint32_t sessions = body.U32();
+    if (sessions > kMaxStateSessions) return DataLoss("snapshot holds too many sessions");
+    std::set<uint64_t> ids;
+    for (uint32_t i = 0; i < sessions && body.ok(); ++i) {
+      SessionRecord session;
+      if (!GetSession(&body, &session)) break;
+      if (!ids.insert(session.id).second) {
+        return DataLoss("snapshot names session " + std::to_string(session.id) + " twice");
+      }
+      s.sessions.push_back(std::move(session));
     }
   }
   if (!body.ok() || !body.done()) return DataLoss("snapshot body is malformed");

@@ -3,9 +3,11 @@
 //
 // What is kept: every committed checkpoint region (its job, name, extents,
 // used bytes, per-extent CRC32Cs, TTL and commit time), the node's
-// instance_id and the arena's layout. Sessions and their groups (placed
-// state included) are not kept in this version: a restart ends them, as it
-// always did.
+// instance_id and the arena's layout. A take-over's snapshot (v2) also
+// carries the live sessions (their peer, hello, token, groups, placed
+// blocks, the regions they were writing and those they had open), which the
+// new daemon resumes; a restart still ends sessions, so the journal and the
+// stored snapshot hold none.
 //
 // Journal (one memfd, fixed size): a 64-byte header (magic, version, the
 // first sequence number, instance_id, layout; its own CRC32C), then records,
@@ -16,8 +18,9 @@
 // fails its CRC and ends the readable prefix there.
 //
 // Snapshot (one sealed memfd, written whole): magic, version, the last
-// sequence number it includes, instance_id, layout, the regions, and a
-// CRC32C of all of it.
+// sequence number it includes, instance_id, layout, the regions, (v2) the
+// sessions, and a CRC32C of all of it. A snapshot without sessions is
+// written as v1, which a daemon of either version reads.
 //
 // Integers are little-endian. Every decoder bounds every length by the bytes
 // it has (fuzzed: tests/fuzz/fuzz_state.cc). A newer version than this code
@@ -38,8 +41,8 @@
 
 namespace memoffload::daemon {
 
-// The version this code writes, and the newest it reads.
-inline constexpr uint32_t kStateFormatVersion = 1;
+// The newest version this code writes and reads. v2: sessions.
+inline constexpr uint32_t kStateFormatVersion = 2;
 inline constexpr size_t kJournalHeaderBytes = 64;
 inline constexpr size_t kJournalRecordHeaderBytes = 24;
 // Bounds a decoder holds a record to (far above anything the daemon writes).
@@ -77,6 +80,33 @@ struct RegionRecord {
 using RegionKey = std::tuple<uid_t, std::string, std::string>;  // uid, job id, name
 inline RegionKey KeyOf(const RegionRecord& r) { return {r.uid, r.job_id, r.name}; }
 
+// A live session as a take-over hands it on (snapshot v2).
+struct GroupRecord {
+  uint64_t id = 0;
+  uint16_t state = 0;  // GroupState
+  uint64_t used_bytes = 0;
+  std::vector<Extent> extents;
+  std::vector<uint32_t> extent_crc32c;
+};
+struct SessionRecord {
+  uint64_t id = 0;
+  std::string token;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  int32_t pid = 0;
+  std::string job_id;
+  int32_t rank = -1;
+  int32_t local_rank = -1;
+  uint64_t max_bytes = 0;
+  uint64_t job_max_bytes = 0;
+  uint16_t kind = 0;  // SessionKind
+  uint64_t limit_bytes = 0;
+  std::vector<GroupRecord> groups;
+  std::vector<RegionRecord> writing;  // regions it was writing (not committed)
+  std::vector<std::string> opened;    // its job's regions it had open, once per open
+};
+inline constexpr uint32_t kMaxStateSessions = 1 << 16;
+
 enum class JournalRecordType : uint16_t { kRegionCommitted = 1, kRegionDeleted = 2 };
 
 // The encoders (what the daemon writes).
@@ -91,6 +121,7 @@ struct SnapshotContents {
   uint64_t instance_id = 0;
   ArenaLayout layout;
   std::map<RegionKey, RegionRecord> regions;
+  std::vector<SessionRecord> sessions;  // a take-over's only
 };
 std::string EncodeSnapshot(const SnapshotContents& snapshot);
 
@@ -124,8 +155,9 @@ struct ReplayedState {
   ArenaLayout layout;
   uint64_t last_seq = 0;
   std::map<RegionKey, RegionRecord> regions;
-  uint64_t journal_records = 0;    // replayed after the snapshot
-  std::vector<std::string> notes;  // what was skipped, and why
+  std::vector<SessionRecord> sessions;  // a take-over's
+  uint64_t journal_records = 0;         // replayed after the snapshot
+  std::vector<std::string> notes;       // what was skipped, and why
 };
 ReplayedState Replay(const SnapshotContents* snapshot,
                      const std::vector<JournalContents>& journals);

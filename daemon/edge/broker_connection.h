@@ -1,6 +1,7 @@
 // Broker::Connection: one attached (or attaching) client of the broker.
 // Private to broker.cc, which includes it once (the class is defined inline
-// there for Broker's use), and to broker_connection_send.cc (its write path);
+// there for Broker's use), to broker_connection_send.cc (its write path) and
+// broker_connection_resume.cc (a resume);
 // see broker.h for the rules it keeps.
 #ifndef MEMOFFLOAD_DAEMON_SRC_BROKER_CONNECTION_H_
 #define MEMOFFLOAD_DAEMON_SRC_BROKER_CONNECTION_H_
@@ -226,6 +227,7 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     if (std::string denied = AccessDenied(broker_->policy_, peer_); !denied.empty()) {
       return Refuse("access_denied", PermissionDenied(denied));
     }
+    if (IsResume(payload_)) return OnResume();
     Result<Hello> hello = DecodeHello(payload_);
     if (!hello.ok()) return Refuse("bad_hello", hello.status());
     hello_ = *hello;
@@ -236,16 +238,26 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
           grant.status().code() == StatusCode::kUnavailable ? "draining" : "session_error",
           grant.status());
     }
-    session_id_ = grant->session_id;
-    Result<std::vector<OutFrame>> frames = GrantFrames(*grant);
+    Granted(*grant, "attached");
+  }
+
+  // A session a take-over handed on, resumed by its process (attach_wire.h;
+  // broker_connection_resume.cc).
+  void OnResume();
+
+  // The session is this connection's: its chunk table goes out, then the
+  // connection is its lifeline.
+  void Granted(const SessionGrant& grant, const std::string& how) {
+    session_id_ = grant.session_id;
+    Result<std::vector<OutFrame>> frames = GrantFrames(grant);
     if (!frames.ok()) {
       MO_LOG_WARN("attach of pid %d failed while building the chunk table: %s", peer_.pid,
                   frames.status().ToString().c_str());
       return Finish();
     }
-    broker_->metrics_->SessionOpened();
-    MO_LOG_INFO("session %lu attached: pid %d, uid %u, job '%s'%s (instance %016lx)",
-                static_cast<unsigned long>(session_id_), peer_.pid, peer_.uid,
+    if (how == "attached") broker_->metrics_->SessionOpened();
+    MO_LOG_INFO("session %lu %s: pid %d, uid %u, job '%s'%s (instance %016lx)",
+                static_cast<unsigned long>(session_id_), how.c_str(), peer_.pid, peer_.uid,
                 hello_.job_id.c_str(), RankLabel(hello_.rank, hello_.local_rank).c_str(),
                 static_cast<unsigned long>(broker_->options_.instance_id));
     WatchProcess();

@@ -88,6 +88,7 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
     const ArenaSnapshot s = table_->Snapshot();
     std::vector<prometheus::MetricFamily> out;
     AddArenaFamilies(s, &out);
+    AddTakeoverFamilies(s, &out);
     AddKindFamilies(s, &out);
     AddBackingFamilies(s, &out);
     AddRegionFamilies(s, &out);
@@ -132,6 +133,26 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
         "Changes (journal records, chunk memfds) the state store could not keep since the "
         "start: a restart may lose what changed since (the log says what).",
         info_.state_errors ? static_cast<double>(info_.state_errors()) : 0));
+  }
+
+  // The sessions a take-over handed to this start, and how they came back.
+  static void AddTakeoverFamilies(const ArenaSnapshot& s,
+                                  std::vector<prometheus::MetricFamily>* out) {
+    auto sessions = GaugeFamily(
+        "memoffload_takeover_sessions",
+        "Sessions a take-over handed to this daemon, by outcome: resumed (by their own "
+        "process), waiting (for it, up to 30 s), not_resumed (closed at that time), dropped "
+        "(their record refused, named in the log). All 0 after an ordinary start.");
+    AddGauge(&sessions, s.handed_resumed, {{"outcome", "resumed"}});
+    AddGauge(&sessions, s.handed_waiting, {{"outcome", "waiting"}});
+    AddGauge(&sessions, s.handed_not_resumed, {{"outcome", "not_resumed"}});
+    AddGauge(&sessions, s.handed_dropped, {{"outcome", "dropped"}});
+    out->push_back(std::move(sessions));
+    auto wait = GaugeFamily("memoffload_takeover_resume_wait_seconds",
+                            "The longest a handed session waited for its resume, from the "
+                            "take-over's hand-over (its process's calls paused meanwhile).");
+    AddGauge(&wait, s.longest_resume_wait_seconds);
+    out->push_back(std::move(wait));
   }
 
   // The arena's bytes by state, its shape, its sessions and groups.

@@ -15,6 +15,7 @@ enum class MessageType : uint8_t {
   kLinkKeyRequest = 6,
   kLinkKeyReply = 7,
   kNotice = 8,
+  kResume = 9,
 };
 // Header: magic (4), version (2), type (1).
 constexpr size_t kTypeOffset = 6;
@@ -167,6 +168,30 @@ Result<Hello> DecodeHello(const std::string& bytes) {
   }
   MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
   return h;
+}
+
+std::string EncodeResume(const Resume& resume) {
+  Writer w(MessageType::kResume, kAttachProtocolVersion);
+  w.U64(resume.session_id);
+  w.Str(resume.session_token);
+  return w.Take();
+}
+
+Result<Resume> DecodeResume(const std::string& bytes) {
+  Reader r(bytes);
+  uint16_t version = 0;
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kResume, &version));
+  Resume out;
+  if (!r.U64(&out.session_id) || !r.Str(&out.session_token, kMaxStringBytes)) {
+    return Reader::Truncated();
+  }
+  MEMOFFLOAD_RETURN_IF_ERROR(r.Finish());
+  return out;
+}
+
+bool IsResume(const std::string& bytes) {
+  return bytes.size() > kTypeOffset &&
+         static_cast<uint8_t>(bytes[kTypeOffset]) == static_cast<uint8_t>(MessageType::kResume);
 }
 
 std::string EncodeAttachReply(const AttachReply& reply) {

@@ -81,6 +81,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     fuzz::Check(chunk_request.status().code() == StatusCode::kInvalidArgument,
                 "DecodeChunkRequest failed with " + chunk_request.status().ToString());
   }
+  Result<Resume> resume = DecodeResume(input);
+  if (resume.ok()) {
+    fuzz::Check(IsResume(input), "a resume of another type accepted");
+    fuzz::Check(EncodeResume(*resume) == input, "resume does not re-encode to its input");
+  } else {
+    fuzz::Check(resume.status().code() == StatusCode::kInvalidArgument,
+                "DecodeResume failed with " + resume.status().ToString());
+  }
   Result<Hello> hello = DecodeHello(input);
   if (!hello.ok()) {
     fuzz::Check(hello.status().code() == StatusCode::kInvalidArgument,

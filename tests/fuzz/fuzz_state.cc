@@ -7,7 +7,10 @@
 //     sequence, and re-encoding them gives records of the same length that
 //     decode whole;
 //   - whatever Recover places or drops, the table's invariants hold and every
-//     kept region reads back with its own extents.
+//     kept region reads back with its own extents;
+//   - a take-over's sessions (v2) are placed back or dropped, each counted
+//     once, the invariants hold, and closing them frees all they held.
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -18,7 +21,8 @@
 namespace memoffload::fuzz {
 namespace {
 
-void PlaceAndCheck(const std::map<daemon::RegionKey, daemon::RegionRecord>& regions) {
+void PlaceAndCheck(const std::map<daemon::RegionKey, daemon::RegionRecord>& regions,
+                   const std::vector<daemon::SessionRecord>& sessions = {}) {
   daemon::Arena* arena = SharedArena();
   std::vector<daemon::RegionRecord> list;
   for (const auto& [key, r] : regions) list.push_back(r);
@@ -28,6 +32,28 @@ void PlaceAndCheck(const std::map<daemon::RegionKey, daemon::RegionRecord>& regi
   daemon::SessionTable::Recovered got = table.Recover(list, &dropped);
   Check(got.regions + dropped.size() == list.size(), "Recover lost count of a region");
   CheckOk(table.CheckInvariants(), "table invariants after Recover");
+  if (!sessions.empty()) {
+    // The owners a take-over would name: each session's chunks its uid's.
+    std::vector<daemon::SessionTable::ChunkOwner> owners;
+    for (const daemon::SessionRecord& s : sessions) {
+      for (const daemon::GroupRecord& g : s.groups) {
+        for (const Extent& e : g.extents) {
+          owners.push_back({e.chunk, "uid:" + std::to_string(s.uid), s.uid});
+        }
+      }
+    }
+    table.AdoptChunkOwners(owners);
+    std::vector<std::string> gone;
+    daemon::SessionTable::Adopted adopted =
+        table.AdoptSessions(sessions, std::chrono::seconds(1), &gone);
+    Check(adopted.sessions + gone.size() == sessions.size(), "AdoptSessions lost a session");
+    CheckOk(table.CheckInvariants(), "table invariants after AdoptSessions");
+    for (const daemon::SessionSnapshot& s : table.ListSessions()) {
+      CheckOk(table.Close(s.session_id, daemon::CloseReason::kLifelineClosed).status(),
+              "closing an adopted session");
+    }
+    CheckOk(table.CheckInvariants(), "table invariants after closing the sessions");
+  }
   for (const daemon::RegionRecord& r : table.CommittedRegions()) {
     Check(regions.count(daemon::KeyOf(r)) == 1, "Recover placed a region it was not given");
     // The arena is shared by every iteration: give the region back.
@@ -52,7 +78,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     Check(back.ok() && back->regions.size() == s->regions.size() && back->last_seq == s->last_seq &&
               back->instance_id == s->instance_id,
           "a decoded snapshot does not survive re-encoding");
-    memoffload::fuzz::PlaceAndCheck(s->regions);
+    Check(back.ok() && back->sessions.size() == s->sessions.size(),
+          "a decoded snapshot's sessions do not survive re-encoding");
+    memoffload::fuzz::PlaceAndCheck(s->regions, s->sessions);
   } else {
     Check(!s.status().message().empty(), "snapshot refused without a message");
   }

@@ -12,7 +12,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAGIC, VERSION = 0x4C464F4D, 3
-HELLO, ATTACH_REPLY, CHUNK_FD_BATCH, NOTICE = 1, 2, 3, 8
+HELLO, ATTACH_REPLY, CHUNK_FD_BATCH, NOTICE, RESUME = 1, 2, 3, 8, 9
 # SessionKind: other, activations, state, checkpoints.
 KIND_OTHER, KIND_ACTIVATIONS, KIND_STATE, KIND_CHECKPOINTS = 0, 1, 2, 3
 
@@ -71,6 +71,8 @@ write("fuzz_hello", "checkpoints_kind", hello("job", 2, 0, kind=KIND_CHECKPOINTS
 write("fuzz_hello", "bad_kind", hello("job", 2, 0, kind=4))
 write("fuzz_hello", "bad_version", header(HELLO, 2) + hello()[7:])
 write("fuzz_hello", "truncated", hello("job", 1, 1)[:-3])
+write("fuzz_hello", "resume", header(RESUME) + struct.pack("<Q", 7) + s("x" * 43))
+write("fuzz_hello", "resume_cut", (header(RESUME) + struct.pack("<Q", 7) + s("tok"))[:-2])
 
 token = "0123456789abcdef0123456789abcdef"
 write("fuzz_attach_reply", "granted", attach_reply(
@@ -155,3 +157,23 @@ torn = journal_record(4, 1, region_payload(1001, "job2", "c", [(2, 0, 4096)], []
 write("fuzz_state", "journal", head + records + torn + b"\0" * 64)
 with open(os.path.join(HERE, "..", "daemon", "core", "data", "state_v1.snapshot"), "rb") as f:
     write("fuzz_state", "snapshot_v1", f.read())
+
+
+# A take-over's v2 snapshot: a region and a session (groups, a region it
+# writes, one it has open).
+def extents_crcs(extents, crcs):
+    return (struct.pack("<I", len(extents)) + b"".join(struct.pack("<IQQ", *e) for e in extents)
+            + struct.pack("<I", len(crcs)) + b"".join(struct.pack("<I", c) for c in crcs))
+
+
+session = struct.pack("<Q", 3) + s("t" * 43) + struct.pack("<IIi", 1000, 1000, 4242) + s("job")
+session += struct.pack("<iiQQHQ", 0, 0, 0, 0, KIND_STATE, 1 << 30)
+session += struct.pack("<I", 2)
+session += struct.pack("<QHQ", 1, 1, 4000) + extents_crcs([(0, 16384, 4096)], [9])
+session += struct.pack("<QHQ", 2, 0, 0) + extents_crcs([(1, 0, 8192), (2, 0, 4096)], [])
+session += struct.pack("<I", 1) + region_payload(1000, "job", "half", [(3, 0, 4096)], [])
+session += struct.pack("<I", 1) + s("b")
+snap = b"MOSNAPSH" + struct.pack("<IQQ", 2, 2, 0x1234) + struct.pack("<QQI", 4 << 20, 1 << 20, 4096)
+snap += struct.pack("<I", 1) + region_payload(1000, "job", "b", [(1, 8192, 8192)], [])
+snap += struct.pack("<I", 1) + session
+write("fuzz_state", "snapshot_v2_sessions", snap + struct.pack("<I", crc32c(snap)))

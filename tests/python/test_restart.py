@@ -234,8 +234,8 @@ def test_a_state_of_a_newer_format_is_refused_and_not_released(node, tmp_path):
     d = start()
     write(rt, "job", ["kept"])
     d.stop()
-    # A snapshot a newer daemon wrote (version 2), numbered after the kept one.
-    body = b"MOSNAPSH" + (2).to_bytes(4, "little") + b"\0" * 40
+    # A snapshot a newer daemon wrote (version 3), numbered after the kept one.
+    body = b"MOSNAPSH" + (3).to_bytes(4, "little") + b"\0" * 40
     fd = kw.sealed_memfd(body + b"\0\0\0\0")
     kw.put(str(rt), "mo-snapshot@999999", fd)
     os.close(fd)
@@ -244,7 +244,7 @@ def test_a_state_of_a_newer_format_is_refused_and_not_released(node, tmp_path):
                           "--chunk-size=16MiB", "--metrics-address=none"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode != 0
-    assert "format v2 was written by a newer memoffloadd" in out.stderr + out.stdout, out
+    assert "format v3 was written by a newer memoffloadd" in out.stderr + out.stdout, out
     assert "refusing to start so as not to drop it" in out.stderr, out.stderr
     held = kw.take(str(rt))
     try:

@@ -21,13 +21,15 @@ from pathlib import Path
 import pytest
 import torch  # noqa: F401
 
+import memoffload.torch as mot
 from memoffload import _C
 from memoffload.torch.state import rehome
 
 import keeper_wire as kw
-from conftest import Daemon, bin_dir, free_port
+from conftest import Daemon, bin_dir, clone_model, free_port, step_both
+from models import DecoderStack, tokens
 from restart_writer import SIZE, content
-from test_state_moves import Pair, step_until_moved, step_until_placed
+from test_state_moves import Pair
 
 NOBODY = 65534
 
@@ -77,6 +79,10 @@ def rt(tmp_path):
 
 
 def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatch, caplog):
+    """Offloaded activations, placed AdamW state and node checkpoints across
+    two take-overs: the sessions resume on the new daemon (same ids, same
+    memory), every step bit for bit against unoffloaded twins, no group
+    skipped and nothing moved out of the arena."""
     monkeypatch.setattr(rehome, "REATTACH_S", 0.0)
     caplog.set_level(logging.INFO, logger="memoffload")
     port = free_port()
@@ -84,51 +90,126 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
     old = Daemon(rt, "256MiB", "16MiB", args).start()
     instance = write(rt, "ckpt", ["a", "b"])
     pair = Pair(str(rt), "takeover")
-    for _ in range(2):
+    torch.manual_seed(0)
+    model = DecoderStack(layers=3)
+    ref = clone_model(model)
+    off = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=str(rt))
+
+    def step() -> None:
+        step_both(model, ref, tokens())
         pair.step()
+
+    for _ in range(2):
+        step()
+    off.flush()
     assert pair.placed() == pair.states() > 0
     assert "memoffload_uptime_seconds" in metrics(port)
+    before = off.stats()
+    state_session = pair.placement.stats()["session_id"]
 
-    new = Daemon(rt, "256MiB", "16MiB", [*args, "--take-over"]).spawn()
-    # The old daemon drains: the placed state moves into this process at the
-    # next step, and the hand-over follows without waiting for the deadline.
-    step_until_moved(pair)
-    assert old.proc.wait(timeout=20) == 0, old.log.read_text()
-    log = old.log.read_text()
-    assert f"take-over: the node is pid {new.proc.pid}'s now; exiting" in log, log
-    assert "handed over: stopped, leaving the runtime dir to the new daemon" in log
-    # The new one serves on the same sockets, with the same node identity.
-    assert read_back(rt, "ckpt", ["a", "b"]) == instance
-    assert new.proc.poll() is None
-    assert f"memoffloadd[{new.proc.pid}] INFO took over the node: 2 checkpoint regions" in \
-        new.log.read_text()
-    step_until_placed(pair)
-    assert pair.placed() == pair.states()
-    for _ in range(2):
+    serving = old
+    for n in range(2):
+        new = Daemon(rt, "256MiB", "16MiB", [*args, "--take-over"]).spawn()
+        # Training goes on meanwhile: calls the old daemon answers with the
+        # take-over's pause are sent again, to the new one once the sessions
+        # resumed there.
+        deadline = time.monotonic() + 30
+        while serving.proc.poll() is None:
+            assert time.monotonic() < deadline, serving.log.read_text()
+            step()
+        assert serving.proc.returncode == 0, serving.log.read_text()
+        log = serving.log.read_text()
+        assert f"take-over: the node is pid {new.proc.pid}'s now; exiting" in log, log
+        assert "pausing the sessions" in log and "draining" not in log, log
+        for _ in range(3):
+            step()
+        off.flush()
+        new_log = new.log.read_text()
+        assert f"memoffloadd[{new.proc.pid}] INFO took over the node: 2 checkpoint regions" in \
+            new_log
+        assert "sessions to resume" in new_log, new_log
+        resumed = [line for line in new_log.splitlines()
+                   if f"memoffloadd[{new.proc.pid}]" in line and " resumed after " in line]
+        assert len(resumed) == 2, new_log  # the offloader's session and the placement's
+        # The same node, the same sessions, the same memory.
+        assert read_back(rt, "ckpt", ["a", "b"]) == instance
+        assert pair.placement.stats()["session_id"] == state_session
+        assert pair.placement.stats()["moves"] == 0
+        assert pair.placed() == pair.states()
+        s = off.stats()
+        assert s["skipped_bytes"] == before["skipped_bytes"], (n, str(s))
+        assert s["reconnects"] == before["reconnects"] and s["connected"], s
+        assert s["offloaded_bytes"] > before["offloaded_bytes"]
+        before = s
+        assert pair.mismatches == [], pair.mismatches[:10]
+        if n == 0:
+            # Its metrics on the same port, and the sockets, lock and token.
+            assert "memoffload_state_recovered_regions" in metrics(port)
+            for name in ("broker.sock", "memoffload.sock", "memoffloadd.lock", "admin.token",
+                         "takeover.sock"):
+                assert (rt / name).exists(), name
+        serving = new
+    assert any("resumed on the memoffloadd that took the node over" in r.getMessage()
+               for r in caplog.records)
+    off.remove()
+    # A plain SIGTERM at the end: the placed state moves out at the next
+    # step and the daemon exits without waiting out its drain.
+    new.proc.terminate()
+    deadline = time.monotonic() + 20
+    while pair.placement.stats()["moves"] == 0:
+        assert time.monotonic() < deadline, new.log.read_text()[-3000:]
         pair.step()
+        time.sleep(0.01)
+    assert new.proc.wait(timeout=20) == 0, new.log.read_text()[-3000:]
     assert pair.mismatches == [], pair.mismatches[:10]
-    # Its metrics on the same port, and the sockets, lock and token still there.
-    assert "memoffload_state_recovered_regions" in metrics(port)
-    for name in ("broker.sock", "memoffload.sock", "memoffloadd.lock", "admin.token",
-                 "takeover.sock"):
-        assert (rt / name).exists(), name
-    # And a later take-over of the new one works the same way.
-    third = Daemon(rt, "256MiB", "16MiB", [*args, "--take-over"]).spawn()
-    step_until_moved_again(pair)
-    assert new.proc.wait(timeout=20) == 0
-    assert read_back(rt, "ckpt", ["a", "b"]) == instance
-    third.stop()
-    assert third.proc.returncode == 0
     assert not (rt / "broker.sock").exists()  # the last one cleans up after itself
 
 
-def step_until_moved_again(pair: Pair) -> None:
-    moves = pair.placement.stats()["moves"]
-    deadline = time.monotonic() + 20
-    while pair.placement.stats()["moves"] == moves and time.monotonic() < deadline:
-        pair.step()
-        time.sleep(0.01)
-    assert pair.placement.stats()["moves"] == moves + 1
+def test_a_handed_session_resumes_only_from_its_own_process(rt):
+    """A session a take-over handed on waits for its process: another
+    process of the uid that learned its token is refused (the table's tests
+    cover another uid and the token alone over gRPC); its own process
+    resumes it, once."""
+    old = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    holder = subprocess.Popen([str(bin_dir() / "resume_probe"), "hold", str(rt)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        head = holder.stdout.readline().split()
+        assert head[0] == "SESSION", head
+        sid, token = head[1], head[2]
+        new = Daemon(rt, "64MiB", "16MiB", ["--log-level=info", "--take-over"]).spawn()
+        assert old.proc.wait(timeout=30) == 0, old.log.read_text()
+        wait_for_log(new, "sessions to resume")
+
+        def resume(*extra: str) -> str:
+            out = subprocess.run([str(bin_dir() / "resume_probe"), "resume", str(rt), sid, token,
+                                  *extra], capture_output=True, text=True, timeout=30)
+            return out.stdout.strip()
+
+        assert resume().startswith("ANSWER PERMISSION_DENIED session " + sid + " is pid " +
+                                   str(holder.pid)), resume()
+        holder.stdin.write("resume\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "ANSWER OK", new.log.read_text()
+        assert f"session {sid} resumed after " in new.log.read_text()
+        # Once: it is attached now.
+        holder.stdin.write("resume\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().startswith("ANSWER NOT_FOUND")
+        assert resume().startswith("ANSWER NOT_FOUND")
+        holder.kill()
+        holder.wait()
+        deadline = time.monotonic() + 10
+        while new.status()["sessions"] != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+        for d in (old, new):
+            if d.proc.poll() is None:
+                d.stop()
 
 
 def test_only_the_daemon_s_uid_may_ask(tmp_path):
@@ -239,7 +320,7 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
         s.connect(str(rt / "takeover.sock"))
         kw.send(s, b"takeover 0")
         payload, _ = kw.recv(s)
-        assert payload.startswith(b"refused it reads state formats up to v0"), payload
+        assert payload.startswith(b"refused it names no state format it reads"), payload
         s.close()
         assert d.proc.poll() is None
     finally:
@@ -293,7 +374,7 @@ class FakeServingDaemon:
         conn, _ = self.sock.accept()
         conn.settimeout(30)
         request, _ = kw.recv(conn)
-        assert request == b"takeover 1", request
+        assert request == b"takeover 2", request
         try:
             for payload, fds in frames:
                 kw.send(conn, payload, fds)
@@ -319,7 +400,7 @@ def test_a_new_daemon_refuses_a_forged_state(rt, forgery):
     snapshot = Path(__file__).parents[1] / "daemon/core/data/state_v1.snapshot"
     body = snapshot.read_bytes()
     if forgery == "newer_snapshot":
-        body = body[:8] + struct.pack("<I", 2) + body[12:]
+        body = body[:8] + struct.pack("<I", 3) + body[12:]
     elif forgery == "damaged_snapshot":
         body = body[:40] + bytes([body[40] ^ 1]) + body[41:]
     snap_fd = kw.sealed_memfd(body)
@@ -346,7 +427,7 @@ def test_a_new_daemon_refuses_a_forged_state(rt, forgery):
     out = _take_over(rt)
     t.join(timeout=60)
     assert out.returncode != 0, out.stdout
-    expected = {"newer_snapshot": "format v2 was written by a newer memoffloadd",
+    expected = {"newer_snapshot": "format v3 was written by a newer memoffloadd",
                 "damaged_snapshot": "fails its CRC32C",
                 "chunk_not_a_memfd": "chunk 1: not a memfd",
                 "chunk_of_another_size": "chunk 2: holds 8388608 bytes"}[forgery]

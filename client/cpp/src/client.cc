@@ -87,6 +87,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   if (!dir.ok()) return dir.status();
   impl->runtime_dir = dir->path;
   impl->rpc_timeout_ms = options.rpc_timeout_ms;
+  impl->rank = options.rank;
   Result<int> fd = ConnectVerified(*dir, kBrokerSocketName);
   if (!fd.ok()) return fd.status();
   impl->lifeline_fd = *fd;
@@ -278,7 +279,7 @@ Status Client::Release(uint64_t group_id, const CopyStats& copy) {
   v1::ReleaseResponse resp;
   Status st = impl_->Call(&v1::Offload::Stub::Release, &req, &resp);
   // A session that is gone holds nothing: its groups went with it.
-  if (!st.ok() && impl_->LifelineClosed()) return Status::Ok();
+  if (!st.ok() && impl_->SessionGone()) return Status::Ok();
   return st;
 }
 
@@ -342,7 +343,8 @@ Status Client::MapChunks(const std::vector<uint32_t>& chunks) {
 }
 uint64_t Client::session_id() const { return impl_->reply.session_id; }
 uint64_t Client::instance_id() const { return impl_->reply.instance_id; }
-bool Client::session_lost() const { return impl_->LifelineClosed(); }
+bool Client::session_lost() const { return impl_->SessionGone(); }
+uint64_t Client::resumes() const { return impl_->resumed.load(); }
 bool Client::leave_requested() const {
   if (impl_->leave.load()) return true;
   absl::MutexLock lock(&impl_->map_mu);

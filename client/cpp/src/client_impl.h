@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -101,27 +102,85 @@ class Client::Impl {
     if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
     return lost.load();
   }
+  // A take-over (memoffloadd --take-over) hands this session to a new
+  // daemon: the old one answers kTakeoverPause until it exits, its exit
+  // closes the lifeline, and the session is resumed on the new one over a
+  // new broker connection (client_resume.cc). Once per closed lifeline: a
+  // daemon that cannot resume it (a restart, a crash) ended it, and that
+  // answer stays. OK while the lifeline is open.
+  Status Resume() ABSL_LOCKS_EXCLUDED(resume_mu, map_mu);
+  // Resume's one attempt.
+  Status ResumeOnce() ABSL_LOCKS_EXCLUDED(map_mu);
+  absl::Mutex resume_mu;
+  bool resume_tried ABSL_GUARDED_BY(resume_mu) = false;
+  Status resume_status ABSL_GUARDED_BY(resume_mu);
+  std::atomic<uint64_t> resumed{0};  // sessions resumed, for stats and tests
+  int rank = -1;                     // for log lines
+  // Whether the daemon ended this session: its lifeline closed and no
+  // daemon resumed it.
+  bool SessionGone() { return LifelineClosed() && !Resume().ok(); }
+
   // One unary call of the session: its credentials filled in, the RPC
   // deadline (`timeout_ms`, or rpc_timeout_ms when 0), gRPC's status as ours
   // (FromGrpc). The caller decides what a failure means (SessionGoneOr).
+  // Across a take-over the call waits (at most rpc_timeout_ms in all) and
+  // is sent again: the daemon did nothing with a call it answered
+  // kTakeoverPause, nor with one its gRPC transport never took.
   template <typename Request, typename Response>
   Status Call(grpc::Status (v1::Offload::Stub::*method)(grpc::ClientContext*, const Request&,
                                                         Response*),
               Request* req, Response* resp, int timeout_ms = 0) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto until = start + std::chrono::milliseconds(std::max(rpc_timeout_ms, 1));
+    for (;;) {
+      bool transport = false;
+      Status st = CallOnce(method, req, resp, timeout_ms, &transport);
+      const bool paused = st.code() == StatusCode::kUnavailable &&
+                          st.message().find(kTakeoverPause) != std::string::npos;
+      const auto now = std::chrono::steady_clock::now();
+      // A broken transport is waited out for a moment only: the daemon may be
+      // handing over (its lifeline closes next), or gone. A call the daemon
+      // cancelled as it stopped, once the lifeline closed, is sent again
+      // only to a daemon that resumes the session (the old one was frozen:
+      // it did nothing with it).
+      const bool cancelled = st.code() == StatusCode::kCancelled && LifelineClosed();
+      if (!(paused || cancelled || (transport && now - start < std::chrono::seconds(2))) ||
+          now >= until) {
+        return st;
+      }
+      if (LifelineClosed()) {
+        if (!Resume().ok()) return st;
+        continue;
+      }
+      // Until the old daemon exits (its lifeline closes: resume at once) or
+      // a while passes (a take-over that did not happen: the old one serves
+      // on). Asking again sooner only takes CPU from the take-over.
+      pollfd p{lifeline_fd, POLLRDHUP, 0};
+      (void)poll(&p, 1, paused ? 50 : 20);
+    }
+  }
+  template <typename Request, typename Response>
+  Status CallOnce(grpc::Status (v1::Offload::Stub::*method)(grpc::ClientContext*, const Request&,
+                                                            Response*),
+                  Request* req, Response* resp, int timeout_ms, bool* transport) {
     FillCredentials(req->mutable_session(), reply.session_id, reply.session_token);
     Result<std::shared_ptr<v1::Offload::Stub>> stub = channel->Stub();
-    if (!stub.ok()) return stub.status();
+    if (!stub.ok()) {
+      *transport = stub.status().code() == StatusCode::kUnavailable;
+      return stub.status();
+    }
     grpc::ClientContext ctx;
     SetDeadline(&ctx, timeout_ms > 0 ? timeout_ms : rpc_timeout_ms);
     const grpc::Status st = ((**stub).*method)(&ctx, *req, resp);
-    if (TransportFailed(st)) channel->Failed(*stub);
+    *transport = TransportFailed(st);
+    if (*transport) channel->Failed(*stub);
     return FromGrpc(st, channel->socket_path());
   }
   // A failed call of a session that is gone is UNAVAILABLE, whatever the
   // daemon answered (a restarted daemon says NOT_FOUND or UNAUTHENTICATED for
   // a session it never knew): the caller attaches again.
   Status SessionGoneOr(const Status& st) {
-    if (st.ok() || !LifelineClosed()) return st;
+    if (st.ok() || !SessionGone()) return st;
     return Unavailable("memoffloadd ended session " + std::to_string(reply.session_id) +
                        " (the daemon restarted or dropped its broker connection): attach again; "
                        "the daemon said: " +

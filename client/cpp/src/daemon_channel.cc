@@ -68,4 +68,9 @@ void DaemonChannel::Failed(const std::shared_ptr<v1::Offload::Stub>& stub) {
   if (stub == stub_) failed_ = true;
 }
 
+void DaemonChannel::Renew() {
+  absl::MutexLock lock(&mu_);
+  failed_ = true;
+}
+
 }  // namespace memoffload::client

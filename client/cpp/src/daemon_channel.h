@@ -43,6 +43,10 @@ class DaemonChannel {
   // looks open (gRPC may have given up on it on its own).
   void Failed(const std::shared_ptr<v1::Offload::Stub>& stub) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The next Stub() connects anew: the session moved to the daemon that
+  // took the node over, and the old one's connection may still answer.
+  void Renew() ABSL_LOCKS_EXCLUDED(mu_);
+
   // The gRPC socket's resolved path, for messages (FromGrpc); the first
   // connection's (a reconnect may resolve another, named in its errors).
   const std::string& socket_path() const { return socket_path_; }

@@ -67,10 +67,74 @@ TEST(StateFormat, SnapshotRoundTrips) {
   for (const auto& [key, r] : s.regions) ExpectSame(r, back->regions.at(key));
 }
 
+SessionRecord Session(uint64_t id) {
+  SessionRecord s;
+  s.id = id;
+  s.token = "t0ken-" + std::to_string(id);
+  s.uid = 1000;
+  s.gid = 100;
+  s.pid = 4242;
+  s.job_id = "job a";
+  s.rank = 3;
+  s.local_rank = 1;
+  s.max_bytes = 1 << 20;
+  s.kind = 2;
+  s.limit_bytes = 8 << 20;
+  s.groups = {GroupRecord{7, 1, 5000, {Extent{0, 0, 8192}}, {0xdeadbeef}},
+              GroupRecord{9, 0, 0, {Extent{1, 4096, 4096}, Extent{2, 0, 4096}}, {}}};
+  s.writing = {Region("half", 3, 0)};
+  s.opened = {"a", "a"};
+  return s;
+}
+
+// A take-over's snapshot carries the sessions (v2); one without sessions is
+// still written as v1, which an older daemon reads.
+TEST(StateFormat, SessionsRoundTripAsV2AndNoneIsV1) {
+  SnapshotContents s;
+  s.layout = kLayout;
+  s.regions[KeyOf(Region("a", 0, 0))] = Region("a", 0, 0);
+  std::string bytes = EncodeSnapshot(s);
+  EXPECT_EQ(bytes[8], 1);
+  s.sessions = {Session(5), Session(6)};
+  bytes = EncodeSnapshot(s);
+  EXPECT_EQ(bytes[8], 2);
+  Result<SnapshotContents> back = DecodeSnapshot(bytes.data(), bytes.size());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->sessions.size(), 2u);
+  const SessionRecord& a = s.sessions[0];
+  const SessionRecord& b = back->sessions[0];
+  EXPECT_EQ(b.id, 5u);
+  EXPECT_EQ(b.token, a.token);
+  EXPECT_EQ(b.uid, a.uid);
+  EXPECT_EQ(b.gid, a.gid);
+  EXPECT_EQ(b.pid, a.pid);
+  EXPECT_EQ(b.job_id, a.job_id);
+  EXPECT_EQ(b.rank, 3);
+  EXPECT_EQ(b.local_rank, 1);
+  EXPECT_EQ(b.max_bytes, a.max_bytes);
+  EXPECT_EQ(b.kind, 2);
+  EXPECT_EQ(b.limit_bytes, a.limit_bytes);
+  ASSERT_EQ(b.groups.size(), 2u);
+  EXPECT_EQ(b.groups[0].id, 7u);
+  EXPECT_EQ(b.groups[0].state, 1);
+  EXPECT_EQ(b.groups[0].used_bytes, 5000u);
+  EXPECT_EQ(b.groups[0].extent_crc32c, std::vector<uint32_t>{0xdeadbeef});
+  ASSERT_EQ(b.groups[1].extents.size(), 2u);
+  EXPECT_EQ(b.groups[1].extents[1].chunk, 2u);
+  ASSERT_EQ(b.writing.size(), 1u);
+  ExpectSame(b.writing[0], a.writing[0]);
+  EXPECT_EQ(b.opened, a.opened);
+  // Two sessions of one id: refused.
+  s.sessions[1].id = 5;
+  bytes = EncodeSnapshot(s);
+  EXPECT_EQ(DecodeSnapshot(bytes.data(), bytes.size()).status().code(), StatusCode::kDataLoss);
+}
+
 TEST(StateFormat, SnapshotWithAnyByteFlippedIsRefused) {
   SnapshotContents s;
   s.layout = kLayout;
   s.regions[KeyOf(Region("a", 0, 0))] = Region("a", 0, 0);
+  s.sessions = {Session(1)};
   const std::string bytes = EncodeSnapshot(s);
   for (size_t i = 0; i < bytes.size(); ++i) {
     std::string bad = bytes;
@@ -163,15 +227,15 @@ TEST(StateFormat, ANewerVersionIsRefusedByName) {
   SnapshotContents s;
   s.layout = kLayout;
   std::string snap = EncodeSnapshot(s);
-  snap[8] = 2;  // version 2, CRC left as it was: the version is read first
+  snap[8] = 3;  // version 3, CRC left as it was: the version is read first
   Result<SnapshotContents> got = DecodeSnapshot(snap.data(), snap.size());
   EXPECT_EQ(got.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(got.status().message().find("v2"), std::string::npos) << got.status().message();
+  EXPECT_NE(got.status().message().find("v3"), std::string::npos) << got.status().message();
   std::string j = Journal(1, {});
   j[8] = 7;
   Result<JournalContents> jg = DecodeJournal(j.data(), j.size());
   EXPECT_EQ(jg.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(jg.status().message().find("reads up to v1"), std::string::npos);
+  EXPECT_NE(jg.status().message().find("reads up to v2"), std::string::npos);
 }
 
 // tests/daemon/core/data/state_v1.snapshot: written by the first version of

@@ -9,6 +9,12 @@
 // The connection then stays open as the session's lifeline: when it closes,
 // the daemon reclaims everything the session holds.
 //
+// A session a take-over handed to a new daemon is resumed instead: the
+// client, whose lifeline closed, connects again and sends a Resume (its
+// session id and token) in place of the Hello; the daemon answers as for an
+// attach when the connection's peer is the session's own process (uid and
+// pid, SO_PEERCRED), never on the token alone.
+//
 // Decoders accept arbitrary bytes: anything malformed is INVALID_ARGUMENT,
 // never a crash. Unknown trailing bytes are rejected.
 #ifndef MEMOFFLOAD_SHARED_MEM_ATTACH_WIRE_H_
@@ -52,6 +58,18 @@ struct Hello {
   uint64_t job_max_bytes = 0;  // job asks for a lower byte limit; 0: default
   SessionKind kind = SessionKind::kOther;
 };
+
+// Sent in place of a Hello, to resume a session a take-over handed on.
+struct Resume {
+  uint64_t session_id = 0;
+  std::string session_token;
+};
+
+// The start of every UNAVAILABLE a daemon answers while it hands the node to
+// a new daemon (memoffloadd --take-over), and of the new daemon's answer to a
+// session not resumed yet: the client waits, resumes its session once its
+// lifeline closes, and sends the call again (nothing was done).
+inline constexpr char kTakeoverPause[] = "memoffloadd is handing the node to a new daemon";
 
 struct ChunkInfo {
   uint32_t index = 0;
@@ -125,6 +143,11 @@ struct Notice {
 
 std::string EncodeHello(const Hello& hello);
 Result<Hello> DecodeHello(const std::string& bytes);
+
+std::string EncodeResume(const Resume& resume);
+Result<Resume> DecodeResume(const std::string& bytes);
+// Whether a first frame is a Resume rather than a Hello (its type byte).
+bool IsResume(const std::string& bytes);
 
 std::string EncodeAttachReply(const AttachReply& reply);
 Result<AttachReply> DecodeAttachReply(const std::string& bytes);

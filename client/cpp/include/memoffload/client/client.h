@@ -190,8 +190,13 @@ class Client {
     std::vector<std::string> keys;
   };
   Result<LinkKeys> ReplicationKeys();
+  // How many times a daemon that took the node over (memoffloadd
+  // --take-over) resumed this session: its calls wait through the take-over
+  // and go on there, its groups and blocks where they were.
+  uint64_t resumes() const;
   // True once the daemon ended this session (it restarted, or dropped the
-  // broker connection). Every call of a lost session that the daemon refuses
+  // broker connection) and no daemon that took the node over resumed it
+  // (asked once per closed connection). Every call of a lost session that the daemon refuses
   // is UNAVAILABLE: attach a new Client. Release of a lost session's group is
   // OK (the daemon reclaimed it). Prefetch of a group committed in a lost
   // session is served from this process's own mapping when the daemon
