@@ -402,8 +402,10 @@ class Daemon {
     if (!token.ok()) return token.status();
     admin_token_ = *token;
     MEMOFFLOAD_RETURN_IF_ERROR(PrepareListening());
-    MO_LOG_INFO("taking over the node from the daemon serving %s (it drains first, up to %lu ms)",
-                config_.runtime_dir.c_str(), static_cast<unsigned long>(config_.drain_timeout_ms));
+    MO_LOG_INFO(
+        "taking over the node from the daemon serving %s (its sessions pause, then resume "
+        "here)",
+        config_.runtime_dir.c_str());
     Result<std::unique_ptr<TakeoverClient>> client =
         TakeoverClient::Request(config_.runtime_dir, config_.drain_timeout_ms);
     if (!client.ok()) return client.status();

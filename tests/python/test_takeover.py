@@ -329,6 +329,43 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
         d.stop()
 
 
+def test_calls_paused_by_a_refused_take_over_go_on_on_the_old_daemon(rt):
+    """A new daemon that reads v2 freezes the serving one without a drain;
+    a call made meanwhile waits, and once the take-over is refused it is
+    answered by the old daemon, which serves on."""
+    import threading
+
+    d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    try:
+        write(rt, "job", ["before"])
+        store = _C.RegionStore(runtime_dir=str(rt), job_id="job", rank=0)
+        s, frames = _ask(rt, version=2)
+        wait_for_log(d, "sessions paused")
+        answers = []
+        t = threading.Thread(target=lambda: answers.append(
+            sorted(r["name"] for r in store.list(""))))
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive() and not answers  # paused, not refused
+        for _, fds in frames:
+            for fd in fds:
+                os.close(fd)
+        kw.send(s, b"refuse not today")
+        t.join(timeout=10)
+        assert answers == [["before"]]
+        s.close()
+        log = d.log.read_text()
+        assert "take-over did not happen: the new daemon refused the state: not today" in log, log
+        assert "draining" not in log, log
+        w = store.create("after", 4096)
+        w.append(b"x" * 4096)
+        w.commit()
+        store.close()
+        assert d.proc.poll() is None
+    finally:
+        d.stop()
+
+
 def test_chunk_owners_are_handed_on_whole_job_ids_with_spaces_too(rt):
     d = Daemon(rt, "64MiB", "16MiB", ["--log-level=info", "--tenant=job"]).start()
     try:
