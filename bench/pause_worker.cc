@@ -58,9 +58,11 @@ int RunPauseWorker(int argc, char** argv) {
     const Live g{next++, static_cast<uint8_t>(next * 31 + attach.rank)};
     std::memset(buf.data(), g.fill, kBytes);
     auto r = timed([&] { return c.Reserve(g.group, kBytes); });
-    if (!r.ok() || !c.Write(r->extents, 0, buf.data(), kBytes).ok() ||
-        !timed([&] { return c.Commit(g.group, kBytes); }).ok()) {
-      ++errors;
+    Status st = r.ok() ? c.Write(r->extents, 0, buf.data(), kBytes) : r.status();
+    if (st.ok()) st = timed([&] { return c.Commit(g.group, kBytes); }).status();
+    if (!st.ok()) {
+      if (errors++ == 0)
+        std::fprintf(stderr, "pause-worker %d: %s\n", attach.rank, st.ToString().c_str());
       continue;
     }
     live.push_back(g);
@@ -68,8 +70,10 @@ int RunPauseWorker(int argc, char** argv) {
     const Live old = live.front();
     live.pop_front();
     auto p = timed([&] { return c.Prefetch(old.group); });
-    if (!p.ok() || !c.Read(p->extents, 0, back.data(), kBytes).ok()) {
-      ++errors;
+    st = p.ok() ? c.Read(p->extents, 0, back.data(), kBytes) : p.status();
+    if (!st.ok()) {
+      if (errors++ == 0)
+        std::fprintf(stderr, "pause-worker %d: %s\n", attach.rank, st.ToString().c_str());
       continue;
     }
     for (uint8_t b : back) {
@@ -78,8 +82,14 @@ int RunPauseWorker(int argc, char** argv) {
         break;
       }
     }
-    if (!timed([&] { return Result<bool>(c.Release(old.group).ok() ? true : false); }).value()) {
-      ++errors;
+    const auto t0 = std::chrono::steady_clock::now();
+    st = c.Release(old.group);
+    longest_ms = std::max(
+        longest_ms,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+    ++calls;
+    if (!st.ok() && errors++ == 0) {
+      std::fprintf(stderr, "pause-worker %d: %s\n", attach.rank, st.ToString().c_str());
     }
   }
   std::printf("PAUSE %lu %lu %lu %lu %.3f %lu\n", static_cast<unsigned long>(session),

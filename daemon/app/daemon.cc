@@ -377,6 +377,7 @@ class Daemon {
           std::make_unique<TakeoverServer>(std::exchange(takeover_fd_, -1), takeover_host_.get());
     }
     if (takeover_client_ != nullptr) {
+      table_->StartResumeClock(kResumeWithin);
       const ArenaSnapshot s = table_->Snapshot();
       MO_LOG_INFO(
           "took over the node: %u checkpoint regions (%s), %u sessions to resume (%s in "

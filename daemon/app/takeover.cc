@@ -21,8 +21,9 @@
 namespace memoffload::daemon {
 namespace {
 
-// How long the new daemon may take to build its arena from the chunks.
-constexpr int kReadyWaitSeconds = 300;
+// How long the new daemon may take to build its arena from the chunks (the
+// serving daemon is frozen meanwhile: clients wait as long, no longer).
+constexpr int kReadyWaitSeconds = kTakeoverPauseMaxMs / 1000;
 
 void SetWait(int sock, long seconds) {
   timeval t{seconds, 0};

@@ -295,6 +295,9 @@ class SessionTable {
   Result<SessionGrant> Resume(uint64_t session_id, const std::string& token,
                               const PeerCredentials& peer, Hello* hello,
                               std::chrono::milliseconds* waited) ABSL_LOCKS_EXCLUDED(mu_);
+  // The handed sessions' time to resume runs from now (the daemon serves:
+  // the old one exits and their processes see their lifelines close).
+  void StartResumeClock(std::chrono::milliseconds resume_within) ABSL_LOCKS_EXCLUDED(mu_);
   // The resumed session's metrics series (Metrics::SeriesFor of its hello).
   void SetSeries(uint64_t session_id, std::shared_ptr<RankSeries> series) ABSL_LOCKS_EXCLUDED(mu_);
   // Closes the handed sessions not resumed by their time (their process

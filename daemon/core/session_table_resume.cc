@@ -38,9 +38,13 @@ std::vector<SessionRecord> SessionTable::SessionRecords() const {
           w.ttl_ms = static_cast<uint64_t>(region.ttl.count());
           r.writing.push_back(std::move(w));
         }
-        if (region.deleted) continue;  // not handed on: its reader's CloseRegion is a no-op
         for (uint64_t reader : region.readers) {
-          if (reader == id) r.opened.push_back(name);
+          if (reader != id) continue;
+          if (region.deleted) {
+            r.deleted_open.push_back(RecordOf(region));
+          } else {
+            r.opened.push_back(name);
+          }
         }
       }
     }
@@ -53,7 +57,10 @@ namespace {
 
 // Why a handed session cannot be taken as it is, or "".
 std::string MalformedSession(const SessionRecord& r, uint32_t chunk_count) {
-  if (r.id == 0 || r.token.empty()) return "it has no id or token";
+  if (r.id == 0 || r.id >= (uint64_t{1} << 62) || r.token.empty()) {
+    return "it has no valid id or token";
+  }
+  if (r.pid <= 0) return "its process is not known (no pid to bind its resume to)";
   if (r.kind >= kSessionKindCount) return "its kind is unknown";
   if (r.job_id.size() > kMaxJobIdBytes) return "its job id is too long";
   std::set<uint64_t> groups;
@@ -67,10 +74,16 @@ std::string MalformedSession(const SessionRecord& r, uint32_t chunk_count) {
     }
     if (g.extents.empty() || g.used_bytes > held) return "a group's bytes pass its extents";
   }
-  for (const RegionRecord& w : r.writing) {
-    if (!CheckRegionName(w.name).ok() || w.job_id != r.job_id || w.uid != r.uid) {
-      return "a region it writes is not of its job";
+  std::vector<const RegionRecord*> regions;
+  for (const RegionRecord& w : r.writing) regions.push_back(&w);
+  for (const RegionRecord& d : r.deleted_open) regions.push_back(&d);
+  for (const RegionRecord* w : regions) {
+    if (!CheckRegionName(w->name).ok() || w->job_id != r.job_id || w->uid != r.uid) {
+      return "a region it writes or reads is not of its job";
     }
+    if (w->used_bytes > w->held_bytes()) return "a region's bytes pass its extents";
+  }
+  for (const RegionRecord& w : r.writing) {
     for (const Extent& e : w.extents) {
       if (e.chunk >= chunk_count) return "an extent lies past the arena";
     }
@@ -92,9 +105,25 @@ SessionTable::Adopted SessionTable::AdoptSessions(const std::vector<SessionRecor
     const std::string tenant = TenantFor(r.uid, r.job_id);
     std::string why = MalformedSession(r, arena_->chunk_count());
     if (why.empty() && sessions_.count(r.id) != 0) why = "its id is taken";
+    JobRegions* job = why.empty() ? &regions_[JobKey(r.uid, r.job_id)] : nullptr;
     std::vector<const std::vector<Extent>*> all;
     for (const GroupRecord& g : r.groups) all.push_back(&g.extents);
     for (const RegionRecord& w : r.writing) all.push_back(&w.extents);
+    // A deleted region several sessions had open comes once, with the first.
+    std::vector<const RegionRecord*> hidden_new;
+    for (const RegionRecord& d : r.deleted_open) {
+      if (!why.empty()) break;
+      auto it = job->by_name.find(d.name);
+      if (it == job->by_name.end()) {
+        if (std::none_of(hidden_new.begin(), hidden_new.end(),
+                         [&](const RegionRecord* h) { return h->name == d.name; })) {
+          hidden_new.push_back(&d);
+          all.push_back(&d.extents);
+        }
+      } else if (!it->second.deleted) {
+        why = "region " + d.name + " it read is both deleted and not";
+      }
+    }
     if (why.empty() && tenant_chunks_.mode() != TenantMode::kNone) {
       for (const auto* extents : all) {
         for (const Extent& e : *extents) {
@@ -103,7 +132,6 @@ SessionTable::Adopted SessionTable::AdoptSessions(const std::vector<SessionRecor
         }
       }
     }
-    JobRegions* job = why.empty() ? &regions_[JobKey(r.uid, r.job_id)] : nullptr;
     for (const RegionRecord& w : r.writing) {
       if (why.empty() && job->by_name.count(w.name) != 0) why = "region " + w.name + " is twice";
     }
@@ -122,6 +150,7 @@ SessionTable::Adopted SessionTable::AdoptSessions(const std::vector<SessionRecor
       FreeExtents(taken);
       dropped->push_back(what + ": " + why);
       ++handed_dropped_;
+      if (job != nullptr && job->by_name.empty()) regions_.erase(JobKey(r.uid, r.job_id));
       continue;
     }
     Session s;
@@ -147,6 +176,9 @@ SessionTable::Adopted SessionTable::AdoptSessions(const std::vector<SessionRecor
       ledger_job.requested_limit = r.job_max_bytes;
     }
     s.owned = tenant_chunks_.Join(tenant, r.uid);
+    // It maps its tenant's chunks: held from now on, so that none changes
+    // tenant (and backing) before its process resumes it.
+    tenant_chunks_.Attach(r.id, tenant, r.pid);
     for (const GroupRecord& gr : r.groups) {
       Group g;
       g.state = static_cast<GroupState>(gr.state);
@@ -181,6 +213,29 @@ SessionTable::Adopted SessionTable::AdoptSessions(const std::vector<SessionRecor
       out.bytes += region.held_bytes;
       job->by_name.emplace(w.name, std::move(region));
     }
+    for (const RegionRecord* d : hidden_new) {
+      CountRegionChunks(r.uid, d->extents, +1);
+      Region region;
+      region.name = d->name;
+      region.uid = r.uid;
+      region.job_id = r.job_id;
+      region.tenant = tenant;
+      region.state = RegionState::kCommitted;
+      region.deleted = true;
+      region.extents = d->extents;
+      region.held_bytes = d->held_bytes();
+      region.used_bytes = d->used_bytes;
+      region.extent_crc32c = d->extent_crc32c;
+      job->held_bytes += region.held_bytes;
+      CountUidRegions(r.uid, static_cast<int64_t>(region.held_bytes), +1);
+      region_bytes_ += region.held_bytes;
+      ++region_count_;
+      job->by_name.emplace(d->name, std::move(region));
+    }
+    for (const RegionRecord& d : r.deleted_open) {
+      auto it = job->by_name.find(d.name);
+      if (it != job->by_name.end() && it->second.deleted) it->second.readers.push_back(r.id);
+    }
     for (const std::string& name : r.opened) {
       auto it = job->by_name.find(name);
       if (it != job->by_name.end() && it->second.state == RegionState::kCommitted) {
@@ -212,12 +267,12 @@ Result<SessionGrant> SessionTable::Resume(uint64_t session_id, const std::string
   }
   Session& s = it->second;
   // The process, not the token alone: another process of the uid that
-  // learned the token (or a child) cannot take the session over.
-  if (peer.uid != s.peer.uid || peer.pid != s.peer.pid) {
-    return PermissionDenied("session " + std::to_string(session_id) + " is pid " +
-                            std::to_string(s.peer.pid) + "'s (uid " + std::to_string(s.peer.uid) +
-                            "): pid " + std::to_string(peer.pid) + " (uid " +
-                            std::to_string(peer.uid) + ") may not resume it");
+  // learned the token (or a child) cannot take the session over. The
+  // refusal says nothing of whose it is.
+  if (peer.uid != s.peer.uid || peer.pid != s.peer.pid || peer.pid <= 0) {
+    return PermissionDenied("session " + std::to_string(session_id) +
+                            " may be resumed only by the process that attached it (this is pid " +
+                            std::to_string(peer.pid) + ")");
   }
   if (!ConstantTimeEquals(s.grant.token, token)) {
     return Unauthenticated("session token does not match session " + std::to_string(session_id));
@@ -230,6 +285,14 @@ Result<SessionGrant> SessionTable::Resume(uint64_t session_id, const std::string
   ++handed_resumed_;
   longest_resume_wait_ = std::max(longest_resume_wait_, *waited);
   return s.grant;
+}
+
+void SessionTable::StartResumeClock(std::chrono::milliseconds resume_within) {
+  absl::MutexLock lock(&mu_);
+  const Clock::time_point by = Clock::now() + resume_within;
+  for (auto& [id, s] : sessions_) {
+    if (s.detached) s.resume_by = by;
+  }
 }
 
 void SessionTable::SetSeries(uint64_t session_id, std::shared_ptr<RankSeries> series) {

@@ -170,6 +170,8 @@ void PutSession(std::string* out, const SessionRecord& s) {
   for (const RegionRecord& r : s.writing) PutRegion(out, r);
   PutU32(out, static_cast<uint32_t>(s.opened.size()));
   for (const std::string& name : s.opened) PutString(out, name);
+  PutU32(out, static_cast<uint32_t>(s.deleted_open.size()));
+  for (const RegionRecord& r : s.deleted_open) PutRegion(out, r);
 }
 bool GetSession(Reader* r, SessionRecord* s) {
   s->id = r->U64();
@@ -204,6 +206,13 @@ bool GetSession(Reader* r, SessionRecord* s) {
   const uint32_t opened = r->U32();
   if (!r->ok() || opened > kMaxStateExtents) return false;
   for (uint32_t i = 0; i < opened && r->ok(); ++i) s->opened.push_back(r->String());
+  const uint32_t deleted_open = r->U32();
+  if (!r->ok() || deleted_open > kMaxStateExtents) return false;
+  for (uint32_t i = 0; i < deleted_open && r->ok(); ++i) {
+    RegionRecord region;
+    if (!GetRegion(r, &region)) return false;
+    s->deleted_open.push_back(std::move(region));
+  }
   return r->ok();
 }
 
@@ -307,7 +316,7 @@ Result<SnapshotContents> DecodeSnapshot(const void* data, size_t size) {
   const uint32_t count = body.U32();
   for (uint32_t i = 0; i < count && body.ok(); ++i) {
     RegionRecord region;
-    if (!GetRegion(&body, &region)) break;
+    if (!GetRegion(&body, &region)) return DataLoss("snapshot body is malformed");
     RegionKey key = KeyOf(region);
     const std::string name = region.name;
     if (!s.regions.emplace(std::move(key), std::move(region)).second) {
@@ -320,7 +329,7 @@ Result<SnapshotContents> DecodeSnapshot(const void* data, size_t size) {
     std::set<uint64_t> ids;
     for (uint32_t i = 0; i < sessions && body.ok(); ++i) {
       SessionRecord session;
-      if (!GetSession(&body, &session)) break;
+      if (!GetSession(&body, &session)) return DataLoss("snapshot body is malformed");
       if (!ids.insert(session.id).second) {
         return DataLoss("snapshot names session " + std::to_string(session.id) + " twice");
       }

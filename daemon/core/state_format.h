@@ -104,6 +104,9 @@ struct SessionRecord {
   std::vector<GroupRecord> groups;
   std::vector<RegionRecord> writing;  // regions it was writing (not committed)
   std::vector<std::string> opened;    // its job's regions it had open, once per open
+  // Regions of its job deleted while it had them open (hidden, freed when
+  // their last reader closes), once per open.
+  std::vector<RegionRecord> deleted_open;
 };
 inline constexpr uint32_t kMaxStateSessions = 1 << 16;
 

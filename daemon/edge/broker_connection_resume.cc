@@ -24,8 +24,10 @@ void Broker::Connection::OnResume() {
   Granted(*grant, "resumed after " + std::to_string(waited.count()) + " ms");
   const ArenaSnapshot now = broker_->table_->Snapshot();
   if (now.handed_waiting == 0) {
-    MO_LOG_INFO("take-over: every handed session resumed (%u); the longest waited %.0f ms",
-                now.handed_resumed, now.longest_resume_wait_seconds * 1000);
+    MO_LOG_INFO(
+        "take-over: no handed session waits any more: %u resumed, %u closed unresumed; the "
+        "longest waited %.0f ms",
+        now.handed_resumed, now.handed_not_resumed, now.longest_resume_wait_seconds * 1000);
   }
 }
 

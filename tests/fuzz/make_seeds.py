@@ -160,7 +160,7 @@ with open(os.path.join(HERE, "..", "daemon", "core", "data", "state_v1.snapshot"
 
 
 # A take-over's v2 snapshot: a region and a session (groups, a region it
-# writes, one it has open).
+# writes, one it has open, one deleted while it had it open).
 def extents_crcs(extents, crcs):
     return (struct.pack("<I", len(extents)) + b"".join(struct.pack("<IQQ", *e) for e in extents)
             + struct.pack("<I", len(crcs)) + b"".join(struct.pack("<I", c) for c in crcs))
@@ -173,6 +173,7 @@ session += struct.pack("<QHQ", 1, 1, 4000) + extents_crcs([(0, 16384, 4096)], [9
 session += struct.pack("<QHQ", 2, 0, 0) + extents_crcs([(1, 0, 8192), (2, 0, 4096)], [])
 session += struct.pack("<I", 1) + region_payload(1000, "job", "half", [(3, 0, 4096)], [])
 session += struct.pack("<I", 1) + s("b")
+session += struct.pack("<I", 1) + region_payload(1000, "job", "gone", [(3, 8192, 4096)], [])
 snap = b"MOSNAPSH" + struct.pack("<IQQ", 2, 2, 0x1234) + struct.pack("<QQI", 4 << 20, 1 << 20, 4096)
 snap += struct.pack("<I", 1) + region_payload(1000, "job", "b", [(1, 8192, 8192)], [])
 snap += struct.pack("<I", 1) + session

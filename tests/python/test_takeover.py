@@ -186,8 +186,10 @@ def test_a_handed_session_resumes_only_from_its_own_process(rt):
                                   *extra], capture_output=True, text=True, timeout=30)
             return out.stdout.strip()
 
-        assert resume().startswith("ANSWER PERMISSION_DENIED session " + sid + " is pid " +
-                                   str(holder.pid)), resume()
+        thief = resume()
+        assert thief.startswith(f"ANSWER PERMISSION_DENIED session {sid} may be resumed only by "
+                                "the process that attached it"), thief
+        assert str(holder.pid) not in thief  # nothing of whose it is
         holder.stdin.write("resume\n")
         holder.stdin.flush()
         assert holder.stdout.readline().strip() == "ANSWER OK", new.log.read_text()
@@ -327,6 +329,23 @@ def test_a_refused_or_abandoned_take_over_leaves_the_old_daemon_serving(rt):
         if holder is not None and holder.poll() is None:
             holder.kill()
         d.stop()
+
+
+def test_an_idle_session_resumes_without_a_call(rt):
+    """The client library watches its lifeline: a process that makes no
+    call through the take-over (a long evaluation, say) is resumed as soon
+    as the old daemon exits, well within the new daemon's window."""
+    old = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    write(rt, "job", ["kept"])
+    store = _C.RegionStore(runtime_dir=str(rt), job_id="job", rank=0)
+    new = Daemon(rt, "64MiB", "16MiB", ["--log-level=info", "--take-over"]).spawn()
+    try:
+        assert old.proc.wait(timeout=30) == 0, old.log.read_text()
+        wait_for_log(new, "no handed session waits any more: 1 resumed, 0 closed unresumed")
+        assert [r["name"] for r in store.list("")] == ["kept"]
+        store.close()
+    finally:
+        new.stop()
 
 
 def test_calls_paused_by_a_refused_take_over_go_on_on_the_old_daemon(rt):

@@ -172,6 +172,7 @@ Result<std::unique_ptr<Client>> Client::Attach(const AttachOptions& options) {
   Result<std::unique_ptr<DaemonChannel>> channel = DaemonChannel::Open(*dir);
   if (!channel.ok()) return channel.status();
   impl->channel = std::move(channel).value();
+  impl->StartWatching();
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
 
@@ -249,7 +250,7 @@ Result<Placement> Client::Prefetch(uint64_t group_id) {
     // still in this process's mapping, which nobody else can reach now (a
     // restarted daemon has new memfds), so it is read from there.
     st = impl_->SessionGoneOr(st);
-    if (!impl_->lost.load() || !impl_->InstanceGone()) return st;
+    if (!impl_->Lost() || !impl_->InstanceGone()) return st;
     absl::MutexLock lock(&impl_->groups_mu);
     auto it = impl_->committed.find(group_id);
     if (it == impl_->committed.end()) return st;

@@ -38,6 +38,7 @@ class Client::Impl {
  public:
   ~Impl() {
     // Before the chunks are unmapped (members go after this body).
+    StopWatching();
     absl::MutexLock lock(&populator_mu);
     stop_populating.store(true);
     if (populator.joinable()) populator.join();
@@ -94,28 +95,50 @@ class Client::Impl {
   // Whether the daemon closed this session's broker connection. The daemon
   // ends a session exactly when it closes its connection (or exits), so a
   // closed lifeline is the only sure sign that the session is gone; once
-  // seen it stays so.
-  std::atomic<bool> lost{false};
+  // seen it stays so, for that connection. The state is the connection's
+  // generation (a resume makes a new one) times two, plus one once it was
+  // seen closed: a thread that saw the old one closed cannot mark the new
+  // one so.
+  std::atomic<uint64_t> lifeline_state{2};
+  bool Lost() const { return (lifeline_state.load() & 1) != 0; }
+  void MarkLost(uint64_t seen) { lifeline_state.compare_exchange_strong(seen, seen | 1); }
   bool LifelineClosed() {
-    if (lost.load()) return true;
+    const uint64_t seen = lifeline_state.load();
+    if ((seen & 1) != 0) return true;
     pollfd p{lifeline_fd, POLLRDHUP, 0};
-    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
-    return lost.load();
+    if (poll(&p, 1, 0) > 0 && (p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) MarkLost(seen);
+    return Lost();
   }
   // A take-over (memoffloadd --take-over) hands this session to a new
   // daemon: the old one answers kTakeoverPause until it exits, its exit
   // closes the lifeline, and the session is resumed on the new one over a
-  // new broker connection (client_resume.cc). Once per closed lifeline: a
-  // daemon that cannot resume it (a restart, a crash) ended it, and that
-  // answer stays. OK while the lifeline is open.
+  // new broker connection (client_resume.cc), by the watcher thread at once
+  // or by the first call that finds it closed. A daemon's answer that it
+  // does not hold the session (a restart, a crash) or refuses it is final
+  // for that connection, and so is no answer within kResumeWindow; until
+  // then a failed attempt (no daemon yet) is tried again. OK while the
+  // lifeline is open.
   Status Resume() ABSL_LOCKS_EXCLUDED(resume_mu, map_mu);
-  // Resume's one attempt.
-  Status ResumeOnce() ABSL_LOCKS_EXCLUDED(map_mu);
+  // Resume's one attempt; *answered: the daemon answered it.
+  Status ResumeOnce(bool* answered) ABSL_LOCKS_EXCLUDED(map_mu);
+  static constexpr std::chrono::seconds kResumeWindow{30};
+  bool ResumeFinal() ABSL_LOCKS_EXCLUDED(resume_mu) {
+    absl::MutexLock lock(&resume_mu);
+    return resume_final;
+  }
   absl::Mutex resume_mu;
-  bool resume_tried ABSL_GUARDED_BY(resume_mu) = false;
+  bool resume_final ABSL_GUARDED_BY(resume_mu) = false;
   Status resume_status ABSL_GUARDED_BY(resume_mu);
+  std::chrono::steady_clock::time_point resume_first_try ABSL_GUARDED_BY(resume_mu);
   std::atomic<uint64_t> resumed{0};  // sessions resumed, for stats and tests
   int rank = -1;                     // for log lines
+  // Watches the lifeline on a thread of its own and resumes the session as
+  // soon as it closes (a process whose next call is minutes away still
+  // resumes within the new daemon's window). Started after attach.
+  void StartWatching();
+  void StopWatching();
+  std::thread watcher;
+  int watcher_stop[2] = {-1, -1};
   // Whether the daemon ended this session: its lifeline closed and no
   // daemon resumed it.
   bool SessionGone() { return LifelineClosed() && !Resume().ok(); }
@@ -130,26 +153,33 @@ class Client::Impl {
   Status Call(grpc::Status (v1::Offload::Stub::*method)(grpc::ClientContext*, const Request&,
                                                         Response*),
               Request* req, Response* resp, int timeout_ms = 0) {
-    const auto start = std::chrono::steady_clock::now();
-    const auto until = start + std::chrono::milliseconds(std::max(rpc_timeout_ms, 1));
+    // The serving daemon bounds a take-over's freeze (kTakeoverPauseMaxMs): a call
+    // waits that long at most, its RPC timeout notwithstanding.
+    const auto until = std::chrono::steady_clock::now() +
+                       std::chrono::milliseconds(std::max(rpc_timeout_ms, kTakeoverPauseMaxMs));
+    bool saw_pause = false;  // a take-over is under way
     for (;;) {
       bool transport = false;
+      const uint64_t generation = lifeline_state.load() | 1;
       Status st = CallOnce(method, req, resp, timeout_ms, &transport);
       const bool paused = st.code() == StatusCode::kUnavailable &&
                           st.message().find(kTakeoverPause) != std::string::npos;
+      saw_pause |= paused;
       const auto now = std::chrono::steady_clock::now();
-      // A broken transport is waited out for a moment only: the daemon may be
-      // handing over (its lifeline closes next), or gone. A call the daemon
-      // cancelled as it stopped, once the lifeline closed, is sent again
-      // only to a daemon that resumes the session (the old one was frozen:
-      // it did nothing with it).
-      const bool cancelled = st.code() == StatusCode::kCancelled && LifelineClosed();
-      if (!(paused || cancelled || (transport && now - start < std::chrono::seconds(2))) ||
-          now >= until) {
-        return st;
-      }
+      // Sent again only where the daemon did nothing with it: answered with
+      // the pause, or cancelled or cut by a daemon that had handed the
+      // session on (it was frozen) and closed the lifeline, then only to a
+      // daemon that resumes the session.
+      // (The watcher may have resumed it already: a new generation.)
+      const bool gone_mid_call = (transport || st.code() == StatusCode::kCancelled) &&
+                                 (LifelineClosed() || (lifeline_state.load() | 1) != generation);
+      if (!(paused || gone_mid_call) || now >= until) return st;
       if (LifelineClosed()) {
-        if (!Resume().ok()) return st;
+        if (Resume().ok()) continue;
+        // No daemon resumes it yet: during a take-over, wait for the new one
+        // (its answer is final); otherwise (a crash) the call fails now.
+        if (!saw_pause || ResumeFinal()) return st;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
         continue;
       }
       // Until the old daemon exits (its lifeline closes: resume at once) or
@@ -370,7 +400,7 @@ class Client::Impl {
       pollfd p{lifeline_fd, POLLIN | POLLRDHUP, 0};
       if (poll(&p, 1, 0) <= 0) return;
       if ((p.revents & POLLIN) == 0) {
-        if ((p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) lost = true;
+        if ((p.revents & (POLLHUP | POLLRDHUP | POLLERR)) != 0) MarkLost(lifeline_state.load());
         return;
       }
       std::string payload;
@@ -378,7 +408,7 @@ class Client::Impl {
       const Status st = RecvFrame(lifeline_fd, &payload, &fds);
       CloseFds(&fds);  // a notice carries none
       if (!st.ok()) {
-        lost = true;
+        MarkLost(lifeline_state.load());
         return;
       }
       if (IsNotice(payload)) Note(payload);

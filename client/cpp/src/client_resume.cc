@@ -1,6 +1,7 @@
 // Client::Impl's side of a take-over: the session resumed on the daemon that
 // took the node over (attach_wire.h, "Resume"), its groups and placed blocks
 // where they were, in the same memory.
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client_impl.h"
@@ -39,14 +41,48 @@ Status Client::Impl::Resume() {
   if (!LifelineClosed()) return Status::Ok();
   absl::MutexLock lock(&resume_mu);
   if (!LifelineClosed()) return Status::Ok();  // another thread resumed it
-  if (resume_tried) return resume_status;
-  resume_tried = true;
-  resume_status = ResumeOnce();
-  if (resume_status.ok()) resume_tried = false;  // a later take-over resumes it again
+  if (resume_final) return resume_status;
+  const auto now = std::chrono::steady_clock::now();
+  if (resume_first_try == std::chrono::steady_clock::time_point{}) resume_first_try = now;
+  bool answered = false;
+  resume_status = ResumeOnce(&answered);
+  if (resume_status.ok()) {
+    resume_first_try = {};  // a later take-over resumes it again
+  } else if (answered || now - resume_first_try >= kResumeWindow) {
+    resume_final = true;
+  }
   return resume_status;
 }
 
-Status Client::Impl::ResumeOnce() {
+void Client::Impl::StartWatching() {
+  if (lifeline_fd < 0 || pipe2(watcher_stop, O_CLOEXEC) != 0) return;
+  watcher = std::thread([this] {
+    for (;;) {
+      pollfd p[2] = {{lifeline_fd, POLLRDHUP, 0}, {watcher_stop[0], POLLIN, 0}};
+      if (poll(p, 2, -1) < 0 && errno != EINTR) return;
+      if (p[1].revents != 0) return;
+      if ((p[0].revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) == 0) continue;
+      if (Resume().ok()) continue;  // watch the new connection
+      {
+        absl::MutexLock lock(&resume_mu);
+        if (resume_final) return;  // ended: the calls say so
+      }
+      pollfd stop{watcher_stop[0], POLLIN, 0};
+      if (poll(&stop, 1, 100) != 0) return;  // no daemon yet: again in 100 ms
+    }
+  });
+}
+
+void Client::Impl::StopWatching() {
+  if (watcher_stop[1] < 0) return;
+  (void)!write(watcher_stop[1], "x", 1);
+  if (watcher.joinable()) watcher.join();
+  close(watcher_stop[0]);
+  close(watcher_stop[1]);
+  watcher_stop[0] = watcher_stop[1] = -1;
+}
+
+Status Client::Impl::ResumeOnce(bool* answered) {
   const auto start = std::chrono::steady_clock::now();
   const std::string session = "session " + std::to_string(reply.session_id);
   Result<TrustedRuntimeDir> dir = DiscoverTrustedRuntimeDir(runtime_dir, kBrokerSocketName);
@@ -81,6 +117,7 @@ Status Client::Impl::ResumeOnce() {
   }
   CloseFds(&fds);
   Result<AttachReply> got = DecodeAttachReply(payload);
+  *answered = true;
   if (!got.ok()) return fail(got.status());
   if (got->code != StatusCode::kOk) {
     return fail(Status(got->code, "memoffloadd did not resume " + session + ": " + got->message));
@@ -93,6 +130,7 @@ Status Client::Impl::ResumeOnce() {
                          std::to_string(got->chunks.size()) + " chunks"));
   }
   absl::MutexLock lock(&map_mu);
+  std::vector<bool> resent(chunks.size(), false);
   for (uint32_t frame = 0; frame < got->fd_frames; ++frame) {
     if (Status st = RecvFrame(sock, &payload, &fds); !st.ok()) {
       CloseFds(&fds);
@@ -112,6 +150,7 @@ Status Client::Impl::ResumeOnce() {
     Status same;
     for (size_t i = 0; i < fds.size(); ++i) {
       const uint32_t c = batch->chunk_indexes[i];
+      if (c < resent.size()) resent[c] = true;
       if (c < chunks.size() && chunks[c].valid()) {
         if (!SameFile(fds[i], chunks[c].fd()) && same.ok()) {
           same = Internal("resuming " + session + ": the new daemon's chunk " + std::to_string(c) +
@@ -134,16 +173,25 @@ Status Client::Impl::ResumeOnce() {
       return fail(st);
     }
   }
+  // Every chunk this process maps is its tenant's still: the daemon holds
+  // them for the session, so each must have come again.
+  for (uint32_t c = 0; c < chunks.size(); ++c) {
+    if (chunks[c].valid() && !resent[c]) {
+      return fail(Internal("resuming " + session + ": the new daemon did not hand chunk " +
+                           std::to_string(c) + " again, which this process maps"));
+    }
+  }
   timeval no_wait_limit{0, 0};
   setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &no_wait_limit, sizeof(no_wait_limit));
-  // The same fd number from here on: threads that poll the lifeline without
-  // a lock see the new connection, never a closed or reused number.
-  if (dup2(sock, lifeline_fd) < 0) {
-    return fail(Internal("resuming " + session + ": dup2: " + std::strerror(errno)));
+  // The same fd number from here on (close-on-exec, as the first): threads
+  // that poll the lifeline without a lock see the new connection, never a
+  // closed or reused number.
+  if (dup3(sock, lifeline_fd, O_CLOEXEC) < 0) {
+    return fail(Internal("resuming " + session + ": dup3: " + std::strerror(errno)));
   }
   close(sock);
   channel->Renew();
-  lost = false;
+  lifeline_state.store((lifeline_state.load() | 1) + 1);  // a new generation, open
   instance_gone = false;
   ++resumed;
   const double ms =

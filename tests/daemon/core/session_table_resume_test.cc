@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <set>
 #include <thread>
 
 #include "core/session_table.h"
@@ -30,6 +31,7 @@ struct Handed {
   std::vector<SessionTable::ChunkOwner> owners;
   SessionGrant alice;  // uid 1000, pid 1234: a committed, a read and a reserved group
   std::vector<Extent> committed;
+  std::vector<Extent> gone;  // a deleted region it still reads
 };
 
 // A serving table with a session holding groups in every state, a region
@@ -53,6 +55,16 @@ Handed Serve(Arena* arena) {
   EXPECT_TRUE(table.CommitRegion(a.session_id, a.token, "done", 4 * kKiB, {}).ok());
   EXPECT_TRUE(table.OpenRegion(a.session_id, a.token, "done").ok());
   EXPECT_TRUE(table.CreateRegion(a.session_id, a.token, "half", 8 * kKiB, milliseconds(0)).ok());
+  // A region it reads that is deleted meanwhile: hidden, kept for it.
+  EXPECT_TRUE(table.CreateRegion(a.session_id, a.token, "gone", 4 * kKiB, milliseconds(0)).ok());
+  EXPECT_TRUE(table.CommitRegion(a.session_id, a.token, "gone", 4 * kKiB, {}).ok());
+  auto gone = table.OpenRegion(a.session_id, a.token, "gone");
+  EXPECT_TRUE(gone.ok());
+  h.gone.assign(gone->extents.begin(), gone->extents.end());
+  EXPECT_EQ(*table.DeleteRegion(a.session_id, a.token, "gone"), 0u);
+  // A chunk of its tenant left empty (no group, no region): still its.
+  EXPECT_TRUE(table.Reserve(a.session_id, a.token, 4, 900 * kKiB, true).ok());
+  EXPECT_TRUE(table.Release(a.session_id, a.token, 4).ok());
   table.SetFrozen(true);
   // Frozen: every call is the take-over's pause, and changes nothing.
   Status st = table.Commit(a.session_id, a.token, 3, 8 * kKiB, {}).status();
@@ -75,6 +87,8 @@ TEST(ResumeTest, AHandedSessionComesBackWholeAndOnlyItsProcessResumesIt) {
   EXPECT_EQ(h.sessions[0].groups.size(), 3u);
   EXPECT_EQ(h.sessions[0].writing.size(), 1u);
   EXPECT_EQ(h.sessions[0].opened, std::vector<std::string>{"done"});
+  ASSERT_EQ(h.sessions[0].deleted_open.size(), 1u);
+  EXPECT_EQ(h.sessions[0].deleted_open[0].name, "gone");
 
   auto fresh = MakeTestArena();  // the same layout; the old table's allocator keeps its extents
   ASSERT_NE(fresh, nullptr);
@@ -89,6 +103,18 @@ TEST(ResumeTest, AHandedSessionComesBackWholeAndOnlyItsProcessResumesIt) {
   ASSERT_TRUE(table.CheckInvariants().ok()) << table.CheckInvariants().ToString();
   EXPECT_EQ(table.Snapshot().handed_waiting, 1u);
   const SessionGrant& a = h.alice;
+  // Before its resume, another tenant takes none of its chunks (it maps
+  // them), not even an empty one, and nothing lands on the deleted region
+  // it reads.
+  SessionGrant bob = OpenAs(table, 1001, "job-b");
+  std::set<uint32_t> alices;
+  for (const SessionTable::ChunkOwner& o : h.owners) alices.insert(o.chunk);
+  EXPECT_GE(alices.size(), 2u);
+  for (uint64_t g = 1; g < 64; ++g) {
+    auto r = table.Reserve(bob.session_id, bob.token, g, 128 * kKiB, false);
+    if (!r.ok()) break;
+    for (const Extent& e : r->extents) EXPECT_EQ(alices.count(e.chunk), 0u) << e.chunk;
+  }
   // Before its resume, the token alone does nothing.
   Status st = table.Prefetch(a.session_id, a.token, 1).status();
   EXPECT_EQ(st.code(), StatusCode::kUnavailable);
@@ -124,6 +150,11 @@ TEST(ResumeTest, AHandedSessionComesBackWholeAndOnlyItsProcessResumesIt) {
   EXPECT_TRUE(table.Commit(a.session_id, a.token, 3, 8 * kKiB, {}).ok());
   EXPECT_TRUE(table.CommitRegion(a.session_id, a.token, "half", 8 * kKiB, {}).ok());
   EXPECT_TRUE(table.CloseRegion(a.session_id, a.token, "done").ok());
+  // The deleted one it read: freed once it closes it.
+  EXPECT_EQ(table.OpenRegion(a.session_id, a.token, "gone").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(table.Snapshot().regions, 3u);  // done, half, and gone (hidden)
+  EXPECT_TRUE(table.CloseRegion(a.session_id, a.token, "gone").ok());
+  EXPECT_EQ(table.Snapshot().regions, 2u);
   // New ids never collide with the handed one.
   SessionGrant b = OpenAs(table, 1000, "job-a");
   EXPECT_GT(b.session_id, a.session_id);
@@ -177,14 +208,17 @@ TEST(ResumeTest, ARecordThatCannotBeOursIsDroppedWithWhy) {
   SessionRecord overlap = h.sessions[0];  // its group over the committed region
   overlap.id = 50;
   overlap.writing.clear();
+  overlap.deleted_open.clear();
   overlap.groups = {GroupRecord{1, 1, 4096, h.regions[0].extents, {}}};
   SessionRecord other_uid = h.sessions[0];  // in uid 1000's chunks
   other_uid.id = 51;
   other_uid.uid = 1001;
   other_uid.writing.clear();
+  other_uid.deleted_open.clear();
   SessionRecord past = h.sessions[0];
   past.id = 52;
   past.writing.clear();
+  past.deleted_open.clear();
   past.groups = {GroupRecord{1, 1, 4096, {Extent{99, 0, 4096}}, {}}};
   SessionRecord bad_state = past;
   bad_state.id = 53;

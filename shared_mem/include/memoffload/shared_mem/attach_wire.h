@@ -70,6 +70,10 @@ struct Resume {
 // session not resumed yet: the client waits, resumes its session once its
 // lifeline closes, and sends the call again (nothing was done).
 inline constexpr char kTakeoverPause[] = "memoffloadd is handing the node to a new daemon";
+// How long a serving daemon stays frozen for a take-over at most (the new
+// daemon builds its arena meanwhile; past it the old one serves on), and so
+// how long a client's call waits through one.
+inline constexpr int kTakeoverPauseMaxMs = 300000;
 
 struct ChunkInfo {
   uint32_t index = 0;
