@@ -7,6 +7,7 @@ the repository). Every test talks to it over its real sockets.
 from __future__ import annotations
 
 import copy
+import ctypes
 import json
 import os
 import random
@@ -86,6 +87,10 @@ def shared_dir() -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Daemon:
     """One memoffloadd process; stop() at the end, kill() to simulate a crash."""
 
@@ -129,6 +134,9 @@ class Daemon:
             ],
             stdout=open(self.log, "ab"),
             stderr=subprocess.STDOUT,
+            # It stops by itself with the test process, even one that failed
+            # before stopping it (SIGTERM when its parent dies).
+            preexec_fn=_die_with_parent,
         )
         return self
 

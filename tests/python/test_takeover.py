@@ -78,7 +78,17 @@ def rt(tmp_path):
     return d
 
 
-def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatch, caplog):
+@pytest.fixture
+def daemons():
+    """Every daemon a test spawns, stopped at its end whatever happened."""
+    started = []
+    yield started
+    for d in started:
+        d.stop()
+
+
+def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatch, caplog,
+                                                                   daemons):
     """Offloaded activations, placed AdamW state and node checkpoints across
     two take-overs: the sessions resume on the new daemon (same ids, same
     memory), every step bit for bit against unoffloaded twins, no group
@@ -88,6 +98,7 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
     port = free_port()
     args = ["--log-level=info", f"--metrics-address=127.0.0.1:{port}", "--drain-timeout=30s"]
     old = Daemon(rt, "256MiB", "16MiB", args).start()
+    daemons.append(old)
     instance = write(rt, "ckpt", ["a", "b"])
     pair = Pair(str(rt), "takeover")
     torch.manual_seed(0)
@@ -110,6 +121,7 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
     serving = old
     for n in range(2):
         new = Daemon(rt, "256MiB", "16MiB", [*args, "--take-over"]).spawn()
+        daemons.append(new)
         # Training goes on meanwhile: calls the old daemon answers with the
         # take-over's pause are sent again, to the new one once the sessions
         # resumed there.
