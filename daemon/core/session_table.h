@@ -529,6 +529,11 @@ class SessionTable {
   Status CheckRegionChunks() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The record of a committed region, for the recorder.
   static RegionRecord RecordOf(const Region& region);
+  // Takes `extents` from the allocator exactly (a restart's or a
+  // take-over's), appending each to *taken; stops at the first it cannot
+  // take and says why ("" when all were taken).
+  std::string TakeExactAll(const std::vector<Extent>& extents, std::vector<Extent>* taken)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   StateRecorder* recorder_ ABSL_GUARDED_BY(mu_) = nullptr;
   TenantChunks tenant_chunks_ ABSL_GUARDED_BY(mu_);
   FreshBacking* const fresh_backing_;

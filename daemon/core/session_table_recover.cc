@@ -35,6 +35,15 @@ RegionRecord SessionTable::RecordOf(const Region& r) {
   return out;
 }
 
+std::string SessionTable::TakeExactAll(const std::vector<Extent>& extents,
+                                       std::vector<Extent>* taken) {
+  for (const Extent& e : extents) {
+    if (Status st = arena_->allocator().TakeExact(e); !st.ok()) return st.message();
+    taken->push_back(e);
+  }
+  return "";
+}
+
 std::vector<RegionRecord> SessionTable::CommittedRegions() const {
   absl::MutexLock lock(&mu_);
   std::vector<RegionRecord> out;
@@ -75,14 +84,7 @@ SessionTable::Recovered SessionTable::Recover(const std::vector<RegionRecord>& r
       why = "it is named twice";
     }
     std::vector<Extent> taken;
-    for (const Extent& e : rec.extents) {
-      if (!why.empty()) break;
-      if (Status st = arena_->allocator().TakeExact(e); !st.ok()) {
-        why = st.message();
-      } else {
-        taken.push_back(e);
-      }
-    }
+    if (why.empty()) why = TakeExactAll(rec.extents, &taken);
     if (!why.empty()) {
       FreeExtents(taken);
       dropped->push_back(what + ": " + why);

@@ -137,14 +137,7 @@ SessionTable::Adopted SessionTable::AdoptSessions(const std::vector<SessionRecor
     }
     std::vector<Extent> taken;
     for (const auto* extents : all) {
-      for (const Extent& e : *extents) {
-        if (!why.empty()) break;
-        if (Status st = arena_->allocator().TakeExact(e); !st.ok()) {
-          why = st.message();
-        } else {
-          taken.push_back(e);
-        }
-      }
+      if (why.empty()) why = TakeExactAll(*extents, &taken);
     }
     if (!why.empty()) {
       FreeExtents(taken);

@@ -5,6 +5,7 @@
 #define MEMOFFLOAD_CLIENT_SRC_CLIENT_IMPL_H_
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -137,8 +138,14 @@ class Client::Impl {
   // resumes within the new daemon's window). Started after attach.
   void StartWatching();
   void StopWatching();
-  std::thread watcher;
+  // A pthread, not a std::thread: a child forked meanwhile (a DataLoader
+  // worker) has a copy of this object but not the thread; there it is
+  // neither joined nor stopped (watcher_pid says whose it is).
+  pthread_t watcher{};
+  bool watching = false;
+  pid_t watcher_pid = 0;
   int watcher_stop[2] = {-1, -1};
+  void Watch();  // the watcher's loop
   // Whether the daemon ended this session: its lifeline closed and no
   // daemon resumed it.
   bool SessionGone() { return LifelineClosed() && !Resume().ok(); }

@@ -54,29 +54,45 @@ Status Client::Impl::Resume() {
   return resume_status;
 }
 
+void Client::Impl::Watch() {
+  for (;;) {
+    pollfd p[2] = {{lifeline_fd, POLLRDHUP, 0}, {watcher_stop[0], POLLIN, 0}};
+    if (poll(p, 2, -1) < 0 && errno != EINTR) return;
+    if (p[1].revents != 0) return;
+    if ((p[0].revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) == 0) continue;
+    if (Resume().ok()) continue;  // watch the new connection
+    {
+      absl::MutexLock lock(&resume_mu);
+      if (resume_final) return;  // ended: the calls say so
+    }
+    pollfd stop{watcher_stop[0], POLLIN, 0};
+    if (poll(&stop, 1, 100) != 0) return;  // no daemon yet: again in 100 ms
+  }
+}
+
 void Client::Impl::StartWatching() {
   if (lifeline_fd < 0 || pipe2(watcher_stop, O_CLOEXEC) != 0) return;
-  watcher = std::thread([this] {
-    for (;;) {
-      pollfd p[2] = {{lifeline_fd, POLLRDHUP, 0}, {watcher_stop[0], POLLIN, 0}};
-      if (poll(p, 2, -1) < 0 && errno != EINTR) return;
-      if (p[1].revents != 0) return;
-      if ((p[0].revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) == 0) continue;
-      if (Resume().ok()) continue;  // watch the new connection
-      {
-        absl::MutexLock lock(&resume_mu);
-        if (resume_final) return;  // ended: the calls say so
-      }
-      pollfd stop{watcher_stop[0], POLLIN, 0};
-      if (poll(&stop, 1, 100) != 0) return;  // no daemon yet: again in 100 ms
-    }
-  });
+  watching = pthread_create(
+                 &watcher, nullptr,
+                 [](void* impl) -> void* {
+                   static_cast<Impl*>(impl)->Watch();
+                   return nullptr;
+                 },
+                 this) == 0;
+  watcher_pid = getpid();
+  if (!watching) {
+    close(watcher_stop[0]);
+    close(watcher_stop[1]);
+    watcher_stop[0] = watcher_stop[1] = -1;
+  }
 }
 
 void Client::Impl::StopWatching() {
-  if (watcher_stop[1] < 0) return;
+  if (!watching) return;
+  watching = false;
+  if (getpid() != watcher_pid) return;  // a forked child's copy: not its thread, nor its pipe
   (void)!write(watcher_stop[1], "x", 1);
-  if (watcher.joinable()) watcher.join();
+  pthread_join(watcher, nullptr);
   close(watcher_stop[0]);
   close(watcher_stop[1]);
   watcher_stop[0] = watcher_stop[1] = -1;
