@@ -35,8 +35,8 @@ bool LoopTakeoverHost::PauseForTakeover(pid_t pid, bool keep_sessions,
     // Under the table's lock: every call answered from here on is refused
     // (and sent again by its client), so the records below are the last word.
     p_.table->SetFrozen(true);
-    MO_LOG_INFO("take-over by pid %d: sessions paused (%zu)", static_cast<int>(pid),
-                p_.table->ListSessions().size());
+    MO_LOG_INFO("take-over by pid %d: sessions paused (%u)", static_cast<int>(pid),
+                p_.table->Snapshot().sessions);
     return true;
   }
   if (Status st = p_.table->SetDraining(true); !st.ok()) {

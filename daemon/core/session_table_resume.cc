@@ -34,9 +34,7 @@ std::vector<SessionRecord> SessionTable::SessionRecords() const {
     if (auto job = regions_.find(s.job_key); job != regions_.end()) {
       for (const auto& [name, region] : job->second.by_name) {
         if (region.state == RegionState::kWriting && region.writer == id) {
-          RegionRecord w = RecordOf(region);
-          w.ttl_ms = static_cast<uint64_t>(region.ttl.count());
-          r.writing.push_back(std::move(w));
+          r.writing.push_back(RecordOf(region));  // its TTL too
         }
         for (uint64_t reader : region.readers) {
           if (reader != id) continue;

@@ -79,6 +79,21 @@ Handed Serve(Arena* arena) {
   return h;
 }
 
+// The new daemon's side: a table over an arena of the same layout (the old
+// table's allocator keeps its extents) with the handed regions and chunk
+// owners taken back, before the sessions.
+struct NewDaemon {
+  explicit NewDaemon(const Handed& h)
+      : arena(MakeTestArena()), table(arena.get(), Policy{}, TenantMode::kUid) {
+    regions = table.Recover(h.regions, &dropped).regions;
+    table.AdoptChunkOwners(h.owners);
+  }
+  std::unique_ptr<Arena> arena;
+  SessionTable table;
+  uint32_t regions = 0;
+  std::vector<std::string> dropped;  // by Recover
+};
+
 TEST(ResumeTest, AHandedSessionComesBackWholeAndOnlyItsProcessResumesIt) {
   auto arena = MakeTestArena();
   ASSERT_NE(arena, nullptr);
@@ -90,12 +105,10 @@ TEST(ResumeTest, AHandedSessionComesBackWholeAndOnlyItsProcessResumesIt) {
   ASSERT_EQ(h.sessions[0].deleted_open.size(), 1u);
   EXPECT_EQ(h.sessions[0].deleted_open[0].name, "gone");
 
-  auto fresh = MakeTestArena();  // the same layout; the old table's allocator keeps its extents
-  ASSERT_NE(fresh, nullptr);
-  SessionTable table(fresh.get(), Policy{}, TenantMode::kUid);
-  std::vector<std::string> dropped;
-  EXPECT_EQ(table.Recover(h.regions, &dropped).regions, 1u);
-  table.AdoptChunkOwners(h.owners);
+  NewDaemon next(h);
+  SessionTable& table = next.table;
+  std::vector<std::string> dropped = next.dropped;
+  EXPECT_EQ(next.regions, 1u);
   SessionTable::Adopted got = table.AdoptSessions(h.sessions, std::chrono::seconds(30), &dropped);
   EXPECT_TRUE(dropped.empty()) << dropped.front();
   EXPECT_EQ(got.sessions, 1u);
@@ -167,12 +180,9 @@ TEST(ResumeTest, ASessionNotResumedInTimeIsClosedAndItsSpaceFreed) {
   auto arena = MakeTestArena();
   ASSERT_NE(arena, nullptr);
   Handed h = Serve(arena.get());
-  auto fresh = MakeTestArena();  // the same layout; the old table's allocator keeps its extents
-  ASSERT_NE(fresh, nullptr);
-  SessionTable table(fresh.get(), Policy{}, TenantMode::kUid);
+  NewDaemon next(h);
+  SessionTable& table = next.table;
   std::vector<std::string> dropped;
-  table.Recover(h.regions, &dropped);
-  table.AdoptChunkOwners(h.owners);
   ASSERT_EQ(table.AdoptSessions(h.sessions, milliseconds(20), &dropped).sessions, 1u);
   const uint64_t free_before = table.Snapshot().free_bytes;
   EXPECT_TRUE(table.CloseUnresumed(std::chrono::steady_clock::now()).empty());
@@ -199,12 +209,9 @@ TEST(ResumeTest, ARecordThatCannotBeOursIsDroppedWithWhy) {
   auto arena = MakeTestArena();
   ASSERT_NE(arena, nullptr);
   Handed h = Serve(arena.get());
-  auto fresh = MakeTestArena();  // the same layout; the old table's allocator keeps its extents
-  ASSERT_NE(fresh, nullptr);
-  SessionTable table(fresh.get(), Policy{}, TenantMode::kUid);
+  NewDaemon next(h);
+  SessionTable& table = next.table;
   std::vector<std::string> dropped;
-  table.Recover(h.regions, &dropped);
-  table.AdoptChunkOwners(h.owners);
   SessionRecord overlap = h.sessions[0];  // its group over the committed region
   overlap.id = 50;
   overlap.writing.clear();
