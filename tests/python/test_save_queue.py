@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -50,6 +51,33 @@ def test_a_second_async_save_waits_for_the_first_on_every_rank(daemon, tmp_path)
         assert len(waited) == 1 and waited[0].startswith("WARNING"), r["log"]
         # The training thread waited in stage() for the first save's end.
         assert r["second_started_s"] > 0.5, r
+    assert latest_checkpoint(job_id=job, runtime_dir=daemon.runtime_dir) == "second"
+
+
+def test_a_save_between_its_reset_and_its_collectives_holds_the_next(daemon):
+    """DCP's ``save`` calls the writer's ``reset()`` (where the saving thread
+    claims the save) before ``_save_state_dict``: a second stage() that looks
+    in between still waits (CI once saw a second save start 34 ms in)."""
+    job = f"queue-{uuid.uuid4().hex[:8]}"
+    writer = MemoffloadWriter(job_id=job, runtime_dir=daemon.runtime_dir, keep_last=None)
+    reset = writer.reset
+    claimed, released = threading.Event(), threading.Event()
+
+    def held_reset(checkpoint_id: Any = None) -> None:
+        reset(checkpoint_id)
+        if checkpoint_id == "first":
+            claimed.set()
+            time.sleep(0.5)
+            released.set()
+
+    writer.reset = held_reset
+    first = dcp.async_save({"x": torch.ones(1024)}, storage_writer=writer, checkpoint_id="first")
+    assert claimed.wait(30)
+    second = dcp.async_save({"x": torch.full((1024,), 2.0)}, storage_writer=writer,
+                            checkpoint_id="second")
+    assert released.is_set(), "the second save started while the first was in its reset()"
+    assert writer.result(first).where == writer.result(second).where == "daemon"
+    writer.close()
     assert latest_checkpoint(job_id=job, runtime_dir=daemon.runtime_dir) == "second"
 
 

@@ -8,7 +8,8 @@ process registers its save here before DCP's first collective: at
 ``set_up_storage_writer()`` (the thread that runs the save). A save is in
 flight while the thread that runs it is inside DCP's ``_save_state_dict``
 (read from that thread's stack: DCP tells a writer of no end of a save on
-ranks other than the coordinator), or, for a staged save whose thread has
+ranks other than the coordinator; from DCP's ``save``, which calls
+``reset()`` before ``_save_state_dict``), or, for a staged save whose thread has
 not started yet, until it starts (``_CLAIM_GRACE_S`` at most).
 """
 
@@ -26,7 +27,12 @@ from torch.distributed.checkpoint import state_dict_saver as _saver
 
 from ... import errors, logs
 
-_SAVE_CODE = inspect.unwrap(_saver._save_state_dict).__code__
+# A save is in flight from DCP's ``save`` on: it calls the writer's
+# ``reset()`` (where the saving thread claims its registration) before
+# ``_save_state_dict``, and a stack read between the two must not see a save
+# over (CI once let a second save's stage() through there).
+_SAVE_CODES = frozenset(inspect.unwrap(f).__code__ for f in (
+    _saver.save, _saver.save_state_dict, _saver._save_state_dict))
 # A staged save's thread starts as async_save returns; past this a staged
 # registration nobody claimed is a stage() without a save.
 _CLAIM_GRACE_S = 30.0
@@ -48,7 +54,7 @@ _current: Optional[_Save] = None
 def _in_dcp_save(thread: threading.Thread) -> bool:
     frame = sys._current_frames().get(thread.ident) if thread.ident is not None else None
     while frame is not None:
-        if frame.f_code is _SAVE_CODE:
+        if frame.f_code in _SAVE_CODES:
             return True
         frame = frame.f_back
     return False
