@@ -126,17 +126,18 @@ class Daemon {
   // At exit: a snapshot of the regions for the next start (state_store.h).
   void KeepState() {
     if (state_store_ == nullptr) return;
-    if (Status st = state_store_->Compact(); !st.ok()) {
+    if (Status st = state_store_->Compact(kept_sessions_, kept_owners_); !st.ok()) {
       MO_LOG_ERROR("cannot write the state snapshot: %s; the next start replays the journal",
                    st.ToString().c_str());
       return;
     }
     const ArenaSnapshot s = table_->Snapshot();
     MO_LOG_INFO(
-        "state kept in %s: %u checkpoint region%s (%s) for the next start (a restart takes "
-        "them back; a full stop of the store releases them)",
+        "state kept in %s: %u checkpoint region%s (%s) and %zu session%s for the next start (a "
+        "restart takes them back; a full stop of the store releases them)",
         state_store_->Describe().c_str(), s.committed_regions, s.committed_regions == 1 ? "" : "s",
-        FormatSize(s.committed_region_bytes).c_str());
+        FormatSize(s.committed_region_bytes).c_str(), kept_sessions_.size(),
+        kept_sessions_.size() == 1 ? "" : "s");
   }
 
   // Every listener is bound before the arena is built: a busy port or a bad
@@ -286,11 +287,9 @@ class Daemon {
     const uint64_t instance_id = instance_id_;
     MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
     MetricsInfo state_info;
-    Result<std::unique_ptr<StateStore>> store =
-        ResumeKeptState(&kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
-                        takeover_client_ != nullptr ? takeover_client_->owners()
-                                                    : std::vector<SessionTable::ChunkOwner>{},
-                        &state_info);
+    Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
+        &kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
+        takeover_client_ != nullptr ? takeover_client_->owners() : kept_.state.owners, &state_info);
     if (!store.ok()) return store.status();
     state_store_ = std::move(store).value();
 
@@ -376,8 +375,9 @@ class Daemon {
       takeover_server_ =
           std::make_unique<TakeoverServer>(std::exchange(takeover_fd_, -1), takeover_host_.get());
     }
+    // A take-over's sessions, or a restart's, wait for their processes from now.
+    table_->StartResumeClock(kResumeWithin);
     if (takeover_client_ != nullptr) {
-      table_->StartResumeClock(kResumeWithin);
       const ArenaSnapshot s = table_->Snapshot();
       MO_LOG_INFO(
           "took over the node: %u checkpoint regions (%s), %u sessions to resume (%s in "
@@ -507,7 +507,11 @@ class Daemon {
     if (signo == SIGHUP) {
       Reload();
     } else if (signo == SIGTERM && !draining_for_exit_) {
-      BeginDrain();
+      if (KeepsSessions()) {
+        KeepSessions();
+      } else {
+        BeginDrain();
+      }
     } else {
       MO_LOG_INFO("received %s: stopping now", strsignal(signo));
       notifier_.Stopping();
@@ -542,6 +546,46 @@ class Daemon {
                    keys.message().c_str());
     }
     MO_LOG_INFO("config reloaded from %s", config_.config_file.c_str());
+  }
+
+  // SIGTERM with a state store keeps the sessions for the next start (a
+  // restart resumes them), unless the daemon was drained on purpose
+  // (memoffloadctl drain: the sessions end, as without a store).
+  bool KeepsSessions() const {
+    return state_store_ != nullptr && !table_->draining() && table_->Snapshot().sessions != 0;
+  }
+
+  // Freezes the table (every call is answered "send it again"), takes its
+  // sessions' records, tells each process to resume on the next daemon, and
+  // stops once those notices are written (KeepState stores the records).
+  void KeepSessions() {
+    draining_for_exit_ = true;
+    notifier_.Stopping();
+    table_->SetFrozen(true);
+    kept_sessions_ = table_->SessionRecords();
+    kept_owners_ = table_->ChunkOwners();
+    // Closing the sessions as the daemon exits changes nothing kept.
+    table_->SetRecorder(nullptr);
+    const ArenaSnapshot s = table_->Snapshot();
+    MO_LOG_INFO(
+        "received SIGTERM: keeping %zu session%s (%s in groups) and %u checkpoint region%s (%s) "
+        "in %s for the next start; their processes resume them within %lld s of it "
+        "(memoffloadctl drain before a stop ends them instead)",
+        kept_sessions_.size(), kept_sessions_.size() == 1 ? "" : "s",
+        FormatSize(s.group_bytes()).c_str(), s.committed_regions,
+        s.committed_regions == 1 ? "" : "s", FormatSize(s.committed_region_bytes).c_str(),
+        state_store_->Describe().c_str(), static_cast<long long>(kResumeWithin.count()));
+    broker_->NoticeResume("memoffloadd restarts keeping this session: resume it on the next one");
+    drain_deadline_ = Clock::now() + std::chrono::milliseconds(500);
+    StopOnceNoticed();
+  }
+
+  void StopOnceNoticed() {
+    if (broker_->Flushed() || Clock::now() >= drain_deadline_) return StopLoop();
+    drain_timer_.expires_after(std::chrono::milliseconds(5));
+    drain_timer_.async_wait([this](const boost::system::error_code& ec) {
+      if (!ec) StopOnceNoticed();
+    });
   }
 
   // SIGTERM: refuse new work, wait until no group is held or the deadline.
@@ -651,6 +695,9 @@ class Daemon {
   asio::steady_timer region_timer_{io_};
   Clock::time_point drain_deadline_;
   bool draining_for_exit_ = false;
+  // SIGTERM with a state store: the sessions the next start resumes.
+  std::vector<SessionRecord> kept_sessions_;
+  std::vector<ChunkOwnerRecord> kept_owners_;
 };
 
 }  // namespace

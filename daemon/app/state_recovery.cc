@@ -96,20 +96,22 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   VerifyRegions(arena, threads, &regions, &dropped, &unverified);
   const SessionTable::Recovered placed = table->Recover(regions, &dropped);
   table->AdoptChunkOwners(owners);
-  // A take-over's sessions, placed back before any chunk is renewed (their
-  // chunks are their tenants', so none of theirs is).
+  // A take-over's sessions (or those a SIGTERM kept), placed back before any
+  // chunk is renewed (their chunks are their tenants', so none of theirs is).
+  const char* how = load->store != nullptr ? "restart" : "take-over";
   std::vector<std::string> dropped_sessions;
   const SessionTable::Adopted sessions =
       table->AdoptSessions(load->state.sessions, kResumeWithin, &dropped_sessions);
   if (!load->state.sessions.empty()) {
     MO_LOG_INFO(
-        "take-over: %u of %zu sessions handed on (%lu groups, %s) wait for their processes to "
-        "resume them (up to %lld s)",
-        sessions.sessions, load->state.sessions.size(), static_cast<unsigned long>(sessions.groups),
-        FormatSize(sessions.bytes).c_str(), static_cast<long long>(kResumeWithin.count()));
+        "%s: %u of %zu sessions handed on (%lu groups, %s) wait for their processes to resume "
+        "them (up to %lld s)",
+        how, sessions.sessions, load->state.sessions.size(),
+        static_cast<unsigned long>(sessions.groups), FormatSize(sessions.bytes).c_str(),
+        static_cast<long long>(kResumeWithin.count()));
   }
   for (const std::string& d : dropped_sessions) {
-    MO_LOG_WARN("take-over: dropped %s; its process attaches again", d.c_str());
+    MO_LOG_WARN("%s: dropped %s; its process attaches again", how, d.c_str());
   }
   // An adopted chunk left with no region and no owner would be handed to
   // the next tenant as it is: old processes may still map it, and it holds

@@ -49,6 +49,21 @@ uint64_t NameSeq(const std::string& name, const char* prefix) {
   return std::strtoull(name.c_str() + std::strlen(prefix), nullptr, 10);
 }
 
+// The suffix of a snapshot that carries sessions (written at SIGTERM).
+constexpr char kWithSessions[] = "+sessions";
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// Newest first: the later record, and at the same record the one with sessions.
+bool SnapshotNewer(const std::string& a, const std::string& b) {
+  const uint64_t sa = NameSeq(a, kSnapshotPrefix), sb = NameSeq(b, kSnapshotPrefix);
+  if (sa != sb) return sa > sb;
+  return EndsWith(a, kWithSessions) && !EndsWith(b, kWithSessions);
+}
+
 Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode,
                                            const std::string& runtime_dir) {
   const std::string keeper = runtime_dir + "/" + kKeeperSocketName;
@@ -178,9 +193,8 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_
       load.problems.push_back("an fd named '" + f.name + "' is not the daemon's; closed");
     }
   }
-  std::sort(snapshots.begin(), snapshots.end(), [](const StoredFd* a, const StoredFd* b) {
-    return NameSeq(a->name, kSnapshotPrefix) > NameSeq(b->name, kSnapshotPrefix);
-  });
+  std::sort(snapshots.begin(), snapshots.end(),
+            [](const StoredFd* a, const StoredFd* b) { return SnapshotNewer(a->name, b->name); });
   std::optional<SnapshotContents> snapshot;
   for (StoredFd* f : snapshots) {
     Result<SnapshotContents> s = DecodeSnapshotFd(f->fd);
@@ -195,7 +209,9 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_
   // The chunks the kept regions lie in, checked against the kept layout.
   const ArenaLayout& layout = load.state.layout;
   load.chunk_fds.assign(layout.chunk_count(), -1);
-  std::vector<bool> needed(layout.chunk_count(), false);
+  // Sessions to resume map chunks that hold none of their groups too (every
+  // chunk with tenant = none): each must stay the memory they map.
+  std::vector<bool> needed(layout.chunk_count(), !load.state.sessions.empty());
   for (const auto& [key, region] : load.state.regions) {
     for (const Extent& e : region.extents) {
       if (e.chunk < needed.size()) needed[e.chunk] = true;
@@ -313,17 +329,21 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
   return Status::Ok();
 }
 
-Status StateStore::Compact() {
+Status StateStore::Compact(const std::vector<SessionRecord>& sessions,
+                           const std::vector<ChunkOwnerRecord>& owners) {
   absl::MutexLock lock(&mu_);
-  return CompactLocked();
+  return CompactLocked(sessions, owners);
 }
 
-Status StateStore::CompactLocked() {
+Status StateStore::CompactLocked(const std::vector<SessionRecord>& sessions,
+                                 const std::vector<ChunkOwnerRecord>& owners) {
   SnapshotContents s;
   s.last_seq = seq_;
   s.instance_id = instance_id_;
   s.layout = layout_;
   s.regions = regions_;
+  s.sessions = sessions;
+  if (!sessions.empty()) s.owners = owners;
   Result<int> sealed = SealedMemfd("memoffload-snapshot", EncodeSnapshot(s));
   if (!sealed.ok()) return sealed.status();
   const int fd = *sealed;
@@ -336,7 +356,10 @@ Status StateStore::CompactLocked() {
   std::memcpy(journal->data(), header.data(), header.size());
   // The snapshot first: a start that finds it ignores the journals' records
   // up to its last_seq, and finds the records after it in the new journal.
-  const std::string snapshot_name = kSnapshotPrefix + std::to_string(seq_);
+  // One with sessions at the same record as the last snapshot is another
+  // name (SnapshotNewer puts it first): the one before stays until it is in.
+  const std::string snapshot_name =
+      kSnapshotPrefix + std::to_string(seq_) + (sessions.empty() ? "" : kWithSessions);
   const std::string journal_name = kJournalPrefix + std::to_string(seq_ + 1);
   Status put = Status::Ok();
   if (snapshot_name != snapshot_name_) put = store_->Put(snapshot_name, fd);

@@ -89,8 +89,11 @@ class StateStore : public StateRecorder {
   Status Begin(const Arena& arena, uint64_t last_seq, const std::vector<RegionRecord>& regions,
                const std::vector<bool>& adopted, const std::vector<std::string>& old_names)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // A snapshot of every region now, and a new journal after it (SIGTERM).
-  Status Compact() ABSL_LOCKS_EXCLUDED(mu_);
+  // A snapshot of every region now, and a new journal after it (SIGTERM;
+  // with the `sessions` to resume and the chunks' `owners` when it keeps
+  // them for the next start).
+  Status Compact(const std::vector<SessionRecord>& sessions = {},
+                 const std::vector<ChunkOwnerRecord>& owners = {}) ABSL_LOCKS_EXCLUDED(mu_);
 
   void RegionCommitted(const RegionRecord& region) override ABSL_LOCKS_EXCLUDED(mu_);
   void RegionDeleted(const RegionKey& key) override ABSL_LOCKS_EXCLUDED(mu_);
@@ -102,7 +105,9 @@ class StateStore : public StateRecorder {
   uint64_t last_seq() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
-  Status CompactLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  Status CompactLocked(const std::vector<SessionRecord>& sessions = {},
+                       const std::vector<ChunkOwnerRecord>& owners = {})
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Append(const std::string& record) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveName(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Failed(const std::string& what, const Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

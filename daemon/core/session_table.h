@@ -256,11 +256,7 @@ class SessionTable {
   std::vector<RegionRecord> CommittedRegions() const ABSL_LOCKS_EXCLUDED(mu_);
   // Which tenant owns each owned chunk (a take-over hands them on, so that a
   // chunk old processes still map changes tenant only with a new memfd).
-  struct ChunkOwner {
-    uint32_t chunk = 0;
-    std::string tenant;
-    uid_t uid = 0;
-  };
+  using ChunkOwner = ChunkOwnerRecord;  // state_format.h
   std::vector<ChunkOwner> ChunkOwners() const ABSL_LOCKS_EXCLUDED(mu_);
   TenantMode tenant_mode() const ABSL_NO_THREAD_SAFETY_ANALYSIS { return tenant_chunks_.mode(); }
   // Before serving, after Recover: gives each chunk nobody owns yet to its

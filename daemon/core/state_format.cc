@@ -291,6 +291,12 @@ std::string EncodeSnapshot(const SnapshotContents& snapshot) {
   if (version >= 2) {
     PutU32(&out, static_cast<uint32_t>(snapshot.sessions.size()));
     for (const SessionRecord& s : snapshot.sessions) PutSession(&out, s);
+    PutU32(&out, static_cast<uint32_t>(snapshot.owners.size()));
+    for (const ChunkOwnerRecord& o : snapshot.owners) {
+      PutU32(&out, o.chunk);
+      PutString(&out, o.tenant);
+      PutU32(&out, o.uid);
+    }
   }
   PutU32(&out, Crc32c(out.data(), out.size()));
   return out;
@@ -334,6 +340,15 @@ Result<SnapshotContents> DecodeSnapshot(const void* data, size_t size) {
         return DataLoss("snapshot names session " + std::to_string(session.id) + " twice");
       }
       s.sessions.push_back(std::move(session));
+    }
+    const uint32_t owners = body.U32();
+    if (owners > (1u << 16)) return DataLoss("snapshot names too many chunk owners");
+    for (uint32_t i = 0; i < owners && body.ok(); ++i) {
+      ChunkOwnerRecord o;
+      o.chunk = body.U32();
+      o.tenant = body.String();
+      o.uid = body.U32();
+      s.owners.push_back(std::move(o));
     }
   }
   if (!body.ok() || !body.done()) return DataLoss("snapshot body is malformed");
@@ -420,6 +435,8 @@ ReplayedState Replay(const SnapshotContents* snapshot,
     out.layout = snapshot->layout;
     out.last_seq = snapshot->last_seq;
     out.regions = snapshot->regions;
+    out.sessions = snapshot->sessions;
+    out.owners = snapshot->owners;
   }
   // Every readable record, by sequence number (journals may overlap when
   // a compaction was cut short).

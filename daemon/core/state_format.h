@@ -109,6 +109,13 @@ struct SessionRecord {
   std::vector<RegionRecord> deleted_open;
 };
 inline constexpr uint32_t kMaxStateSessions = 1 << 16;
+// A chunk's tenant (per uid or per job) in a snapshot with sessions: the
+// chunks their processes map stay their tenants' until they resume.
+struct ChunkOwnerRecord {
+  uint32_t chunk = 0;
+  std::string tenant;
+  uid_t uid = 0;
+};
 
 enum class JournalRecordType : uint16_t { kRegionCommitted = 1, kRegionDeleted = 2 };
 
@@ -124,7 +131,10 @@ struct SnapshotContents {
   uint64_t instance_id = 0;
   ArenaLayout layout;
   std::map<RegionKey, RegionRecord> regions;
-  std::vector<SessionRecord> sessions;  // a take-over's only
+  // v2: the sessions to resume (a take-over's, or a SIGTERM's with a
+  // state store) and the chunks' owners.
+  std::vector<SessionRecord> sessions;
+  std::vector<ChunkOwnerRecord> owners;
 };
 std::string EncodeSnapshot(const SnapshotContents& snapshot);
 
@@ -158,9 +168,10 @@ struct ReplayedState {
   ArenaLayout layout;
   uint64_t last_seq = 0;
   std::map<RegionKey, RegionRecord> regions;
-  std::vector<SessionRecord> sessions;  // a take-over's
-  uint64_t journal_records = 0;         // replayed after the snapshot
-  std::vector<std::string> notes;       // what was skipped, and why
+  std::vector<SessionRecord> sessions;  // to resume (a snapshot's)
+  std::vector<ChunkOwnerRecord> owners;
+  uint64_t journal_records = 0;    // replayed after the snapshot
+  std::vector<std::string> notes;  // what was skipped, and why
 };
 ReplayedState Replay(const SnapshotContents* snapshot,
                      const std::vector<JournalContents>& journals);

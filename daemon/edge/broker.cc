@@ -142,6 +142,17 @@ void Broker::AskToLeave(const std::string& why) {
   for (auto& [id, conn] : connections_) conn->AskToLeave(why);
 }
 
+void Broker::NoticeResume(const std::string& why) {
+  for (auto& [id, conn] : connections_) conn->NoticeResume(why);
+}
+
+bool Broker::Flushed() const {
+  for (const auto& [id, conn] : connections_) {
+    if (!conn->Flushed()) return false;
+  }
+  return true;
+}
+
 void Broker::CloseAll() {
   linger_timer_.cancel();
   for (Lingering& l : lingering_) {

@@ -96,6 +96,10 @@ class Broker {
   // Asks every state session to leave (the daemon drains: `why`): each is
   // sent a Notice on its lifeline, once (attach_wire.h).
   void AskToLeave(const std::string& why);
+  // Tells every session that the daemon exits keeping it (NoticeResume);
+  // Flushed once each notice is written.
+  void NoticeResume(const std::string& why);
+  bool Flushed() const;
   // Replaces the access policy for future attaches (SIGHUP).
   void SetPolicy(const Policy& policy) { policy_ = policy; }
   size_t connection_count() const { return connections_.size(); }

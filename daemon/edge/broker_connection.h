@@ -147,6 +147,12 @@ class Broker::Connection : public std::enable_shared_from_this<Connection> {
     Send(std::move(frames), [this] { leave_unread_ = UnreadBytes(socket_.native_handle()); });
   }
 
+  // Tells the session that the daemon exits keeping it for the next one (a
+  // restart with a state store; `why`): its process resumes it there.
+  void NoticeResume(const std::string& why);
+  // Whether every frame queued is written.
+  bool Flushed() const { return out_.empty() && queued_.empty(); }
+
   // Marks the connection closed for handlers still queued (CloseAll).
   void MarkClosed() {
     closed_ = true;

@@ -1,12 +1,19 @@
-// Broker::Connection's resume of a session a take-over handed on
-// (attach_wire.h, "Resume"): the session is bound to this connection when
-// its peer is the session's own process.
+// Broker::Connection's resume of a session a take-over or a restart handed
+// on (attach_wire.h, "Resume"): the session is bound to this connection when
+// its peer is the session's own process; and the notice that asks for it.
 #include <chrono>
 #include <string>
 
 #include "edge/broker_connection.h"
 
 namespace memoffload::daemon {
+
+void Broker::Connection::NoticeResume(const std::string& why) {
+  if (closed_ || session_id_ == 0) return;
+  std::vector<OutFrame> frames;
+  frames.push_back(Frame(EncodeNotice({NoticeKind::kResume, why})));
+  Send(std::move(frames), [] {});
+}
 
 void Broker::Connection::OnResume() {
   Result<Resume> resume = DecodeResume(payload_);
@@ -25,7 +32,7 @@ void Broker::Connection::OnResume() {
   const ArenaSnapshot now = broker_->table_->Snapshot();
   if (now.handed_waiting == 0) {
     MO_LOG_INFO(
-        "take-over: no handed session waits any more: %u resumed, %u closed unresumed; the "
+        "no handed session waits any more: %u resumed, %u closed unresumed; the "
         "longest waited %.0f ms",
         now.handed_resumed, now.handed_not_resumed, now.longest_resume_wait_seconds * 1000);
   }

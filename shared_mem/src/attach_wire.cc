@@ -387,7 +387,8 @@ Result<Notice> DecodeNotice(const std::string& bytes) {
   uint8_t kind = 0;
   MEMOFFLOAD_RETURN_IF_ERROR(r.Header(MessageType::kNotice, &version));
   if (!r.U8(&kind) || !r.Str(&notice.message, kMaxStringBytes)) return Reader::Truncated();
-  if (kind != static_cast<uint8_t>(NoticeKind::kLeave)) {
+  if (kind != static_cast<uint8_t>(NoticeKind::kLeave) &&
+      kind != static_cast<uint8_t>(NoticeKind::kResume)) {
     return InvalidArgument("unknown notice kind " + std::to_string(kind));
   }
   notice.kind = static_cast<NoticeKind>(kind);

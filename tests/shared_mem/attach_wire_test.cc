@@ -43,6 +43,9 @@ TEST(AttachWire, NoticeRoundTripAndIsTellsItFromReplies) {
   ASSERT_TRUE(n.ok()) << n.status().ToString();
   EXPECT_EQ(n->kind, NoticeKind::kLeave);
   EXPECT_EQ(n->message, "memoffloadd is draining");
+  Result<Notice> resume = DecodeNotice(EncodeNotice({NoticeKind::kResume, "restarting"}));
+  ASSERT_TRUE(resume.ok()) << resume.status().ToString();
+  EXPECT_EQ(resume->kind, NoticeKind::kResume);
   EXPECT_FALSE(IsNotice(EncodeChunkReply({})));
   EXPECT_FALSE(IsNotice(EncodeLinkKeyReply({})));
   EXPECT_FALSE(DecodeChunkReply(bytes).ok());

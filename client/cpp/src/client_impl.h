@@ -148,7 +148,13 @@ class Client::Impl {
   void Watch();  // the watcher's loop
   // Whether the daemon ended this session: its lifeline closed and no
   // daemon resumed it.
-  bool SessionGone() { return LifelineClosed() && !Resume().ok(); }
+  // A restart that kept the session (kResume) has not ended it until the
+  // next daemon refuses the resume or the window passes: meanwhile its
+  // memory is this process's mapping, untouched, and calls wait (Call).
+  bool SessionGone() {
+    if (!LifelineClosed() || Resume().ok()) return false;
+    return !resume_expected || ResumeFinal();
+  }
 
   // One unary call of the session: its credentials filled in, the RPC
   // deadline (`timeout_ms`, or rpc_timeout_ms when 0), gRPC's status as ours
@@ -183,9 +189,10 @@ class Client::Impl {
       if (!(paused || gone_mid_call) || now >= until) return st;
       if (LifelineClosed()) {
         if (Resume().ok()) continue;
-        // No daemon resumes it yet: during a take-over, wait for the new one
-        // (its answer is final); otherwise (a crash) the call fails now.
-        if (!saw_pause || ResumeFinal()) return st;
+        // No daemon resumes it yet: during a take-over or a restart that
+        // kept the session, wait for the new one (its answer is final);
+        // otherwise (a crash) the call fails now.
+        if (!(saw_pause || resume_expected) || ResumeFinal()) return st;
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
         continue;
       }
@@ -396,9 +403,16 @@ class Client::Impl {
   void Note(const std::string& payload) ABSL_EXCLUSIVE_LOCKS_REQUIRED(map_mu) {
     Result<Notice> notice = DecodeNotice(payload);
     if (!notice.ok()) return;  // a newer daemon's notice: nothing this client acts on
+    if (notice->kind == NoticeKind::kResume) {
+      resume_expected = true;
+      return;
+    }
     leave_message = notice->message;
     leave = true;
   }
+  // kResume came on this lifeline: the daemon restarts keeping the session,
+  // so a call waits for the resume (within kResumeWindow) instead of failing.
+  std::atomic<bool> resume_expected{false};
   // Reads the notices already queued on the lifeline, without waiting: a
   // request must not be sent while the daemon's last frame is unread (the
   // daemon ends such a connection). A closed lifeline marks the session lost.

@@ -1,6 +1,7 @@
-// Client::Impl's side of a take-over: the session resumed on the daemon that
-// took the node over (attach_wire.h, "Resume"), its groups and placed blocks
-// where they were, in the same memory.
+// Client::Impl's side of a take-over or a restart that kept its sessions:
+// the session resumed on the daemon that took the node over or started
+// next (attach_wire.h, "Resume"), its groups and placed blocks where they
+// were, in the same memory.
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -44,10 +45,16 @@ Status Client::Impl::Resume() {
   if (resume_final) return resume_status;
   const auto now = std::chrono::steady_clock::now();
   if (resume_first_try == std::chrono::steady_clock::time_point{}) resume_first_try = now;
+  {
+    // The last frames of the closed lifeline: a restart's kResume notice.
+    absl::MutexLock map_lock(&map_mu);
+    ReadNotices();
+  }
   bool answered = false;
   resume_status = ResumeOnce(&answered);
   if (resume_status.ok()) {
     resume_first_try = {};  // a later take-over resumes it again
+    resume_expected = false;
   } else if (answered || now - resume_first_try >= kResumeWindow) {
     resume_final = true;
   }
@@ -213,7 +220,7 @@ Status Client::Impl::ResumeOnce(bool* answered) {
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
   Log(LogLevel::kInfo, StatusCode::kOk,
-      session + " resumed on the memoffloadd that took the node over (" +
+      session + " resumed on the memoffloadd that took the node over or restarted (" +
           std::to_string(static_cast<int>(ms)) + " ms); its groups and placed blocks are kept",
       rank);
   return Status::Ok();

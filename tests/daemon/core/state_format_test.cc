@@ -124,6 +124,19 @@ TEST(StateFormat, SessionsRoundTripAsV2AndNoneIsV1) {
   ASSERT_EQ(b.writing.size(), 1u);
   ExpectSame(b.writing[0], a.writing[0]);
   EXPECT_EQ(b.opened, a.opened);
+  EXPECT_TRUE(back->owners.empty());
+  // The chunks' owners come with the sessions, and a replay keeps both.
+  s.owners = {{3, "uid:1000", 1000}, {9, "job:7:a b", 7}};
+  bytes = EncodeSnapshot(s);
+  back = DecodeSnapshot(bytes.data(), bytes.size());
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  ASSERT_EQ(back->owners.size(), 2u);
+  EXPECT_EQ(back->owners[1].chunk, 9u);
+  EXPECT_EQ(back->owners[1].tenant, "job:7:a b");
+  EXPECT_EQ(back->owners[1].uid, 7u);
+  const ReplayedState replayed = Replay(&*back, {});
+  EXPECT_EQ(replayed.sessions.size(), 2u);
+  EXPECT_EQ(replayed.owners.size(), 2u);
   // Two sessions of one id: refused.
   s.sessions[1].id = 5;
   bytes = EncodeSnapshot(s);

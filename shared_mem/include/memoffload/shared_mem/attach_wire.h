@@ -139,7 +139,10 @@ inline constexpr size_t kMaxLinkKeys = 8;
 // keeps the notices before it). kLeave: the daemon is draining and asks a
 // session that holds long-lived blocks to give them back (the client moves
 // them out of the arena and ends the session); `message` says why.
-enum class NoticeKind : uint8_t { kLeave = 1 };
+// kResume: the daemon exits keeping this session for the next one (a
+// restart with a state store): its process resumes it there (a "Resume"),
+// and its calls wait for that rather than fail when the lifeline closes.
+enum class NoticeKind : uint8_t { kLeave = 1, kResume = 2 };
 struct Notice {
   NoticeKind kind = NoticeKind::kLeave;
   std::string message;
