@@ -22,7 +22,8 @@ namespace memoffload::fuzz {
 namespace {
 
 void PlaceAndCheck(const std::map<daemon::RegionKey, daemon::RegionRecord>& regions,
-                   const std::vector<daemon::SessionRecord>& sessions = {}) {
+                   const std::vector<daemon::SessionRecord>& sessions = {},
+                   const std::vector<daemon::ChunkOwnerRecord>& kept_owners = {}) {
   daemon::Arena* arena = SharedArena();
   std::vector<daemon::RegionRecord> list;
   for (const auto& [key, r] : regions) list.push_back(r);
@@ -33,8 +34,9 @@ void PlaceAndCheck(const std::map<daemon::RegionKey, daemon::RegionRecord>& regi
   Check(got.regions + dropped.size() == list.size(), "Recover lost count of a region");
   CheckOk(table.CheckInvariants(), "table invariants after Recover");
   if (!sessions.empty()) {
-    // The owners a take-over would name: each session's chunks its uid's.
-    std::vector<daemon::SessionTable::ChunkOwner> owners;
+    // The owners the snapshot names (as a restart's start gives them), then
+    // those a take-over would name: each session's chunks its uid's.
+    std::vector<daemon::SessionTable::ChunkOwner> owners = kept_owners;
     for (const daemon::SessionRecord& s : sessions) {
       for (const daemon::GroupRecord& g : s.groups) {
         for (const Extent& e : g.extents) {
@@ -80,7 +82,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           "a decoded snapshot does not survive re-encoding");
     Check(back.ok() && back->sessions.size() == s->sessions.size(),
           "a decoded snapshot's sessions do not survive re-encoding");
-    memoffload::fuzz::PlaceAndCheck(s->regions, s->sessions);
+    Check(back.ok() && (s->sessions.empty() || back->owners.size() == s->owners.size()),
+          "a decoded snapshot's chunk owners do not survive re-encoding");
+    memoffload::fuzz::PlaceAndCheck(s->regions, s->sessions, s->owners);
   } else {
     Check(!s.status().message().empty(), "snapshot refused without a message");
   }

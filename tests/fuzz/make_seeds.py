@@ -177,4 +177,7 @@ session += struct.pack("<I", 1) + region_payload(1000, "job", "gone", [(3, 8192,
 snap = b"MOSNAPSH" + struct.pack("<IQQ", 2, 2, 0x1234) + struct.pack("<QQI", 4 << 20, 1 << 20, 4096)
 snap += struct.pack("<I", 1) + region_payload(1000, "job", "b", [(1, 8192, 8192)], [])
 snap += struct.pack("<I", 1) + session
+# The chunks' owners (a restart's snapshot names them): two of uid 1000's.
+snap += struct.pack("<I", 2) + struct.pack("<I", 0) + s("uid:1000") + struct.pack("<I", 1000)
+snap += struct.pack("<I", 3) + s("uid:1000") + struct.pack("<I", 1000)
 write("fuzz_state", "snapshot_v2_sessions", snap + struct.pack("<I", crc32c(snap)))
