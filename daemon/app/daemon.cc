@@ -477,7 +477,7 @@ class Daemon {
     region_timer_.async_wait([this](const boost::system::error_code& ec) {
       if (ec) return;
       for (const std::string& line : table_->CloseUnresumed(Clock::now())) {
-        MO_LOG_WARN("take-over: %s", line.c_str());
+        MO_LOG_WARN("handed sessions: %s", line.c_str());
       }
       if (uint64_t expired = table_->ExpireRegions(Clock::now()); expired != 0) {
         MO_LOG_INFO("deleted %lu checkpoint region%s past %s TTL",
@@ -551,8 +551,23 @@ class Daemon {
   // SIGTERM with a state store keeps the sessions for the next start (a
   // restart resumes them), unless the daemon was drained on purpose
   // (memoffloadctl drain: the sessions end, as without a store).
+  // Only sessions the next daemon can bind to their process are kept: one
+  // with no known pid (a peer outside a containerized daemon's pid
+  // namespace) could never resume, so then all are drained as before.
   bool KeepsSessions() const {
-    return state_store_ != nullptr && !table_->draining() && table_->Snapshot().sessions != 0;
+    if (state_store_ == nullptr || table_->draining() || table_->Snapshot().sessions == 0) {
+      return false;
+    }
+    for (const SessionRecord& s : table_->SessionRecords()) {
+      if (s.pid <= 0) {
+        MO_LOG_INFO(
+            "received SIGTERM: session %lu has no known pid (its process is outside this "
+            "daemon's pid namespace), so no session can be resumed after a restart: draining",
+            static_cast<unsigned long>(s.id));
+        return false;
+      }
+    }
+    return true;
   }
 
   // Freezes the table (every call is answered "send it again"), takes its

@@ -1,6 +1,7 @@
 #include "app/state_recovery.h"
 
 #include <chrono>
+#include <set>
 
 #include "app/takeover.h"
 #include "base/log.h"
@@ -95,7 +96,18 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   }
   VerifyRegions(arena, threads, &regions, &dropped, &unverified);
   const SessionTable::Recovered placed = table->Recover(regions, &dropped);
-  table->AdoptChunkOwners(owners);
+  // Only the chunks of uids with a session that may resume stay theirs as
+  // they are: any other kept chunk gets new memory below, since a process
+  // of a session that will not resume may still map it and copy out of it.
+  std::set<uid_t> resuming;
+  for (const SessionRecord& s : load->state.sessions) {
+    if (s.pid > 0) resuming.insert(s.uid);
+  }
+  std::vector<SessionTable::ChunkOwner> kept_owners;
+  for (const SessionTable::ChunkOwner& o : owners) {
+    if (resuming.count(o.uid) != 0) kept_owners.push_back(o);
+  }
+  table->AdoptChunkOwners(kept_owners);
   // A take-over's sessions (or those a SIGTERM kept), placed back before any
   // chunk is renewed (their chunks are their tenants', so none of theirs is).
   const char* how = load->store != nullptr ? "restart" : "take-over";

@@ -196,16 +196,35 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_
   std::sort(snapshots.begin(), snapshots.end(),
             [](const StoredFd* a, const StoredFd* b) { return SnapshotNewer(a->name, b->name); });
   std::optional<SnapshotContents> snapshot;
+  bool newest = true;
   for (StoredFd* f : snapshots) {
     Result<SnapshotContents> s = DecodeSnapshotFd(f->fd);
     if (s.ok()) {
       snapshot = std::move(s).value();
+      // Sessions are kept for the very next start only: those of an older
+      // snapshot than the newest (that one unreadable) are not the state
+      // their processes left.
+      if (!newest && !snapshot->sessions.empty()) {
+        load.problems.push_back(f->name + ": its " + std::to_string(snapshot->sessions.size()) +
+                                " sessions are not resumed (a newer snapshot was unreadable)");
+        snapshot->sessions.clear();
+        snapshot->owners.clear();
+      }
       break;
     }
+    newest = false;
     load.problems.push_back(f->name + ": " + s.status().message());
     load.refused |= s.status().code() == StatusCode::kFailedPrecondition;
   }
   load.state = Replay(snapshot ? &*snapshot : nullptr, journals);
+  if (load.state.journal_records != 0 && !load.state.sessions.empty()) {
+    // Written at the daemon's last exit, nothing after: a change recorded
+    // since means a later daemon ran, and those processes moved on.
+    load.problems.push_back(std::to_string(load.state.sessions.size()) +
+                            " kept sessions are not resumed: the journal has changes after them");
+    load.state.sessions.clear();
+    load.state.owners.clear();
+  }
   // The chunks the kept regions lie in, checked against the kept layout.
   const ArenaLayout& layout = load.state.layout;
   load.chunk_fds.assign(layout.chunk_count(), -1);

@@ -304,7 +304,7 @@ std::vector<std::string> SessionTable::CloseUnresumed(std::chrono::steady_clock:
         due.emplace_back(id, "session " + std::to_string(id) + " (pid " +
                                  std::to_string(s.peer.pid) + ", job '" + s.hello.job_id +
                                  "') was not resumed in time (its process ended during the "
-                                 "take-over?)");
+                                 "take-over or the restart?)");
       }
     }
   }

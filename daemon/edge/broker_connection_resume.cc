@@ -12,7 +12,8 @@ void Broker::Connection::NoticeResume(const std::string& why) {
   if (closed_ || session_id_ == 0) return;
   std::vector<OutFrame> frames;
   frames.push_back(Frame(EncodeNotice({NoticeKind::kResume, why})));
-  Send(std::move(frames), [] {});
+  // As for AskToLeave: a request may come while the notice is unread.
+  Send(std::move(frames), [this] { leave_unread_ = UnreadBytes(socket_.native_handle()); });
 }
 
 void Broker::Connection::OnResume() {

@@ -10,7 +10,9 @@ without a store."""
 from __future__ import annotations
 
 import logging
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -196,6 +198,44 @@ def test_a_drained_daemon_ends_its_sessions_at_sigterm(node):
     assert "received SIGTERM: draining" in log and "keeping" not in log, log
     assert "and 0 sessions for the next start" in log, log
     store.close()
+    again = Daemon(rt, "64MiB", "16MiB", ARGS).start()
+    daemons.append(again)
+    assert "sessions handed on" not in again.log.read_text()
+    assert read_back(rt, "job", ["kept"])
+
+
+def test_a_daemon_that_sees_no_pid_of_a_session_drains_at_sigterm(node, tmp_path):
+    """A daemon in a pid namespace of its own (a container without the
+    host's) sees no pid for the processes outside it: their sessions could
+    never be resumed after a restart, so SIGTERM drains and ends them, as
+    without a store, and says why; the regions are kept."""
+    rt, daemons = node
+    log = tmp_path / "ns-daemon.log"
+    exe = bin_dir() / "memoffloadd"
+    outer = subprocess.Popen(
+        ["unshare", "--pid", "--fork", "--kill-child", str(exe), f"--runtime-dir={rt}",
+         "--arena-size=64MiB", "--chunk-size=16MiB", "--metrics-address=none",
+         "--prefault-threads=1", *ARGS],
+        stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while "clients: export" not in log.read_text():
+            assert outer.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.02)
+        write(rt, "job", ["kept"])
+        store = _C.RegionStore(runtime_dir=str(rt), job_id="job", rank=0)
+        inner = subprocess.run(["pgrep", "-P", str(outer.pid)], capture_output=True, text=True)
+        assert inner.returncode == 0, inner
+        os.kill(int(inner.stdout.split()[0]), signal.SIGTERM)
+        assert outer.wait(timeout=30) == 0, log.read_text()
+        text = log.read_text()
+        assert "has no known pid" in text and "received SIGTERM: draining" in text, text
+        assert "and 0 sessions for the next start" in text, text
+        store.close()
+    finally:
+        if outer.poll() is None:
+            outer.kill()
+            outer.wait()
     again = Daemon(rt, "64MiB", "16MiB", ARGS).start()
     daemons.append(again)
     assert "sessions handed on" not in again.log.read_text()
