@@ -22,6 +22,7 @@
 #include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
 #include "app/state_recovery.h"
+#include "app/systemd_job.h"
 #include "app/takeover.h"
 #include "app/takeover_host.h"
 #include "base/log.h"
@@ -555,8 +556,24 @@ class Daemon {
   // with no known pid (a peer outside a containerized daemon's pid
   // namespace) could never resume, so then all are drained as before.
   bool KeepsSessions() const {
-    if (state_store_ == nullptr || table_->draining() || table_->Snapshot().sessions == 0) {
+    if (state_store_ == nullptr || config_.keep_sessions == "never" || table_->draining() ||
+        table_->Snapshot().sessions == 0) {
       return false;
+    }
+    // Under systemd: a restart keeps them, a stop for good drains them
+    // (the unit's fd store goes with the stop).
+    if (config_.keep_sessions == "restart" && notifier_.Enabled()) {
+      Result<std::string> job = SystemdUnitJob();
+      if (!job.ok()) {
+        MO_LOG_WARN("received SIGTERM: %s, so a restart is not told from a stop: draining",
+                    job.status().message().c_str());
+        return false;
+      }
+      if (!IsRestartJob(*job)) {
+        MO_LOG_INFO("received SIGTERM: systemd %s the unit, not a restart: draining",
+                    job->empty() ? "runs no job on" : ("runs a '" + *job + "' job on").c_str());
+        return false;
+      }
     }
     for (const SessionRecord& s : table_->SessionRecords()) {
       if (s.pid <= 0) {

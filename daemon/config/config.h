@@ -112,6 +112,10 @@ struct DaemonConfig {
   // Where the arena and the regions outlive a restart (app/state_store.h):
   // auto, systemd, keeper or none.
   std::string state_store = "auto";
+  // At SIGTERM with a state store: "restart" keeps the sessions for the next
+  // start unless systemd is stopping the unit for good; "always"; "never"
+  // (drain and end them, as without a store).
+  std::string keep_sessions = "restart";
 
   std::string config_file;  // "" when none
   // Where each key's value came from: "default", "file", "env" or "flag".

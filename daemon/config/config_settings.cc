@@ -434,6 +434,18 @@ const std::vector<Setting>& Settings() {
          return Status::Ok();
        },
        [](const DaemonConfig& c) { return c.state_store; }},
+      {"lifecycle", "keep_sessions", Kind::kString,
+       "at SIGTERM with a state store, keep the sessions for the next start (their processes "
+       "resume them): restart (default: unless systemd stops the unit for good), always, or "
+       "never (drain and end them, as without a store)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "restart" && v != "always" && v != "never") {
+           return InvalidArgument("'" + v + "' is not one of restart, always, never");
+         }
+         c->keep_sessions = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.keep_sessions; }},
       U64Setting("lifecycle", "hello_timeout", Kind::kDuration,
                  "drop a broker connection that sends no hello in this time",
                  [](DaemonConfig* c) { return &c->hello_timeout_ms; }),

@@ -289,14 +289,26 @@ def test_a_restart_keeps_them(machine):
 
 
 def test_stop_drains_and_exits_zero(machine):
+    """`systemctl stop` with a rank attached: systemd's job is a stop, not a
+    restart, so the daemon drains and ends the session (the fd store goes
+    with the stop) instead of keeping it."""
+    machine.sh(f"systemd-run --unit=rank-s --uid={TRAINER_IN_GROUP} --gid={TRAINER_IN_GROUP} "
+               "-p SupplementaryGroups=memoffload "
+               f"sh -c 'exec region_loop loop {RUNTIME_DIR} job-s s > /tmp/s.log 2> /tmp/s.err'")
+    cc.wait_for("the rank to commit", lambda: int(
+        machine.sh("grep -c '^s' /tmp/s.log", check=False).stdout or 0) >= 3, timeout_s=60)
     machine.sh("systemctl stop memoffloadd", timeout_s=90)
     state = machine.show("ActiveState", "Result", "ExecMainStatus")
     assert state == {"ActiveState": "inactive", "Result": "success", "ExecMainStatus": "0"}, \
         state
     journal = machine.journal()
-    for line in ("received SIGTERM: draining", "drained: no groups held", "stopped cleanly",
-                 "memoffloadd.service: Deactivated successfully"):
+    for line in ("systemd runs a 'stop' job on the unit, not a restart: draining",
+                 "received SIGTERM: draining (1 sessions", "drained: no groups held",
+                 "stopped cleanly", "memoffloadd.service: Deactivated successfully"):
         assert line in journal, journal[-3000:]
+    assert journal.count("received SIGTERM: keeping") == 1, journal[-3000:]  # the restart's
+    cc.wait_for("the rank to stop", lambda: "stopped" in machine.sh(
+        "tail -n 1 /tmp/s.log", check=False).stdout, timeout_s=60)
     print(state, journal[-1500:], sep="\n")
 
 

@@ -181,17 +181,21 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
     off.remove()
 
 
-def test_a_drained_daemon_ends_its_sessions_at_sigterm(node):
-    """memoffloadctl drain, then SIGTERM: the sessions end as without a
-    store (the placed state moves out), and the regions are kept."""
+@pytest.mark.parametrize("how", ["memoffloadctl drain", "--keep-sessions=never"])
+def test_a_drained_daemon_ends_its_sessions_at_sigterm(node, how):
+    """memoffloadctl drain (or lifecycle.keep_sessions = "never"), then
+    SIGTERM: the sessions end as without a store (the placed state moves
+    out), and the regions are kept."""
     rt, daemons = node
-    d = Daemon(rt, "64MiB", "16MiB", ARGS).start()
+    never = how.startswith("--")
+    d = Daemon(rt, "64MiB", "16MiB", [*ARGS, *([how] if never else [])]).start()
     daemons.append(d)
     write(rt, "job", ["kept"])
     store = _C.RegionStore(runtime_dir=str(rt), job_id="job", rank=0)
-    ctl = subprocess.run([str(bin_dir() / "memoffloadctl"), f"--runtime-dir={rt}", "drain"],
-                         capture_output=True, text=True, timeout=30)
-    assert ctl.returncode == 0, ctl.stderr
+    if not never:
+        ctl = subprocess.run([str(bin_dir() / "memoffloadctl"), f"--runtime-dir={rt}", "drain"],
+                             capture_output=True, text=True, timeout=30)
+        assert ctl.returncode == 0, ctl.stderr
     d.proc.terminate()
     assert d.proc.wait(timeout=30) == 0, d.log.read_text()
     log = d.log.read_text()
