@@ -22,7 +22,7 @@
 #include "app/process_setup.h"
 #include "app/runtime_dir_claim.h"
 #include "app/state_recovery.h"
-#include "app/systemd_job.h"
+#include "app/systemd_job.h"  // SigtermKeepsSessions
 #include "app/takeover.h"
 #include "app/takeover_host.h"
 #include "base/log.h"
@@ -549,42 +549,11 @@ class Daemon {
     MO_LOG_INFO("config reloaded from %s", config_.config_file.c_str());
   }
 
-  // SIGTERM with a state store keeps the sessions for the next start (a
-  // restart resumes them), unless the daemon was drained on purpose
-  // (memoffloadctl drain: the sessions end, as without a store).
-  // Only sessions the next daemon can bind to their process are kept: one
-  // with no known pid (a peer outside a containerized daemon's pid
-  // namespace) could never resume, so then all are drained as before.
+  // SIGTERM with a state store keeps the sessions for the next start
+  // (app/systemd_job.h says when).
   bool KeepsSessions() const {
-    if (state_store_ == nullptr || config_.keep_sessions == "never" || table_->draining() ||
-        table_->Snapshot().sessions == 0) {
-      return false;
-    }
-    // Under systemd: a restart keeps them, a stop for good drains them
-    // (the unit's fd store goes with the stop).
-    if (config_.keep_sessions == "restart" && notifier_.Enabled()) {
-      Result<std::string> job = SystemdUnitJob();
-      if (!job.ok()) {
-        MO_LOG_WARN("received SIGTERM: %s, so a restart is not told from a stop: draining",
-                    job.status().message().c_str());
-        return false;
-      }
-      if (!IsRestartJob(*job)) {
-        MO_LOG_INFO("received SIGTERM: systemd %s the unit, not a restart: draining",
-                    job->empty() ? "runs no job on" : ("runs a '" + *job + "' job on").c_str());
-        return false;
-      }
-    }
-    for (const SessionRecord& s : table_->SessionRecords()) {
-      if (s.pid <= 0) {
-        MO_LOG_INFO(
-            "received SIGTERM: session %lu has no known pid (its process is outside this "
-            "daemon's pid namespace), so no session can be resumed after a restart: draining",
-            static_cast<unsigned long>(s.id));
-        return false;
-      }
-    }
-    return true;
+    return SigtermKeepsSessions(config_.keep_sessions, state_store_ != nullptr, notifier_.Enabled(),
+                                *table_);
   }
 
   // Freezes the table (every call is answered "send it again"), takes its

@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "base/log.h"
+
 namespace memoffload::daemon {
 namespace {
 
@@ -71,6 +73,38 @@ Result<std::string> SystemdUnitJob() {
 bool IsRestartJob(const std::string& type) {
   return type == "restart" || type == "try-restart" || type == "reload-or-restart" ||
          type == "reload-or-try-restart";
+}
+
+bool SigtermKeepsSessions(const std::string& mode, bool has_store, bool under_systemd,
+                          const SessionTable& table) {
+  if (!has_store || mode == "never" || table.draining() || table.Snapshot().sessions == 0) {
+    return false;
+  }
+  // Under systemd: a restart keeps them, a stop for good drains them (the
+  // unit's fd store goes with the stop).
+  if (mode == "restart" && under_systemd) {
+    Result<std::string> job = SystemdUnitJob();
+    if (!job.ok()) {
+      MO_LOG_WARN("received SIGTERM: %s, so a restart is not told from a stop: draining",
+                  job.status().message().c_str());
+      return false;
+    }
+    if (!IsRestartJob(*job)) {
+      MO_LOG_INFO("received SIGTERM: systemd %s the unit, not a restart: draining",
+                  job->empty() ? "runs no job on" : ("runs a '" + *job + "' job on").c_str());
+      return false;
+    }
+  }
+  for (const SessionRecord& s : table.SessionRecords()) {
+    if (s.pid <= 0) {
+      MO_LOG_INFO(
+          "received SIGTERM: session %lu has no known pid (its process is outside this "
+          "daemon's pid namespace), so no session can be resumed after a restart: draining",
+          static_cast<unsigned long>(s.id));
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace memoffload::daemon

@@ -22,16 +22,13 @@ from typing import List
 import pytest
 import torch  # noqa: F401
 
-import memoffload.torch as mot
 from memoffload import _C
 from memoffload.torch.state import rehome
 
 import keeper_wire as kw
-from conftest import Daemon, bin_dir, clone_model, step_both
-from models import DecoderStack, tokens
-from test_state_moves import Pair
+from conftest import Daemon, bin_dir
 from restart_writer import SIZE, content
-from test_takeover import read_back, wait_for_log, write
+from test_takeover import Training, read_back, wait_for_log, write
 
 ARGS = ["--log-level=info", "--drain-timeout=30s"]
 
@@ -92,22 +89,7 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
     instance = write(rt, "ckpt", ["a", "b"])
     reader = _C.RegionStore(runtime_dir=str(rt), job_id="ckpt", rank=0)
     opened = reader.open("a", verify=True)
-    pair = Pair(str(rt), "restart")
-    torch.manual_seed(0)
-    model = DecoderStack(layers=3)
-    ref = clone_model(model)
-    off = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=str(rt))
-
-    def step() -> None:
-        step_both(model, ref, tokens())
-        pair.step()
-
-    for _ in range(2):
-        step()
-    off.flush()
-    assert pair.placed() == pair.states() > 0
-    before = off.stats()
-    state_session = pair.placement.stats()["session_id"]
+    t = Training(rt, "restart")
     serving = old
     for n in range(2):
         # Training goes on in a thread while the daemon restarts; the next
@@ -121,7 +103,7 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
             try:
                 while not stop.is_set():
                     t0 = time.monotonic()
-                    step()
+                    t.step()
                     spans.append((t0, time.monotonic()))
             except BaseException as e:  # reported below
                 failed.append(e)
@@ -155,21 +137,12 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
         count = int(kept.group(1))
         assert count >= 3, old_log  # the offloader's, the placement's, the reader's
         assert f"and {count} sessions for the next start" in old_log, old_log
-        off.flush()
         new_log = own_lines(new)
         assert f"restart: {count} of {count} sessions handed on" in new_log, new_log
         assert f"no handed session waits any more: {count} resumed, 0 closed unresumed" in \
             new_log, new_log
         assert read_back(rt, "ckpt", ["a", "b"]) == instance
-        assert pair.placement.stats()["session_id"] == state_session
-        assert pair.placement.stats()["moves"] == 0
-        assert pair.placed() == pair.states()
-        s = off.stats()
-        assert s["skipped_bytes"] == before["skipped_bytes"], (n, str(s))
-        assert s["reconnects"] == before["reconnects"] and s["connected"], s
-        assert s["offloaded_bytes"] > before["offloaded_bytes"]
-        before = s
-        assert pair.mismatches == [], pair.mismatches[:10]
+        t.check_kept(f"restart {n}")
         serving = new
     # The region opened before the first restart still reads, through the
     # same session.
@@ -178,7 +151,7 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
     reader.close()
     assert any("resumed on the memoffloadd that took the node over or restarted" in
                r.getMessage() for r in caplog.records)
-    off.remove()
+    t.off.remove()
 
 
 @pytest.mark.parametrize("how", ["memoffloadctl drain", "--keep-sessions=never"])

@@ -59,6 +59,44 @@ def read_back(rt: Path, job: str, names) -> int:
         store.close()
 
 
+class Training:
+    """Layers that offload their activations, stepped beside an unoffloaded
+    twin, and a placed AdamW pair (test_state_moves.Pair): what handing the
+    node on must leave running bit for bit. Two steps taken."""
+
+    def __init__(self, rt: Path, job: str) -> None:
+        self.pair = Pair(str(rt), job)
+        torch.manual_seed(0)
+        self.model = DecoderStack(layers=3)
+        self.ref = clone_model(self.model)
+        self.off = mot.offload_layers(self.model.layers, min_tensor_bytes=0, runtime_dir=str(rt))
+        for _ in range(2):
+            self.step()
+        self.off.flush()
+        assert self.pair.placed() == self.pair.states() > 0
+        self.before = self.off.stats()
+        self.state_session = self.pair.placement.stats()["session_id"]
+
+    def step(self) -> None:
+        step_both(self.model, self.ref, tokens())
+        self.pair.step()
+
+    def check_kept(self, what: str) -> None:
+        """Since the last check: the same sessions, nothing moved out or
+        skipped, offload went on, every step bit for bit."""
+        self.off.flush()
+        placement = self.pair.placement.stats()
+        assert placement["session_id"] == self.state_session, (what, placement)
+        assert placement["moves"] == 0, (what, placement)
+        assert self.pair.placed() == self.pair.states()
+        s = self.off.stats()
+        assert s["skipped_bytes"] == self.before["skipped_bytes"], (what, str(s))
+        assert s["reconnects"] == self.before["reconnects"] and s["connected"], (what, s)
+        assert s["offloaded_bytes"] > self.before["offloaded_bytes"], what
+        self.before = s
+        assert self.pair.mismatches == [], self.pair.mismatches[:10]
+
+
 def wait_for_log(d: Daemon, text: str, timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while text not in d.log.read_text():
@@ -100,23 +138,8 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
     old = Daemon(rt, "256MiB", "16MiB", args).start()
     daemons.append(old)
     instance = write(rt, "ckpt", ["a", "b"])
-    pair = Pair(str(rt), "takeover")
-    torch.manual_seed(0)
-    model = DecoderStack(layers=3)
-    ref = clone_model(model)
-    off = mot.offload_layers(model.layers, min_tensor_bytes=0, runtime_dir=str(rt))
-
-    def step() -> None:
-        step_both(model, ref, tokens())
-        pair.step()
-
-    for _ in range(2):
-        step()
-    off.flush()
-    assert pair.placed() == pair.states() > 0
+    t = Training(rt, "takeover")
     assert "memoffload_uptime_seconds" in metrics(port)
-    before = off.stats()
-    state_session = pair.placement.stats()["session_id"]
 
     serving = old
     for n in range(2):
@@ -128,14 +151,13 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
         deadline = time.monotonic() + 30
         while serving.proc.poll() is None:
             assert time.monotonic() < deadline, serving.log.read_text()
-            step()
+            t.step()
         assert serving.proc.returncode == 0, serving.log.read_text()
         log = serving.log.read_text()
         assert f"take-over: the node is pid {new.proc.pid}'s now; exiting" in log, log
         assert "pausing the sessions" in log and "draining" not in log, log
         for _ in range(3):
-            step()
-        off.flush()
+            t.step()
         new_log = new.log.read_text()
         assert f"memoffloadd[{new.proc.pid}] INFO took over the node: 2 checkpoint regions" in \
             new_log
@@ -145,15 +167,7 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
         assert len(resumed) == 2, new_log  # the offloader's session and the placement's
         # The same node, the same sessions, the same memory.
         assert read_back(rt, "ckpt", ["a", "b"]) == instance
-        assert pair.placement.stats()["session_id"] == state_session
-        assert pair.placement.stats()["moves"] == 0
-        assert pair.placed() == pair.states()
-        s = off.stats()
-        assert s["skipped_bytes"] == before["skipped_bytes"], (n, str(s))
-        assert s["reconnects"] == before["reconnects"] and s["connected"], s
-        assert s["offloaded_bytes"] > before["offloaded_bytes"]
-        before = s
-        assert pair.mismatches == [], pair.mismatches[:10]
+        t.check_kept(f"take-over {n}")
         if n == 0:
             # Its metrics on the same port, and the sockets, lock and token.
             assert "memoffload_state_recovered_regions" in metrics(port)
@@ -163,7 +177,8 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
         serving = new
     assert any("resumed on the memoffloadd that took the node over" in r.getMessage()
                for r in caplog.records)
-    off.remove()
+    t.off.remove()
+    pair = t.pair
     # A plain SIGTERM at the end: the placed state moves out at the next
     # step and the daemon exits without waiting out its drain.
     new.proc.terminate()
