@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import List
@@ -53,28 +52,6 @@ def own_lines(d: Daemon) -> str:
     return "\n".join(line for line in d.log.read_text().splitlines() if line.startswith(tag))
 
 
-def spawn_after_exit(daemon: Daemon, pid: int) -> Daemon:
-    """Spawns `daemon` through a shell that waits for process `pid` to
-    exit, then half a second, notes the time (CLOCK_MONOTONIC, in
-    spawned_at) and execs it (it still dies with this test)."""
-    real = subprocess.Popen
-
-    def later(cmd, **kwargs):
-        stamp = daemon.log.parent / "spawned_at"
-        # Exited: gone, or a zombie this test has not reaped yet.
-        script = (f"while s=$(cut -d' ' -f3 /proc/{pid}/stat 2>/dev/null) && [ \"$s\" != Z ]; "
-                  "do sleep 0.01; done; sleep 0.5; "
-                  f"{sys.executable} -c 'import time; print(time.monotonic())' > {stamp}; "
-                  'exec "$@"')
-        return real(["sh", "-c", script, "sh", *cmd], **kwargs)
-
-    subprocess.Popen = later
-    try:
-        return daemon.spawn()
-    finally:
-        subprocess.Popen = real
-
-
 def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeypatch, caplog):
     """Offloaded activations, placed AdamW state, a region being read and
     node checkpoints across two SIGTERM restarts through the keeper: the
@@ -94,7 +71,8 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
     for n in range(2):
         # Training goes on in a thread while the daemon restarts; the next
         # one starts half a second after the old one exits (from this
-        # thread: a daemon dies with the thread that spawned it).
+        # thread: a daemon dies with the thread that spawned it). This thread
+        # is not held up meanwhile: the waiting call does not keep the GIL.
         stop = threading.Event()
         spans: List[tuple] = []
         failed: List[BaseException] = []
@@ -112,14 +90,13 @@ def test_training_goes_on_across_a_restart_and_the_sessions_resume(node, monkeyp
         trainer.start()
         try:
             time.sleep(0.2)
-            # The training thread may hold the GIL while its call waits for
-            # the next daemon: a shell starts that one, not this thread.
-            new = spawn_after_exit(Daemon(rt, "256MiB", "16MiB", ARGS), serving.proc.pid)
-            daemons.append(new)
             serving.proc.terminate()
             assert serving.proc.wait(timeout=30) == 0, serving.log.read_text()
+            time.sleep(0.5)
+            new = Daemon(rt, "256MiB", "16MiB", ARGS).spawn()
+            daemons.append(new)
+            spawned = time.monotonic()
             wait_for_log(new, f"memoffloadd[{new.proc.pid}] INFO no handed session waits", 30)
-            spawned = float((new.log.parent / "spawned_at").read_text())
             steps = len(spans)
             deadline = time.monotonic() + 30
             while len(spans) < steps + 3 and not failed:
