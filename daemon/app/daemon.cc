@@ -81,7 +81,7 @@ class Daemon {
   // Claims the runtime dir, binds every listener, builds the arena and starts
   // serving. One clear error otherwise.
   Status Start() {
-    if (config_.take_over) {
+    if (TakesOver()) {
       // The serving daemon pauses its sessions and hands on its state (its
       // sessions too); its sockets come
       // once this one has built its arena from the handed chunks.
@@ -116,7 +116,8 @@ class Daemon {
     StopServing();
     if (!handed_over_) KeepState();  // the new daemon keeps the state now
     if (handed_over_) {
-      MO_LOG_INFO("handed over: stopped, leaving the runtime dir to the new daemon");
+      if (WaitsAfterHandover()) WaitForStop();
+      MO_LOG_INFO("handed over: exiting, leaving the runtime dir to the new daemon");
       return;
     }
     claim_->RemoveOwned();
@@ -124,6 +125,30 @@ class Daemon {
   }
 
  private:
+  // lifecycle.take_over: "always" (--take-over), or "auto" when a daemon
+  // holds the runtime dir's instance lock.
+  bool TakesOver() const {
+    if (config_.take_over != "auto") return config_.take_over == "always";
+    if (RuntimeDirClaim::Held(config_.runtime_dir)) return true;
+    MO_LOG_INFO("lifecycle.take_over = auto: no daemon serves %s; starting",
+                config_.runtime_dir.c_str());
+    return false;
+  }
+
+  bool WaitsAfterHandover() const { return handed_over_ && config_.after_handover == "wait"; }
+
+  // lifecycle.after_handover = "wait": the process stays, doing nothing with
+  // the node, until a signal (a pod's container that exited would be started
+  // again, and take the node back); its health port says so meanwhile.
+  void WaitForStop() {
+    claim_.reset();  // its instance lock is the new daemon's alone
+    MO_LOG_INFO(
+        "handed over: waiting for a signal to exit (lifecycle.after_handover = wait); /livez "
+        "answers 200, /readyz 503");
+    io_.restart();
+    io_.run();  // OnSignal stops it
+  }
+
   // At exit: a snapshot of the regions for the next start (state_store.h).
   void KeepState() {
     if (state_store_ == nullptr) return;
@@ -362,7 +387,9 @@ class Daemon {
                       [this] { region_timer_.cancel(); }, [this] { ArmRegionTimer(); },
                       [this] { broker_->CloseAll(); },
                       [this] {
-                        health_.Stop();
+                        // A waiting process keeps answering probes (in its
+                        // own pod: its port is not the new daemon's).
+                        if (config_.after_handover != "wait") health_.Stop();
                         metrics_port_.Stop();
                         metrics_->StopServing();
                         HandoffListeners l{broker_->ReleaseListener(),
@@ -414,7 +441,7 @@ class Daemon {
     takeover_client_ = std::move(client).value();
     // The store this daemon keeps state in (what the old one put there is
     // replaced by Begin).
-    Result<StateLoad> load = LoadState(config_.state_store, config_.runtime_dir);
+    Result<StateLoad> load = LoadState(config_.state_store, config_.keeper_socket);
     if (!load.ok()) {
       takeover_client_->Refuse("cannot open the state store: " + load.status().message());
       return load.status();
@@ -459,6 +486,10 @@ class Daemon {
 
   HealthState Probe() const {
     HealthState state;
+    if (handed_over_) {
+      state.not_ready = "handed the node over to a new daemon";
+      return state;
+    }
     state.draining = table_ != nullptr && table_->draining();
     state.not_ready = grpc_listener_.Problem();
     state.degraded = metrics_port_.problem();
@@ -505,6 +536,11 @@ class Daemon {
 
   void OnSignal(const boost::system::error_code& ec, int signo) {
     if (ec) return;
+    if (handed_over_) {
+      MO_LOG_INFO("received %s after the hand-over", strsignal(signo));
+      io_.stop();
+      return;
+    }
     if (signo == SIGHUP) {
       Reload();
     } else if (signo == SIGTERM && !draining_for_exit_) {
@@ -639,7 +675,7 @@ class Daemon {
     notify_timer_.cancel();
     region_timer_.cancel();
     drain_timer_.cancel();
-    health_.Stop();
+    if (!WaitsAfterHandover()) health_.Stop();
     metrics_port_.Stop();
     if (broker_ != nullptr) broker_->StopAccepting();
     grpc_listener_.Stop();

@@ -275,17 +275,30 @@ Result<std::unique_ptr<FdStore>> ConnectKeeper(const std::string& socket_path) {
   return std::unique_ptr<FdStore>(std::make_unique<KeeperClient>(socket_path, *sock));
 }
 
-Status RunKeeper(const std::string& runtime_dir) {
-  MEMOFFLOAD_RETURN_IF_ERROR(TrustKeeperDir(runtime_dir));
-  const std::string lock_path = runtime_dir + "/keeper.lock";
-  const int lock = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (lock < 0) return Errno("cannot open " + lock_path);
-  if (flock(lock, LOCK_EX | LOCK_NB) != 0) {
+Status RunKeeper(const std::string& path) {
+  const std::string dir = path.substr(0, path.rfind('/'));
+  MEMOFFLOAD_RETURN_IF_ERROR(TrustKeeperDir(dir.empty() ? "/" : dir));
+  // One lock per socket path: pods that share the runtime dir each run a
+  // keeper of their own (lifecycle.keeper_socket).
+  const std::string lock_path = path + ".lock";
+  int lock = -1;
+  for (int attempt = 0;; ++attempt) {
+    lock = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (lock < 0) return Errno("cannot open " + lock_path);
+    if (flock(lock, LOCK_EX | LOCK_NB) != 0) {
+      close(lock);
+      return FailedPrecondition("another keeper holds " + lock_path);
+    }
+    // A keeper that stopped meanwhile removed the file this lock is on.
+    struct stat held {
+    }, named{};
+    if (fstat(lock, &held) == 0 && stat(lock_path.c_str(), &named) == 0 &&
+        held.st_ino == named.st_ino && held.st_dev == named.st_dev) {
+      break;
+    }
     close(lock);
-    return FailedPrecondition("another keeper holds " + lock_path);
+    if (attempt == 3) return Unavailable("the keeper lock " + lock_path + " keeps changing");
   }
-  const std::string path = runtime_dir + "/" + kKeeperSocketName;
-  unlink(path.c_str());  // stale: the lock says no keeper lives
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof addr.sun_path) return InvalidArgument("socket path too long: " + path);
@@ -353,7 +366,9 @@ Status RunKeeper(const std::string& runtime_dir) {
   for (int c : conns) close(c);
   for (auto& [name, fd] : kept) close(fd);
   close(listener);
+  // Nothing stale is left in a runtime dir that pods come and go in.
   unlink(path.c_str());
+  unlink(lock_path.c_str());
   close(lock);
   return Status::Ok();
 }

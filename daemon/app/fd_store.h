@@ -9,7 +9,7 @@
 // - the keeper: `memoffloadd keeper`, a small process of the same uid that
 //   holds them (for containers without systemd: a second container of the
 //   daemon's pod, sharing the runtime dir). It listens on
-//   <runtime dir>/keeper.sock, mode 0600; each side checks the other's
+//   <runtime dir>/keeper.sock (lifecycle.keeper_socket), mode 0600; each side checks the other's
 //   SO_PEERCRED uid is its own. Frames (fd_passing.h): "put <name>" with one
 //   fd, "del <name>", "take" (answered by "fd <name>" frames, one fd each,
 //   then "end").
@@ -30,7 +30,6 @@
 namespace memoffload::daemon {
 
 inline constexpr size_t kMaxFdName = 255;
-inline constexpr char kKeeperSocketName[] = "keeper.sock";
 // The most fds a keeper holds: one per chunk (up to 65536) and a few more.
 inline constexpr size_t kMaxKeptFds = 65536 + 64;
 
@@ -65,9 +64,11 @@ Result<std::unique_ptr<FdStore>> ConnectKeeper(const std::string& socket_path);
 // errors: "keeper", "serving daemon"). Returns the connected socket.
 Result<int> ConnectOwnSocket(const std::string& socket_path, const std::string& what);
 
-// `memoffloadd keeper`: keeps fds for the daemon of `runtime_dir` until
-// SIGTERM or SIGINT. Returns an error when it cannot start.
-Status RunKeeper(const std::string& runtime_dir);
+// `memoffloadd keeper`: keeps fds for the daemon, listening at
+// `socket_path` (lifecycle.keeper_socket; its lock is `socket_path`.lock),
+// until SIGTERM or SIGINT; it removes both as it stops. Returns an error
+// when it cannot start.
+Status RunKeeper(const std::string& socket_path);
 
 }  // namespace memoffload::daemon
 

@@ -18,7 +18,7 @@ int main(int argc, char** argv) {
   // a debugging aid that cost the request path some 5% of the daemon's CPU
   // under load (perf: GraphCycles::GetId/InsertEdge/RemoveNode). Off.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
-  // `memoffloadd keeper [--runtime-dir DIR]`: holds the daemon's memfds
+  // `memoffloadd keeper [--runtime-dir DIR] [--keeper-socket PATH]`: holds the daemon's memfds
   // across its restarts where there is no systemd (app/fd_store.h).
   const bool keeper = argc > 1 && std::string(argv[1]) == "keeper";
   if (keeper) {
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (keeper) {
-    if (memoffload::Status st = RunKeeper(config->runtime_dir); !st.ok()) {
+    if (memoffload::Status st = RunKeeper(config->keeper_socket); !st.ok()) {
       std::fprintf(stderr, "memoffloadd keeper: %s\n", st.message().c_str());
       return 1;
     }

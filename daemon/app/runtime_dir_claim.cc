@@ -96,6 +96,15 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::strin
   return claim;
 }
 
+bool RuntimeDirClaim::Held(const std::string& dir) {
+  const std::string lock_path = dir + "/" + kInstanceLockName;
+  const int fd = open(lock_path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return false;
+  const bool held = flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  close(fd);  // drops the shared lock if it was taken
+  return held;
+}
+
 Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Adopt(const std::string& dir,
                                                                 int lock_fd) {
   std::unique_ptr<RuntimeDirClaim> claim(new RuntimeDirClaim());

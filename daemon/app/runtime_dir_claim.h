@@ -34,6 +34,9 @@ class RuntimeDirClaim {
   // per-user default dir, which clients accept only so).
   static Result<std::unique_ptr<RuntimeDirClaim>> Claim(const std::string& dir,
                                                         mode_t create_mode = 0755);
+  // Whether a live daemon holds the instance lock of `dir` (serving it, or
+  // starting to): lifecycle.take_over = "auto" takes the node from it.
+  static bool Held(const std::string& dir);
   // The claim a serving daemon handed on in a take-over (app/takeover.h):
   // its open instance lock, whose flock this process now holds.
   static Result<std::unique_ptr<RuntimeDirClaim>> Adopt(const std::string& dir, int lock_fd);

@@ -10,7 +10,7 @@
 namespace memoffload::daemon {
 
 Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options) {
-  Result<StateLoad> load = LoadState(config.state_store, config.runtime_dir);
+  Result<StateLoad> load = LoadState(config.state_store, config.keeper_socket);
   if (!load.ok()) {
     return Status(load.status().code(), "lifecycle.state_store: " + load.status().message());
   }

@@ -64,9 +64,7 @@ bool SnapshotNewer(const std::string& a, const std::string& b) {
   return EndsWith(a, kWithSessions) && !EndsWith(b, kWithSessions);
 }
 
-Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode,
-                                           const std::string& runtime_dir) {
-  const std::string keeper = runtime_dir + "/" + kKeeperSocketName;
+Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode, const std::string& keeper) {
   const bool under_systemd = std::getenv("NOTIFY_SOCKET") != nullptr;
   if (mode == "none") return std::unique_ptr<FdStore>();
   if (mode == "systemd" || (mode == "auto" && under_systemd)) {
@@ -147,9 +145,9 @@ void CloseChunkFds(StateLoad* load) {
   }
 }
 
-Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_dir) {
+Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket) {
   StateLoad load;
-  Result<std::unique_ptr<FdStore>> store = OpenStore(mode, runtime_dir);
+  Result<std::unique_ptr<FdStore>> store = OpenStore(mode, keeper_socket);
   if (!store.ok()) return store.status();
   load.store = std::move(store).value();
   if (load.store == nullptr) return load;

@@ -51,8 +51,8 @@ struct StateLoad {
   bool refused = false;  // a snapshot or journal of a newer version: the start must not go on
 };
 // `mode`: "auto" (systemd's store under systemd, else the keeper when its
-// socket is in the runtime dir, else none), "systemd", "keeper", "none".
-Result<StateLoad> LoadState(const std::string& mode, const std::string& runtime_dir);
+// socket `keeper_socket` exists, else none), "systemd", "keeper", "none".
+Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket);
 void CloseChunkFds(StateLoad* load);
 // Why `fd` is not a memfd of `size` bytes (0: any) with the seals `seals`
 // (a hugetlbfs memfd has none), "" if it is.

@@ -217,7 +217,12 @@ bool TakeoverServer::Converse(int sock, pid_t pid) {
       !st.ok()) {
     MO_LOG_ERROR("take-over: cannot send the listeners: %s; exiting anyway", st.ToString().c_str());
   }
-  MO_LOG_INFO("take-over: the node is pid %d's now; exiting", static_cast<int>(pid));
+  // Released by their owners: this process keeps no listener (one that
+  // waits after the hand-over would hold connections of a later start).
+  for (int fd : {listeners->broker_fd, listeners->grpc_fd}) {
+    if (fd >= 0) close(fd);
+  }
+  MO_LOG_INFO("take-over: the node is pid %d's now", static_cast<int>(pid));
   host_->Exit();
   return true;
 }

@@ -180,14 +180,19 @@ Result<std::vector<ParsedFlag>> SplitFlags(int argc, const char* const* argv) {
     } else {
       f.name = std::string(arg);
     }
-    const bool action = f.name == "help" || f.name == "version" || f.name == "print-config" ||
-                        f.name == "no-mlock" || f.name == "take-over";
+    const bool action =
+        f.name == "help" || f.name == "version" || f.name == "print-config" || f.name == "no-mlock";
     const Setting* s = FindByFlag(f.name);
     if (!action && f.name != "config" && s == nullptr) {
       return InvalidArgument("unknown flag '--" + f.name + "' (see --help)");
     }
     if (action && f.has_value) {
       return InvalidArgument("flag '--" + f.name + "' takes no value");
+    }
+    // A bare --take-over is --take-over=always.
+    if (f.name == "take-over" && !f.has_value) {
+      f.value = "always";
+      f.has_value = true;
     }
     const bool is_bool = s != nullptr && s->kind == Kind::kBool;
     if (!action && !f.has_value) {
@@ -243,8 +248,6 @@ Result<DaemonConfig> Build(int argc, const char* const* argv, const std::vector<
       c.show_version = true;
     else if (f.name == "print-config")
       c.print_config = true;
-    else if (f.name == "take-over")
-      c.take_over = true;
     else if (f.name == "no-mlock") {
       c.mlock = false;
       c.sources["arena.mlock"] = "flag";
@@ -370,10 +373,7 @@ std::string FlagsHelp() {
     out += std::string(32, ' ') + "[" + s.section + "] " + s.key + ", env " + s.Env() + "\n";
   }
   line("  --no-mlock", "same as --mlock=false");
-  line("  --take-over",
-       "take the node from the daemon serving the runtime dir: it pauses its sessions and "
-       "hands on its arena, checkpoint regions, sessions and sockets, then exits; the "
-       "sessions resume here (docs/restarts.md)");
+  line("  --take-over", "same as --take-over=always");
   line("  --print-config", "print the effective configuration as TOML and exit");
   line("  --version", "print the version and exit");
   line("  --help", "print this help and exit");

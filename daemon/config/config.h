@@ -116,6 +116,18 @@ struct DaemonConfig {
   // start unless systemd is stopping the unit for good; "always"; "never"
   // (drain and end them, as without a store).
   std::string keep_sessions = "restart";
+  // The keeper's socket (app/fd_store.h): "" is <runtime dir>/keeper.sock.
+  // Pods that share a runtime dir give each keeper a path of its own.
+  std::string keeper_socket;
+  // How a start meets a daemon already serving the runtime dir: "never"
+  // (refuse: one daemon per dir), "always" (--take-over: take the node from
+  // it, app/takeover.h; with none serving the start fails) or "auto" (take
+  // it over when one serves, else start as usual: a DaemonSet's surge pod).
+  std::string take_over = "never";
+  // After handing the node on: "exit" (0) or "wait" until a signal, serving
+  // /livez (200) and /readyz (503) meanwhile: in a pod, a container that
+  // exits is started again, and would take the node back.
+  std::string after_handover = "exit";
 
   std::string config_file;  // "" when none
   // Where each key's value came from: "default", "file", "env" or "flag".
@@ -125,9 +137,6 @@ struct DaemonConfig {
   bool show_help = false;
   bool show_version = false;
   bool print_config = false;
-  // --take-over: start by taking the node from the daemon serving the
-  // runtime dir (app/takeover.h), not by claiming an idle one.
-  bool take_over = false;
 };
 
 // Builds the config from all sources. `env` is the process environment

@@ -1,6 +1,7 @@
 // ResolveAndValidate: a loaded config's defaults that depend on the machine
 // or on other settings filled in, and every range and cross-setting rule
 // checked (config.h).
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -131,6 +132,11 @@ Status CheckTimeoutsAndConnections(const DaemonConfig& c) {
 
 Status ResolveAndValidate(DaemonConfig* c) {
   if (c->runtime_dir.empty()) c->runtime_dir = DefaultRuntimeDir();
+  if (c->keeper_socket.empty()) c->keeper_socket = c->runtime_dir + "/" + "keeper.sock";
+  if (c->keeper_socket.size() >= sizeof(sockaddr_un{}.sun_path)) {
+    return InvalidArgument("lifecycle.keeper_socket: " + c->keeper_socket +
+                           " is too long for a Unix socket path");
+  }
   const uint64_t page = SystemPageBytes();
   const uint64_t ram = PhysicalMemoryBytes();
   MEMOFFLOAD_RETURN_IF_ERROR(ResolveArenaSize(c, page, ram));

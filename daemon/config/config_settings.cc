@@ -446,6 +446,41 @@ const std::vector<Setting>& Settings() {
          return Status::Ok();
        },
        [](const DaemonConfig& c) { return c.keep_sessions; }},
+      {"lifecycle", "keeper_socket", Kind::kString,
+       "the keeper's socket, for lifecycle.state_store and 'memoffloadd keeper' (default "
+       "<runtime dir>/keeper.sock; pods that share the runtime dir give each keeper its own)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (!v.empty() && v.front() != '/') {
+           return InvalidArgument("'" + v + "' is not an absolute path");
+         }
+         c->keeper_socket = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.keeper_socket; }},
+      {"lifecycle", "take_over", Kind::kString,
+       "at start, with a daemon serving the runtime dir: never (refuse, the default), always "
+       "(take the node from it: it pauses its sessions and hands on its arena, regions, "
+       "sessions and sockets; fail when none serves) or auto (take it over when one serves, "
+       "else start as usual: a DaemonSet's surge pod; docs/restarts.md)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "never" && v != "always" && v != "auto") {
+           return InvalidArgument("'" + v + "' is not one of never, always, auto");
+         }
+         c->take_over = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.take_over; }},
+      {"lifecycle", "after_handover", Kind::kString,
+       "once a take-over has the node: exit (0, the default) or wait for a signal, answering "
+       "/livez 200 and /readyz 503 (in a pod, whose exited container would start again)",
+       [](DaemonConfig* c, const std::string& v) {
+         if (v != "exit" && v != "wait") {
+           return InvalidArgument("'" + v + "' is not one of exit, wait");
+         }
+         c->after_handover = v;
+         return Status::Ok();
+       },
+       [](const DaemonConfig& c) { return c.after_handover; }},
       U64Setting("lifecycle", "hello_timeout", Kind::kDuration,
                  "drop a broker connection that sends no hello in this time",
                  [](DaemonConfig* c) { return &c->hello_timeout_ms; }),

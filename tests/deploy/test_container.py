@@ -233,3 +233,94 @@ def test_a_daemon_crash_beside_the_keeper_keeps_the_regions(podman, images, tmp_
             print(daemon.logs()[-3000:])
             daemon.remove()
         podman.remove_container(keeper)
+
+
+def _pod(podman: cc.Podman, image: str, rt, name: str) -> tuple:
+    """A DaemonSet pod as two containers: a keeper on a socket of its own in
+    the shared runtime dir, and a daemon with the ConfigMap's lifecycle
+    settings. --pid=host stands for hostPID: the host rank's session is
+    handed on. Returns the containers' names and the keeper's socket."""
+    sock = rt / f"keeper-{name}.sock"
+    env = ["-e", f"MEMOFFLOAD_KEEPER_SOCKET={sock}"]
+    keeper, daemon = f"{cc.RUN_PREFIX}-keeper-{name}", f"{cc.RUN_PREFIX}-daemon-{name}"
+    podman.run("run", "-d", "--name", keeper, "--network=host", "-v", f"{rt}:{rt}", *env,
+               image, "keeper", f"--runtime-dir={rt}")
+    cc.wait_for(f"{name}'s keeper", sock.exists, timeout_s=60)
+    podman.run("run", "-d", "--name", daemon, "--network=host", "--pid=host", "-v", f"{rt}:{rt}",
+               *env, image, f"--runtime-dir={rt}", "--metrics-address=none",
+               f"--arena-size={ARENA_BYTES // (1024 * 1024)}MiB", "--state-store=keeper",
+               "--keep-sessions=never", "--take-over=auto", "--after-handover=wait")
+    return keeper, daemon, sock
+
+
+def test_a_rolling_update_hands_the_node_to_the_new_pod(podman, images, tmp_path_factory):
+    """maxSurge with podman: the new pod's daemon takes the node from the
+    old one while a host rank commits regions (its session resumes), the
+    old daemon waits until its pod is deleted and then exits 0, and the new
+    pod's keeper alone then keeps every answered region across a SIGKILL of
+    the new daemon's container (docs/restarts.md, "Take-over across pods")."""
+    rt = tmp_path_factory.mktemp("rt-surge") / "rt"
+    rt.mkdir(mode=0o750)
+    os.chown(rt, IMAGE_UID, IMAGE_UID)
+    def logs(name: str) -> str:
+        result = podman.run("logs", name, check=False)
+        return result.stdout + result.stderr
+
+    made = []
+    rank = None
+    try:
+        old_keeper, old_daemon, old_sock = _pod(podman, images["app"], rt, "old")
+        made += [old_keeper, old_daemon]
+        broker, _ = dc.socket_names()
+        cc.wait_for("the old pod's daemon", lambda: (rt / broker).exists() and
+                    "arena ready" in logs(old_daemon), timeout_s=120)
+        assert "no daemon serves" in logs(old_daemon)
+        log = rt.parent / "w.log"
+        with open(log, "w") as out, open(rt.parent / "w.err", "w") as err:
+            rank = subprocess.Popen([_tool("region_loop"), "loop", str(rt), "job", "w"],
+                                    env=TRAINER_ENV, stdout=out, stderr=err)
+
+        def count() -> int:
+            return log.read_text().count("\n")
+
+        cc.wait_for("20 commits", lambda: count() >= 20, timeout_s=60)
+        new_keeper, new_daemon, new_sock = _pod(podman, images["app"], rt, "new")
+        made += [new_keeper, new_daemon]
+        cc.wait_for("the take-over", lambda: "took over the node" in logs(new_daemon),
+                    timeout_s=120)
+        cc.wait_for("the old daemon to wait", lambda: "handed over: waiting" in logs(old_daemon),
+                    timeout_s=30)
+        at_take_over = count()
+        cc.wait_for("20 commits on the new daemon", lambda: count() >= at_take_over + 20,
+                    timeout_s=60)
+        assert rank.poll() is None, log.read_text()[-500:]
+        assert "resumed after" in logs(new_daemon), logs(new_daemon)[-2000:]
+        # The update deletes the old pod.
+        podman.run("stop", "-t", "20", old_daemon)
+        podman.run("stop", "-t", "20", old_keeper)
+        state = podman.state(old_daemon)
+        assert state["ExitCode"] == 0 and "draining" not in logs(old_daemon), logs(old_daemon)
+        assert not old_sock.exists() and new_sock.exists()
+        podman.run("kill", "-s", "KILL", new_daemon)
+        assert rank.wait(timeout=60) == 0
+        lines = log.read_text().splitlines()
+        assert lines[-1].startswith("stopped"), lines[-3:]
+        answered = {n for n in lines if n.startswith("w")}
+        maybe_gone = {n.split()[1] for n in lines if n.startswith("deleting ")}
+        podman.run("start", new_daemon)
+        cc.wait_for("the new pod's daemon again",
+                    lambda: f"recovered the node from the keeper at {new_sock}" in logs(new_daemon),
+                    timeout_s=120)
+        check = _region_loop(rt, "check", "job")
+        assert check.returncode == 0, check.stdout + check.stderr
+        kept = set(check.stdout.split()[:-2])
+        assert answered - maybe_gone <= kept, sorted(answered - maybe_gone - kept)[:5]
+        assert len(kept - answered) <= 1
+        print(logs(new_daemon)[-2500:])
+    finally:
+        if rank is not None and rank.poll() is None:
+            rank.kill()
+            rank.wait()
+        for name in made:
+            print(f"--- {name}\n{logs(name)[-2000:]}")
+            podman.remove_container(name)

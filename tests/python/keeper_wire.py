@@ -17,10 +17,14 @@ from typing import Dict, List, Optional
 from conftest import bin_dir
 
 
-def start_keeper(runtime_dir: str, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([str(bin_dir() / "memoffloadd"), "keeper", f"--runtime-dir={runtime_dir}"],
-                            stdout=open(log, "ab"), stderr=subprocess.STDOUT)
-    sock = Path(runtime_dir) / "keeper.sock"
+def start_keeper(runtime_dir: str, log: Path, sock: Optional[Path] = None) -> subprocess.Popen:
+    """`memoffloadd keeper` on the runtime dir, at `sock` (lifecycle.keeper_socket)
+    or the default DIR/keeper.sock; returns once it listens."""
+    args = [str(bin_dir() / "memoffloadd"), "keeper", f"--runtime-dir={runtime_dir}"]
+    if sock is not None:
+        args.append(f"--keeper-socket={sock}")
+    proc = subprocess.Popen(args, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+    sock = sock or Path(runtime_dir) / "keeper.sock"
     deadline = time.monotonic() + 10
     while not sock.exists():
         assert proc.poll() is None, log.read_text()
@@ -29,10 +33,10 @@ def start_keeper(runtime_dir: str, log: Path) -> subprocess.Popen:
     return proc
 
 
-def connect(runtime_dir: str) -> socket.socket:
+def connect(runtime_dir: str, sock: Optional[Path] = None) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10)
-    s.connect(str(Path(runtime_dir) / "keeper.sock"))
+    s.connect(str(sock or Path(runtime_dir) / "keeper.sock"))
     return s
 
 
@@ -60,9 +64,9 @@ def recv(s: socket.socket) -> tuple[Optional[bytes], List[int]]:
     return buf[4:], fds
 
 
-def take(runtime_dir: str) -> Dict[str, int]:
+def take(runtime_dir: str, sock: Optional[Path] = None) -> Dict[str, int]:
     """Everything the keeper holds, by name (the caller closes the fds)."""
-    s = connect(runtime_dir)
+    s = connect(runtime_dir, sock)
     try:
         send(s, b"take")
         out: Dict[str, int] = {}

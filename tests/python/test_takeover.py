@@ -154,7 +154,8 @@ def test_training_goes_on_across_a_take_over_and_the_node_is_kept(rt, monkeypatc
             t.step()
         assert serving.proc.returncode == 0, serving.log.read_text()
         log = serving.log.read_text()
-        assert f"take-over: the node is pid {new.proc.pid}'s now; exiting" in log, log
+        assert f"take-over: the node is pid {new.proc.pid}'s now" in log, log
+        assert "handed over: exiting, leaving the runtime dir to the new daemon" in log, log
         assert "pausing the sessions" in log and "draining" not in log, log
         for _ in range(3):
             t.step()

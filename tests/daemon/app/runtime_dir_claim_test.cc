@@ -41,6 +41,24 @@ TEST_F(RuntimeDirClaimTest, SecondClaimIsRefusedNamingTheHoldersPid) {
   EXPECT_TRUE(RuntimeDirClaim::Claim(dir_).ok());
 }
 
+// lifecycle.take_over = "auto" takes the node over exactly while a daemon
+// holds the lock, and a probe leaves no lock behind.
+TEST_F(RuntimeDirClaimTest, HeldWhileAClaimLives) {
+  EXPECT_FALSE(RuntimeDirClaim::Held(dir_));  // no dir yet
+  auto claim = RuntimeDirClaim::Claim(dir_);
+  ASSERT_TRUE(claim.ok()) << claim.status().ToString();
+  EXPECT_TRUE(RuntimeDirClaim::Held(dir_));
+  EXPECT_TRUE(RuntimeDirClaim::Held(dir_));
+  const std::string lock = dir_ + "/" + kInstanceLockName;
+  claim->reset();
+  ASSERT_TRUE(std::filesystem::exists(scratch_));
+  std::filesystem::create_directory(dir_);
+  std::ofstream(lock) << "4242\n";  // a stale lock file of a dead daemon
+  EXPECT_FALSE(RuntimeDirClaim::Held(dir_));
+  auto again = RuntimeDirClaim::Claim(dir_);  // the probe held nothing
+  EXPECT_TRUE(again.ok()) << again.status().ToString();
+}
+
 TEST_F(RuntimeDirClaimTest, RemovesOnlyItsOwnFilesAndTheDirItCreated) {
   {
     auto claim = RuntimeDirClaim::Claim(dir_);

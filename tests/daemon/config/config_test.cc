@@ -49,6 +49,41 @@ TEST(Config, FlagsInBothForms) {
   EXPECT_EQ(c->sources["quotas.job_max_bytes"], "default");
 }
 
+// --take-over alone is "always" (as before it had values); auto and the
+// keeper's own socket are what a DaemonSet's surge pod runs with.
+TEST(Config, TakeOverModesAndTheKeeperSocket) {
+  Result<DaemonConfig> c = Parse({"--runtime-dir=/run/x"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->take_over, "never");
+  EXPECT_EQ(c->after_handover, "exit");
+  ASSERT_TRUE(ResolveAndValidate(&*c).ok());
+  EXPECT_EQ(c->keeper_socket, "/run/x/keeper.sock");
+  c = Parse({"--take-over", "--runtime-dir=/run/x"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->take_over, "always");
+  EXPECT_EQ(c->runtime_dir, "/run/x");  // --take-over did not eat the next flag
+  c = Parse({"--take-over=auto", "--after-handover=wait"},
+            {"MEMOFFLOAD_KEEPER_SOCKET=/run/x/keeper-pod-1.sock"});
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->take_over, "auto");
+  EXPECT_EQ(c->after_handover, "wait");
+  ASSERT_TRUE(ResolveAndValidate(&*c).ok());
+  EXPECT_EQ(c->keeper_socket, "/run/x/keeper-pod-1.sock");
+  for (const auto& [args, needle] : std::vector<std::pair<std::vector<const char*>, std::string>>{
+           {{"--take-over=yes"}, "'yes' is not one of never, always, auto"},
+           {{"--after-handover=linger"}, "'linger' is not one of exit, wait"},
+           {{"--keeper-socket=keeper.sock"}, "'keeper.sock' is not an absolute path"}}) {
+    Result<DaemonConfig> bad = Parse(args);
+    ASSERT_FALSE(bad.ok()) << needle;
+    EXPECT_NE(bad.status().message().find(needle), std::string::npos) << bad.status().message();
+  }
+  c = Parse({std::string("--keeper-socket=/" + std::string(120, 'k')).c_str()});
+  ASSERT_TRUE(c.ok());
+  Status st = ResolveAndValidate(&*c);
+  EXPECT_NE(st.message().find("too long for a Unix socket path"), std::string::npos)
+      << st.ToString();
+}
+
 TEST(Config, ErrorsNameTheKey) {
   struct Case {
     std::vector<const char*> args;

@@ -1,0 +1,165 @@
+"""A DaemonSet's surge update (`maxSurge: 1`; docs/restarts.md, "Take-over
+across pods") with processes in place of pods: each pod is a keeper on a
+socket of its own (`lifecycle.keeper_socket`) and a daemon with
+`take_over = auto` and `after_handover = wait`, both pods on one runtime
+dir, each pod's health port on an address of its own (a pod IP). The new
+pod takes the node over with every session and region; the old pod waits,
+unready, until it is deleted; the new pod's keeper then holds the node
+alone, so a crash of the new daemon afterwards, or before the old pod goes,
+still keeps every region."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch  # noqa: F401
+
+import keeper_wire as kw
+from conftest import Daemon, free_port
+from memoffload.torch.state import rehome
+from test_takeover import Training, read_back, wait_for_log, write
+
+POD_ARGS = ["--log-level=info", "--state-store=keeper", "--take-over=auto",
+            "--after-handover=wait", "--drain-timeout=30s"]
+
+
+class Pod:
+    """A keeper and a daemon sharing the runtime dir `rt` with other pods."""
+
+    def __init__(self, rt: Path, name: str, address: str, health_port: int) -> None:
+        self.sock = rt / f"keeper-{name}.sock"
+        self.keeper_log = rt.parent / f"keeper-{name}.log"
+        self.keeper = kw.start_keeper(str(rt), self.keeper_log, sock=self.sock)
+        self.health = f"{address}:{health_port}"
+        self.daemon = Daemon(rt, "256MiB", "16MiB",
+                             [*POD_ARGS, f"--keeper-socket={self.sock}",
+                              f"--health-address={self.health}"])
+
+    def probe(self, path: str) -> tuple:
+        try:
+            with urllib.request.urlopen(f"http://{self.health}{path}", timeout=5) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def delete(self) -> None:
+        """What the kubelet does to a pod it deletes: SIGTERM to both."""
+        for proc in (self.daemon.proc, self.keeper):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in (self.daemon.proc, self.keeper):
+            if proc is not None:
+                try:
+                    proc.wait(timeout=20)
+                except Exception:
+                    proc.kill()
+                    proc.wait()
+                    raise
+
+
+@pytest.fixture
+def pods(tmp_path):
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    made = []
+
+    def make(name: str, address: str, port: int) -> Pod:
+        pod = Pod(rt, name, address, port)
+        made.append(pod)
+        return pod
+
+    yield rt, make
+    for pod in made:
+        for proc in (pod.daemon.proc, pod.keeper):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def own_lines(d: Daemon) -> str:
+    return "\n".join(line for line in d.log.read_text().splitlines()
+                     if f"memoffloadd[{d.proc.pid}]" in line)
+
+
+def test_a_surge_pod_takes_the_node_and_the_old_pod_waits_to_be_deleted(pods, monkeypatch,
+                                                                        caplog):
+    monkeypatch.setattr(rehome, "REATTACH_S", 0.0)
+    caplog.set_level(logging.INFO, logger="memoffload")
+    rt, make = pods
+    port = free_port()
+    old = make("old", "127.0.0.2", port)
+    old.daemon.start()
+    assert "lifecycle.take_over = auto: no daemon serves" in own_lines(old.daemon)
+    instance = write(rt, "ckpt", ["a", "b"])
+    t = Training(rt, "surge")
+
+    # The surge pod: the same health port on its own address, as a pod IP.
+    new = make("new", "127.0.0.3", port)
+    new.daemon.spawn()
+    deadline = time.monotonic() + 30
+    while f"the node is pid {new.daemon.proc.pid}'s now" not in old.daemon.log.read_text():
+        assert time.monotonic() < deadline, old.daemon.log.read_text()[-3000:]
+        assert new.daemon.proc.poll() is None, new.daemon.log.read_text()[-3000:]
+        t.step()
+    wait_for_log(new.daemon, f"memoffloadd[{new.daemon.proc.pid}] INFO took over the node: "
+                             "2 checkpoint regions")
+    for _ in range(3):
+        t.step()
+    t.check_kept("surge take-over")
+    assert read_back(rt, "ckpt", ["a", "b"]) == instance
+    assert any("resumed on the memoffloadd that took the node over" in r.getMessage()
+               for r in caplog.records)
+
+    # The old pod stays, alive and unready, holding nothing of the node: a
+    # container that exited would be started again by the kubelet.
+    wait_for_log(old.daemon, "handed over: waiting for a signal to exit")
+    assert old.daemon.proc.poll() is None
+    assert old.probe("/livez") == (200, "ok\n")
+    status, body = old.probe("/readyz")
+    assert status == 503 and "handed the node over to a new daemon" in body, body
+    assert new.probe("/readyz")[0] == 200
+    # The new pod's keeper holds every chunk (the very memory the old pod's
+    # keeper holds), the journal and a snapshot.
+    held, old_held = kw.take(str(rt), new.sock), kw.take(str(rt), old.sock)
+    try:
+        chunks = sorted(n for n in held if n.startswith("mo-chunk-"))
+        assert len(chunks) == 16, sorted(held)
+        assert any(n.startswith("mo-journal") for n in held), sorted(held)
+        assert any(n.startswith("mo-snapshot") for n in held), sorted(held)
+        same = [n for n in chunks
+                if os.fstat(held[n]).st_ino == os.fstat(old_held[n]).st_ino]
+        assert same, "no chunk was handed on as it was"
+    finally:
+        for fd in [*held.values(), *old_held.values()]:
+            os.close(fd)
+
+    t.off.remove()
+    t.pair.placement.remove()
+    # The new daemon crashes before the old pod is deleted: its next start
+    # finds no daemon serving (the waiting one let go of the instance lock)
+    # and takes the node back from its own pod's keeper.
+    new.daemon.kill()
+    restarted = Daemon(rt, "256MiB", "16MiB", new.daemon.extra_args).start()
+    new.daemon = restarted
+    lines = own_lines(restarted)
+    assert "lifecycle.take_over = auto: no daemon serves" in lines, lines
+    assert f"recovered the node from the keeper at {new.sock}: 2 of 2 checkpoint regions" in \
+        lines, lines
+    assert read_back(rt, "ckpt", ["a", "b"]) == instance
+
+    # The rollout deletes the old pod: its daemon exits 0 at once, without a
+    # drain, and its keeper leaves no file behind; the node is untouched.
+    old.delete()
+    assert old.daemon.proc.returncode == 0
+    old_lines = own_lines(old.daemon)
+    assert "after the hand-over" in old_lines and "draining" not in old_lines, old_lines
+    assert "handed over: exiting" in old_lines, old_lines
+    assert not old.sock.exists() and not Path(f"{old.sock}.lock").exists()
+    assert new.sock.exists()
+    assert read_back(rt, "ckpt", ["a", "b"]) == instance
