@@ -77,7 +77,6 @@ def test_daemonset_runs_on_every_node_as_critical_with_minimal_capabilities():
     labels = ds["spec"]["template"]["metadata"]["labels"]
     assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
     assert pod["priorityClassName"] == "system-node-critical"
-    assert ds["spec"]["updateStrategy"]["type"] == "OnDelete"
     sc = c["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
     assert sc["allowPrivilegeEscalation"] is False
@@ -94,8 +93,35 @@ def test_daemonset_socket_dir_is_the_daemon_default_on_the_host():
     assert volume["hostPath"] == {"path": run_dir, "type": "DirectoryOrCreate"}
     mount = next(m for m in c["volumeMounts"] if m["name"] == volume["name"])
     assert mount["mountPath"] == run_dir
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value") for e in c["env"]}
     assert env[dc.runtime_dir_env()] == run_dir
+
+
+def test_a_rolling_update_is_a_take_over_between_the_pods():
+    """maxSurge with the ConfigMap's take_over = auto and after_handover =
+    wait, and each pod's keeper on a socket of its own in the shared runtime
+    dir, the same path in both of the pod's containers (docs/restarts.md,
+    "Take-over across pods")."""
+    docs, ds, pod, c = _daemonset_parts()
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    lifecycle = dc.configmap_toml(docs)["lifecycle"]
+    assert lifecycle["take_over"] == "auto" and lifecycle["after_handover"] == "wait"
+    assert lifecycle["state_store"] == "keeper"
+    (keeper,) = pod["initContainers"]
+    assert keeper["restartPolicy"] == "Always" and keeper["args"][0] == "keeper"
+    run_dir = dc.default_runtime_dir()
+    for container in (keeper, c):
+        env = container["env"]
+        names = [e["name"] for e in env]
+        pod_name = next(e for e in env if e["name"] == "POD_NAME")
+        assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+        sock = next(e for e in env if e["name"] == "MEMOFFLOAD_KEEPER_SOCKET")
+        # $(POD_NAME) expands only when defined earlier in the list.
+        assert names.index("POD_NAME") < names.index("MEMOFFLOAD_KEEPER_SOCKET")
+        assert sock["value"] == f"{run_dir}/keeper-$(POD_NAME).sock", sock
+        mount = next(m for m in container["volumeMounts"] if m["mountPath"] == run_dir)
+        assert mount["name"] == "runtime-dir"
 
 
 def test_daemonset_probes_use_the_health_port_of_the_configmap():
