@@ -81,6 +81,10 @@ class Daemon {
   // Claims the runtime dir, binds every listener, builds the arena and starts
   // serving. One clear error otherwise.
   Status Start() {
+    // A pod's container started again after its daemon handed the node on.
+    Result<bool> marked = HoldsHandOverMark(config_.state_store, config_.keeper_socket);
+    if (!marked.ok()) return marked.status();
+    if (*marked) return StandBy();
     if (TakesOver()) {
       // The serving daemon pauses its sessions and hands on its state (its
       // sessions too); its sockets come
@@ -94,6 +98,9 @@ class Daemon {
         return st;
       }
       MEMOFFLOAD_RETURN_IF_ERROR(TakeListeners());
+      // The old daemon's mark, where the two share a keeper: the node is
+      // this daemon's, and so is the store.
+      if (state_store_ != nullptr) state_store_->ClearHandOverMark();
       return StartServing();
     }
     MEMOFFLOAD_RETURN_IF_ERROR(Listen());
@@ -104,6 +111,13 @@ class Daemon {
 
   // Runs the event loop until a signal stops it, then stops serving.
   void Run() {
+    if (standing_by_) {
+      signals_.async_wait(
+          [this](const boost::system::error_code& ec, int signo) { OnSignal(ec, signo); });
+      WaitForStop();
+      MO_LOG_INFO("exiting; the node was not touched");
+      return;
+    }
     signals_.async_wait(
         [this](const boost::system::error_code& ec, int signo) { OnSignal(ec, signo); });
     // systemd (Type=notify): the arena is built, every listener accepts and
@@ -135,6 +149,25 @@ class Daemon {
     return false;
   }
 
+  // A start whose store holds the hand-over mark: it answers its probes
+  // (/readyz 503) and waits for a signal, touching nothing of the node.
+  Status StandBy() {
+    MO_LOG_WARN(
+        "the state store (the keeper at %s) holds the mark of a hand-over: this pod's daemon "
+        "gave the node to another, and its state is stale since; not serving (delete the pod, "
+        "or stop its keeper to start afresh)",
+        config_.keeper_socket.c_str());
+    if (!config_.health_address.empty()) {
+      Result<std::string> bound = health_.Start(config_.health_address);
+      if (!bound.ok()) return bound.status();
+    }
+    signals_.add(SIGINT);
+    signals_.add(SIGTERM);
+    signals_.add(SIGHUP);
+    handed_over_ = standing_by_ = true;
+    return Status::Ok();
+  }
+
   bool WaitsAfterHandover() const { return handed_over_ && config_.after_handover == "wait"; }
 
   // lifecycle.after_handover = "wait": the process stays, doing nothing with
@@ -142,11 +175,22 @@ class Daemon {
   // again, and take the node back); its health port says so meanwhile.
   void WaitForStop() {
     claim_.reset();  // its instance lock is the new daemon's alone
-    MO_LOG_INFO(
-        "handed over: waiting for a signal to exit (lifecycle.after_handover = wait); /livez "
-        "answers 200, /readyz 503");
+    MO_LOG_INFO("%s: waiting for a signal to exit%s; /livez answers 200, /readyz 503",
+                standing_by_ ? "standing by" : "handed over",
+                standing_by_ ? "" : " (lifecycle.after_handover = wait)");
     io_.restart();
     io_.run();  // OnSignal stops it
+  }
+
+  void MarkHandedOver() {
+    if (state_store_ == nullptr) return;
+    if (Status st = state_store_->MarkHandedOver("handed over by pid " + std::to_string(getpid()));
+        !st.ok()) {
+      MO_LOG_ERROR(
+          "cannot mark the state store as handed over: %s; a restart of this daemon before its "
+          "pod goes could take the node back",
+          st.ToString().c_str());
+    }
   }
 
   // At exit: a snapshot of the regions for the next start (state_store.h).
@@ -388,8 +432,13 @@ class Daemon {
                       [this] { broker_->CloseAll(); },
                       [this] {
                         // A waiting process keeps answering probes (in its
-                        // own pod: its port is not the new daemon's).
-                        if (config_.after_handover != "wait") health_.Stop();
+                        // own pod: its port is not the new daemon's), and
+                        // marks its store so that it never serves from it.
+                        if (config_.after_handover == "wait") {
+                          MarkHandedOver();
+                        } else {
+                          health_.Stop();
+                        }
                         metrics_port_.Stop();
                         metrics_->StopServing();
                         HandoffListeners l{broker_->ReleaseListener(),
@@ -717,6 +766,7 @@ class Daemon {
   Clock::time_point takeover_started_;
   int takeover_fd_ = -1;
   bool handed_over_ = false;
+  bool standing_by_ = false;                 // StandBy: the start found the hand-over mark
   std::unique_ptr<StateStore> state_store_;  // outlives table_, which records into it
   std::unique_ptr<SessionTable> table_;
   std::unique_ptr<Metrics> metrics_;

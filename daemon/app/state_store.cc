@@ -26,6 +26,8 @@ constexpr char kChunkPrefix[] = "mo-chunk-";
 constexpr std::chrono::seconds kKeeperWait{10};
 constexpr char kJournalPrefix[] = "mo-journal@";
 constexpr char kSnapshotPrefix[] = "mo-snapshot@";
+// Put by a daemon that handed the node on and waits (after_handover = wait).
+constexpr char kHandedOverName[] = "mo-handed-over";
 
 bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
 
@@ -145,6 +147,21 @@ void CloseChunkFds(StateLoad* load) {
   }
 }
 
+Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keeper_socket) {
+  const bool under_systemd = std::getenv("NOTIFY_SOCKET") != nullptr;
+  // systemd's store hands its fds over once; a take-over is refused there.
+  if (mode == "systemd" || (mode == "auto" && under_systemd)) return false;
+  Result<std::unique_ptr<FdStore>> store = OpenStore(mode, keeper_socket);
+  if (!store.ok()) return store.status();
+  if (*store == nullptr) return false;
+  Result<std::vector<StoredFd>> taken = (*store)->Take();
+  if (!taken.ok()) return taken.status();
+  const bool marked = std::any_of(taken->begin(), taken->end(),
+                                  [](const StoredFd& f) { return f.name == kHandedOverName; });
+  CloseStored(&*taken);
+  return marked;
+}
+
 Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket) {
   StateLoad load;
   Result<std::unique_ptr<FdStore>> store = OpenStore(mode, keeper_socket);
@@ -187,6 +204,8 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
       if (index < (1u << 20) && chunks.count(static_cast<uint32_t>(index)) == 0) {
         chunks[static_cast<uint32_t>(index)] = &f;
       }
+    } else if (f.name == kHandedOverName) {
+      load.handed_over = true;
     } else {
       load.problems.push_back("an fd named '" + f.name + "' is not the daemon's; closed");
     }
@@ -344,6 +363,20 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
     }
   }
   return Status::Ok();
+}
+
+Status StateStore::MarkHandedOver(const std::string& why) {
+  Result<int> sealed = SealedMemfd("memoffload-handed-over", why);
+  if (!sealed.ok()) return sealed.status();
+  absl::MutexLock lock(&mu_);
+  Status st = store_->Put(kHandedOverName, *sealed);
+  close(*sealed);
+  return st;
+}
+
+void StateStore::ClearHandOverMark() {
+  absl::MutexLock lock(&mu_);
+  RemoveName(kHandedOverName);
 }
 
 Status StateStore::Compact(const std::vector<SessionRecord>& sessions,

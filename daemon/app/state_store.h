@@ -48,8 +48,15 @@ struct StateLoad {
   std::vector<bool> adopted;           // by chunk index: its kept memfd went to the arena
   std::vector<std::string> old_names;  // every name found, to remove once replaced
   std::vector<std::string> problems;   // fds refused, formats refused
-  bool refused = false;  // a snapshot or journal of a newer version: the start must not go on
+  bool refused = false;      // a snapshot or journal of a newer version: the start must not go on
+  bool handed_over = false;  // the store holds the mark of a hand-over (HoldsHandOverMark)
 };
+// Whether the keeper the daemon keeps state in holds the mark a daemon
+// leaves there when it hands the node on and waits (lifecycle.after_handover
+// = "wait"): what the store holds is then the node as it was at the
+// hand-over, stale since; a start must not serve from it (a pod's container
+// started again after its daemon handed over). False for systemd's store.
+Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keeper_socket);
 // `mode`: "auto" (systemd's store under systemd, else the keeper when its
 // socket `keeper_socket` exists, else none), "systemd", "keeper", "none".
 Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket);
@@ -94,6 +101,12 @@ class StateStore : public StateRecorder {
   // them for the next start).
   Status Compact(const std::vector<SessionRecord>& sessions = {},
                  const std::vector<ChunkOwnerRecord>& owners = {}) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The hand-over mark (HoldsHandOverMark), put by a daemon that hands the
+  // node on and waits; cleared by the daemon that took it, in case the two
+  // share a keeper.
+  Status MarkHandedOver(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
+  void ClearHandOverMark() ABSL_LOCKS_EXCLUDED(mu_);
 
   void RegionCommitted(const RegionRecord& region) override ABSL_LOCKS_EXCLUDED(mu_);
   void RegionDeleted(const RegionKey& key) override ABSL_LOCKS_EXCLUDED(mu_);

@@ -256,7 +256,8 @@ def _pod(podman: cc.Podman, image: str, rt, name: str) -> tuple:
 def test_a_rolling_update_hands_the_node_to_the_new_pod(podman, images, tmp_path_factory):
     """maxSurge with podman: the new pod's daemon takes the node from the
     old one while a host rank commits regions (its session resumes), the
-    old daemon waits until its pod is deleted and then exits 0, and the new
+    old daemon waits until its pod is deleted and then exits 0 (started
+    again meanwhile, it stands by rather than take the node back), and the new
     pod's keeper alone then keeps every answered region across a SIGKILL of
     the new daemon's container (docs/restarts.md, "Take-over across pods")."""
     rt = tmp_path_factory.mktemp("rt-surge") / "rt"
@@ -295,6 +296,13 @@ def test_a_rolling_update_hands_the_node_to_the_new_pod(podman, images, tmp_path
                     timeout_s=60)
         assert rank.poll() is None, log.read_text()[-500:]
         assert "resumed after" in logs(new_daemon), logs(new_daemon)[-2000:]
+        # The old daemon's container dies and starts again: it stands by.
+        podman.run("kill", "-s", "KILL", old_daemon)
+        podman.run("start", old_daemon)
+        cc.wait_for("the old daemon to stand by", lambda: "standing by" in logs(old_daemon),
+                    timeout_s=60)
+        at_restart = count()
+        cc.wait_for("10 more commits", lambda: count() >= at_restart + 10, timeout_s=60)
         # The update deletes the old pod.
         podman.run("stop", "-t", "20", old_daemon)
         podman.run("stop", "-t", "20", old_keeper)

@@ -4,9 +4,9 @@ socket of its own (`lifecycle.keeper_socket`) and a daemon with
 `take_over = auto` and `after_handover = wait`, both pods on one runtime
 dir, each pod's health port on an address of its own (a pod IP). The new
 pod takes the node over with every session and region; the old pod waits,
-unready, until it is deleted; the new pod's keeper then holds the node
-alone, so a crash of the new daemon afterwards, or before the old pod goes,
-still keeps every region."""
+unready, until it is deleted, and a restart of its container does not take
+the node back; the new pod's keeper holds the node, so a crash of the new
+daemon before the old pod goes, or after, keeps every region."""
 
 from __future__ import annotations
 
@@ -139,6 +139,20 @@ def test_a_surge_pod_takes_the_node_and_the_old_pod_waits_to_be_deleted(pods, mo
         for fd in [*held.values(), *old_held.values()]:
             os.close(fd)
 
+    # The old pod's daemon container dies and the kubelet starts it again
+    # while the new one serves: it finds the hand-over mark in its keeper and
+    # stands by, unready; it neither takes the node back nor serves.
+    old.daemon.kill()
+    old.daemon.spawn()
+    wait_for_log(old.daemon, f"memoffloadd[{old.daemon.proc.pid}] INFO standing by: waiting")
+    standby = own_lines(old.daemon)
+    assert "holds the mark of a hand-over" in standby, standby
+    assert "taking over" not in standby and "arena" not in standby, standby
+    assert old.probe("/livez")[0] == 200 and old.probe("/readyz")[0] == 503
+    t.step()
+    t.check_kept("the old pod's daemon started again")
+    assert "take-over requested" not in own_lines(new.daemon)
+
     t.off.remove()
     t.pair.placement.remove()
     # The new daemon crashes before the old pod is deleted: its next start
@@ -159,7 +173,35 @@ def test_a_surge_pod_takes_the_node_and_the_old_pod_waits_to_be_deleted(pods, mo
     assert old.daemon.proc.returncode == 0
     old_lines = own_lines(old.daemon)
     assert "after the hand-over" in old_lines and "draining" not in old_lines, old_lines
-    assert "handed over: exiting" in old_lines, old_lines
+    assert "exiting; the node was not touched" in old_lines, old_lines
     assert not old.sock.exists() and not Path(f"{old.sock}.lock").exists()
     assert new.sock.exists()
     assert read_back(rt, "ckpt", ["a", "b"]) == instance
+
+
+def test_daemons_that_share_a_keeper_clear_the_hand_over_mark(tmp_path):
+    """after_handover = wait beside one keeper for both daemons: the old one
+    marks the store as handed over, the new one (whose store it is too)
+    clears the mark, so its own restart serves again rather than standing by."""
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    keeper = kw.start_keeper(str(rt), tmp_path / "keeper.log")
+    args = POD_ARGS
+    old = Daemon(rt, "64MiB", "16MiB", args).start()
+    new = restarted = None
+    try:
+        write(rt, "ckpt", ["a"])
+        new = Daemon(rt, "64MiB", "16MiB", args).spawn()
+        wait_for_log(old, "handed over: waiting for a signal to exit", 30)
+        wait_for_log(new, f"memoffloadd[{new.proc.pid}] INFO took over the node")
+        new.kill()
+        restarted = Daemon(rt, "64MiB", "16MiB", args).start()
+        lines = own_lines(restarted)
+        assert "holds the mark" not in lines and "recovered the node" in lines, lines
+        read_back(rt, "ckpt", ["a"])
+    finally:
+        for d in (old, new, restarted):
+            if d is not None:
+                d.stop()
+        keeper.terminate()
+        keeper.wait(timeout=10)
