@@ -25,8 +25,8 @@ bool Daemon::TakesOver() const {
 Status Daemon::StandBy() {
   MO_LOG_WARN(
       "the state store (the keeper at %s) holds the mark of a hand-over: this pod's daemon "
-      "gave the node to another, and its state is stale since; not serving (delete the pod, "
-      "or stop its keeper to start afresh)",
+      "gave the node to another, and its state is stale since; not serving: delete this pod "
+      "(the node is served from the other)",
       config_.keeper_socket.c_str());
   if (!config_.health_address.empty()) {
     Result<std::string> bound = health_.Start(config_.health_address);

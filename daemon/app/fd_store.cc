@@ -183,6 +183,12 @@ Status TrustKeeperDir(const std::string& dir) {
     return PermissionDenied("the runtime dir " + dir + " " + why +
                             ": another user could replace the keeper's socket");
   }
+  // Not even sticky: another user could take the lock's or the socket's name.
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) {
+    return PermissionDenied("the runtime dir " + dir +
+                            " is writable by its group or others: another user could take the "
+                            "keeper's socket or lock name first");
+  }
   return Status::Ok();
 }
 
@@ -298,6 +304,15 @@ Status RunKeeper(const std::string& path) {
     }
     close(lock);
     if (attempt == 3) return Unavailable("the keeper lock " + lock_path + " keeps changing");
+  }
+  // Stale: the lock says no keeper lives (one killed leaves its socket).
+  struct stat old {};
+  if (lstat(path.c_str(), &old) == 0) {
+    if (!S_ISSOCK(old.st_mode)) {
+      close(lock);
+      return FailedPrecondition(path + " is there and is not a socket: remove it");
+    }
+    unlink(path.c_str());
   }
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;

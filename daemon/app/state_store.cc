@@ -1,5 +1,6 @@
 #include "app/state_store.h"
 
+#include <absl/strings/match.h>
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <sys/mman.h>
@@ -29,8 +30,6 @@ constexpr char kSnapshotPrefix[] = "mo-snapshot@";
 // Put by a daemon that handed the node on and waits (after_handover = wait).
 constexpr char kHandedOverName[] = "mo-handed-over";
 
-bool StartsWith(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
-
 // A read-only view of a kept memfd.
 struct Mapped {
   explicit Mapped(int fd) {
@@ -54,16 +53,11 @@ uint64_t NameSeq(const std::string& name, const char* prefix) {
 // The suffix of a snapshot that carries sessions (written at SIGTERM).
 constexpr char kWithSessions[] = "+sessions";
 
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // Newest first: the later record, and at the same record the one with sessions.
 bool SnapshotNewer(const std::string& a, const std::string& b) {
   const uint64_t sa = NameSeq(a, kSnapshotPrefix), sb = NameSeq(b, kSnapshotPrefix);
   if (sa != sb) return sa > sb;
-  return EndsWith(a, kWithSessions) && !EndsWith(b, kWithSessions);
+  return absl::EndsWith(a, kWithSessions) && !absl::EndsWith(b, kWithSessions);
 }
 
 Result<std::unique_ptr<FdStore>> OpenStore(const std::string& mode, const std::string& keeper) {
@@ -177,14 +171,14 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
   std::map<uint32_t, StoredFd*> chunks;
   for (StoredFd& f : fds) {
     load.old_names.push_back(f.name);
-    if (StartsWith(f.name, kSnapshotPrefix)) {
+    if (absl::StartsWith(f.name, kSnapshotPrefix)) {
       if (std::string why = MemfdProblem(f.fd, 0, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
           !why.empty()) {
         load.problems.push_back(f.name + " refused: " + why);
         continue;
       }
       snapshots.push_back(&f);
-    } else if (StartsWith(f.name, kJournalPrefix)) {
+    } else if (absl::StartsWith(f.name, kJournalPrefix)) {
       if (std::string why = MemfdProblem(f.fd, kJournalBytes, F_SEAL_SHRINK | F_SEAL_GROW);
           !why.empty()) {
         load.problems.push_back(f.name + " refused: " + why);
@@ -199,7 +193,7 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
         continue;
       }
       journals.push_back(std::move(j).value());
-    } else if (StartsWith(f.name, kChunkPrefix)) {
+    } else if (absl::StartsWith(f.name, kChunkPrefix)) {
       const uint64_t index = std::strtoull(f.name.c_str() + std::strlen(kChunkPrefix), nullptr, 10);
       if (index < (1u << 20) && chunks.count(static_cast<uint32_t>(index)) == 0) {
         chunks[static_cast<uint32_t>(index)] = &f;
@@ -338,8 +332,9 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
   // kept one of that number (regions that were dropped are not in it).
   seq_ = last_seq + 1;
   for (const std::string& name : old_names) {
-    if (StartsWith(name, kChunkPrefix) && std::strtoull(name.c_str() + std::strlen(kChunkPrefix),
-                                                        nullptr, 10) >= arena.chunk_count()) {
+    if (absl::StartsWith(name, kChunkPrefix) &&
+        std::strtoull(name.c_str() + std::strlen(kChunkPrefix), nullptr, 10) >=
+            arena.chunk_count()) {
       RemoveName(name);
     }
   }
@@ -357,7 +352,7 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
   const std::string old_journal = journal_name_, old_snapshot = snapshot_name_;
   MEMOFFLOAD_RETURN_IF_ERROR(CompactLocked());
   for (const std::string& name : old_names) {
-    if ((StartsWith(name, kJournalPrefix) || StartsWith(name, kSnapshotPrefix)) &&
+    if ((absl::StartsWith(name, kJournalPrefix) || absl::StartsWith(name, kSnapshotPrefix)) &&
         name != journal_name_ && name != snapshot_name_) {
       RemoveName(name);
     }

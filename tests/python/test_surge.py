@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +24,7 @@ import pytest
 import torch  # noqa: F401
 
 import keeper_wire as kw
-from conftest import Daemon, free_port
+from conftest import Daemon, bin_dir, free_port
 from memoffload.torch.state import rehome
 from test_takeover import Training, read_back, wait_for_log, write
 
@@ -205,3 +208,47 @@ def test_daemons_that_share_a_keeper_clear_the_hand_over_mark(tmp_path):
                 d.stop()
         keeper.terminate()
         keeper.wait(timeout=10)
+
+
+def test_a_keeper_killed_in_its_pod_starts_again_on_its_socket(tmp_path):
+    """A keeper SIGKILLed (its memory limit) leaves its socket; the sidecar
+    started again takes the name back (the lock says no keeper lives)."""
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    sock = rt / "keeper-a.sock"
+    log = tmp_path / "keeper.log"
+    keeper = kw.start_keeper(str(rt), log, sock=sock)
+    keeper.kill()
+    keeper.wait()
+    assert sock.exists()
+    keeper = kw.start_keeper(str(rt), log, sock=sock)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            assert keeper.poll() is None, log.read_text()
+            try:
+                assert kw.take(str(rt), sock) == {}
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+    finally:
+        keeper.terminate()
+        keeper.wait(timeout=10)
+    assert not sock.exists() and not Path(f"{sock}.lock").exists()
+
+
+def test_a_keeper_refuses_a_dir_others_can_write_even_sticky(tmp_path):
+    """In a sticky dir another uid could still take the socket's or the
+    lock's name first: the keeper does not start there."""
+    shared = Path(tempfile.mkdtemp(prefix="mo-sticky-"))
+    try:
+        os.chmod(shared, 0o1777)
+        out = subprocess.run([str(bin_dir() / "memoffloadd"), "keeper",
+                              f"--keeper-socket={shared}/keeper-a.sock"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1, out
+        assert "writable by its group or others" in out.stderr, out.stderr
+        assert list(shared.iterdir()) == []
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
