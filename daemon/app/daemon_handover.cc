@@ -24,9 +24,9 @@ bool Daemon::TakesOver() const {
 
 Status Daemon::StandBy() {
   MO_LOG_WARN(
-      "the state store (the keeper at %s) holds the mark of a hand-over: this pod's daemon "
-      "gave the node to another, and its state is stale since; not serving: delete this pod "
-      "(the node is served from the other)",
+      "the state store (the keeper at %s) holds the mark of a hand-over: the node went from "
+      "this pod to another pod's daemon, and this copy is stale since; not serving: delete "
+      "this pod (the node is served from the other)",
       config_.keeper_socket.c_str());
   if (!config_.health_address.empty()) {
     Result<std::string> bound = health_.Start(config_.health_address);

@@ -74,7 +74,9 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::strin
   }
 
   const std::string lock_path = dir + "/" + kInstanceLockName;
-  claim->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  // 0600: flock needs only a read-only fd, so a lock others can open is a
+  // lock others can hold.
+  claim->lock_fd_ = open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (claim->lock_fd_ < 0) return ErrnoStatus("opening the instance lock " + lock_path, errno);
   if (flock(claim->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int error = errno;
@@ -86,6 +88,7 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::strin
     }
     return ErrnoStatus("locking " + lock_path, error);
   }
+  MEMOFFLOAD_RETURN_IF_ERROR(claim->ReplaceOpenLock(lock_path));
   const std::string pid = std::to_string(getpid()) + "\n";
   if (ftruncate(claim->lock_fd_, 0) != 0 ||
       pwrite(claim->lock_fd_, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
@@ -94,6 +97,30 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Claim(const std::strin
   // Ours now: the lock file is removed with the dir only (see the header).
   if (claim->created_dir_) claim->Own(lock_path);
   return claim;
+}
+
+Status RuntimeDirClaim::ReplaceOpenLock(const std::string& lock_path) {
+  struct stat st {};
+  if (fstat(lock_fd_, &st) != 0) return ErrnoStatus("stat of the instance lock", errno);
+  if ((st.st_mode & 0077) == 0) return Status::Ok();
+  // A lock file another uid could open (an earlier version made it 0644):
+  // whoever kept it open could hold it at the next start. A new file takes
+  // its name; the old one stays locked here, so that nobody who opened it
+  // before the rename can take it either.
+  const std::string fresh = lock_path + ".new";
+  unlink(fresh.c_str());
+  const int fd = open(fresh.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return ErrnoStatus("creating " + fresh, errno);
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0 || rename(fresh.c_str(), lock_path.c_str()) != 0) {
+    const int error = errno;
+    close(fd);
+    unlink(fresh.c_str());
+    return ErrnoStatus("replacing the instance lock " + lock_path, error);
+  }
+  MO_LOG_INFO("instance lock %s was mode %s: replaced by one of mode 0600", lock_path.c_str(),
+              Octal(st.st_mode).c_str());
+  old_lock_fd_ = std::exchange(lock_fd_, fd);
+  return Status::Ok();
 }
 
 bool RuntimeDirClaim::Held(const std::string& dir) {
@@ -132,6 +159,7 @@ void RuntimeDirClaim::Disown() {
 RuntimeDirClaim::~RuntimeDirClaim() {
   RemoveOwned();
   if (lock_fd_ >= 0) close(lock_fd_);
+  if (old_lock_fd_ >= 0) close(old_lock_fd_);
   if (created_dir_ && rmdir(dir_.c_str()) != 0 && errno != ENOTEMPTY && errno != EEXIST) {
     MO_LOG_WARN("cannot remove runtime dir %s: %s", dir_.c_str(), std::strerror(errno));
   }

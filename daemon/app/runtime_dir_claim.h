@@ -3,7 +3,8 @@
 // Claim() refuses a dir that another user could tamper with (not owned by
 // the daemon's uid, or writable by its group or by others: such a user could
 // swap the broker socket or delete the admin token), then takes the instance
-// lock: flock on <dir>/memoffloadd.lock, which holds the owner's pid. A
+// lock: flock on <dir>/memoffloadd.lock (mode 0600: flock needs only a
+// read-only fd), which holds the owner's pid. A
 // second daemon on the same dir fails at once and names the holder's pid.
 //
 // Every file this instance creates in the dir is recorded (device, inode and
@@ -70,10 +71,14 @@ class RuntimeDirClaim {
     timespec ctime;
   };
   RuntimeDirClaim() = default;
+  // Once the lock is held: a lock file of another mode than 0600 is
+  // replaced by one of that mode (the old one stays locked).
+  Status ReplaceOpenLock(const std::string& lock_path);
 
   std::string dir_;
   bool created_dir_ = false;
   int lock_fd_ = -1;
+  int old_lock_fd_ = -1;  // ReplaceOpenLock's old file, held locked
   std::vector<Owned> owned_;
 };
 

@@ -1,5 +1,7 @@
 #include "app/state_recovery.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <set>
 
@@ -10,7 +12,8 @@
 namespace memoffload::daemon {
 
 Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options) {
-  Result<StateLoad> load = LoadState(config.state_store, config.keeper_socket);
+  Result<StateLoad> load =
+      LoadState(config.state_store, config.keeper_socket, config.take_over == "auto");
   if (!load.ok()) {
     return Status(load.status().code(), "lifecycle.state_store: " + load.status().message());
   }
@@ -75,7 +78,10 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   const auto start = std::chrono::steady_clock::now();
   // A take-over hands the state on without a store.
   const std::string where =
-      load->store != nullptr ? load->store->Describe() : std::string("the serving daemon");
+      load->source != nullptr
+          ? "the keeper at " + load->source_path + " (another pod's: its daemon does not run)"
+      : load->store != nullptr ? load->store->Describe()
+                               : std::string("the serving daemon");
   if (load->store != nullptr) info->state_store = load->store->Kind();
   std::vector<bool> adopted(arena.chunk_count(), false);
   for (size_t i = 0; i < load->adopted.size() && i < adopted.size(); ++i) {
@@ -166,6 +172,19 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
       return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
     }
     table->SetRecorder(store.get());
+  }
+  // The other pod's keeper holds a stale copy from here: its daemon, started
+  // again, must not serve it (nor take the node back).
+  if (load->source != nullptr && store != nullptr) {
+    if (Status st =
+            MarkStoreHandedOver(load->source.get(), "taken by pid " + std::to_string(getpid()));
+        !st.ok()) {
+      MO_LOG_ERROR(
+          "cannot mark the keeper at %s as handed over: %s; its daemon, started again, "
+          "could serve its stale copy of the node",
+          load->source_path.c_str(), st.ToString().c_str());
+    }
+    load->source.reset();
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -1,6 +1,7 @@
 #include "app/state_store.h"
 
 #include <absl/strings/match.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/magic.h>
 #include <sys/mman.h>
@@ -141,6 +142,84 @@ void CloseChunkFds(StateLoad* load) {
   }
 }
 
+bool IsStateName(const std::string& name) {
+  return absl::StartsWith(name, kSnapshotPrefix) || absl::StartsWith(name, kJournalPrefix);
+}
+
+// The newest record number the names of a store's state carry.
+uint64_t NewestSeq(const std::vector<StoredFd>& fds) {
+  uint64_t newest = 0;
+  for (const StoredFd& f : fds) {
+    newest = std::max({newest, NameSeq(f.name, kSnapshotPrefix), NameSeq(f.name, kJournalPrefix)});
+  }
+  return newest;
+}
+
+// Another pod's keeper beside `keeper_socket` (keeper*.sock in its dir, this
+// uid's, mode 0600, live) that holds a node and no hand-over mark: the one
+// with the newest state, its fds in *fds. Null when there is none.
+std::unique_ptr<FdStore> SiblingWithState(const std::string& keeper_socket,
+                                          std::vector<StoredFd>* fds, std::string* source,
+                                          std::vector<std::string>* problems) {
+  const size_t slash = keeper_socket.rfind('/');
+  const std::string dir = keeper_socket.substr(0, slash);
+  std::vector<std::string> paths;
+  if (DIR* d = opendir(dir.empty() ? "/" : dir.c_str())) {
+    while (dirent* e = readdir(d)) {
+      const std::string name = e->d_name;
+      const std::string path = dir + "/" + name;
+      if (absl::StartsWith(name, "keeper") && absl::EndsWith(name, ".sock") &&
+          path != keeper_socket) {
+        paths.push_back(path);
+      }
+    }
+    closedir(d);
+  }
+  std::sort(paths.begin(), paths.end());
+  std::unique_ptr<FdStore> best;
+  uint64_t best_seq = 0;
+  for (const std::string& path : paths) {
+    // A keeper that is gone left its socket: not one to take from.
+    Result<std::unique_ptr<FdStore>> store = ConnectKeeper(path);
+    if (!store.ok()) continue;
+    Result<std::vector<StoredFd>> taken = (*store)->Take();
+    if (!taken.ok()) continue;
+    const bool marked = std::any_of(taken->begin(), taken->end(),
+                                    [](const StoredFd& f) { return f.name == kHandedOverName; });
+    const bool state = std::any_of(taken->begin(), taken->end(),
+                                   [](const StoredFd& f) { return IsStateName(f.name); });
+    const uint64_t seq = NewestSeq(*taken);
+    if (marked || !state || (best != nullptr && seq <= best_seq)) {
+      if (state && !marked) {
+        problems->push_back("the keeper at " + path + " holds a node no daemon serves too (" +
+                            "state through record " + std::to_string(seq) + "); the newer one " +
+                            *source + " is taken");
+      }
+      CloseStored(&*taken);
+      continue;
+    }
+    if (best != nullptr) {
+      problems->push_back("the keeper at " + *source + " holds a node no daemon serves too (" +
+                          "state through record " + std::to_string(best_seq) +
+                          "); the newer one at " + path + " is taken");
+    }
+    CloseStored(fds);
+    *fds = std::move(taken).value();
+    *source = path;
+    best_seq = seq;
+    best = std::move(store).value();
+  }
+  return best;
+}
+
+Status MarkStoreHandedOver(FdStore* store, const std::string& why) {
+  Result<int> sealed = SealedMemfd("memoffload-handed-over", why);
+  if (!sealed.ok()) return sealed.status();
+  Status st = store->Put(kHandedOverName, *sealed);
+  close(*sealed);
+  return st;
+}
+
 Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keeper_socket) {
   const bool under_systemd = std::getenv("NOTIFY_SOCKET") != nullptr;
   // systemd's store hands its fds over once; a take-over is refused there.
@@ -156,7 +235,8 @@ Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keepe
   return marked;
 }
 
-Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket) {
+Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket,
+                            bool from_another_keeper) {
   StateLoad load;
   Result<std::unique_ptr<FdStore>> store = OpenStore(mode, keeper_socket);
   if (!store.ok()) return store.status();
@@ -165,6 +245,17 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
   Result<std::vector<StoredFd>> taken = load.store->Take();
   if (!taken.ok()) return taken.status();
   std::vector<StoredFd> fds = std::move(taken).value();
+  if (from_another_keeper && load.store->Kind() == "keeper" &&
+      std::none_of(fds.begin(), fds.end(), [](const StoredFd& f) { return IsStateName(f.name); })) {
+    std::string path;
+    std::vector<StoredFd> theirs;
+    load.source = SiblingWithState(keeper_socket, &theirs, &path, &load.problems);
+    if (load.source != nullptr) {
+      CloseStored(&fds);
+      fds = std::move(theirs);
+      load.source_path = path;
+    }
+  }
   // The snapshots, newest first; the first readable one is used.
   std::vector<StoredFd*> snapshots;
   std::vector<JournalContents> journals;
@@ -361,12 +452,8 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
 }
 
 Status StateStore::MarkHandedOver(const std::string& why) {
-  Result<int> sealed = SealedMemfd("memoffload-handed-over", why);
-  if (!sealed.ok()) return sealed.status();
   absl::MutexLock lock(&mu_);
-  Status st = store_->Put(kHandedOverName, *sealed);
-  close(*sealed);
-  return st;
+  return MarkStoreHandedOver(store_.get(), why);
 }
 
 void StateStore::ClearHandOverMark() {

@@ -50,7 +50,14 @@ struct StateLoad {
   std::vector<std::string> problems;   // fds refused, formats refused
   bool refused = false;      // a snapshot or journal of a newer version: the start must not go on
   bool handed_over = false;  // the store holds the mark of a hand-over (HoldsHandOverMark)
+  // Where the state came from when not `store`: another pod's keeper, whose
+  // daemon no longer serves (LoadState's from_another_keeper); marked as
+  // handed over once `store` keeps the state.
+  std::unique_ptr<FdStore> source;
+  std::string source_path;
 };
+// Puts the hand-over mark into `store`.
+Status MarkStoreHandedOver(FdStore* store, const std::string& why);
 // Whether the keeper the daemon keeps state in holds the mark a daemon
 // leaves there when it hands the node on and waits (lifecycle.after_handover
 // = "wait"): what the store holds is then the node as it was at the
@@ -59,7 +66,12 @@ struct StateLoad {
 Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keeper_socket);
 // `mode`: "auto" (systemd's store under systemd, else the keeper when its
 // socket `keeper_socket` exists, else none), "systemd", "keeper", "none".
-Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket);
+// With `from_another_keeper` (lifecycle.take_over = "auto": pods share the
+// runtime dir), a keeper that holds no state yet takes it from another
+// pod's keeper beside it that holds a node no daemon serves (its daemon
+// died as this pod started), the newest if several, unless it is marked.
+Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket,
+                            bool from_another_keeper = false);
 void CloseChunkFds(StateLoad* load);
 // Why `fd` is not a memfd of `size` bytes (0: any) with the seals `seals`
 // (a hugetlbfs memfd has none), "" if it is.

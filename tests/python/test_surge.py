@@ -182,6 +182,43 @@ def test_a_surge_pod_takes_the_node_and_the_old_pod_waits_to_be_deleted(pods, mo
     assert read_back(rt, "ckpt", ["a", "b"]) == instance
 
 
+def test_a_surge_pod_takes_the_node_from_a_keeper_whose_daemon_died(pods):
+    """The old pod's daemon dies just as the update starts: no daemon holds
+    the runtime dir, and the new pod's empty keeper has nothing to start
+    from. The new daemon takes the node from the old pod's keeper (it holds
+    the regions) and marks it, so that the old daemon, started again, stands
+    by; a third pod later takes it from the second's keeper, never from the
+    marked first one."""
+    rt, make = pods
+    port = free_port()
+    first = make("first", "127.0.0.2", port)
+    first.daemon.start()
+    instance = write(rt, "ckpt", ["a", "b"])
+    first.daemon.kill()
+    second = make("second", "127.0.0.3", port)
+    second.daemon.start()
+    lines = own_lines(second.daemon)
+    assert f"recovered the node from the keeper at {first.sock} (another pod's: its daemon " \
+        "does not run): 2 of 2 checkpoint regions" in lines, lines
+    assert read_back(rt, "ckpt", ["a", "b"]) == instance
+    write(rt, "ckpt", ["c"])
+    first.daemon.spawn()  # the kubelet starts the old container again
+    wait_for_log(first.daemon, f"memoffloadd[{first.daemon.proc.pid}] INFO standing by")
+    assert read_back(rt, "ckpt", ["a", "b", "c"]) == instance
+
+    second.daemon.kill()
+    third = make("third", "127.0.0.4", port)
+    third.daemon.start()
+    lines = own_lines(third.daemon)
+    assert f"recovered the node from the keeper at {second.sock} (another pod's: its daemon " \
+        "does not run): 3 of 3 checkpoint regions" in lines, lines
+    assert str(first.sock) not in lines, lines
+    assert read_back(rt, "ckpt", ["a", "b", "c"]) == instance
+    first.delete()
+    second.delete()
+    assert read_back(rt, "ckpt", ["a", "b", "c"]) == instance
+
+
 def test_daemons_that_share_a_keeper_clear_the_hand_over_mark(tmp_path):
     """after_handover = wait beside one keeper for both daemons: the old one
     marks the store as handed over, the new one (whose store it is too)

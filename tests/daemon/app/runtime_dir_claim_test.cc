@@ -2,7 +2,9 @@
 // created that are still the same files.
 #include "app/runtime_dir_claim.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,6 +59,42 @@ TEST_F(RuntimeDirClaimTest, HeldWhileAClaimLives) {
   EXPECT_FALSE(RuntimeDirClaim::Held(dir_));
   auto again = RuntimeDirClaim::Claim(dir_);  // the probe held nothing
   EXPECT_TRUE(again.ok()) << again.status().ToString();
+}
+
+// flock needs only a read-only fd: a lock file others may open is one they
+// may hold. A fresh one is 0600; one of an earlier version (0644), which
+// another uid may have kept open, is replaced, so its old fd holds nothing.
+TEST_F(RuntimeDirClaimTest, TheLockIsPrivateAndAnOpenOldOneIsReplaced) {
+  const std::string lock = dir_ + "/" + kInstanceLockName;
+  {
+    auto claim = RuntimeDirClaim::Claim(dir_);
+    ASSERT_TRUE(claim.ok()) << claim.status().ToString();
+    struct stat st {};
+    ASSERT_EQ(stat(lock.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 07777, 0600u);
+  }
+  std::filesystem::create_directory(dir_);
+  std::ofstream(lock) << "1\n";
+  ASSERT_EQ(chmod(lock.c_str(), 0644), 0);
+  const int kept = open(lock.c_str(), O_RDONLY | O_CLOEXEC);  // another uid's, kept open
+  ASSERT_GE(kept, 0);
+  struct stat old_file {
+  }, now{};
+  ASSERT_EQ(fstat(kept, &old_file), 0);
+  {
+    auto claim = RuntimeDirClaim::Claim(dir_);
+    ASSERT_TRUE(claim.ok()) << claim.status().ToString();
+    ASSERT_EQ(stat(lock.c_str(), &now), 0);
+    EXPECT_EQ(now.st_mode & 07777, 0600u);
+    EXPECT_NE(now.st_ino, old_file.st_ino);
+    EXPECT_NE(flock(kept, LOCK_EX | LOCK_NB), 0);  // the old file stays locked meanwhile
+    EXPECT_TRUE(RuntimeDirClaim::Held(dir_));
+  }
+  // Holding the old file blocks nobody.
+  ASSERT_EQ(flock(kept, LOCK_EX | LOCK_NB), 0);
+  EXPECT_FALSE(RuntimeDirClaim::Held(dir_));
+  EXPECT_TRUE(RuntimeDirClaim::Claim(dir_).ok());
+  close(kept);
 }
 
 TEST_F(RuntimeDirClaimTest, RemovesOnlyItsOwnFilesAndTheDirItCreated) {
