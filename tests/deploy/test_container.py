@@ -188,6 +188,26 @@ def _region_loop(runtime_dir, *args: str, **kwargs):
                           env=TRAINER_ENV, capture_output=True, text=True, timeout=120, **kwargs)
 
 
+def _answered_commits(log) -> tuple:
+    """region_loop's output once it stopped: the regions whose commit was
+    answered, and those it may have deleted since."""
+    lines = log.read_text().splitlines()
+    assert lines[-1].startswith("stopped"), lines[-3:]
+    return ({n for n in lines if n.startswith("w")},
+            {n.split()[1] for n in lines if n.startswith("deleting ")})
+
+
+def _check_kept(runtime_dir, answered: tuple) -> None:
+    """Every answered commit not deleted since is there, bit for bit; at most
+    one more (a commit the daemon did but could not answer)."""
+    committed, maybe_gone = answered
+    check = _region_loop(runtime_dir, "check", "job")
+    assert check.returncode == 0, check.stdout + check.stderr
+    kept = set(check.stdout.split()[:-2])
+    assert committed - maybe_gone <= kept, sorted(committed - maybe_gone - kept)[:5]
+    assert len(kept - committed) <= 1
+
+
 def test_a_daemon_crash_beside_the_keeper_keeps_the_regions(podman, images, tmp_path_factory):
     """The keeper (a second container sharing the runtime dir, as the
     DaemonSet's sidecar) holds the arena while the daemon's container is
@@ -214,19 +234,12 @@ def test_a_daemon_crash_beside_the_keeper_keeps_the_regions(podman, images, tmp_
         cc.wait_for("40 commits", lambda: log.read_text().count("\n") >= 40, timeout_s=60)
         podman.run("kill", "-s", "KILL", daemon.name)
         assert rank.wait(timeout=60) == 0
-        lines = log.read_text().splitlines()
-        assert lines[-1].startswith("stopped"), lines[-3:]
-        answered = {n for n in lines if n.startswith("w")}
-        maybe_gone = {n.split()[1] for n in lines if n.startswith("deleting ")}
+        answered = _answered_commits(log)
         # The container is started again, as kubelet restarts a crashed one.
         podman.run("start", daemon.name)
         cc.wait_for("the restarted daemon", lambda: "recovered the node" in daemon.logs(),
                     timeout_s=120)
-        check = _region_loop(rt, "check", "job")
-        assert check.returncode == 0, check.stdout + check.stderr
-        kept = set(check.stdout.split()[:-2])
-        assert answered - maybe_gone <= kept, sorted(answered - maybe_gone - kept)[:5]
-        assert len(kept - answered) <= 1
+        _check_kept(rt, answered)
         print(daemon.logs()[-2000:])
     finally:
         if daemon is not None:
@@ -311,19 +324,12 @@ def test_a_rolling_update_hands_the_node_to_the_new_pod(podman, images, tmp_path
         assert not old_sock.exists() and new_sock.exists()
         podman.run("kill", "-s", "KILL", new_daemon)
         assert rank.wait(timeout=60) == 0
-        lines = log.read_text().splitlines()
-        assert lines[-1].startswith("stopped"), lines[-3:]
-        answered = {n for n in lines if n.startswith("w")}
-        maybe_gone = {n.split()[1] for n in lines if n.startswith("deleting ")}
+        answered = _answered_commits(log)
         podman.run("start", new_daemon)
         cc.wait_for("the new pod's daemon again",
                     lambda: f"recovered the node from the keeper at {new_sock}" in logs(new_daemon),
                     timeout_s=120)
-        check = _region_loop(rt, "check", "job")
-        assert check.returncode == 0, check.stdout + check.stderr
-        kept = set(check.stdout.split()[:-2])
-        assert answered - maybe_gone <= kept, sorted(answered - maybe_gone - kept)[:5]
-        assert len(kept - answered) <= 1
+        _check_kept(rt, answered)
         print(logs(new_daemon)[-2500:])
     finally:
         if rank is not None and rank.poll() is None:
