@@ -26,8 +26,11 @@ Status Daemon::StandBy() {
   MO_LOG_WARN(
       "the state store (the keeper at %s) holds the mark of a hand-over: the node went from "
       "this pod to another pod's daemon, and this copy is stale since; not serving: delete "
-      "this pod (the node is served from the other)",
-      config_.keeper_socket.c_str());
+      "this pod (%s)",
+      config_.keeper_socket.c_str(),
+      RuntimeDirClaim::Held(config_.runtime_dir)
+          ? "another daemon serves the node"
+          : "no daemon serves the node now: docs/restarts.md, 'Take-over across pods'");
   if (!config_.health_address.empty()) {
     Result<std::string> bound = health_.Start(config_.health_address);
     if (!bound.ok()) return bound.status();
@@ -76,6 +79,13 @@ Status Daemon::RequestTakeover() {
       config_.runtime_dir.c_str());
   Result<std::unique_ptr<TakeoverClient>> client =
       TakeoverClient::Request(config_.runtime_dir, config_.drain_timeout_ms);
+  if (!client.ok() && config_.take_over == "auto") {
+    return Status(client.status().code(),
+                  "lifecycle.take_over = auto: " + config_.runtime_dir + "/" + kInstanceLockName +
+                      " is held, but no daemon takes the node over from there (a process that "
+                      "is not memoffloadd may hold the lock: /proc/locks names it): " +
+                      client.status().message());
+  }
   if (!client.ok()) return client.status();
   takeover_client_ = std::move(client).value();
   // The store this daemon keeps state in (what the old one put there is

@@ -305,19 +305,27 @@ Status RunKeeper(const std::string& path) {
     close(lock);
     if (attempt == 3) return Unavailable("the keeper lock " + lock_path + " keeps changing");
   }
-  // Stale: the lock says no keeper lives (one killed leaves its socket).
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) return InvalidArgument("socket path too long: " + path);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  // Stale (one killed leaves its socket) unless something still listens: a
+  // keeper of an earlier version, whose lock had another name.
   struct stat old {};
   if (lstat(path.c_str(), &old) == 0) {
     if (!S_ISSOCK(old.st_mode)) {
       close(lock);
       return FailedPrecondition(path + " is there and is not a socket: remove it");
     }
+    const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    const bool live = connect(probe, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+    close(probe);
+    if (live) {
+      close(lock);
+      return FailedPrecondition("a keeper already listens at " + path);
+    }
     unlink(path.c_str());
   }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path) return InvalidArgument("socket path too long: " + path);
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   const int listener = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   const mode_t old_umask = umask(0177);
   const bool bound = bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;

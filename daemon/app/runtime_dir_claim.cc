@@ -142,6 +142,12 @@ Result<std::unique_ptr<RuntimeDirClaim>> RuntimeDirClaim::Adopt(const std::strin
     return FailedPrecondition("the handed-on instance lock of " + dir +
                               " is not held: " + std::strerror(errno));
   }
+  // A lock file an earlier version made 0644 goes on with the node.
+  if (Status st = claim->ReplaceOpenLock(dir + "/" + kInstanceLockName); !st.ok()) {
+    MO_LOG_WARN("%s; another user who opened it could hold it once this daemon is gone",
+                st.ToString().c_str());
+  }
+  lock_fd = claim->lock_fd_;
   const std::string pid = std::to_string(getpid()) + "\n";
   if (ftruncate(lock_fd, 0) != 0 ||
       pwrite(lock_fd, pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {

@@ -12,8 +12,11 @@
 namespace memoffload::daemon {
 
 Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options) {
-  Result<StateLoad> load =
-      LoadState(config.state_store, config.keeper_socket, config.take_over == "auto");
+  // Another pod's keeper only where pods share the runtime dir.
+  const bool pods =
+      config.take_over == "auto" &&
+      config.keeper_socket.substr(0, config.keeper_socket.rfind('/')) == config.runtime_dir;
+  Result<StateLoad> load = LoadState(config.state_store, config.keeper_socket, pods);
   if (!load.ok()) {
     return Status(load.status().code(), "lifecycle.state_store: " + load.status().message());
   }
@@ -78,7 +81,7 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   const auto start = std::chrono::steady_clock::now();
   // A take-over hands the state on without a store.
   const std::string where =
-      load->source != nullptr
+      !load->source_path.empty()
           ? "the keeper at " + load->source_path + " (another pod's: its daemon does not run)"
       : load->store != nullptr ? load->store->Describe()
                                : std::string("the serving daemon");
@@ -172,19 +175,6 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
       return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
     }
     table->SetRecorder(store.get());
-  }
-  // The other pod's keeper holds a stale copy from here: its daemon, started
-  // again, must not serve it (nor take the node back).
-  if (load->source != nullptr && store != nullptr) {
-    if (Status st =
-            MarkStoreHandedOver(load->source.get(), "taken by pid " + std::to_string(getpid()));
-        !st.ok()) {
-      MO_LOG_ERROR(
-          "cannot mark the keeper at %s as handed over: %s; its daemon, started again, "
-          "could serve its stale copy of the node",
-          load->source_path.c_str(), st.ToString().c_str());
-    }
-    load->source.reset();
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -155,14 +155,19 @@ uint64_t NewestSeq(const std::vector<StoredFd>& fds) {
   return newest;
 }
 
+bool HasMark(const std::vector<StoredFd>& fds) {
+  return std::any_of(fds.begin(), fds.end(),
+                     [](const StoredFd& f) { return f.name == kHandedOverName; });
+}
+
 // Another pod's keeper beside `keeper_socket` (keeper*.sock in its dir, this
-// uid's, mode 0600, live) that holds a node and no hand-over mark: the one
-// with the newest state, its fds in *fds. Null when there is none.
+// uid's, mode 0600, live) that holds a node: an unmarked one before a
+// marked one (whose node went to another daemon, which may have died before
+// it kept it), the newest state first. Its fds in *fds; null when none.
 std::unique_ptr<FdStore> SiblingWithState(const std::string& keeper_socket,
                                           std::vector<StoredFd>* fds, std::string* source,
                                           std::vector<std::string>* problems) {
-  const size_t slash = keeper_socket.rfind('/');
-  const std::string dir = keeper_socket.substr(0, slash);
+  const std::string dir = keeper_socket.substr(0, keeper_socket.rfind('/'));
   std::vector<std::string> paths;
   if (DIR* d = opendir(dir.empty() ? "/" : dir.c_str())) {
     while (dirent* e = readdir(d)) {
@@ -177,36 +182,41 @@ std::unique_ptr<FdStore> SiblingWithState(const std::string& keeper_socket,
   }
   std::sort(paths.begin(), paths.end());
   std::unique_ptr<FdStore> best;
-  uint64_t best_seq = 0;
+  std::pair<bool, uint64_t> best_rank{false, 0};  // (unmarked, newest record)
   for (const std::string& path : paths) {
     // A keeper that is gone left its socket: not one to take from.
     Result<std::unique_ptr<FdStore>> store = ConnectKeeper(path);
     if (!store.ok()) continue;
     Result<std::vector<StoredFd>> taken = (*store)->Take();
-    if (!taken.ok()) continue;
-    const bool marked = std::any_of(taken->begin(), taken->end(),
-                                    [](const StoredFd& f) { return f.name == kHandedOverName; });
-    const bool state = std::any_of(taken->begin(), taken->end(),
-                                   [](const StoredFd& f) { return IsStateName(f.name); });
-    const uint64_t seq = NewestSeq(*taken);
-    if (marked || !state || (best != nullptr && seq <= best_seq)) {
-      if (state && !marked) {
-        problems->push_back("the keeper at " + path + " holds a node no daemon serves too (" +
-                            "state through record " + std::to_string(seq) + "); the newer one " +
-                            *source + " is taken");
-      }
+    if (!taken.ok()) {
+      problems->push_back("the keeper at " + path + " was not read: " + taken.status().message());
+      continue;
+    }
+    if (std::none_of(taken->begin(), taken->end(),
+                     [](const StoredFd& f) { return IsStateName(f.name); })) {
       CloseStored(&*taken);
       continue;
     }
-    if (best != nullptr) {
-      problems->push_back("the keeper at " + *source + " holds a node no daemon serves too (" +
-                          "state through record " + std::to_string(best_seq) +
-                          "); the newer one at " + path + " is taken");
+    const std::pair<bool, uint64_t> rank{!HasMark(*taken), NewestSeq(*taken)};
+    // A marked keeper's copy is stale beside another: only an unmarked one
+    // left aside is worth a word.
+    if (best != nullptr && rank <= best_rank) {
+      if (rank.first)
+        problems->push_back("the keeper at " + path + " holds a node no daemon serves too (state " +
+                            "through record " + std::to_string(rank.second) + "); the one at " +
+                            *source + " is taken");
+      CloseStored(&*taken);
+      continue;
+    }
+    if (best != nullptr && best_rank.first) {
+      problems->push_back("the keeper at " + *source +
+                          " holds a node no daemon serves too (state " + "through record " +
+                          std::to_string(best_rank.second) + "); the one at " + path + " is taken");
     }
     CloseStored(fds);
     *fds = std::move(taken).value();
     *source = path;
-    best_seq = seq;
+    best_rank = rank;
     best = std::move(store).value();
   }
   return best;
@@ -229,8 +239,7 @@ Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keepe
   if (*store == nullptr) return false;
   Result<std::vector<StoredFd>> taken = (*store)->Take();
   if (!taken.ok()) return taken.status();
-  const bool marked = std::any_of(taken->begin(), taken->end(),
-                                  [](const StoredFd& f) { return f.name == kHandedOverName; });
+  const bool marked = HasMark(*taken);
   CloseStored(&*taken);
   return marked;
 }
@@ -249,11 +258,20 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
       std::none_of(fds.begin(), fds.end(), [](const StoredFd& f) { return IsStateName(f.name); })) {
     std::string path;
     std::vector<StoredFd> theirs;
-    load.source = SiblingWithState(keeper_socket, &theirs, &path, &load.problems);
-    if (load.source != nullptr) {
+    std::unique_ptr<FdStore> source =
+        SiblingWithState(keeper_socket, &theirs, &path, &load.problems);
+    if (source != nullptr) {
       CloseStored(&fds);
       fds = std::move(theirs);
       load.source_path = path;
+      // At once: that pod's daemon, started again meanwhile, stands by
+      // rather than take the node back (LoadState's header).
+      if (Status st = MarkStoreHandedOver(source.get(), "taken by pid " + std::to_string(getpid()));
+          !st.ok()) {
+        load.problems.push_back("the keeper at " + path + " was not marked as handed over (" +
+                                st.message() + "): its daemon, started again, could serve its " +
+                                "copy of the node");
+      }
     }
   }
   // The snapshots, newest first; the first readable one is used.
@@ -439,6 +457,11 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
       RemoveName(name);
     }
     if (Status st = store_->Put(name, arena.chunk(i).fd()); !st.ok()) return st;
+  }
+  // This daemon's store from here: a mark left in it (a hand-over or another
+  // pod taking the node from it, earlier) no longer says anything true.
+  if (std::find(old_names.begin(), old_names.end(), kHandedOverName) != old_names.end()) {
+    RemoveName(kHandedOverName);
   }
   const std::string old_journal = journal_name_, old_snapshot = snapshot_name_;
   MEMOFFLOAD_RETURN_IF_ERROR(CompactLocked());

@@ -51,9 +51,7 @@ struct StateLoad {
   bool refused = false;      // a snapshot or journal of a newer version: the start must not go on
   bool handed_over = false;  // the store holds the mark of a hand-over (HoldsHandOverMark)
   // Where the state came from when not `store`: another pod's keeper, whose
-  // daemon no longer serves (LoadState's from_another_keeper); marked as
-  // handed over once `store` keeps the state.
-  std::unique_ptr<FdStore> source;
+  // daemon no longer serves (LoadState's from_another_keeper).
   std::string source_path;
 };
 // Puts the hand-over mark into `store`.
@@ -66,10 +64,11 @@ Status MarkStoreHandedOver(FdStore* store, const std::string& why);
 Result<bool> HoldsHandOverMark(const std::string& mode, const std::string& keeper_socket);
 // `mode`: "auto" (systemd's store under systemd, else the keeper when its
 // socket `keeper_socket` exists, else none), "systemd", "keeper", "none".
-// With `from_another_keeper` (lifecycle.take_over = "auto": pods share the
-// runtime dir), a keeper that holds no state yet takes it from another
-// pod's keeper beside it that holds a node no daemon serves (its daemon
-// died as this pod started), the newest if several, unless it is marked.
+// With `from_another_keeper` (lifecycle.take_over = "auto", the keeper's
+// socket in the runtime dir, which no daemon holds: pods share it), a keeper
+// that holds no state yet takes it from another pod's keeper beside it
+// (its daemon died as this pod started): an unmarked one first, the newest
+// first; that keeper gets the hand-over mark at once.
 Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_socket,
                             bool from_another_keeper = false);
 void CloseChunkFds(StateLoad* load);

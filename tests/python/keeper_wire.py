@@ -81,8 +81,16 @@ def take(runtime_dir: str, sock: Optional[Path] = None) -> Dict[str, int]:
         s.close()
 
 
-def put(runtime_dir: str, name: str, fd: int) -> None:
-    s = connect(runtime_dir)
+def take_names(runtime_dir: str, sock: Optional[Path] = None) -> List[str]:
+    """The names the keeper holds (the fds closed)."""
+    held = take(runtime_dir, sock)
+    for fd in held.values():
+        os.close(fd)
+    return sorted(held)
+
+
+def put(runtime_dir: str, name: str, fd: int, sock: Optional[Path] = None) -> None:
+    s = connect(runtime_dir, sock)
     try:
         send(s, b"put " + name.encode(), [fd])
         send(s, b"take")  # answered once the put is done

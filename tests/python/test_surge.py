@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -289,3 +290,96 @@ def test_a_keeper_refuses_a_dir_others_can_write_even_sticky(tmp_path):
         assert list(shared.iterdir()) == []
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_a_marked_keeper_is_taken_from_when_no_other_holds_the_node(pods):
+    """A pod marks the keeper it takes the node from at once, then dies
+    before keeping the node itself: the next pod finds only the marked
+    keeper with a node, and takes it from there rather than start empty."""
+    rt, make = pods
+    port = free_port()
+    first = make("first", "127.0.0.2", port)
+    first.daemon.start()
+    instance = write(rt, "ckpt", ["a"])
+    first.daemon.kill()
+    mark = kw.sealed_memfd(b"taken by pid 1")
+    try:
+        kw.put(str(rt), "mo-handed-over", mark, sock=first.sock)
+    finally:
+        os.close(mark)
+    second = make("second", "127.0.0.3", port)
+    second.daemon.start()
+    lines = own_lines(second.daemon)
+    assert f"recovered the node from the keeper at {first.sock} (another pod's" in lines, lines
+    assert read_back(rt, "ckpt", ["a"]) == instance
+
+
+def test_keepers_of_other_runtime_dirs_are_never_taken_from(tmp_path):
+    """Keeper sockets in one dir for daemons of two runtime dirs: a start
+    of the second never takes the first's node, which its daemon serves."""
+    keepers = tmp_path / "keepers"
+    keepers.mkdir(mode=0o700)
+    rts = [tmp_path / "rt1", tmp_path / "rt2"]
+    procs, daemons = [], []
+    try:
+        for i, rt in enumerate(rts):
+            rt.mkdir(mode=0o700)
+            sock = keepers / f"keeper-{i}.sock"
+            procs.append(kw.start_keeper(str(keepers), tmp_path / f"keeper-{i}.log", sock=sock))
+            daemons.append(Daemon(rt, "64MiB", "16MiB", [*POD_ARGS, f"--keeper-socket={sock}"]))
+        daemons[0].start()
+        instance = write(rts[0], "ckpt", ["a"])
+        daemons[1].start()
+        lines = own_lines(daemons[1])
+        assert "nothing kept, starting empty" in lines and "another pod's" not in lines, lines
+        assert "mo-handed-over" not in kw.take_names(str(keepers), keepers / "keeper-0.sock")
+        assert read_back(rts[0], "ckpt", ["a"]) == instance
+    finally:
+        for d in daemons:
+            d.stop()
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=10)
+
+
+def test_a_keeper_never_replaces_a_live_socket(tmp_path):
+    """A listener at the keeper's path that does not hold its lock (a keeper
+    of an earlier version locked another name) is left alone."""
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(rt / "keeper.sock"))
+    live.listen(1)
+    try:
+        inode = os.stat(rt / "keeper.sock").st_ino
+        out = subprocess.run([str(bin_dir() / "memoffloadd"), "keeper", f"--runtime-dir={rt}"],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 1 and "a keeper already listens at" in out.stderr, out
+        assert os.stat(rt / "keeper.sock").st_ino == inode
+    finally:
+        live.close()
+
+
+def test_a_take_over_makes_an_old_open_lock_private(tmp_path):
+    """An instance lock of an earlier version (0644, which any uid could
+    open and hold) is replaced by a 0600 one when the node passes by a
+    take-over too."""
+    rt = tmp_path / "rt"
+    rt.mkdir(mode=0o700)
+    old = Daemon(rt, "64MiB", "16MiB", ["--log-level=info"]).start()
+    new = None
+    try:
+        lock = rt / "memoffloadd.lock"
+        os.chmod(lock, 0o644)
+        before = os.stat(lock).st_ino
+        new = Daemon(rt, "64MiB", "16MiB", ["--log-level=info", "--take-over"]).spawn()
+        wait_for_log(new, f"memoffloadd[{new.proc.pid}] INFO took over the node", 30)
+        assert old.proc.wait(timeout=20) == 0
+        st = os.stat(lock)
+        assert st.st_mode & 0o7777 == 0o600 and st.st_ino != before
+        assert "replaced by one of mode 0600" in own_lines(new)
+        new.status()
+    finally:
+        for d in (old, new):
+            if d is not None:
+                d.stop()
