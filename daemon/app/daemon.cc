@@ -195,6 +195,16 @@ Status Daemon::BuildArena() {
     // The handed-on arena, as it is (its layout wins over the configuration).
     options.size_bytes = takeover_client_->snapshot().layout.capacity_bytes;
     options.chunk_size_bytes = takeover_client_->snapshot().layout.chunk_bytes;
+    if (options.size_bytes != config_.arena_size_bytes ||
+        options.chunk_size_bytes != config_.chunk_size_bytes) {
+      MO_LOG_WARN(
+          "the serving daemon's arena is %s in %s chunks; the configuration asks for %s in %s "
+          "chunks: a take-over keeps the arena as it is. The new size applies after a start "
+          "with nothing kept (docs/restarts.md, 'Where the state lives')",
+          FormatSize(options.size_bytes).c_str(), FormatSize(options.chunk_size_bytes).c_str(),
+          FormatSize(config_.arena_size_bytes).c_str(),
+          FormatSize(config_.chunk_size_bytes).c_str());
+    }
     options.adopt_fds = std::move(takeover_client_->chunk_fds());
     takeover_client_->chunk_fds().clear();
     for (int fd : options.adopt_fds) kept_.adopted.push_back(fd >= 0);
@@ -204,8 +214,8 @@ Status Daemon::BuildArena() {
     kept_ = std::move(kept).value();
   }
   MO_LOG_INFO("building arena: %s in %s chunks, pre-faulting with %d threads",
-              FormatSize(config_.arena_size_bytes).c_str(),
-              FormatSize(config_.chunk_size_bytes).c_str(), config_.prefault_threads);
+              FormatSize(options.size_bytes).c_str(), FormatSize(options.chunk_size_bytes).c_str(),
+              config_.prefault_threads);
   Result<std::unique_ptr<Arena>> arena = Arena::Build(options, &report_);
   if (!arena.ok()) return arena.status();
   arena_ = std::move(arena).value();
@@ -242,9 +252,10 @@ Status Daemon::BuildService() {
   const uint64_t instance_id = instance_id_;
   MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
   MetricsInfo state_info;
-  Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
-      &kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
-      takeover_client_ != nullptr ? takeover_client_->owners() : kept_.state.owners, &state_info);
+  Result<std::unique_ptr<StateStore>> store =
+      ResumeKeptState(&kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
+                      takeover_client_ != nullptr ? takeover_client_->owners() : kept_.state.owners,
+                      takeover_client_ != nullptr, &state_info);
   if (!store.ok()) return store.status();
   state_store_ = std::move(store).value();
 

@@ -75,16 +75,15 @@ Status FreshChunk(Arena* arena, uint32_t index) {
 
 Result<std::unique_ptr<StateStore>> ResumeKeptState(
     StateLoad* load, Arena* arena_ptr, SessionTable* table, int threads, uint64_t instance_id,
-    const std::vector<SessionTable::ChunkOwner>& owners, MetricsInfo* info) {
+    const std::vector<SessionTable::ChunkOwner>& owners, bool took_over, MetricsInfo* info) {
   Arena& arena = *arena_ptr;
   if (load->store == nullptr && !load->state.found) return std::unique_ptr<StateStore>();
   const auto start = std::chrono::steady_clock::now();
-  // A take-over hands the state on without a store.
   const std::string where =
-      !load->source_path.empty()
+      took_over ? std::string("the serving daemon")
+      : !load->source_path.empty()
           ? "the keeper at " + load->source_path + " (another pod's: its daemon does not run)"
-      : load->store != nullptr ? load->store->Describe()
-                               : std::string("the serving daemon");
+          : load->store->Describe();
   if (load->store != nullptr) info->state_store = load->store->Kind();
   std::vector<bool> adopted(arena.chunk_count(), false);
   for (size_t i = 0; i < load->adopted.size() && i < adopted.size(); ++i) {
@@ -119,7 +118,7 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
   table->AdoptChunkOwners(kept_owners);
   // A take-over's sessions (or those a SIGTERM kept), placed back before any
   // chunk is renewed (their chunks are their tenants', so none of theirs is).
-  const char* how = load->store != nullptr ? "restart" : "take-over";
+  const char* how = took_over ? "take-over" : "restart";
   std::vector<std::string> dropped_sessions;
   const SessionTable::Adopted sessions =
       table->AdoptSessions(load->state.sessions, kResumeWithin, &dropped_sessions);

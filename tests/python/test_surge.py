@@ -113,6 +113,10 @@ def test_a_surge_pod_takes_the_node_and_the_old_pod_waits_to_be_deleted(pods, mo
         t.step()
     wait_for_log(new.daemon, f"memoffloadd[{new.daemon.proc.pid}] INFO took over the node: "
                              "2 checkpoint regions")
+    took = own_lines(new.daemon)
+    # Said as a take-over, not as a restart from the new pod's (empty) keeper.
+    assert "take-over: 2 of 2 sessions handed on" in took, took
+    assert "recovered the node from the serving daemon: 2 of 2 checkpoint regions" in took, took
     for _ in range(3):
         t.step()
     t.check_kept("surge take-over")
