@@ -252,10 +252,11 @@ Status Daemon::BuildService() {
   const uint64_t instance_id = instance_id_;
   MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
   MetricsInfo state_info;
-  Result<std::unique_ptr<StateStore>> store =
-      ResumeKeptState(&kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
-                      takeover_client_ != nullptr ? takeover_client_->owners() : kept_.state.owners,
-                      takeover_client_ != nullptr, &state_info);
+  Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
+      &kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
+      takeover_client_ != nullptr ? takeover_client_->owners() : kept_.state.owners,
+      takeover_client_ != nullptr,
+      takeover_client_ != nullptr && takeover_client_->owners_complete(), &state_info);
   if (!store.ok()) return store.status();
   state_store_ = std::move(store).value();
 

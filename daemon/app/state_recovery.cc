@@ -75,7 +75,8 @@ Status FreshChunk(Arena* arena, uint32_t index) {
 
 Result<std::unique_ptr<StateStore>> ResumeKeptState(
     StateLoad* load, Arena* arena_ptr, SessionTable* table, int threads, uint64_t instance_id,
-    const std::vector<SessionTable::ChunkOwner>& owners, bool took_over, MetricsInfo* info) {
+    const std::vector<SessionTable::ChunkOwner>& owners, bool took_over, bool owners_complete,
+    MetricsInfo* info) {
   Arena& arena = *arena_ptr;
   if (load->store == nullptr && !load->state.found) return std::unique_ptr<StateStore>();
   const auto start = std::chrono::steady_clock::now();
@@ -147,10 +148,19 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
       if (e.chunk < owned.size()) owned[e.chunk] = true;  // tenant none: no owners
     }
   }
+  // A take-over names every chunk's tenant: one that never had one was never
+  // handed to a process (a session gets its tenant's chunks only), so its
+  // memory is nobody's and stays (no second copy of an idle arena).
+  std::vector<bool> handed_out(arena.chunk_count(), !owners_complete);
+  for (const SessionTable::ChunkOwner& o : owners) {
+    if (o.chunk < handed_out.size()) handed_out[o.chunk] = true;
+  }
   uint32_t renewed = 0;
   for (uint32_t i = 0; i < arena.chunk_count(); ++i) {
     // With tenant = none every session maps every chunk anyway.
-    if (!adopted[i] || owned[i] || table->tenant_mode() == TenantMode::kNone) continue;
+    if (!adopted[i] || owned[i] || !handed_out[i] || table->tenant_mode() == TenantMode::kNone) {
+      continue;
+    }
     if (Status st = FreshChunk(&arena, i); !st.ok()) {
       return Status(st.code(), "cannot give kept chunk " + std::to_string(i) +
                                    " a new memfd: " + st.message());

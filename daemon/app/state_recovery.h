@@ -26,10 +26,13 @@ Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* option
 // (processes of the dead daemon may still map the old one, and it holds
 // their bytes), logs what came back, and starts keeping state again (null
 // when the store is "none"). *info gets the figures for the metrics.
-// `took_over`: the state is a serving daemon's, handed on (the log says so).
+// `took_over`: the state is a serving daemon's, handed on (the log says so);
+// `owners_complete`: `owners` names every chunk ever handed to a process
+// (TakeoverClient::owners_complete), so the others keep their memory.
 Result<std::unique_ptr<StateStore>> ResumeKeptState(
     StateLoad* load, Arena* arena, SessionTable* table, int threads, uint64_t instance_id,
-    const std::vector<SessionTable::ChunkOwner>& owners, bool took_over, MetricsInfo* info);
+    const std::vector<SessionTable::ChunkOwner>& owners, bool took_over, bool owners_complete,
+    MetricsInfo* info);
 
 }  // namespace memoffload::daemon
 

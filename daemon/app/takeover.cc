@@ -179,8 +179,9 @@ bool TakeoverServer::Converse(int sock, pid_t pid) {
   Status sent = snapshot.status();
   if (sent.ok()) {
     char head[96];
-    std::snprintf(head, sizeof head, "state %016" PRIx64 " %zu", state->instance_id,
-                  state->chunks.size());
+    // " tenants": a newer daemon reads it (an older one ignores the rest).
+    std::snprintf(head, sizeof head, "state %016" PRIx64 " %zu%s", state->instance_id,
+                  state->chunks.size(), state->tenants ? " tenants" : "");
     sent = SendFrame(sock, head, {*snapshot});
     close(*snapshot);
   }
@@ -254,6 +255,8 @@ Result<std::unique_ptr<TakeoverClient>> TakeoverClient::Request(const std::strin
     return DataLoss("the serving daemon's answer is malformed");
   }
   c->instance_id_ = instance;
+  c->owners_complete_ =
+      payload.size() > 8 && payload.compare(payload.size() - 8, 8, " tenants") == 0;
   Result<SnapshotContents> snapshot = DecodeSnapshotFd(fds[0]);
   const std::string why = MemfdProblem(fds[0], 0, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
   CloseFds(&fds);

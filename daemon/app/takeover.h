@@ -68,6 +68,9 @@ struct HandoffState {
     uid_t uid = 0;
   };
   std::vector<Chunk> chunks;
+  // Chunks have tenants (tenant mode is not "none"): one handed on with no
+  // tenant was never handed to a process.
+  bool tenants = true;
 };
 struct HandoffListeners {
   int broker_fd = -1;
@@ -135,6 +138,10 @@ class TakeoverClient {
   // By chunk index (the caller takes them: Arena::Build's adopt_fds).
   std::vector<int>& chunk_fds() { return chunk_fds_; }
   const std::vector<SessionTable::ChunkOwner>& owners() const { return owners_; }
+  // The serving daemon keeps chunk tenants (HandoffState::tenants): a chunk
+  // not in owners() was never handed to a process. False from a daemon that
+  // does not say so.
+  bool owners_complete() const { return owners_complete_; }
   // Says "ready" and receives the listeners (the caller owns them); the old
   // daemon then exits.
   Result<HandoffListeners> Ready(const std::string& broker_path, const std::string& grpc_path,
@@ -149,6 +156,7 @@ class TakeoverClient {
   SnapshotContents snapshot_;
   std::vector<int> chunk_fds_;
   std::vector<SessionTable::ChunkOwner> owners_;
+  bool owners_complete_ = false;
 };
 
 }  // namespace memoffload::daemon

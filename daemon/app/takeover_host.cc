@@ -67,6 +67,7 @@ Result<HandoffState> LoopTakeoverHost::Freeze() {
   for (RegionRecord& r : p_.table->CommittedRegions()) snapshot.regions[KeyOf(r)] = r;
   if (keep_sessions_) snapshot.sessions = p_.table->SessionRecords();
   out.snapshot = EncodeSnapshot(snapshot);
+  out.tenants = p_.table->tenant_mode() != TenantMode::kNone;
   std::map<uint32_t, SessionTable::ChunkOwner> owners;
   for (const auto& o : p_.table->ChunkOwners()) owners[o.chunk] = o;
   // Draining and frozen, no chunk changes tenant (and backing) any more.

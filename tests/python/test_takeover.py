@@ -526,3 +526,26 @@ def test_a_new_daemon_refuses_a_forged_state(rt, forgery):
     assert expected in out.stderr, out.stderr
     assert replies and replies[0].startswith(b"refuse "), replies
     assert not (rt / "broker.sock").exists()  # it never served
+
+
+def test_a_take_over_renews_only_the_chunks_a_process_was_handed(rt, daemons):
+    """A take-over gives new memory to a chunk that old processes may still
+    map (a tenant's, whose sessions will not resume) and to no other: the
+    chunks never handed to anyone keep theirs, so an idle arena is not
+    made twice while the old daemon and its keeper still hold it."""
+    old = Daemon(rt, "256MiB", "16MiB", ["--log-level=info"]).start()
+    daemons.append(old)
+    holder = subprocess.Popen([str(bin_dir() / "offload_worker"), "hold", str(rt), "2",
+                               str(1 << 20)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().startswith("HELD")
+    finally:
+        holder.kill()
+        holder.wait()
+    new = Daemon(rt, "256MiB", "16MiB", ["--log-level=info", "--take-over"]).spawn()
+    daemons.append(new)
+    wait_for_log(new, f"memoffloadd[{new.proc.pid}] INFO took over the node", 30)
+    lines = "\n".join(line for line in new.log.read_text().splitlines()
+                      if f"memoffloadd[{new.proc.pid}]" in line)
+    # The holder's one chunk (16 MiB held 2 MiB), not the 15 nobody had.
+    assert "kept state: 1 kept chunk with no region left got new memfds" in lines, lines
