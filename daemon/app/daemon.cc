@@ -193,18 +193,7 @@ Status Daemon::BuildArena() {
   options.numa_node = config_.numa_node;
   if (takeover_client_ != nullptr) {
     // The handed-on arena, as it is (its layout wins over the configuration).
-    options.size_bytes = takeover_client_->snapshot().layout.capacity_bytes;
-    options.chunk_size_bytes = takeover_client_->snapshot().layout.chunk_bytes;
-    if (options.size_bytes != config_.arena_size_bytes ||
-        options.chunk_size_bytes != config_.chunk_size_bytes) {
-      MO_LOG_WARN(
-          "the serving daemon's arena is %s in %s chunks; the configuration asks for %s in %s "
-          "chunks: a take-over keeps the arena as it is. The new size applies after a start "
-          "with nothing kept (docs/restarts.md, 'Where the state lives')",
-          FormatSize(options.size_bytes).c_str(), FormatSize(options.chunk_size_bytes).c_str(),
-          FormatSize(config_.arena_size_bytes).c_str(),
-          FormatSize(config_.chunk_size_bytes).c_str());
-    }
+    UseKeptLayout(takeover_client_->snapshot().layout, config_, "handed-on", &options);
     options.adopt_fds = std::move(takeover_client_->chunk_fds());
     takeover_client_->chunk_fds().clear();
     for (int fd : options.adopt_fds) kept_.adopted.push_back(fd >= 0);

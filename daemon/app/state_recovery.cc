@@ -11,6 +11,23 @@
 
 namespace memoffload::daemon {
 
+void UseKeptLayout(const ArenaLayout& kept, const DaemonConfig& config, const char* whose,
+                   ArenaOptions* options) {
+  options->size_bytes = kept.capacity_bytes;
+  options->chunk_size_bytes = kept.chunk_bytes;
+  if (kept.capacity_bytes == config.arena_size_bytes &&
+      kept.chunk_bytes == config.chunk_size_bytes) {
+    return;
+  }
+  MO_LOG_WARN(
+      "the %s arena is %s in %s chunks; the configuration asks for %s in %s chunks: the %s one "
+      "is used, with its checkpoint regions. The new size applies after a start with nothing "
+      "kept (docs/restarts.md, 'Where the state lives': which drops the node's regions)",
+      whose, FormatSize(kept.capacity_bytes).c_str(), FormatSize(kept.chunk_bytes).c_str(),
+      FormatSize(config.arena_size_bytes).c_str(), FormatSize(config.chunk_size_bytes).c_str(),
+      whose);
+}
+
 Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* options) {
   // Another pod's keeper only where pods share the runtime dir.
   const bool pods =
@@ -40,17 +57,7 @@ Result<StateLoad> LoadKeptState(const DaemonConfig& config, ArenaOptions* option
     load->chunk_fds.clear();
     return load;
   }
-  if (kept.capacity_bytes != config.arena_size_bytes ||
-      kept.chunk_bytes != config.chunk_size_bytes) {
-    MO_LOG_WARN(
-        "the kept arena is %s in %s chunks; the configuration asks for %s in %s chunks: the "
-        "kept one is used, with its checkpoint regions. The new size applies after a start "
-        "with nothing kept (systemctl stop, then start: which drops the node's regions)",
-        FormatSize(kept.capacity_bytes).c_str(), FormatSize(kept.chunk_bytes).c_str(),
-        FormatSize(config.arena_size_bytes).c_str(), FormatSize(config.chunk_size_bytes).c_str());
-    options->size_bytes = kept.capacity_bytes;
-    options->chunk_size_bytes = kept.chunk_bytes;
-  }
+  UseKeptLayout(kept, config, "kept", options);
   // The arena owns them from here (Arena::Build maps or closes each).
   for (int fd : load->chunk_fds) load->adopted.push_back(fd >= 0);
   options->adopt_fds = std::move(load->chunk_fds);

@@ -13,6 +13,11 @@
 
 namespace memoffload::daemon {
 
+// The arena as it was kept (`whose`: "kept", "serving daemon's") goes into
+// *options; a warning says so when the configuration asks for another.
+void UseKeptLayout(const ArenaLayout& kept, const DaemonConfig& config, const char* whose,
+                   ArenaOptions* options);
+
 // Before the arena is built: takes the stored fds and replays the state.
 // The kept layout wins over the configured one (a warning says so): the
 // new size applies once the store is released. *options gets the layout

@@ -542,10 +542,15 @@ def test_a_take_over_renews_only_the_chunks_a_process_was_handed(rt, daemons):
     finally:
         holder.kill()
         holder.wait()
-    new = Daemon(rt, "256MiB", "16MiB", ["--log-level=info", "--take-over"]).spawn()
+    # Configured for another size: the arena is taken as it is, and it says so.
+    new = Daemon(rt, "128MiB", "16MiB", ["--log-level=info", "--take-over"]).spawn()
     daemons.append(new)
     wait_for_log(new, f"memoffloadd[{new.proc.pid}] INFO took over the node", 30)
     lines = "\n".join(line for line in new.log.read_text().splitlines()
                       if f"memoffloadd[{new.proc.pid}]" in line)
     # The holder's one chunk (16 MiB held 2 MiB), not the 15 nobody had.
     assert "kept state: 1 kept chunk with no region left got new memfds" in lines, lines
+    assert "the handed-on arena is 256.00 MiB in 16.00 MiB chunks; the configuration asks " \
+        "for 128.00 MiB" in lines, lines
+    assert "building arena: 256.00 MiB in 16.00 MiB chunks" in lines, lines
+    assert new.status()["capacity_bytes"] == 256 << 20
