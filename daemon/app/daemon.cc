@@ -51,7 +51,9 @@ const char* DaemonVersion() { return MEMOFFLOAD_VERSION; }
 Status Daemon::Start() {
   // A pod's container started again after its daemon handed the node on.
   Result<bool> marked = HoldsHandOverMark(config_.state_store, config_.keeper_socket);
-  if (!marked.ok()) return marked.status();
+  if (!marked.ok()) {
+    return Status(marked.status().code(), "lifecycle.state_store: " + marked.status().message());
+  }
   if (*marked) return StandBy();
   if (TakesOver()) {
     // The serving daemon pauses its sessions and hands on its state (its
