@@ -4,7 +4,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/file.h>
-#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -17,6 +16,7 @@
 #include <cstring>
 #include <map>
 
+#include "app/process_setup.h"
 #include "base/log.h"
 #include "memoffload/common/trusted_path.h"
 #include "memoffload/shared_mem/fd_passing.h"
@@ -283,12 +283,7 @@ Result<std::unique_ptr<FdStore>> ConnectKeeper(const std::string& socket_path) {
 }
 
 Status RunKeeper(const std::string& path) {
-  // One fd per arena chunk: as many as the hard limit allows.
-  rlimit files{};
-  if (getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
-    files.rlim_cur = files.rlim_max;
-    setrlimit(RLIMIT_NOFILE, &files);
-  }
+  RaiseSoftDescriptorLimit();  // one fd per arena chunk
   const std::string dir = path.substr(0, path.rfind('/'));
   MEMOFFLOAD_RETURN_IF_ERROR(TrustKeeperDir(dir.empty() ? "/" : dir));
   // One lock per socket path: pods that share the runtime dir each run a

@@ -29,13 +29,19 @@ Result<gid_t> ResolveGroup(const std::string& name) {
   return found->gr_gid;
 }
 
-void RaiseDescriptorLimit(const DaemonConfig& config) {
+rlimit RaiseSoftDescriptorLimit() {
   rlimit lim{};
-  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return;
+  if (getrlimit(RLIMIT_NOFILE, &lim) != 0) return lim;
   if (lim.rlim_cur < lim.rlim_max) {
     lim.rlim_cur = lim.rlim_max;
     if (setrlimit(RLIMIT_NOFILE, &lim) != 0) getrlimit(RLIMIT_NOFILE, &lim);
   }
+  return lim;
+}
+
+void RaiseDescriptorLimit(const DaemonConfig& config) {
+  const rlimit lim = RaiseSoftDescriptorLimit();
+  if (lim.rlim_max == 0) return;  // getrlimit failed
   const uint64_t needed = 2 * config.max_connections + 256;
   if (lim.rlim_cur != RLIM_INFINITY && lim.rlim_cur < needed) {
     MO_LOG_WARN(

@@ -3,6 +3,7 @@
 #ifndef MEMOFFLOAD_DAEMON_APP_PROCESS_SETUP_H_
 #define MEMOFFLOAD_DAEMON_APP_PROCESS_SETUP_H_
 
+#include <sys/resource.h>
 #include <sys/types.h>
 
 #include <cstdint>
@@ -22,6 +23,8 @@ Result<gid_t> ResolveGroup(const std::string& name);
 
 // Raises the soft descriptor limit to the hard one, and warns when the
 // connection limits of the two sockets could still exhaust it.
+// Raises the soft RLIMIT_NOFILE to the hard one; returns the limit now.
+rlimit RaiseSoftDescriptorLimit();
 void RaiseDescriptorLimit(const DaemonConfig& config);
 
 // Writes `token` (NewSessionToken's) to dir/kAdminTokenName, readable by the

@@ -155,6 +155,10 @@ uint64_t NewestSeq(const std::vector<StoredFd>& fds) {
   return newest;
 }
 
+bool HasState(const std::vector<StoredFd>& fds) {
+  return std::any_of(fds.begin(), fds.end(), [](const StoredFd& f) { return IsStateName(f.name); });
+}
+
 bool HasMark(const std::vector<StoredFd>& fds) {
   return std::any_of(fds.begin(), fds.end(),
                      [](const StoredFd& f) { return f.name == kHandedOverName; });
@@ -192,8 +196,7 @@ std::unique_ptr<FdStore> SiblingWithState(const std::string& keeper_socket,
       problems->push_back("the keeper at " + path + " was not read: " + taken.status().message());
       continue;
     }
-    if (std::none_of(taken->begin(), taken->end(),
-                     [](const StoredFd& f) { return IsStateName(f.name); })) {
+    if (!HasState(*taken)) {
       CloseStored(&*taken);
       continue;
     }
@@ -254,8 +257,7 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
   Result<std::vector<StoredFd>> taken = load.store->Take();
   if (!taken.ok()) return taken.status();
   std::vector<StoredFd> fds = std::move(taken).value();
-  if (from_another_keeper && load.store->Kind() == "keeper" &&
-      std::none_of(fds.begin(), fds.end(), [](const StoredFd& f) { return IsStateName(f.name); })) {
+  if (from_another_keeper && load.store->Kind() == "keeper" && !HasState(fds)) {
     std::string path;
     std::vector<StoredFd> theirs;
     std::unique_ptr<FdStore> source =
@@ -308,7 +310,7 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
         chunks[static_cast<uint32_t>(index)] = &f;
       }
     } else if (f.name == kHandedOverName) {
-      load.handed_over = true;
+      // Read by HoldsHandOverMark; the store's own, not a problem.
     } else {
       load.problems.push_back("an fd named '" + f.name + "' is not the daemon's; closed");
     }

@@ -48,8 +48,7 @@ struct StateLoad {
   std::vector<bool> adopted;           // by chunk index: its kept memfd went to the arena
   std::vector<std::string> old_names;  // every name found, to remove once replaced
   std::vector<std::string> problems;   // fds refused, formats refused
-  bool refused = false;      // a snapshot or journal of a newer version: the start must not go on
-  bool handed_over = false;  // the store holds the mark of a hand-over (HoldsHandOverMark)
+  bool refused = false;  // a snapshot or journal of a newer version: the start must not go on
   // Where the state came from when not `store`: another pod's keeper, whose
   // daemon no longer serves (LoadState's from_another_keeper).
   std::string source_path;

@@ -1,5 +1,6 @@
 #include "app/takeover.h"
 
+#include <absl/strings/match.h>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -255,8 +256,7 @@ Result<std::unique_ptr<TakeoverClient>> TakeoverClient::Request(const std::strin
     return DataLoss("the serving daemon's answer is malformed");
   }
   c->instance_id_ = instance;
-  c->owners_complete_ =
-      payload.size() > 8 && payload.compare(payload.size() - 8, 8, " tenants") == 0;
+  c->owners_complete_ = absl::EndsWith(payload, " tenants");
   Result<SnapshotContents> snapshot = DecodeSnapshotFd(fds[0]);
   const std::string why = MemfdProblem(fds[0], 0, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
   CloseFds(&fds);

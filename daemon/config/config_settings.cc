@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -169,6 +170,25 @@ Setting FractionSetting(const char* section, const char* key, const char* help,
                 std::to_chars(buf, buf + sizeof(buf), *field(const_cast<DaemonConfig*>(&c)));
             return ec == std::errc() ? std::string(buf, end) : std::string("?");
           }};
+}
+
+// A string that is one of `choices` ("a, b, c" in the error).
+Setting ChoiceSetting(const char* section, const char* key, const char* help,
+                      std::vector<std::string> choices, std::string DaemonConfig::*field) {
+  return {section,
+          key,
+          Kind::kString,
+          help,
+          [choices, field](DaemonConfig* c, const std::string& v) {
+            if (std::find(choices.begin(), choices.end(), v) == choices.end()) {
+              std::string all;
+              for (const std::string& choice : choices) all += (all.empty() ? "" : ", ") + choice;
+              return InvalidArgument("'" + v + "' is not one of " + all);
+            }
+            c->*field = v;
+            return Status::Ok();
+          },
+          [field](const DaemonConfig& c) { return c.*field; }};
 }
 
 Setting BoolSetting(const char* section, const char* key, const char* help,
@@ -422,30 +442,18 @@ const std::vector<Setting>& Settings() {
       U64Setting("lifecycle", "drain_timeout", Kind::kDuration,
                  "on SIGTERM, how long to wait for sessions to release (default 30s)",
                  [](DaemonConfig* c) { return &c->drain_timeout_ms; }),
-      {"lifecycle", "state_store", Kind::kString,
-       "where the arena and its checkpoint regions outlive a restart of the daemon: systemd "
-       "(its fd store), keeper (memoffloadd keeper, for containers), none, or auto (default: "
-       "systemd under systemd, else the keeper when its socket is in the runtime dir)",
-       [](DaemonConfig* c, const std::string& v) {
-         if (v != "auto" && v != "systemd" && v != "keeper" && v != "none") {
-           return InvalidArgument("'" + v + "' is not one of auto, systemd, keeper, none");
-         }
-         c->state_store = v;
-         return Status::Ok();
-       },
-       [](const DaemonConfig& c) { return c.state_store; }},
-      {"lifecycle", "keep_sessions", Kind::kString,
-       "at SIGTERM with a state store, keep the sessions for the next start (their processes "
-       "resume them): restart (default: unless systemd stops the unit for good), always, or "
-       "never (drain and end them, as without a store)",
-       [](DaemonConfig* c, const std::string& v) {
-         if (v != "restart" && v != "always" && v != "never") {
-           return InvalidArgument("'" + v + "' is not one of restart, always, never");
-         }
-         c->keep_sessions = v;
-         return Status::Ok();
-       },
-       [](const DaemonConfig& c) { return c.keep_sessions; }},
+      ChoiceSetting(
+          "lifecycle", "state_store",
+          "where the arena and its checkpoint regions outlive a restart of the daemon: systemd "
+          "(its fd store), keeper (memoffloadd keeper, for containers), none, or auto (default: "
+          "systemd under systemd, else the keeper when its socket is in the runtime dir)",
+          {"auto", "systemd", "keeper", "none"}, &DaemonConfig::state_store),
+      ChoiceSetting(
+          "lifecycle", "keep_sessions",
+          "at SIGTERM with a state store, keep the sessions for the next start (their processes "
+          "resume them): restart (default: unless systemd stops the unit for good), always, or "
+          "never (drain and end them, as without a store)",
+          {"restart", "always", "never"}, &DaemonConfig::keep_sessions),
       {"lifecycle", "keeper_socket", Kind::kString,
        "the keeper's socket, for lifecycle.state_store and 'memoffloadd keeper' (default "
        "<runtime dir>/keeper.sock; pods that share the runtime dir give each keeper its own)",
@@ -457,30 +465,18 @@ const std::vector<Setting>& Settings() {
          return Status::Ok();
        },
        [](const DaemonConfig& c) { return c.keeper_socket; }},
-      {"lifecycle", "take_over", Kind::kString,
-       "at start, with a daemon serving the runtime dir: never (refuse, the default), always "
-       "(take the node from it: it pauses its sessions and hands on its arena, regions, "
-       "sessions and sockets; fail when none serves) or auto (take it over when one serves, "
-       "else start as usual: a DaemonSet's surge pod; docs/restarts.md)",
-       [](DaemonConfig* c, const std::string& v) {
-         if (v != "never" && v != "always" && v != "auto") {
-           return InvalidArgument("'" + v + "' is not one of never, always, auto");
-         }
-         c->take_over = v;
-         return Status::Ok();
-       },
-       [](const DaemonConfig& c) { return c.take_over; }},
-      {"lifecycle", "after_handover", Kind::kString,
-       "once a take-over has the node: exit (0, the default) or wait for a signal, answering "
-       "/livez 200 and /readyz 503 (in a pod, whose exited container would start again)",
-       [](DaemonConfig* c, const std::string& v) {
-         if (v != "exit" && v != "wait") {
-           return InvalidArgument("'" + v + "' is not one of exit, wait");
-         }
-         c->after_handover = v;
-         return Status::Ok();
-       },
-       [](const DaemonConfig& c) { return c.after_handover; }},
+      ChoiceSetting(
+          "lifecycle", "take_over",
+          "at start, with a daemon serving the runtime dir: never (refuse, the default), always "
+          "(take the node from it: it pauses its sessions and hands on its arena, regions, "
+          "sessions and sockets; fail when none serves) or auto (take it over when one serves, "
+          "else start as usual: a DaemonSet's surge pod; docs/restarts.md)",
+          {"never", "always", "auto"}, &DaemonConfig::take_over),
+      ChoiceSetting(
+          "lifecycle", "after_handover",
+          "once a take-over has the node: exit (0, the default) or wait for a signal, answering "
+          "/livez 200 and /readyz 503 (in a pod, whose exited container would start again)",
+          {"exit", "wait"}, &DaemonConfig::after_handover),
       U64Setting("lifecycle", "hello_timeout", Kind::kDuration,
                  "drop a broker connection that sends no hello in this time",
                  [](DaemonConfig* c) { return &c->hello_timeout_ms; }),
