@@ -19,7 +19,7 @@ restart instead: SIGTERM (the sessions are kept), then the next daemon is
 started as soon as the old one has exited, as systemd does; the sessions
 resume on it.
 
-    MEMOFFLOAD_BIN_DIR=build/bin python3 bench/takeover_pause_bench.py [--mode takeover|restart] [--clients 64] [--seconds 6] [--rounds 3] [--json]
+    MEMOFFLOAD_BIN_DIR=build/bin python3 bench/takeover_pause_bench.py [--mode takeover|restart] [--clients 64] [--seconds 6] [--rounds 3] [--arena-size 512MiB] [--json]
 """
 
 from __future__ import annotations
@@ -119,8 +119,12 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--arena-size", default="512MiB",
+                    help="the daemon's arena (a restart's cost grew with it before it kept "
+                         "the chunks no process was handed)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    ARGS[0] = f"--arena-size={args.arena_size}"
     out: Dict[str, List[float]] = {"event_p99_s": [], "event_max_s": [],
                                    "event_median_s": [], "steady_p99_s": [],
                                    "steady_max_s": [], "ratio_p99": [], "event_s": []}
@@ -138,6 +142,7 @@ def main() -> None:
             out["event_s"].append(moved["event_s"])
     result = {k: spread(v) for k, v in out.items()}
     result["mode"] = args.mode
+    result["arena"] = args.arena_size
     result["clients"] = args.clients
     result["rounds"] = args.rounds
     if args.json:
@@ -148,7 +153,7 @@ def main() -> None:
     for key, s in result.items():
         if isinstance(s, dict):
             print(f"{key:20s} median {s['median']:.3f}  ({s['min']:.3f} .. {s['max']:.3f})")
-    print(f"{args.mode}: {args.clients} clients, {args.rounds} rounds; every group read back "
+    print(f"{args.mode}: {args.clients} clients, {args.arena_size} arena, {args.rounds} rounds; every group read back "
           f"bit for bit, no call failed, every session resumed once per {args.mode}")
 
 

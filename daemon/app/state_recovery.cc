@@ -155,10 +155,16 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
       if (e.chunk < owned.size()) owned[e.chunk] = true;  // tenant none: no owners
     }
   }
-  // A take-over names every chunk's tenant: one that never had one was never
-  // handed to a process (a session gets its tenant's chunks only), so its
-  // memory is nobody's and stays (no second copy of an idle arena).
+  // A chunk never handed to a process keeps its memory (no second copy of
+  // an idle arena): a take-over names every chunk's tenant, and one that
+  // never had one was never handed out (a session gets its tenant's chunks
+  // only); a restart has the store's record of the chunks handed out.
   std::vector<bool> handed_out(arena.chunk_count(), !owners_complete);
+  if (!took_over && !load->handed.empty()) {
+    for (size_t i = 0; i < handed_out.size(); ++i) {
+      handed_out[i] = i >= load->handed.size() || load->handed[i];
+    }
+  }
   for (const SessionTable::ChunkOwner& o : owners) {
     if (o.chunk < handed_out.size()) handed_out[o.chunk] = true;
   }
@@ -175,6 +181,9 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
     adopted[i] = false;
     ++renewed;
   }
+  // What the next start may keep as it is: a chunk kept here that no
+  // process was handed (a renewed or new one has not been yet).
+  for (uint32_t i = 0; i < arena.chunk_count(); ++i) handed_out[i] = handed_out[i] && adopted[i];
   if (renewed != 0) {
     MO_LOG_INFO("kept state: %u kept chunk%s with no region left got new memfds", renewed,
                 renewed == 1 ? "" : "s");
@@ -186,7 +195,8 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
                                      ArenaLayout{arena.capacity_bytes(), arena.chunk_size_bytes(),
                                                  static_cast<uint32_t>(arena.page_bytes())},
                                      instance_id);
-    if (Status st = store->Begin(arena, load->state.last_seq, kept, adopted, load->old_names);
+    if (Status st =
+            store->Begin(arena, load->state.last_seq, kept, adopted, handed_out, load->old_names);
         !st.ok()) {
       return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
     }

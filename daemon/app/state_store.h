@@ -12,11 +12,12 @@
 // At start (LoadState): the stored fds are taken and checked (each a memfd
 // of the expected size and seals, else closed and named in the log), the
 // newest readable snapshot and the journals after it are replayed, and the
-// chunks that hold the kept regions are adopted by the new arena. Every
-// region's bytes are then checked against its CRC32Cs (VerifyRegions): one
-// that fails is dropped and named; one saved without checksums is kept and
-// called unverified. Chunks that hold none get new memfds, so what a dead
-// daemon's sessions may still map is never handed to anyone.
+// chunks that hold the kept regions are adopted by the new arena, with
+// those no process was ever handed (handed_chunks.h). Every region's bytes
+// are then checked against its CRC32Cs (VerifyRegions): one that fails is
+// dropped and named; one saved without checksums is kept and called
+// unverified. Chunks handed out that hold none get new memfds, so what a
+// dead daemon's sessions may still map is never handed to anyone.
 //
 // Thread-safe (one mutex; the recorder calls come under the table's lock).
 #ifndef MEMOFFLOAD_DAEMON_STATE_STORE_H_
@@ -31,6 +32,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
 #include "app/fd_store.h"
+#include "app/handed_chunks.h"
 #include "core/state_format.h"
 #include "core/state_recorder.h"
 #include "memory/arena.h"
@@ -48,6 +50,9 @@ struct StateLoad {
   std::vector<bool> adopted;           // by chunk index: its kept memfd went to the arena
   std::vector<std::string> old_names;  // every name found, to remove once replaced
   std::vector<std::string> problems;   // fds refused, formats refused
+  // By chunk index, whether a process was ever handed it (handed_chunks.h);
+  // empty when not known: every one may have been.
+  std::vector<bool> handed;
   bool refused = false;  // a snapshot or journal of a newer version: the start must not go on
   // Where the state came from when not `store`: another pod's keeper, whose
   // daemon no longer serves (LoadState's from_another_keeper).
@@ -101,11 +106,12 @@ class StateStore : public StateRecorder {
 
   std::string Describe() const { return store_->Describe(); }
   // After the recovered regions are placed: a snapshot of them at
-  // `last_seq`, a new journal, every chunk not `adopted` put in the store;
-  // then the `old_names` not reused are removed.
+  // `last_seq`, a new journal, every chunk not `adopted` put in the store,
+  // a new record of the chunks handed out (those `handed`, and from now on
+  // those ChunksHanded names); then the `old_names` not reused are removed.
   Status Begin(const Arena& arena, uint64_t last_seq, const std::vector<RegionRecord>& regions,
-               const std::vector<bool>& adopted, const std::vector<std::string>& old_names)
-      ABSL_LOCKS_EXCLUDED(mu_);
+               const std::vector<bool>& adopted, const std::vector<bool>& handed,
+               const std::vector<std::string>& old_names) ABSL_LOCKS_EXCLUDED(mu_);
   // A snapshot of every region now, and a new journal after it (SIGTERM;
   // with the `sessions` to resume and the chunks' `owners` when it keeps
   // them for the next start).
@@ -122,6 +128,7 @@ class StateStore : public StateRecorder {
   void RegionDeleted(const RegionKey& key) override ABSL_LOCKS_EXCLUDED(mu_);
   void BackingReplaced(uint32_t index, const std::shared_ptr<const Chunk>& backing) override
       ABSL_LOCKS_EXCLUDED(mu_);
+  void ChunksHanded(const std::vector<uint32_t>& chunks) override ABSL_LOCKS_EXCLUDED(mu_);
 
   StateStoreStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   // The last record's sequence number (a take-over continues from it).
@@ -138,6 +145,8 @@ class StateStore : public StateRecorder {
   const std::unique_ptr<FdStore> store_;
   const ArenaLayout layout_;
   const uint64_t instance_id_;
+  // In its journals' headers and its record of handed chunks.
+  const uint64_t generation_;
   mutable absl::Mutex mu_;
   std::map<RegionKey, RegionRecord> regions_ ABSL_GUARDED_BY(mu_);  // the mirror
   uint64_t seq_ ABSL_GUARDED_BY(mu_) = 0;                           // the last record's
@@ -145,6 +154,7 @@ class StateStore : public StateRecorder {
   uint64_t journal_used_ ABSL_GUARDED_BY(mu_) = 0;
   std::string journal_name_ ABSL_GUARDED_BY(mu_);
   std::string snapshot_name_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<HandedChunks> handed_ ABSL_GUARDED_BY(mu_);  // null: not kept
   StateStoreStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

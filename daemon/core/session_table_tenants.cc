@@ -228,10 +228,11 @@ Result<std::vector<ChunkGrant>> SessionTable::AttachChunks(uint64_t session_id) 
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(session_id);
   if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
+  const std::vector<uint32_t> handed =
+      tenant_chunks_.Attach(session_id, it->second.tenant, it->second.peer.pid);
+  if (recorder_ != nullptr && !handed.empty()) recorder_->ChunksHanded(handed);
   std::vector<ChunkGrant> chunks;
-  for (uint32_t c : tenant_chunks_.Attach(session_id, it->second.tenant, it->second.peer.pid)) {
-    chunks.push_back(GrantOf(*arena_, c));
-  }
+  for (uint32_t c : handed) chunks.push_back(GrantOf(*arena_, c));
   return chunks;
 }
 
@@ -242,6 +243,7 @@ Result<std::vector<ChunkGrant>> SessionTable::GrantChunks(uint64_t session_id,
   if (it == sessions_.end()) return NotFound("session " + std::to_string(session_id));
   MEMOFFLOAD_RETURN_IF_ERROR(
       tenant_chunks_.Grant(session_id, it->second.tenant, it->second.peer.pid, chunks));
+  if (recorder_ != nullptr && !chunks.empty()) recorder_->ChunksHanded(chunks);
   std::vector<ChunkGrant> grants;
   for (uint32_t c : chunks) grants.push_back(GrantOf(*arena_, c));
   return grants;

@@ -252,13 +252,15 @@ uint64_t RegionRecord::held_bytes() const {
   return held;
 }
 
-std::string EncodeJournalHeader(const ArenaLayout& layout, uint64_t instance_id,
-                                uint64_t first_seq) {
+std::string EncodeJournalHeader(const ArenaLayout& layout, uint64_t instance_id, uint64_t first_seq,
+                                uint64_t generation) {
   std::string out(kJournalMagic, 8);
   PutU32(&out, 1);  // the journal is as v1 wrote it (v2 added sessions to snapshots only)
   PutU64(&out, first_seq);
   PutU64(&out, instance_id);
   PutLayout(&out, layout);
+  // In what v1 left zero: a daemon of either version reads the header.
+  PutU64(&out, generation);
   out.resize(kJournalHeaderBytes - 4, '\0');
   PutU32(&out, Crc32c(out.data(), out.size()));
   return out;
@@ -371,6 +373,7 @@ Result<JournalContents> DecodeJournal(const void* data, size_t size) {
   j.first_seq = h.U64();
   j.instance_id = h.U64();
   j.layout = GetLayout(&h);
+  j.generation = h.U64();
   if (!LayoutSane(j.layout)) return DataLoss("journal names an arena layout no daemon builds");
   size_t at = kJournalHeaderBytes;
   uint64_t expect = j.first_seq;

@@ -10,7 +10,8 @@
 // stored snapshot hold none.
 //
 // Journal (one memfd, fixed size): a 64-byte header (magic, version, the
-// first sequence number, instance_id, layout; its own CRC32C), then records,
+// first sequence number, instance_id, layout, the writing daemon's
+// generation, zero before it was added; its own CRC32C), then records,
 // 8-byte aligned: payload length (u32), CRC32C (u32) of everything after it
 // through the payload, sequence number (u64), type (u16), 6 zero bytes,
 // payload. Records are appended in sequence, one per region committed or
@@ -120,8 +121,10 @@ struct ChunkOwnerRecord {
 enum class JournalRecordType : uint16_t { kRegionCommitted = 1, kRegionDeleted = 2 };
 
 // The encoders (what the daemon writes).
-std::string EncodeJournalHeader(const ArenaLayout& layout, uint64_t instance_id,
-                                uint64_t first_seq);
+// `generation`: the writing daemon's (StateStore's), which its record of
+// the chunks handed out carries too (app/handed_chunks.h); 0: none.
+std::string EncodeJournalHeader(const ArenaLayout& layout, uint64_t instance_id, uint64_t first_seq,
+                                uint64_t generation = 0);
 std::string EncodeRegionCommitted(uint64_t seq, const RegionRecord& region);
 std::string EncodeRegionDeleted(uint64_t seq, const RegionKey& key);
 
@@ -151,6 +154,7 @@ struct JournalContents {
   uint64_t first_seq = 0;
   uint64_t instance_id = 0;
   ArenaLayout layout;
+  uint64_t generation = 0;            // of the daemon that wrote it (0: an older one)
   std::vector<JournalEntry> entries;  // the readable prefix, in sequence
   size_t end_offset = 0;              // where the next record goes
   std::string stopped;                // why reading stopped early, "" at a clean end

@@ -267,3 +267,75 @@ def test_without_a_store_a_restart_says_it_empties_the_node(tmp_path):
                           "--state-store=keeper", "--arena-size=64MiB", "--chunk-size=16MiB",
                           "--metrics-address=none"], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no keeper at" in out.stderr, out.stderr
+
+
+def chunk_inodes(rt: Path) -> Dict[str, int]:
+    """Each kept chunk's memfd inode, by name: the same inode is the same memory."""
+    held = kw.take(str(rt))
+    try:
+        return {n: os.fstat(fd).st_ino for n, fd in held.items() if n.startswith("mo-chunk-")}
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+def two_jobs_one_gone(rt: Path) -> None:
+    """tenant = job: job a's chunk keeps a region, job b's was handed out and
+    holds none now, and the arena's two other chunks were never handed out."""
+    write(rt, "a", ["kept"])
+    write(rt, "b", ["gone"])
+    store = _C.RegionStore(runtime_dir=str(rt), job_id="b", rank=0)
+    store.delete("gone")
+    store.close()
+
+
+@pytest.mark.parametrize("stop", ["sigkill", "sigterm"])
+def test_a_restart_keeps_the_memory_of_chunks_no_process_was_handed(node, stop):
+    """A chunk no process ever mapped is kept as it is (no new pre-fault, no
+    second copy while the store holds the old one); the chunk job b's process
+    mapped gets new memory, since that process may still map the old."""
+    rt, start, _ = node
+    d = start("--tenant=job", "--regions-uid-max-bytes=0")
+    two_jobs_one_gone(rt)
+    before = chunk_inodes(rt)
+    assert len(before) == 4
+    d.kill() if stop == "sigkill" else d.stop()
+    d2 = start("--tenant=job", "--regions-uid-max-bytes=0")
+    after = chunk_inodes(rt)
+    same = {n for n in before if after[n] == before[n]}
+    # Job a's chunk (its region) and the two never handed out.
+    assert len(same) == 3, (before, after)
+    read_back(rt, "a", ["kept"])
+    assert "mo-handed-chunks not used" not in d2.log.read_text()
+    # The next start keeps them too: the record went on with the new daemon.
+    d2.kill()
+    start("--tenant=job", "--regions-uid-max-bytes=0")
+    assert {n for n in before if chunk_inodes(rt)[n] == before[n]} == same
+
+
+def test_a_record_of_handed_chunks_another_daemon_followed_is_not_believed(node):
+    """The record is trusted only beside the journal its daemon wrote: one
+    that an older daemon (which keeps no record) followed says nothing of
+    what that daemon handed out, so every chunk with no region is renewed."""
+    import mmap
+
+    rt, start, _ = node
+    d = start("--tenant=job", "--regions-uid-max-bytes=0")
+    two_jobs_one_gone(rt)
+    before = chunk_inodes(rt)
+    d.kill()
+    held = kw.take(str(rt))
+    try:
+        # As if written by another daemon than the newest journal's.
+        with mmap.mmap(held["mo-handed-chunks"], 4096) as m:
+            m[16] ^= 0xFF
+    finally:
+        for fd in held.values():
+            os.close(fd)
+    d2 = start("--tenant=job", "--regions-uid-max-bytes=0")
+    after = chunk_inodes(rt)
+    assert len({n for n in before if after[n] == before[n]}) == 1, (before, after)
+    read_back(rt, "a", ["kept"])
+    log = d2.log.read_text()
+    assert "mo-handed-chunks not used (written by another daemon than the newest journal's)" \
+        in log, log

@@ -26,6 +26,9 @@ class Mirror : public StateRecorder {
     replaced.push_back(index);
     EXPECT_NE(backing, nullptr);
   }
+  void ChunksHanded(const std::vector<uint32_t>& chunks) override {
+    handed.insert(handed.end(), chunks.begin(), chunks.end());
+  }
   std::vector<RegionRecord> All() const {
     std::vector<RegionRecord> out;
     for (const auto& [k, r] : regions) out.push_back(r);
@@ -33,6 +36,7 @@ class Mirror : public StateRecorder {
   }
   std::map<RegionKey, RegionRecord> regions;
   std::vector<uint32_t> replaced;
+  std::vector<uint32_t> handed;
 };
 
 Policy RegionPolicy() {
@@ -195,6 +199,32 @@ TEST(TakeExactTest, TakesOnlyAFreeRangeAndFreesLikeAnyExtent) {
   EXPECT_EQ(a.used_bytes(), 0u);
   EXPECT_EQ(a.largest_free_extent_bytes(), 1 * kMiB);  // coalesced again
   ASSERT_TRUE(a.CheckInvariants().ok());
+}
+
+// The record of the chunks handed out (app/handed_chunks.h) hears of every
+// chunk whose fd leaves for a process, and of no other.
+TEST(RecoverTest, EveryChunkHandedToAProcessIsToldToTheRecorder) {
+  auto arena = MakeTestArena();
+  ASSERT_NE(arena, nullptr);
+  Mirror mirror;
+  SessionTable table(arena.get(), RegionPolicy(), TenantMode::kUid);
+  table.SetRecorder(&mirror);
+  SessionGrant alice = OpenAs(table, 1000, "job-a");
+  SessionGrant bob = OpenAs(table, 1001, "job-b");
+  Save(table, alice, "a1", 300 * kKiB, 200 * kKiB);
+  const uint32_t chunk = mirror.regions.begin()->second.extents.at(0).chunk;
+  ASSERT_TRUE(table.GrantChunks(alice.session_id, {chunk}).ok());
+  EXPECT_EQ(mirror.handed, std::vector<uint32_t>{chunk});
+  // Refused (another tenant's): nothing leaves, nothing is told.
+  EXPECT_EQ(table.GrantChunks(bob.session_id, {chunk}).status().code(),
+            StatusCode::kPermissionDenied);
+  EXPECT_EQ(mirror.handed, std::vector<uint32_t>{chunk});
+  // A new session of alice's uid is handed her chunks at attach.
+  SessionGrant again = OpenAs(table, 1000, "job-a");
+  auto attached = table.AttachChunks(again.session_id);
+  ASSERT_TRUE(attached.ok());
+  ASSERT_EQ(attached->size(), 1u);
+  EXPECT_EQ(mirror.handed, (std::vector<uint32_t>{chunk, chunk}));
 }
 
 }  // namespace

@@ -176,6 +176,25 @@ TEST(StateFormat, JournalReplaysInSequence) {
   ExpectSame(state.regions.begin()->second, Region("b", 1, 0));
 }
 
+TEST(StateFormat, AJournalHeaderCarriesItsDaemonsGenerationWhereV1LeftZeros) {
+  std::string j = EncodeJournalHeader(kLayout, 0xabcdef, 3, 0x1122334455667788ull);
+  ASSERT_EQ(j.size(), kJournalHeaderBytes);
+  Result<JournalContents> got = DecodeJournal(j.data(), j.size());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->generation, 0x1122334455667788ull);
+  EXPECT_EQ(got->first_seq, 3u);
+  // A header written before the generation (zeros there) reads as 0, and
+  // the field sits in the bytes that header kept zero.
+  const std::string old = EncodeJournalHeader(kLayout, 0xabcdef, 3);
+  got = DecodeJournal(old.data(), old.size());
+  ASSERT_TRUE(got.ok()) << got.status().ToString();
+  EXPECT_EQ(got->generation, 0u);
+  size_t differ = 0;
+  for (size_t i = 0; i + 4 < kJournalHeaderBytes; ++i) differ += j[i] != old[i];
+  EXPECT_EQ(differ, 8u);
+  EXPECT_EQ(old.substr(48, 12), std::string(12, '\0'));
+}
+
 TEST(StateFormat, AJournalCutAnywhereKeepsItsWholeRecords) {
   const std::vector<std::string> records = {EncodeRegionCommitted(1, Region("a", 0, 0)),
                                             EncodeRegionCommitted(2, Region("b", 1, 0)),
