@@ -69,8 +69,12 @@ Status Daemon::Start() {
     }
     MEMOFFLOAD_RETURN_IF_ERROR(TakeListeners());
     // The old daemon's mark, where the two share a keeper: the node is
-    // this daemon's, and so is the store.
-    if (state_store_ != nullptr) state_store_->ClearHandOverMark();
+    // this daemon's, and so is the store (and its record of the chunks
+    // handed out, not believed while the take-over could still fail).
+    if (state_store_ != nullptr) {
+      state_store_->ClearHandOverMark();
+      state_store_->BelieveHandedRecord();
+    }
     return StartServing();
   }
   MEMOFFLOAD_RETURN_IF_ERROR(Listen());
@@ -242,6 +246,12 @@ Status Daemon::BuildService() {
   instance_id_ = kept_.state.found ? kept_.state.instance_id : RandomInstanceId();
   const uint64_t instance_id = instance_id_;
   MO_LOG_INFO("instance id %016lx", static_cast<unsigned long>(instance_id));
+  // What the configuration can refuse, before the kept state is taken into
+  // this daemon's store (a take-over refused after it leaves the store the
+  // old daemon serves on rewritten).
+  MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys(config_, &link_keys_));
+  Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
+  if (!job_labels.ok()) return job_labels.status();
   MetricsInfo state_info;
   Result<std::unique_ptr<StateStore>> store = ResumeKeptState(
       &kept_, arena_.get(), table_.get(), config_.prefault_threads, instance_id,
@@ -251,10 +261,6 @@ Status Daemon::BuildService() {
   if (!store.ok()) return store.status();
   state_store_ = std::move(store).value();
 
-  MEMOFFLOAD_RETURN_IF_ERROR(LoadLinkKeys(config_, &link_keys_));
-
-  Result<JobLabels> job_labels = ParseJobLabels(config_.metrics_job_labels);
-  if (!job_labels.ok()) return job_labels.status();
   metrics_ = std::make_unique<Metrics>(
       table_.get(),
       MetricsInfo{DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(),
@@ -333,7 +339,10 @@ Status Daemon::StartServing() {
                       handed_over_ = true;
                       return l;
                     },
-                    [this] { StopLoop(); }});
+                    [this] { StopLoop(); },
+                    [this] {
+                      if (state_store_ != nullptr) state_store_->DisownHandedRecord();
+                    }});
   if (takeover_fd_ >= 0) {
     takeover_server_ =
         std::make_unique<TakeoverServer>(std::exchange(takeover_fd_, -1), takeover_host_.get());

@@ -117,6 +117,11 @@ void Daemon::KeepSessions() {
   table_->SetFrozen(true);
   kept_sessions_ = table_->SessionRecords();
   kept_owners_ = table_->ChunkOwners();
+  // Grants still answered while it exits go unrecorded from here: their
+  // chunks (a tenant's own) count as handed out now.
+  std::vector<uint32_t> owned;
+  for (const ChunkOwnerRecord& o : kept_owners_) owned.push_back(o.chunk);
+  state_store_->ChunksHanded(owned);
   // Closing the sessions as the daemon exits changes nothing kept.
   table_->SetRecorder(nullptr);
   const ArenaSnapshot s = table_->Snapshot();

@@ -38,6 +38,10 @@ void HandedChunks::Mark(uint32_t index) {
   if (index < count_) memfd_.data()[kHeaderBytes + index] = 1;
 }
 
+void HandedChunks::SetGeneration(uint64_t generation) {
+  std::memcpy(memfd_.data() + 16, &generation, 8);
+}
+
 Result<std::vector<bool>> ReadHandedChunks(int fd, uint32_t chunk_count, uint64_t generation) {
   struct stat st {};
   if (fstat(fd, &st) != 0) return DataLoss(std::string("fstat: ") + std::strerror(errno));

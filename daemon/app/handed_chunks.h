@@ -41,6 +41,10 @@ class HandedChunks {
   uint32_t chunk_count() const { return count_; }
   // Chunk `index` is being handed out (out of range: ignored).
   void Mark(uint32_t index);
+  // Rewrites the generation in place: 0 makes a start disbelieve the record
+  // (its chunks went to another daemon, which hands them on; or it is not
+  // this daemon's yet).
+  void SetGeneration(uint64_t generation);
 
  private:
   HandedChunks(Chunk memfd, uint32_t count) : memfd_(std::move(memfd)), count_(count) {}

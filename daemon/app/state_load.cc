@@ -286,6 +286,12 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
       }
       snapshots.push_back(&f);
     } else if (absl::StartsWith(f.name, kJournalPrefix)) {
+      const uint64_t seq = NameSeq(f.name, kJournalPrefix);
+      const bool newest = seq >= newest_journal;
+      if (newest) {
+        newest_journal = seq;
+        newest_generation = 0;  // until it reads
+      }
       if (std::string why = MemfdProblem(f.fd, kJournalBytes, F_SEAL_SHRINK | F_SEAL_GROW);
           !why.empty()) {
         load.problems.push_back(f.name + " refused: " + why);
@@ -294,10 +300,7 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
       Mapped m(f.fd);
       Result<JournalContents> j =
           m.data == nullptr ? DataLoss("cannot map it") : DecodeJournal(m.data, m.size);
-      if (const uint64_t seq = NameSeq(f.name, kJournalPrefix); seq >= newest_journal) {
-        newest_journal = seq;
-        newest_generation = j.ok() ? j->generation : 0;
-      }
+      if (newest && j.ok()) newest_generation = j->generation;
       if (!j.ok()) {
         load.problems.push_back(f.name + ": " + j.status().message());
         load.refused |= j.status().code() == StatusCode::kFailedPrecondition;
@@ -362,9 +365,12 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
   }
   if (handed != nullptr && load.state.found) {
     const std::string why = MemfdProblem(handed->fd, 0, F_SEAL_SHRINK | F_SEAL_GROW);
+    // Marked: another daemon took this node and handed its chunks on.
     Result<std::vector<bool>> read =
-        why.empty() ? ReadHandedChunks(handed->fd, layout.chunk_count(), newest_generation)
-                    : DataLoss(why);
+        !why.empty() ? DataLoss(why)
+        : HasMark(fds)
+            ? FailedPrecondition("the store holds the hand-over mark: another daemon took the node")
+            : ReadHandedChunks(handed->fd, layout.chunk_count(), newest_generation);
     if (read.ok()) {
       load.handed = std::move(read).value();
     } else {

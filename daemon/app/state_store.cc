@@ -32,7 +32,7 @@ void StateStore::Failed(const std::string& what, const Status& status) {
 
 Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
                          const std::vector<RegionRecord>& regions, const std::vector<bool>& adopted,
-                         const std::vector<bool>& handed,
+                         const std::vector<bool>& handed, bool believed,
                          const std::vector<std::string>& old_names) {
   absl::MutexLock lock(&mu_);
   for (const RegionRecord& r : regions) regions_[KeyOf(r)] = r;
@@ -64,10 +64,12 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
   }
   std::vector<bool> record(arena.chunk_count(), false);
   for (size_t i = 0; i < handed.size() && i < record.size(); ++i) record[i] = handed[i];
-  Result<std::unique_ptr<HandedChunks>> made = HandedChunks::Create(record, generation_);
+  Result<std::unique_ptr<HandedChunks>> made =
+      HandedChunks::Create(record, believed ? generation_ : 0);
   Status put = made.ok() ? store_->Put(kHandedChunksName, (*made)->fd()) : made.status();
   if (put.ok()) {
     handed_ = std::move(made).value();
+    marking_.store(handed_.get());
   } else {
     Failed("cannot keep the record of the chunks handed out", put);
   }
@@ -93,9 +95,20 @@ Status StateStore::MarkHandedOver(const std::string& why) {
 }
 
 void StateStore::ChunksHanded(const std::vector<uint32_t>& chunks) {
+  // The table's calls come one at a time (under its lock).
+  HandedChunks* record = marking_.load();
+  if (record == nullptr) return;
+  for (uint32_t c : chunks) record->Mark(c);
+}
+
+void StateStore::BelieveHandedRecord() {
   absl::MutexLock lock(&mu_);
-  if (handed_ == nullptr) return;
-  for (uint32_t c : chunks) handed_->Mark(c);
+  if (handed_ != nullptr) handed_->SetGeneration(generation_);
+}
+
+void StateStore::DisownHandedRecord() {
+  absl::MutexLock lock(&mu_);
+  if (handed_ != nullptr) handed_->SetGeneration(0);
 }
 
 void StateStore::ClearHandOverMark() {

@@ -23,6 +23,7 @@
 #ifndef MEMOFFLOAD_DAEMON_STATE_STORE_H_
 #define MEMOFFLOAD_DAEMON_STATE_STORE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -108,10 +109,18 @@ class StateStore : public StateRecorder {
   // After the recovered regions are placed: a snapshot of them at
   // `last_seq`, a new journal, every chunk not `adopted` put in the store,
   // a new record of the chunks handed out (those `handed`, and from now on
-  // those ChunksHanded names); then the `old_names` not reused are removed.
+  // those ChunksHanded names; believed by a start only once `believed`, else
+  // after BelieveHandedRecord); then the `old_names` not reused are removed.
   Status Begin(const Arena& arena, uint64_t last_seq, const std::vector<RegionRecord>& regions,
-               const std::vector<bool>& adopted, const std::vector<bool>& handed,
+               const std::vector<bool>& adopted, const std::vector<bool>& handed, bool believed,
                const std::vector<std::string>& old_names) ABSL_LOCKS_EXCLUDED(mu_);
+  // A take-over's: the node is this daemon's (its listeners taken), so its
+  // record of the chunks handed out is the one to believe.
+  void BelieveHandedRecord() ABSL_LOCKS_EXCLUDED(mu_);
+  // A serving daemon hands its chunks to a new one: a start never believes
+  // this store's record again (the new daemon hands the chunks on, and
+  // records that in its own).
+  void DisownHandedRecord() ABSL_LOCKS_EXCLUDED(mu_);
   // A snapshot of every region now, and a new journal after it (SIGTERM;
   // with the `sessions` to resume and the chunks' `owners` when it keeps
   // them for the next start).
@@ -155,6 +164,9 @@ class StateStore : public StateRecorder {
   std::string journal_name_ ABSL_GUARDED_BY(mu_);
   std::string snapshot_name_ ABSL_GUARDED_BY(mu_);
   std::unique_ptr<HandedChunks> handed_ ABSL_GUARDED_BY(mu_);  // null: not kept
+  // handed_, for ChunksHanded without mu_ (which a compaction holds across
+  // the store's socket): set once, in Begin, before the table records here.
+  std::atomic<HandedChunks*> marking_{nullptr};
   StateStoreStats stats_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -57,6 +57,9 @@ bool LoopTakeoverHost::PauseForTakeover(pid_t pid, bool keep_sessions,
 }
 
 Result<HandoffState> LoopTakeoverHost::Freeze() {
+  // Before a chunk's fd leaves: what the new daemon hands out is in its
+  // record only, so a start from this store must not believe this one.
+  if (p_.disown_handed) p_.disown_handed();
   HandoffState out;
   out.instance_id = p_.instance_id;
   SnapshotContents snapshot;

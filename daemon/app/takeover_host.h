@@ -32,6 +32,9 @@ struct TakeoverParts {
   // (the files stay: the new daemon uses them).
   std::function<HandoffListeners()> release;
   std::function<void()> stop_loop;
+  // The chunks go to the new daemon: the state store's record of those
+  // handed out is never believed again (StateStore::DisownHandedRecord).
+  std::function<void()> disown_handed;
 };
 
 class LoopTakeoverHost : public TakeoverHost {

@@ -318,6 +318,38 @@ def test_a_marked_keeper_is_taken_from_when_no_other_holds_the_node(pods):
     lines = own_lines(second.daemon)
     assert f"recovered the node from the keeper at {first.sock} (another pod's" in lines, lines
     assert read_back(rt, "ckpt", ["a"]) == instance
+    # What the pod that marked it handed out is in no record here: every
+    # chunk with no region counts as handed out.
+    assert "mo-handed-chunks not used (the store holds the hand-over mark" in lines, lines
+
+
+def record_generation(sock: Path) -> int:
+    """The generation in a keeper's record of the chunks handed out."""
+    held = kw.take(str(sock.parent), sock)
+    try:
+        return int.from_bytes(os.pread(held["mo-handed-chunks"], 8, 16), "little")
+    finally:
+        for fd in held.values():
+            os.close(fd)
+
+
+def test_a_take_over_disowns_the_old_pods_record_of_handed_chunks(pods):
+    """The chunks go to the new pod's daemon, which hands them on and
+    records that in its own keeper only: the old keeper's record is never
+    believed again (generation 0), whatever later starts from that keeper."""
+    rt, make = pods
+    port = free_port()
+    old = make("old", "127.0.0.2", port)
+    old.daemon.start()
+    write(rt, "ckpt", ["a"])
+    assert record_generation(old.sock) != 0
+    new = make("new", "127.0.0.3", port)
+    new.daemon.spawn()
+    wait_for_log(new.daemon, f"memoffloadd[{new.daemon.proc.pid}] INFO took over the node")
+    assert record_generation(old.sock) == 0
+    # The new daemon's is believed once the node is its own.
+    wait_for_log(new.daemon, f"memoffloadd[{new.daemon.proc.pid}] INFO listening")
+    assert record_generation(new.sock) != 0
 
 
 def test_keepers_of_other_runtime_dirs_are_never_taken_from(tmp_path):
