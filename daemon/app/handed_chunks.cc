@@ -35,7 +35,15 @@ Result<std::unique_ptr<HandedChunks>> HandedChunks::Create(const std::vector<boo
 }
 
 void HandedChunks::Mark(uint32_t index) {
-  if (index < count_) memfd_.data()[kHeaderBytes + index] = 1;
+  if (index < count_) __atomic_store_n(memfd_.data() + kHeaderBytes + index, 1, __ATOMIC_RELAXED);
+}
+
+Status DisownHandedChunksFd(int fd) {
+  const uint64_t zero = 0;
+  if (pwrite(fd, &zero, sizeof zero, 16) != static_cast<ssize_t>(sizeof zero)) {
+    return DataLoss(std::string("cannot rewrite it: ") + std::strerror(errno));
+  }
+  return Status::Ok();
 }
 
 void HandedChunks::SetGeneration(uint64_t generation) {

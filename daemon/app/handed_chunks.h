@@ -52,6 +52,10 @@ class HandedChunks {
   const uint32_t count_;
 };
 
+// Makes the record in memfd `fd` one no start believes (generation 0),
+// through an fd taken from another store: its chunks are this daemon's now.
+Status DisownHandedChunksFd(int fd);
+
 // The record in memfd `fd`, for an arena of `chunk_count` chunks written by
 // the daemon of `generation` (the newest journal's; 0 never matches): one
 // entry per chunk, true if handed out. An error says why it is not trusted.

@@ -371,6 +371,14 @@ Result<StateLoad> LoadState(const std::string& mode, const std::string& keeper_s
         : HasMark(fds)
             ? FailedPrecondition("the store holds the hand-over mark: another daemon took the node")
             : ReadHandedChunks(handed->fd, layout.chunk_count(), newest_generation);
+    // Another pod's: what this daemon hands out is in its own record only,
+    // so no later start may believe that one (even if marking it failed).
+    if (!load.source_path.empty()) {
+      if (Status st = DisownHandedChunksFd(handed->fd); !st.ok()) {
+        load.problems.push_back(std::string(kHandedChunksName) + " of " + load.source_path + ": " +
+                                st.message());
+      }
+    }
     if (read.ok()) {
       load.handed = std::move(read).value();
     } else {

@@ -95,7 +95,7 @@ Status StateStore::MarkHandedOver(const std::string& why) {
 }
 
 void StateStore::ChunksHanded(const std::vector<uint32_t>& chunks) {
-  // The table's calls come one at a time (under its lock).
+  // Byte stores into the record (atomic): callers need no lock of ours.
   HandedChunks* record = marking_.load();
   if (record == nullptr) return;
   for (uint32_t c : chunks) record->Mark(c);

@@ -208,6 +208,10 @@ def test_a_surge_pod_takes_the_node_from_a_keeper_whose_daemon_died(pods):
     assert f"recovered the node from the keeper at {first.sock} (another pod's: its daemon " \
         "does not run): 2 of 2 checkpoint regions" in lines, lines
     assert read_back(rt, "ckpt", ["a", "b"]) == instance
+    # Its record was believed (it was that keeper's daemon's), then disowned:
+    # what this pod hands out is in its own keeper's record only.
+    assert "mo-handed-chunks not used" not in lines, lines
+    assert record_generation(first.sock) == 0
     write(rt, "ckpt", ["c"])
     first.daemon.spawn()  # the kubelet starts the old container again
     wait_for_log(first.daemon, f"memoffloadd[{first.daemon.proc.pid}] INFO standing by")
