@@ -98,7 +98,9 @@ void Daemon::Run() {
   notifier_.Ready(StatusText());
   if (notifier_.Enabled()) ArmNotifyTimer();
   ArmRegionTimer();
+  MapKeptChunks();
   io_.run();
+  StopMappingKept();
   takeover_server_.reset();
   StopServing();
   if (!handed_over_) KeepState();  // the new daemon keeps the state now
@@ -217,13 +219,25 @@ Status Daemon::BuildArena() {
   if (!report_.mlocked && config_.mlock) {
     MO_LOG_WARN("mlock failed: %s", report_.mlock_problem.c_str());
   }
+  // Kept chunks are mapped after "ready": their pages are told then.
+  const uint64_t measured = arena_->capacity_bytes() - report_.unmeasured_bytes;
+  std::string pages = measured == 0
+                          ? "pages told once its kept chunks are mapped"
+                          : DescribePages(measured, report_.hugetlb_bytes, report_.thp_bytes);
+  if (measured != 0 && report_.unmeasured_bytes != 0) {
+    pages += " (" + FormatSize(report_.unmeasured_bytes) + " kept: told once mapped)";
+  }
+  const uint64_t faulted = arena_->capacity_bytes() - report_.adopted_bytes;
+  const std::string kept = report_.adopted_chunks == 0
+                               ? ""
+                               : ", " + std::to_string(report_.adopted_chunks) + " kept chunks (" +
+                                     FormatSize(report_.adopted_bytes) + ") mapped after ready";
   MO_LOG_INFO(
-      "arena ready: %s, %u chunks of %s, on %s, pre-fault %.3f s (%.2f GB/s), mlock %s",
+      "arena ready: %s, %u chunks of %s, on %s, pre-fault %.3f s of %s (%.2f GB/s)%s, mlock %s",
       FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
-      FormatSize(arena_->chunk_size_bytes()).c_str(),
-      DescribePages(arena_->capacity_bytes(), report_.hugetlb_bytes, report_.thp_bytes).c_str(),
-      report_.build_seconds, arena_->capacity_bytes() / 1e9 / std::max(report_.build_seconds, 1e-9),
-      report_.mlocked ? "yes" : "no");
+      FormatSize(arena_->chunk_size_bytes()).c_str(), pages.c_str(), report_.build_seconds,
+      FormatSize(faulted).c_str(), faulted / 1e9 / std::max(report_.build_seconds, 1e-9),
+      kept.c_str(), report_.mlocked ? "yes" : "no");
   if (!report_.pages_note.empty()) {
     MO_LOG_INFO("arena not all on huge pages: %s", report_.pages_note.c_str());
   }
@@ -260,6 +274,8 @@ Status Daemon::BuildService() {
       takeover_client_ != nullptr && takeover_client_->owners_complete(), &state_info);
   if (!store.ok()) return store.status();
   state_store_ = std::move(store).value();
+  // Mapped once the daemon serves (Run), after the renewals above.
+  kept_to_map_ = arena_->TakeUnmappedKept();
 
   metrics_ = std::make_unique<Metrics>(
       table_.get(),
@@ -267,9 +283,11 @@ Status Daemon::BuildService() {
                   arena_->mlocked(), *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes(),
                   state_info.state_store, state_info.recovered_regions, state_info.recovered_bytes,
                   state_info.dropped_regions, state_info.unverified_regions,
-                  state_info.recovery_seconds, [this]() -> uint64_t {
+                  state_info.recovery_seconds,
+                  [this]() -> uint64_t {
                     return state_store_ != nullptr ? state_store_->Stats().errors : 0;
-                  }});
+                  },
+                  [this] { return arena_->thp_bytes(); }});
   service_ = std::make_unique<OffloadService>(
       arena_.get(), table_.get(), metrics_.get(),
       ServiceInfo{DaemonVersion(), config_.runtime_dir, metrics_port_.bound(), admin_token_,

@@ -12,6 +12,7 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/signal_set.hpp>
@@ -19,6 +20,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "app/notifier.h"
@@ -54,6 +56,7 @@ class Daemon {
         health_(io_, [this] { return Probe(); }),
         metrics_port_(io_, config_.metrics_address, kMetricsRetryMs) {}
   ~Daemon() {
+    StopMappingKept();
     StopServing();
     if (takeover_fd_ >= 0) close(takeover_fd_);
   }
@@ -125,6 +128,11 @@ class Daemon {
 
   // Deletes checkpoint regions past their TTL, once a second.
   void ArmRegionTimer();
+
+  // Maps the chunks the start kept into this process on a thread of its own
+  // (memory/kept_mapping.h), once serving; StopMappingKept ends it.
+  void MapKeptChunks();
+  void StopMappingKept();
 
   // WATCHDOG=1 and a fresh STATUS= from the event loop, every half watchdog
   // timeout (every 10 s without one); it keeps going while draining.
@@ -202,6 +210,9 @@ class Daemon {
   // SIGTERM with a state store: the sessions the next start resumes.
   std::vector<SessionRecord> kept_sessions_;
   std::vector<ChunkOwnerRecord> kept_owners_;
+  std::vector<std::shared_ptr<const Chunk>> kept_to_map_;
+  std::thread kept_mapper_;
+  std::atomic<bool> stop_mapping_{false};
 };
 
 }  // namespace memoffload::daemon

@@ -9,6 +9,7 @@
 #include "app/systemd_job.h"  // SigtermKeepsSessions
 #include "base/log.h"
 #include "memoffload/common/units.h"
+#include "memory/kept_mapping.h"
 
 namespace memoffload::daemon {
 
@@ -208,6 +209,25 @@ void Daemon::StopServing() {
   server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(200));
   server_->Wait();
   server_.reset();
+}
+
+void Daemon::MapKeptChunks() {
+  if (kept_to_map_.empty()) return;
+  kept_mapper_ = std::thread([this] {
+    const KeptMapping m = MapKept(kept_to_map_, config_.prefault_threads, stop_mapping_);
+    kept_to_map_.clear();
+    if (m.stopped) return;
+    arena_->AddThpBytes(m.thp_bytes);
+    const std::string huge =
+        m.thp_bytes == 0 ? "" : ", " + FormatSize(m.thp_bytes) + " of them on 2 MiB pages";
+    MO_LOG_INFO("kept chunks mapped: %u (%s) in %.3f s after ready%s", m.chunks,
+                FormatSize(m.bytes).c_str(), m.seconds, huge.c_str());
+  });
+}
+
+void Daemon::StopMappingKept() {
+  stop_mapping_ = true;
+  if (kept_mapper_.joinable()) kept_mapper_.join();
 }
 
 }  // namespace memoffload::daemon

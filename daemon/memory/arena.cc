@@ -21,7 +21,7 @@ constexpr uint64_t kProgressEveryBytes = 16 * kGiB;
 
 // Pre-faults all chunks with `threads` workers pulling 64 MiB pieces from a
 // shared counter. Logs progress for large arenas.
-Status PrefaultAll(std::vector<Chunk>& chunks, int threads) {
+Status PrefaultAll(std::vector<Chunk>& chunks, int threads, const std::vector<bool>& skip) {
   struct Piece {
     uint32_t chunk;
     uint64_t offset, length;
@@ -29,6 +29,7 @@ Status PrefaultAll(std::vector<Chunk>& chunks, int threads) {
   std::vector<Piece> pieces;
   uint64_t total = 0;
   for (uint32_t c = 0; c < chunks.size(); ++c) {
+    if (c < skip.size() && skip[c]) continue;
     for (uint64_t off = 0; off < chunks[c].size_bytes(); off += kPrefaultPieceBytes) {
       const uint64_t len = std::min(kPrefaultPieceBytes, chunks[c].size_bytes() - off);
       pieces.push_back({c, off, len});
@@ -155,6 +156,7 @@ Status CreateChunks(const ArenaOptions& options, std::vector<Chunk>* chunks,
                                                 kept.status().message());
       }
       ++report->adopted_chunks;
+      report->adopted_bytes += size;
       chunks->push_back(std::move(kept).value());
       sizes->push_back(size);
       left -= size;
@@ -235,12 +237,16 @@ void LockAfterPrefault(std::vector<Chunk>& chunks, uint64_t arena_bytes, bool* m
 // What the kernel gave each chunk, summed into the report, and the line
 // that says why the arena is not all on huge pages.
 void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
-                 ArenaBuildReport* report) {
+                 const std::vector<bool>& kept, ArenaBuildReport* report) {
+  // A kept chunk's 2 MiB mappings are there only once it is mapped: its THP
+  // bytes are counted then (MapKept), and not taken for small pages here.
+  uint64_t unmeasured = 0;
   const ShmemThpSetting thp = ReadShmemThpSetting();
   // Reading smaps walks every page table of the arena: on 4 KiB pages a
   // second per 40 GiB or so. Where neither kind of huge page can be there,
   // the answer is known without it.
-  if (report->hugepage_chunks > 0 || thp.allows_advised()) {
+  const bool any_kept = std::find(kept.begin(), kept.end(), true) != kept.end();
+  if (report->hugepage_chunks > 0 || thp.allows_advised() || any_kept) {
     std::vector<const void*> starts;
     for (const Chunk& c : chunks) starts.push_back(c.data());
     Result<std::vector<MappingPages>> pages = PagesOf(starts);
@@ -251,12 +257,15 @@ void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
     for (size_t i = 0; i < chunks.size(); ++i) {
       if ((*pages)[i].kernel_page_bytes > SystemPageBytes()) {
         report->hugetlb_bytes += chunks[i].size_bytes();
+      } else if (i < kept.size() && kept[i] && thp.allows_advised()) {
+        unmeasured += chunks[i].size_bytes();
       } else {
         report->thp_bytes += std::min((*pages)[i].pmd_mapped_bytes, chunks[i].size_bytes());
       }
     }
   }
-  if (report->hugetlb_bytes + report->thp_bytes >= capacity_bytes) return;
+  report->unmeasured_bytes = unmeasured;
+  if (report->hugetlb_bytes + report->thp_bytes + unmeasured >= capacity_bytes) return;
   const std::string knob = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
   if (thp.global.empty()) {
     report->pages_note =
@@ -273,7 +282,7 @@ void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
         "into it about as fast as a copy into touched memory (docs/deploy.md, 'Huge pages')";
   } else {
     report->pages_note = "the kernel gave " + FormatSize(report->thp_bytes) + " of " +
-                         FormatSize(capacity_bytes - report->hugetlb_bytes) +
+                         FormatSize(capacity_bytes - report->hugetlb_bytes - unmeasured) +
                          " as transparent huge pages (" + knob + " is '" + thp.global +
                          "'): memory was too fragmented for more; a start after a reboot, or "
                          "'echo 1 > /proc/sys/vm/compact_memory' first, gets more";
@@ -332,10 +341,16 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
     report->mlock_problem = "mlock disabled by --no-mlock";
   }
 
-  MEMOFFLOAD_RETURN_IF_ERROR(PrefaultAll(arena->chunks_, options.prefault_threads));
-  ReportPages(arena->chunks_, options.size_bytes, report);
+  // Kept chunks are mapped after the daemon serves (TakeUnmappedKept).
+  std::vector<bool> kept(arena->chunks_.size(), false);
+  for (size_t i = 0; i < kept.size() && i < options.adopt_fds.size(); ++i) {
+    kept[i] = options.adopt_fds[i] >= 0;
+  }
+  MEMOFFLOAD_RETURN_IF_ERROR(PrefaultAll(arena->chunks_, options.prefault_threads, kept));
+  ReportPages(arena->chunks_, options.size_bytes, kept, report);
   arena->hugetlb_bytes_ = report->hugetlb_bytes;
   arena->thp_bytes_ = report->thp_bytes;
+  arena->unmapped_kept_ = kept;
 
   if (lock_after_prefault) {
     LockAfterPrefault(arena->chunks_, options.size_bytes, &arena->mlocked_, report);
@@ -352,7 +367,18 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
   return arena;
 }
 
+std::vector<std::shared_ptr<const Chunk>> Arena::TakeUnmappedKept() {
+  std::vector<std::shared_ptr<const Chunk>> out;
+  for (size_t i = 0; i < unmapped_kept_.size(); ++i) {
+    if (unmapped_kept_[i]) out.push_back(backings_[i]);
+  }
+  unmapped_kept_.clear();
+  return out;
+}
+
 std::shared_ptr<Chunk> Arena::ReplaceBacking(uint32_t index, std::shared_ptr<Chunk> fresh) {
+  // A new backing is pre-faulted by whoever made it.
+  if (index < unmapped_kept_.size()) unmapped_kept_[index] = false;
   std::shared_ptr<Chunk> old = std::move(backings_[index]);
   backings_[index] = std::move(fresh);
   ++generations_[index];

@@ -4,15 +4,17 @@
 // else normal pages), bound to a NUMA node when asked, marked locked on fault
 // (mlock2 MLOCK_ONFAULT, when permitted) and pre-faulted in parallel, so each
 // page is allocated, zeroed and locked in one pass; nothing is allocated or
-// faulted afterwards. The arena owns the chunk slots (index, size) for the
-// daemon's lifetime; the memfd behind a slot (its backing) is replaced when
-// the chunk changes tenant (SessionTable::Claim), and each backing of a slot
-// has its own generation (1 at start). The allocator and the backings are not
-// thread-safe: their single user (SessionTable) holds its own lock around
-// them. chunk_bytes() never changes and needs no lock.
+// faulted afterwards. A chunk a restart kept (adopt_fds) has its pages
+// already: Build only maps it, and its page tables are filled (and its pages
+// locked) after the daemon serves (memory/kept_mapping.h). The arena owns the chunk slots (index,
+// size) for the daemon's lifetime; the memfd behind a slot (its backing) is replaced when the chunk
+// changes tenant (SessionTable::Claim), and each backing of a slot has its own generation (1 at
+// start). The allocator and the backings are not thread-safe: their single user (SessionTable)
+// holds its own lock around them. chunk_bytes() never changes and needs no lock.
 #ifndef MEMOFFLOAD_DAEMON_ARENA_H_
 #define MEMOFFLOAD_DAEMON_ARENA_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -35,21 +37,25 @@ struct ArenaOptions {
   int numa_node = -1;  // bind chunk memory to this node; -1: no binding
   // By chunk index: a memfd a restart kept (taken, and closed on failure),
   // mapped as it is instead of a new one; -1 (or past the end): a new one.
-  // Pre-faulting keeps its bytes.
+  // Not pre-faulted here (TakeUnmappedKept).
   std::vector<int> adopt_fds;
 };
 
 struct ArenaBuildReport {
   double build_seconds = 0;  // create + pre-fault + lock
   bool mlocked = false;
-  std::string mlock_problem;      // why mlock was skipped or failed, "" if ok
-  uint32_t hugepage_chunks = 0;   // chunks backed by hugepages
-  uint32_t adopted_chunks = 0;    // chunks kept across a restart (adopt_fds)
+  std::string mlock_problem;     // why mlock was skipped or failed, "" if ok
+  uint32_t hugepage_chunks = 0;  // chunks backed by hugepages
+  uint32_t adopted_chunks = 0;   // chunks kept across a restart (adopt_fds)
+  uint64_t adopted_bytes = 0;    // their bytes: mapped, not pre-faulted
+  // Kept bytes whose pages are not known until mapped (shared-memory THP
+  // allowed): counted neither as huge nor as small.
+  uint64_t unmeasured_bytes = 0;
   std::string hugepage_fallback;  // why hugepages were not (all) used, "" if ok
   // What the kernel gave after the pre-fault (/proc/self/smaps): bytes on
   // hugetlbfs pages, and on shared-memory transparent huge pages (2 MiB).
   uint64_t hugetlb_bytes = 0;
-  uint64_t thp_bytes = 0;
+  uint64_t thp_bytes = 0;  // of the pre-faulted chunks (kept ones: once mapped)
   // The one line for an arena not all on huge pages: why, and the setting
   // that would change it; "" when all are.
   std::string pages_note;
@@ -82,9 +88,14 @@ class Arena {
   uint64_t page_bytes() const { return page_bytes_; }
   bool mlocked() const { return mlocked_; }
   // Bytes of the arena on huge pages after the build: on transparent huge
-  // pages, and on hugetlbfs pages.
-  uint64_t thp_bytes() const { return thp_bytes_; }
+  // pages (kept chunks counted once mapped), and on hugetlbfs pages.
+  uint64_t thp_bytes() const { return thp_bytes_.load(); }
   uint64_t hugetlb_bytes() const { return hugetlb_bytes_; }
+  // The kept chunks' THP bytes, once mapped (MapKept).
+  void AddThpBytes(uint64_t bytes) { thp_bytes_ += bytes; }
+  // The kept chunks not mapped into this process's page tables yet, once
+  // (later calls: none). Before the daemon serves: no backing changes then.
+  std::vector<std::shared_ptr<const Chunk>> TakeUnmappedKept();
 
   ExtentAllocator& allocator() { return *allocator_; }
   const ExtentAllocator& allocator() const { return *allocator_; }
@@ -101,7 +112,8 @@ class Arena {
   uint64_t page_bytes_ = 0;
   bool mlocked_ = false;
   uint64_t hugetlb_bytes_ = 0;
-  uint64_t thp_bytes_ = 0;
+  std::atomic<uint64_t> thp_bytes_{0};
+  std::vector<bool> unmapped_kept_;  // by chunk index, until TakeUnmappedKept
 };
 
 }  // namespace memoffload::daemon

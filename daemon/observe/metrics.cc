@@ -188,11 +188,12 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                              "Arena bytes by page size, as the kernel gave them at start: "
                              "2 MiB pages of hugetlbfs or of shared-memory transparent huge "
                              "pages (thp), and the system's base pages.");
+    const uint64_t thp = info_.thp_bytes_now ? info_.thp_bytes_now() : info_.thp_bytes;
     AddGauge(&pages, static_cast<double>(info_.hugetlb_bytes), {{"pages", "hugetlbfs"}});
-    AddGauge(&pages, static_cast<double>(info_.thp_bytes), {{"pages", "thp"}});
+    AddGauge(&pages, static_cast<double>(thp), {{"pages", "thp"}});
     AddGauge(&pages,
              static_cast<double>(s.capacity_bytes -
-                                 std::min(s.capacity_bytes, info_.hugetlb_bytes + info_.thp_bytes)),
+                                 std::min(s.capacity_bytes, info_.hugetlb_bytes + thp)),
              {{"pages", "base"}});
     out->push_back(std::move(pages));
     auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");

@@ -79,6 +79,9 @@ struct MetricsInfo {
   // Changes the store could not keep since the start (journal records, fds);
   // null: none is kept.
   std::function<uint64_t()> state_errors = nullptr;
+  // The arena's THP bytes now (kept chunks count once mapped, after the
+  // start); null: thp_bytes.
+  std::function<uint64_t()> thp_bytes_now = nullptr;
 };
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,

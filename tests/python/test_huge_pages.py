@@ -100,6 +100,37 @@ def check_thp(d: Daemon) -> None:
     del block, store
 
 
+def test_a_restart_tells_its_kept_chunks_pages_once_they_are_mapped(tmp_path):
+    """A restart maps the chunks it kept after it serves: the start-up line
+    does not guess their pages, and once they are mapped every report says
+    2 MiB pages again, as the kernel maps them."""
+    import keeper_wire as kw
+    from test_takeover import wait_for_log
+
+    with sysknobs.changed({sysknobs.THP: "advise", sysknobs.THP_2M: "inherit"}):
+        rt = tmp_path / "kept"
+        rt.mkdir(mode=0o700)
+        keeper = kw.start_keeper(str(rt), tmp_path / "keeper.log")
+        args = ["--log-level=info", "--metrics-address=127.0.0.1:0"]
+        d2 = None
+        try:
+            d = Daemon(rt, "64MiB", "16MiB", args).start()
+            d.stop()
+            d2 = Daemon(rt, "64MiB", "16MiB", args).start()
+            wait_for_log(d2, f"memoffloadd[{d2.proc.pid}] INFO kept chunks mapped: 4 (64.00 MiB)"
+                             " in ")
+            log = d2.log.read_text()
+            assert f"memoffloadd[{d2.proc.pid}] INFO arena ready: 64.00 MiB, 4 chunks of 16.00 " \
+                "MiB, on pages told once its kept chunks are mapped" in log, log
+            assert "64.00 MiB of them on 2 MiB pages" in log, log
+            check_thp(d2)
+        finally:
+            if d2 is not None:
+                d2.stop()
+            keeper.terminate()
+            keeper.wait(timeout=10)
+
+
 @pytest.mark.parametrize("global_setting,size_setting,named", [
     ("never", "inherit", f"{sysknobs.THP} is 'never'"),
     ("deny", "inherit", f"{sysknobs.THP} is 'deny'"),

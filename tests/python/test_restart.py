@@ -26,6 +26,7 @@ from memoffload import _C
 import keeper_wire as kw
 from conftest import Daemon, bin_dir
 from restart_writer import SIZE, content
+from test_takeover import wait_for_log
 
 HERE = Path(__file__).parent
 NOBODY = 65534
@@ -279,6 +280,12 @@ def chunk_inodes(rt: Path) -> Dict[str, int]:
             os.close(fd)
 
 
+def locked_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        (line,) = [x for x in f if x.startswith("VmLck:")]
+    return int(line.split()[1]) * 1024
+
+
 def two_jobs_one_gone(rt: Path) -> None:
     """tenant = job: job a's chunk keeps a region, job b's was handed out and
     holds none now, and the arena's two other chunks were never handed out."""
@@ -307,6 +314,10 @@ def test_a_restart_keeps_the_memory_of_chunks_no_process_was_handed(node, stop):
     assert len(same) == 3, (before, after)
     read_back(rt, "a", ["kept"])
     assert "mo-handed-chunks not used" not in d2.log.read_text()
+    # Mapped after ready, and locked then as a new chunk is.
+    assert "3 kept chunks (48.00 MiB) mapped after ready, mlock yes" in d2.log.read_text()
+    wait_for_log(d2, f"memoffloadd[{d2.proc.pid}] INFO kept chunks mapped: 3 (48.00 MiB) in ")
+    assert locked_bytes(d2.proc.pid) >= 64 << 20
     # The next start keeps them too: the record went on with the new daemon.
     d2.kill()
     start("--tenant=job", "--regions-uid-max-bytes=0")
