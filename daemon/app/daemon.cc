@@ -220,24 +220,19 @@ Status Daemon::BuildArena() {
     MO_LOG_WARN("mlock failed: %s", report_.mlock_problem.c_str());
   }
   // Kept chunks are mapped after "ready": their pages are told then.
-  const uint64_t measured = arena_->capacity_bytes() - report_.unmeasured_bytes;
-  std::string pages = measured == 0
-                          ? "pages told once its kept chunks are mapped"
-                          : DescribePages(measured, report_.hugetlb_bytes, report_.thp_bytes);
-  if (measured != 0 && report_.unmeasured_bytes != 0) {
-    pages += " (" + FormatSize(report_.unmeasured_bytes) + " kept: told once mapped)";
-  }
   const uint64_t faulted = arena_->capacity_bytes() - report_.adopted_bytes;
-  const std::string kept = report_.adopted_chunks == 0
-                               ? ""
-                               : ", " + std::to_string(report_.adopted_chunks) + " kept chunks (" +
-                                     FormatSize(report_.adopted_bytes) + ") mapped after ready";
-  MO_LOG_INFO(
-      "arena ready: %s, %u chunks of %s, on %s, pre-fault %.3f s of %s (%.2f GB/s)%s, mlock %s",
-      FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
-      FormatSize(arena_->chunk_size_bytes()).c_str(), pages.c_str(), report_.build_seconds,
-      FormatSize(faulted).c_str(), faulted / 1e9 / std::max(report_.build_seconds, 1e-9),
-      kept.c_str(), report_.mlocked ? "yes" : "no");
+  char fault[160];
+  std::snprintf(fault, sizeof fault, "pre-fault %.3f s of %s (%.2f GB/s)", report_.build_seconds,
+                FormatSize(faulted).c_str(), faulted / 1e9 / std::max(report_.build_seconds, 1e-9));
+  std::string built = faulted == 0 ? std::string() : std::string(", ") + fault;
+  if (report_.adopted_chunks != 0) {
+    built += ", " + std::to_string(report_.adopted_chunks) + " kept chunks (" +
+             FormatSize(report_.adopted_bytes) + ") mapped after ready";
+  }
+  MO_LOG_INFO("arena ready: %s, %u chunks of %s, on %s%s, mlock %s",
+              FormatSize(arena_->capacity_bytes()).c_str(), arena_->chunk_count(),
+              FormatSize(arena_->chunk_size_bytes()).c_str(), DescribeArenaPages(*arena_).c_str(),
+              built.c_str(), report_.mlocked ? "yes" : "no");
   if (!report_.pages_note.empty()) {
     MO_LOG_INFO("arena not all on huge pages: %s", report_.pages_note.c_str());
   }
@@ -279,15 +274,15 @@ Status Daemon::BuildService() {
 
   metrics_ = std::make_unique<Metrics>(
       table_.get(),
-      MetricsInfo{DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(),
-                  arena_->mlocked(), *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes(),
-                  state_info.state_store, state_info.recovered_regions, state_info.recovered_bytes,
-                  state_info.dropped_regions, state_info.unverified_regions,
-                  state_info.recovery_seconds,
-                  [this]() -> uint64_t {
-                    return state_store_ != nullptr ? state_store_->Stats().errors : 0;
-                  },
-                  [this] { return arena_->thp_bytes(); }});
+      MetricsInfo{
+          DaemonVersion(), arena_->chunk_count(), arena_->chunk_size_bytes(), arena_->mlocked(),
+          *job_labels, arena_->hugetlb_bytes(), arena_->thp_bytes(), state_info.state_store,
+          state_info.recovered_regions, state_info.recovered_bytes, state_info.dropped_regions,
+          state_info.unverified_regions, state_info.recovery_seconds,
+          [this]() -> uint64_t {
+            return state_store_ != nullptr ? state_store_->Stats().errors : 0;
+          },
+          [this] { return arena_->thp_bytes(); }, [this] { return arena_->unmeasured_bytes(); }});
   service_ = std::make_unique<OffloadService>(
       arena_.get(), table_.get(), metrics_.get(),
       ServiceInfo{DaemonVersion(), config_.runtime_dir, metrics_port_.bound(), admin_token_,

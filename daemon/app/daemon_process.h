@@ -210,7 +210,7 @@ class Daemon {
   // SIGTERM with a state store: the sessions the next start resumes.
   std::vector<SessionRecord> kept_sessions_;
   std::vector<ChunkOwnerRecord> kept_owners_;
-  std::vector<std::shared_ptr<const Chunk>> kept_to_map_;
+  std::vector<std::weak_ptr<const Chunk>> kept_to_map_;
   std::thread kept_mapper_;
   std::atomic<bool> stop_mapping_{false};
 };

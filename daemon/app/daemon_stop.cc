@@ -214,10 +214,12 @@ void Daemon::StopServing() {
 void Daemon::MapKeptChunks() {
   if (kept_to_map_.empty()) return;
   kept_mapper_ = std::thread([this] {
-    const KeptMapping m = MapKept(kept_to_map_, config_.prefault_threads, stop_mapping_);
+    // Half the pre-fault's threads: the daemon serves meanwhile.
+    const KeptMapping m =
+        MapKept(kept_to_map_, std::max(1, config_.prefault_threads / 2), stop_mapping_);
     kept_to_map_.clear();
     if (m.stopped) return;
-    arena_->AddThpBytes(m.thp_bytes);
+    arena_->MappedKept(m.thp_bytes);
     const std::string huge =
         m.thp_bytes == 0 ? "" : ", " + FormatSize(m.thp_bytes) + " of them on 2 MiB pages";
     MO_LOG_INFO("kept chunks mapped: %u (%s) in %.3f s after ready%s", m.chunks,

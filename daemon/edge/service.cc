@@ -351,8 +351,7 @@ grpc::Status OffloadService::GetStatus(grpc::ServerContext*, const v1::GetStatus
   resp->set_mlocked(arena_->mlocked());
   resp->set_hugetlb_bytes(arena_->hugetlb_bytes());
   resp->set_thp_bytes(arena_->thp_bytes());
-  resp->set_pages(
-      DescribePages(arena_->capacity_bytes(), arena_->hugetlb_bytes(), arena_->thp_bytes()));
+  resp->set_pages(DescribeArenaPages(*arena_));
   resp->set_sessions(s.sessions);
   resp->set_groups(s.groups);
   resp->set_draining(s.draining);

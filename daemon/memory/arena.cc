@@ -1,7 +1,9 @@
 #include "memory/arena.h"
 
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/vfs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -245,8 +247,17 @@ void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
   // Reading smaps walks every page table of the arena: on 4 KiB pages a
   // second per 40 GiB or so. Where neither kind of huge page can be there,
   // the answer is known without it.
-  const bool any_kept = std::find(kept.begin(), kept.end(), true) != kept.end();
-  if (report->hugepage_chunks > 0 || thp.allows_advised() || any_kept) {
+  // A kept chunk on hugetlbfs is known by its file system, unmapped.
+  for (size_t i = 0; i < chunks.size() && i < kept.size(); ++i) {
+    if (!kept[i]) continue;
+    struct statfs fs {};
+    if (fstatfs(chunks[i].fd(), &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC) {
+      report->hugetlb_bytes += chunks[i].size_bytes();
+    } else if (thp.allows_advised()) {
+      unmeasured += chunks[i].size_bytes();
+    }
+  }
+  if (report->hugepage_chunks > 0 || thp.allows_advised()) {
     std::vector<const void*> starts;
     for (const Chunk& c : chunks) starts.push_back(c.data());
     Result<std::vector<MappingPages>> pages = PagesOf(starts);
@@ -255,10 +266,9 @@ void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
       return;
     }
     for (size_t i = 0; i < chunks.size(); ++i) {
+      if (i < kept.size() && kept[i]) continue;  // above
       if ((*pages)[i].kernel_page_bytes > SystemPageBytes()) {
         report->hugetlb_bytes += chunks[i].size_bytes();
-      } else if (i < kept.size() && kept[i] && thp.allows_advised()) {
-        unmeasured += chunks[i].size_bytes();
       } else {
         report->thp_bytes += std::min((*pages)[i].pmd_mapped_bytes, chunks[i].size_bytes());
       }
@@ -308,6 +318,15 @@ std::string DescribePages(uint64_t capacity_bytes, uint64_t hugetlb_bytes, uint6
   return out;
 }
 
+std::string DescribeArenaPages(const Arena& arena) {
+  const uint64_t unmeasured = arena.unmeasured_bytes();
+  const uint64_t measured = arena.capacity_bytes() - unmeasured;
+  if (measured == 0) return "pages told once its kept chunks are mapped";
+  std::string out = DescribePages(measured, arena.hugetlb_bytes(), arena.thp_bytes());
+  if (unmeasured != 0) out += " (" + FormatSize(unmeasured) + " kept: told once mapped)";
+  return out;
+}
+
 Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBuildReport* report) {
   const auto start = std::chrono::steady_clock::now();
   if (options.size_bytes == 0 || options.chunk_size_bytes == 0) {
@@ -350,6 +369,7 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
   ReportPages(arena->chunks_, options.size_bytes, kept, report);
   arena->hugetlb_bytes_ = report->hugetlb_bytes;
   arena->thp_bytes_ = report->thp_bytes;
+  arena->unmeasured_bytes_ = report->unmeasured_bytes;
   arena->unmapped_kept_ = kept;
 
   if (lock_after_prefault) {
@@ -367,8 +387,8 @@ Result<std::unique_ptr<Arena>> Arena::Build(const ArenaOptions& options, ArenaBu
   return arena;
 }
 
-std::vector<std::shared_ptr<const Chunk>> Arena::TakeUnmappedKept() {
-  std::vector<std::shared_ptr<const Chunk>> out;
+std::vector<std::weak_ptr<const Chunk>> Arena::TakeUnmappedKept() {
+  std::vector<std::weak_ptr<const Chunk>> out;
   for (size_t i = 0; i < unmapped_kept_.size(); ++i) {
     if (unmapped_kept_[i]) out.push_back(backings_[i]);
   }

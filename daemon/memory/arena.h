@@ -65,6 +65,9 @@ struct ArenaBuildReport {
 // pages", or a mix ("2 MiB pages (shared-memory THP) for 512 MiB, 4 KiB
 // pages for the rest").
 std::string DescribePages(uint64_t capacity_bytes, uint64_t hugetlb_bytes, uint64_t thp_bytes);
+class Arena;
+// The arena's pages now; kept chunks not mapped yet are named as such.
+std::string DescribeArenaPages(const Arena& arena);
 
 class Arena {
  public:
@@ -91,11 +94,16 @@ class Arena {
   // pages (kept chunks counted once mapped), and on hugetlbfs pages.
   uint64_t thp_bytes() const { return thp_bytes_.load(); }
   uint64_t hugetlb_bytes() const { return hugetlb_bytes_; }
-  // The kept chunks' THP bytes, once mapped (MapKept).
-  void AddThpBytes(uint64_t bytes) { thp_bytes_ += bytes; }
   // The kept chunks not mapped into this process's page tables yet, once
   // (later calls: none). Before the daemon serves: no backing changes then.
-  std::vector<std::shared_ptr<const Chunk>> TakeUnmappedKept();
+  std::vector<std::weak_ptr<const Chunk>> TakeUnmappedKept();
+  // Kept bytes whose page size is not known until mapped (their THP
+  // allowed); MappedKept counts them.
+  uint64_t unmeasured_bytes() const { return unmeasured_bytes_.load(); }
+  void MappedKept(uint64_t thp_bytes) {
+    thp_bytes_ += thp_bytes;
+    unmeasured_bytes_ = 0;
+  }
 
   ExtentAllocator& allocator() { return *allocator_; }
   const ExtentAllocator& allocator() const { return *allocator_; }
@@ -113,6 +121,7 @@ class Arena {
   bool mlocked_ = false;
   uint64_t hugetlb_bytes_ = 0;
   std::atomic<uint64_t> thp_bytes_{0};
+  std::atomic<uint64_t> unmeasured_bytes_{0};
   std::vector<bool> unmapped_kept_;  // by chunk index, until TakeUnmappedKept
 };
 

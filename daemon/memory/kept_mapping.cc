@@ -8,27 +8,41 @@
 
 namespace memoffload::daemon {
 
-KeptMapping MapKept(const std::vector<std::shared_ptr<const Chunk>>& chunks, int threads,
+KeptMapping MapKept(const std::vector<std::weak_ptr<const Chunk>>& chunks, int threads,
                     const std::atomic<bool>& stop) {
   constexpr uint64_t kPiece = 64 * kMiB;
   const auto start = std::chrono::steady_clock::now();
   struct Piece {
-    const Chunk* chunk;
+    size_t chunk;
     uint64_t offset, length;
   };
   std::vector<Piece> pieces;
-  for (const auto& c : chunks) {
-    for (uint64_t off = 0; off < c->size_bytes(); off += kPiece) {
-      pieces.push_back({c.get(), off, std::min(kPiece, c->size_bytes() - off)});
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const std::shared_ptr<const Chunk> chunk = chunks[c].lock();
+    if (chunk == nullptr) continue;
+    for (uint64_t off = 0; off < chunk->size_bytes(); off += kPiece) {
+      pieces.push_back({c, off, std::min(kPiece, chunk->size_bytes() - off)});
     }
   }
   std::atomic<size_t> next{0};
   std::atomic<uint64_t> mapped{0};
   auto worker = [&] {
     for (size_t i; !stop.load() && (i = next.fetch_add(1)) < pieces.size();) {
-      // In range by construction: MapPages fails for nothing else.
-      (void)pieces[i].chunk->MapPages(pieces[i].offset, pieces[i].length).ok();
-      mapped += pieces[i].length;
+      // Held for the piece only: a chunk that changes tenant meanwhile is
+      // retired to its old holders, not kept by this pass.
+      const std::shared_ptr<const Chunk> chunk =
+          pieces[i].chunk < chunks.size() ? chunks[pieces[i].chunk].lock() : nullptr;
+      if (chunk == nullptr) continue;
+      // In calls of one huge page: the daemon's other threads wait for the
+      // mmap lock behind one call at most (Chunk::kMmapLockPiece).
+      const Piece& p = pieces[i];
+      for (uint64_t off = p.offset; off < p.offset + p.length && !stop.load();
+           off += Chunk::kMmapLockPiece) {
+        const uint64_t n = std::min(Chunk::kMmapLockPiece, p.offset + p.length - off);
+        // In range by construction: MapPages fails for nothing else.
+        (void)chunk->MapPages(off, n).ok();
+        mapped += n;
+      }
     }
   };
   std::vector<std::thread> pool;
@@ -41,12 +55,18 @@ KeptMapping MapKept(const std::vector<std::shared_ptr<const Chunk>>& chunks, int
   out.bytes = mapped.load();
   out.stopped = stop.load();
   if (!out.stopped && ReadShmemThpSetting().allows_advised()) {
+    std::vector<std::shared_ptr<const Chunk>> alive;
     std::vector<const void*> starts;
-    for (const auto& c : chunks) starts.push_back(c->data());
+    for (const auto& weak : chunks) {
+      if (std::shared_ptr<const Chunk> c = weak.lock()) {
+        starts.push_back(c->data());
+        alive.push_back(std::move(c));
+      }
+    }
     Result<std::vector<MappingPages>> pages = PagesOf(starts);
-    for (size_t i = 0; pages.ok() && i < chunks.size(); ++i) {
+    for (size_t i = 0; pages.ok() && i < alive.size(); ++i) {
       if ((*pages)[i].kernel_page_bytes <= SystemPageBytes()) {
-        out.thp_bytes += std::min((*pages)[i].pmd_mapped_bytes, chunks[i]->size_bytes());
+        out.thp_bytes += std::min((*pages)[i].pmd_mapped_bytes, alive[i]->size_bytes());
       }
     }
   }

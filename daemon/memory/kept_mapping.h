@@ -23,16 +23,17 @@
 namespace memoffload::daemon {
 
 struct KeptMapping {
-  uint32_t chunks = 0;
-  uint64_t bytes = 0;  // mapped
+  uint32_t chunks = 0;  // asked for
+  uint64_t bytes = 0;   // mapped
   double seconds = 0;
   uint64_t thp_bytes = 0;  // of those, on 2 MiB shared-memory THP mappings
   bool stopped = false;    // `stop` came first
 };
 
-// Maps `chunks` on `threads` threads in 64 MiB pieces; returns early once
-// `stop` is set.
-KeptMapping MapKept(const std::vector<std::shared_ptr<const Chunk>>& chunks, int threads,
+// Maps `chunks` on `threads` threads in 64 MiB pieces (one huge page per
+// call); skips those gone meanwhile (a chunk that changed tenant: its old
+// backing is its old holders' alone); returns early once `stop` is set.
+KeptMapping MapKept(const std::vector<std::weak_ptr<const Chunk>>& chunks, int threads,
                     const std::atomic<bool>& stop);
 
 }  // namespace memoffload::daemon

@@ -189,11 +189,12 @@ class Metrics::ArenaCollector : public prometheus::Collectable {
                              "2 MiB pages of hugetlbfs or of shared-memory transparent huge "
                              "pages (thp), and the system's base pages.");
     const uint64_t thp = info_.thp_bytes_now ? info_.thp_bytes_now() : info_.thp_bytes;
+    // Kept bytes not mapped yet are in no series (a moment after a restart).
+    const uint64_t known =
+        info_.hugetlb_bytes + thp + (info_.unmeasured_bytes_now ? info_.unmeasured_bytes_now() : 0);
     AddGauge(&pages, static_cast<double>(info_.hugetlb_bytes), {{"pages", "hugetlbfs"}});
     AddGauge(&pages, static_cast<double>(thp), {{"pages", "thp"}});
-    AddGauge(&pages,
-             static_cast<double>(s.capacity_bytes -
-                                 std::min(s.capacity_bytes, info_.hugetlb_bytes + thp)),
+    AddGauge(&pages, static_cast<double>(s.capacity_bytes - std::min(s.capacity_bytes, known)),
              {{"pages", "base"}});
     out->push_back(std::move(pages));
     auto sessions = GaugeFamily("memoffload_sessions", "Sessions currently attached.");

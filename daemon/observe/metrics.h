@@ -79,9 +79,10 @@ struct MetricsInfo {
   // Changes the store could not keep since the start (journal records, fds);
   // null: none is kept.
   std::function<uint64_t()> state_errors = nullptr;
-  // The arena's THP bytes now (kept chunks count once mapped, after the
-  // start); null: thp_bytes.
+  // The arena's THP bytes now, and its kept bytes whose pages are not told
+  // until mapped (just after the start); null: thp_bytes, and none.
   std::function<uint64_t()> thp_bytes_now = nullptr;
+  std::function<uint64_t()> unmeasured_bytes_now = nullptr;
 };
 
 // The reasons the broker passes to Metrics::AttachRefused; the last one,
