@@ -68,13 +68,7 @@ Status Daemon::Start() {
       return st;
     }
     MEMOFFLOAD_RETURN_IF_ERROR(TakeListeners());
-    // The old daemon's mark, where the two share a keeper: the node is
-    // this daemon's, and so is the store (and its record of the chunks
-    // handed out, not believed while the take-over could still fail).
-    if (state_store_ != nullptr) {
-      state_store_->ClearHandOverMark();
-      state_store_->BelieveHandedRecord();
-    }
+    KeepTakenState();
     return StartServing();
   }
   MEMOFFLOAD_RETURN_IF_ERROR(Listen());
@@ -111,6 +105,22 @@ void Daemon::Run() {
   }
   claim_->RemoveOwned();
   MO_LOG_INFO("stopped cleanly");
+}
+
+void Daemon::KeepTakenState() {
+  if (state_store_ == nullptr) return;
+  // The node is this daemon's: the store too (the old daemon's mark goes,
+  // where the two share a keeper). Not fatal here: the old daemon is gone.
+  if (Status st = state_store_->Begin(); !st.ok()) {
+    MO_LOG_ERROR(
+        "after the take-over: cannot keep the node's state in %s: %s; serving without a state "
+        "store: a restart of the daemon now empties the node",
+        state_store_->Describe().c_str(), st.ToString().c_str());
+    state_store_.reset();
+    return;
+  }
+  table_->SetRecorder(state_store_.get());
+  state_store_->ClearHandOverMark();
 }
 
 Status Daemon::Listen() {

@@ -119,6 +119,8 @@ class Daemon {
 
   // --take-over, second part: "ready", then the serving daemon's listeners.
   Status TakeListeners();
+  // --take-over, last: the store keeps this daemon's state from now on.
+  void KeepTakenState();
 
   void LogListening() const;
 

@@ -195,12 +195,14 @@ Result<std::unique_ptr<StateStore>> ResumeKeptState(
                                      ArenaLayout{arena.capacity_bytes(), arena.chunk_size_bytes(),
                                                  static_cast<uint32_t>(arena.page_bytes())},
                                      instance_id);
-    if (Status st = store->Begin(arena, load->state.last_seq, kept, adopted, handed_out,
-                                 /*believed=*/!took_over, load->old_names);
-        !st.ok()) {
-      return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
+    store->Prepare(&arena, load->state.last_seq, kept, adopted, handed_out, load->old_names);
+    // A take-over's, once the node is this daemon's (Daemon::Start).
+    if (!took_over) {
+      if (Status st = store->Begin(); !st.ok()) {
+        return Status(st.code(), "cannot keep the node's state in " + where + ": " + st.message());
+      }
+      table->SetRecorder(store.get());
     }
-    table->SetRecorder(store.get());
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

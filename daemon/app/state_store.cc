@@ -30,15 +30,30 @@ void StateStore::Failed(const std::string& what, const Status& status) {
                  what.c_str(), status.ToString().c_str());
 }
 
-Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
-                         const std::vector<RegionRecord>& regions, const std::vector<bool>& adopted,
-                         const std::vector<bool>& handed, bool believed,
-                         const std::vector<std::string>& old_names) {
+void StateStore::Prepare(const Arena* arena, uint64_t last_seq, std::vector<RegionRecord> regions,
+                         std::vector<bool> adopted, std::vector<bool> handed,
+                         std::vector<std::string> old_names) {
   absl::MutexLock lock(&mu_);
-  for (const RegionRecord& r : regions) regions_[KeyOf(r)] = r;
+  prepared_ = Prepared{arena,
+                       last_seq,
+                       std::move(regions),
+                       std::move(adopted),
+                       std::move(handed),
+                       std::move(old_names)};
+}
+
+Status StateStore::Begin() {
+  absl::MutexLock lock(&mu_);
+  const Prepared p = std::move(prepared_);
+  if (p.arena == nullptr) return FailedPrecondition("the state store was not prepared");
+  const Arena& arena = *p.arena;
+  const std::vector<bool>& adopted = p.adopted;
+  const std::vector<bool>& handed = p.handed;
+  const std::vector<std::string>& old_names = p.old_names;
+  for (const RegionRecord& r : p.regions) regions_[KeyOf(r)] = r;
   // One past the kept state's last record: this snapshot differs from a
   // kept one of that number (regions that were dropped are not in it).
-  seq_ = last_seq + 1;
+  seq_ = p.last_seq + 1;
   for (const std::string& name : old_names) {
     if (absl::StartsWith(name, kChunkPrefix) &&
         std::strtoull(name.c_str() + std::strlen(kChunkPrefix), nullptr, 10) >=
@@ -64,8 +79,7 @@ Status StateStore::Begin(const Arena& arena, uint64_t last_seq,
   }
   std::vector<bool> record(arena.chunk_count(), false);
   for (size_t i = 0; i < handed.size() && i < record.size(); ++i) record[i] = handed[i];
-  Result<std::unique_ptr<HandedChunks>> made =
-      HandedChunks::Create(record, believed ? generation_ : 0);
+  Result<std::unique_ptr<HandedChunks>> made = HandedChunks::Create(record, generation_);
   Status put = made.ok() ? store_->Put(kHandedChunksName, (*made)->fd()) : made.status();
   if (put.ok()) {
     handed_ = std::move(made).value();
@@ -99,11 +113,6 @@ void StateStore::ChunksHanded(const std::vector<uint32_t>& chunks) {
   HandedChunks* record = marking_.load();
   if (record == nullptr) return;
   for (uint32_t c : chunks) record->Mark(c);
-}
-
-void StateStore::BelieveHandedRecord() {
-  absl::MutexLock lock(&mu_);
-  if (handed_ != nullptr) handed_->SetGeneration(generation_);
 }
 
 void StateStore::DisownHandedRecord() {

@@ -106,17 +106,17 @@ class StateStore : public StateRecorder {
   StateStore& operator=(const StateStore&) = delete;
 
   std::string Describe() const { return store_->Describe(); }
-  // After the recovered regions are placed: a snapshot of them at
-  // `last_seq`, a new journal, every chunk not `adopted` put in the store,
-  // a new record of the chunks handed out (those `handed`, and from now on
-  // those ChunksHanded names; believed by a start only once `believed`, else
-  // after BelieveHandedRecord); then the `old_names` not reused are removed.
-  Status Begin(const Arena& arena, uint64_t last_seq, const std::vector<RegionRecord>& regions,
-               const std::vector<bool>& adopted, const std::vector<bool>& handed, bool believed,
-               const std::vector<std::string>& old_names) ABSL_LOCKS_EXCLUDED(mu_);
-  // A take-over's: the node is this daemon's (its listeners taken), so its
-  // record of the chunks handed out is the one to believe.
-  void BelieveHandedRecord() ABSL_LOCKS_EXCLUDED(mu_);
+  // What Begin puts in the store, known once the recovered regions are
+  // placed: a snapshot of `regions` at `last_seq`, a new journal, every
+  // chunk of `arena` not `adopted`, a new record of the chunks handed out
+  // (those `handed`, and from now on those ChunksHanded names); then the
+  // `old_names` not reused are removed. Begin runs before a start serves,
+  // and only once the node is this daemon's after a take-over (a take-over
+  // that fails before leaves the store to the daemon that serves on).
+  void Prepare(const Arena* arena, uint64_t last_seq, std::vector<RegionRecord> regions,
+               std::vector<bool> adopted, std::vector<bool> handed,
+               std::vector<std::string> old_names) ABSL_LOCKS_EXCLUDED(mu_);
+  Status Begin() ABSL_LOCKS_EXCLUDED(mu_);
   // A serving daemon hands its chunks to a new one: a start never believes
   // this store's record again (the new daemon hands the chunks on, and
   // records that in its own).
@@ -167,6 +167,14 @@ class StateStore : public StateRecorder {
   // handed_, for ChunksHanded without mu_ (which a compaction holds across
   // the store's socket): set once, in Begin, before the table records here.
   std::atomic<HandedChunks*> marking_{nullptr};
+  struct Prepared {
+    const Arena* arena = nullptr;
+    uint64_t last_seq = 0;
+    std::vector<RegionRecord> regions;
+    std::vector<bool> adopted, handed;
+    std::vector<std::string> old_names;
+  };
+  Prepared prepared_ ABSL_GUARDED_BY(mu_);
   StateStoreStats stats_ ABSL_GUARDED_BY(mu_);
 };
 
