@@ -112,10 +112,12 @@ void Daemon::KeepTakenState() {
   // The node is this daemon's: the store too (the old daemon's mark goes,
   // where the two share a keeper). Not fatal here: the old daemon is gone.
   if (Status st = state_store_->Begin(); !st.ok()) {
+    state_store_->Abandon();
     MO_LOG_ERROR(
         "after the take-over: cannot keep the node's state in %s: %s; serving without a state "
         "store: a restart of the daemon now empties the node",
         state_store_->Describe().c_str(), st.ToString().c_str());
+    state_store_lost_ = true;
     state_store_.reset();
     return;
   }
@@ -290,7 +292,8 @@ Status Daemon::BuildService() {
           state_info.recovered_regions, state_info.recovered_bytes, state_info.dropped_regions,
           state_info.unverified_regions, state_info.recovery_seconds,
           [this]() -> uint64_t {
-            return state_store_ != nullptr ? state_store_->Stats().errors : 0;
+            return state_store_ != nullptr ? state_store_->Stats().errors
+                                           : (state_store_lost_ ? 1 : 0);
           },
           [this] { return arena_->thp_bytes(); }, [this] { return arena_->unmeasured_bytes(); }});
   service_ = std::make_unique<OffloadService>(

@@ -195,6 +195,7 @@ class Daemon {
   bool handed_over_ = false;
   bool standing_by_ = false;                 // StandBy: the start found the hand-over mark
   std::unique_ptr<StateStore> state_store_;  // outlives table_, which records into it
+  bool state_store_lost_ = false;            // KeepTakenState: it failed after a take-over
   std::unique_ptr<SessionTable> table_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<OffloadService> service_;

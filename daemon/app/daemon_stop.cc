@@ -212,7 +212,10 @@ void Daemon::StopServing() {
 }
 
 void Daemon::MapKeptChunks() {
-  if (kept_to_map_.empty()) return;
+  if (kept_to_map_.empty()) {
+    arena_->MappedKept(0);  // every kept chunk was renewed (pre-faulted anew)
+    return;
+  }
   kept_mapper_ = std::thread([this] {
     // Half the pre-fault's threads: the daemon serves meanwhile.
     const KeptMapping m =

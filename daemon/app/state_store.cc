@@ -44,8 +44,9 @@ void StateStore::Prepare(const Arena* arena, uint64_t last_seq, std::vector<Regi
 
 Status StateStore::Begin() {
   absl::MutexLock lock(&mu_);
-  const Prepared p = std::move(prepared_);
-  if (p.arena == nullptr) return FailedPrecondition("the state store was not prepared");
+  if (prepared_.arena == nullptr) return FailedPrecondition("the state store was not prepared");
+  const Prepared p = std::exchange(prepared_, Prepared{});
+  abandon_names_ = p.old_names;
   const Arena& arena = *p.arena;
   const std::vector<bool>& adopted = p.adopted;
   const std::vector<bool>& handed = p.handed;
@@ -113,6 +114,18 @@ void StateStore::ChunksHanded(const std::vector<uint32_t>& chunks) {
   HandedChunks* record = marking_.load();
   if (record == nullptr) return;
   for (uint32_t c : chunks) record->Mark(c);
+}
+
+void StateStore::Abandon() {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::string> names = abandon_names_;
+  names.insert(names.end(), {journal_name_, snapshot_name_, kHandedChunksName, kHandedOverName});
+  for (const std::string& name : names) {
+    if (absl::StartsWith(name, kJournalPrefix) || absl::StartsWith(name, kSnapshotPrefix) ||
+        name == kHandedChunksName || name == kHandedOverName) {
+      (void)store_->Remove(name).ok();  // best effort: the store already failed
+    }
+  }
 }
 
 void StateStore::DisownHandedRecord() {

@@ -117,6 +117,11 @@ class StateStore : public StateRecorder {
                std::vector<bool> adopted, std::vector<bool> handed,
                std::vector<std::string> old_names) ABSL_LOCKS_EXCLUDED(mu_);
   Status Begin() ABSL_LOCKS_EXCLUDED(mu_);
+  // After a Begin that failed once a take-over made the node this daemon's:
+  // the state names are removed (as far as the store still takes a
+  // removal), so that a later start finds nothing kept rather than the
+  // node as it was at the take-over.
+  void Abandon() ABSL_LOCKS_EXCLUDED(mu_);
   // A serving daemon hands its chunks to a new one: a start never believes
   // this store's record again (the new daemon hands the chunks on, and
   // records that in its own).
@@ -175,6 +180,7 @@ class StateStore : public StateRecorder {
     std::vector<std::string> old_names;
   };
   Prepared prepared_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> abandon_names_ ABSL_GUARDED_BY(mu_);  // Begin's old names
   StateStoreStats stats_ ABSL_GUARDED_BY(mu_);
 };
 
