@@ -12,6 +12,7 @@ namespace {
 constexpr char kMagic[] = "MOHANDED";  // 8 bytes, without its NUL
 constexpr uint32_t kVersion = 1;
 constexpr size_t kHeaderBytes = 24;
+constexpr size_t kGenerationAt = 16;  // u64, after magic, version, count
 
 uint64_t RecordBytes(uint32_t count) {
   const uint64_t page = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
@@ -29,7 +30,7 @@ Result<std::unique_ptr<HandedChunks>> HandedChunks::Create(const std::vector<boo
   std::memcpy(p, kMagic, 8);
   std::memcpy(p + 8, &kVersion, 4);
   std::memcpy(p + 12, &count, 4);
-  std::memcpy(p + 16, &generation, 8);
+  std::memcpy(p + kGenerationAt, &generation, 8);
   for (uint32_t i = 0; i < count; ++i) p[kHeaderBytes + i] = handed[i] ? 1 : 0;
   return std::unique_ptr<HandedChunks>(new HandedChunks(std::move(memfd).value(), count));
 }
@@ -40,14 +41,10 @@ void HandedChunks::Mark(uint32_t index) {
 
 Status DisownHandedChunksFd(int fd) {
   const uint64_t zero = 0;
-  if (pwrite(fd, &zero, sizeof zero, 16) != static_cast<ssize_t>(sizeof zero)) {
+  if (pwrite(fd, &zero, sizeof zero, kGenerationAt) != static_cast<ssize_t>(sizeof zero)) {
     return DataLoss(std::string("cannot rewrite it: ") + std::strerror(errno));
   }
   return Status::Ok();
-}
-
-void HandedChunks::SetGeneration(uint64_t generation) {
-  std::memcpy(memfd_.data() + 16, &generation, 8);
 }
 
 Result<std::vector<bool>> ReadHandedChunks(int fd, uint32_t chunk_count, uint64_t generation) {
@@ -65,7 +62,7 @@ Result<std::vector<bool>> ReadHandedChunks(int fd, uint32_t chunk_count, uint64_
   uint64_t written_by = 0;
   std::memcpy(&version, bytes.data() + 8, 4);
   std::memcpy(&count, bytes.data() + 12, 4);
-  std::memcpy(&written_by, bytes.data() + 16, 8);
+  std::memcpy(&written_by, bytes.data() + kGenerationAt, 8);
   if (bytes.compare(0, 8, kMagic) != 0 || version != kVersion) {
     return DataLoss("not a record of handed chunks this daemon reads");
   }

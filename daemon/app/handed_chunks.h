@@ -41,10 +41,6 @@ class HandedChunks {
   uint32_t chunk_count() const { return count_; }
   // Chunk `index` is being handed out (out of range: ignored).
   void Mark(uint32_t index);
-  // Rewrites the generation in place: 0 makes a start disbelieve the record
-  // (its chunks went to another daemon, which hands them on; or it is not
-  // this daemon's yet).
-  void SetGeneration(uint64_t generation);
 
  private:
   HandedChunks(Chunk memfd, uint32_t count) : memfd_(std::move(memfd)), count_(count) {}
@@ -52,8 +48,8 @@ class HandedChunks {
   const uint32_t count_;
 };
 
-// Makes the record in memfd `fd` one no start believes (generation 0),
-// through an fd taken from another store: its chunks are this daemon's now.
+// Makes the record in memfd `fd` one no start believes (generation 0): its
+// chunks went to another daemon, which records what it hands out in its own.
 Status DisownHandedChunksFd(int fd);
 
 // The record in memfd `fd`, for an arena of `chunk_count` chunks written by

@@ -2,10 +2,8 @@
 #include <absl/strings/match.h>
 #include <dirent.h>
 #include <fcntl.h>
-#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -94,8 +92,7 @@ std::string MemfdProblem(int fd, uint64_t size, int seals) {
   if (size != 0 && static_cast<uint64_t>(st.st_size) != size) {
     return "holds " + std::to_string(st.st_size) + " bytes, expected " + std::to_string(size);
   }
-  struct statfs fs {};
-  const bool hugetlb = fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
+  const bool hugetlb = IsHugetlbFd(fd);
   const int have = fcntl(fd, F_GET_SEALS);
   if (!hugetlb && (have < 0 || (have & seals) != seals)) return "lacks its seals";
   return "";

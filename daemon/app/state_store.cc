@@ -130,7 +130,10 @@ void StateStore::Abandon() {
 
 void StateStore::DisownHandedRecord() {
   absl::MutexLock lock(&mu_);
-  if (handed_ != nullptr) handed_->SetGeneration(0);
+  if (handed_ == nullptr) return;
+  if (Status st = DisownHandedChunksFd(handed_->fd()); !st.ok()) {
+    Failed("cannot disown the record of the chunks handed out", st);
+  }
 }
 
 void StateStore::ClearHandOverMark() {

@@ -1,9 +1,7 @@
 #include "memory/arena.h"
 
-#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
-#include <sys/vfs.h>
 
 #include <algorithm>
 #include <atomic>
@@ -250,8 +248,7 @@ void ReportPages(const std::vector<Chunk>& chunks, uint64_t capacity_bytes,
   // A kept chunk on hugetlbfs is known by its file system, unmapped.
   for (size_t i = 0; i < chunks.size() && i < kept.size(); ++i) {
     if (!kept[i]) continue;
-    struct statfs fs {};
-    if (fstatfs(chunks[i].fd(), &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC) {
+    if (IsHugetlbFd(chunks[i].fd())) {
       report->hugetlb_bytes += chunks[i].size_bytes();
     } else if (thp.allows_advised()) {
       unmeasured += chunks[i].size_bytes();

@@ -30,8 +30,7 @@ KeptMapping MapKept(const std::vector<std::weak_ptr<const Chunk>>& chunks, int t
     for (size_t i; !stop.load() && (i = next.fetch_add(1)) < pieces.size();) {
       // Held for the piece only: a chunk that changes tenant meanwhile is
       // retired to its old holders, not kept by this pass.
-      const std::shared_ptr<const Chunk> chunk =
-          pieces[i].chunk < chunks.size() ? chunks[pieces[i].chunk].lock() : nullptr;
+      const std::shared_ptr<const Chunk> chunk = chunks[pieces[i].chunk].lock();
       if (chunk == nullptr) continue;
       // In calls of one huge page: the daemon's other threads wait for the
       // mmap lock behind one call at most (Chunk::kMmapLockPiece).

@@ -1,10 +1,12 @@
 #include "memoffload/shared_mem/chunk.h"
 
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <linux/memfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -151,6 +153,11 @@ Result<std::vector<MappingPages>> PagesOf(const std::vector<const void*>& starts
     }
   }
   return out;
+}
+
+bool IsHugetlbFd(int fd) {
+  struct statfs fs {};
+  return fstatfs(fd, &fs) == 0 && fs.f_type == HUGETLBFS_MAGIC;
 }
 
 uint64_t SystemPageBytes() {

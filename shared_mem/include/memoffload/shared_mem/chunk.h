@@ -127,6 +127,8 @@ std::string SelectedWord(const std::string& contents);
 
 // Page size of the running system.
 uint64_t SystemPageBytes();
+// Whether `fd` is a file of hugetlbfs (a MFD_HUGETLB memfd).
+bool IsHugetlbFd(int fd);
 
 // The default hugepage size (Hugepagesize in /proc/meminfo), 0 if unknown.
 uint64_t DefaultHugePageBytes();
